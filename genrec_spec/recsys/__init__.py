@@ -1,0 +1,1 @@
+"""Recommendation decoding: trie constraints, beam search, speculative beam search, metrics."""

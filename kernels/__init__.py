@@ -1,0 +1,1 @@
+"""Attention kernels (reference PyTorch, fast CPU path, Triton) behind one public op."""

@@ -1,0 +1,1 @@
+"""Models: the Llama-family LLM target, the Semantic-ID recommender, draft heads."""
