@@ -23,15 +23,7 @@ def atomic_dir(dest: Path, *, overwrite: bool = False) -> Iterator[Path]:
     out only after the new one is complete). On any exception the temporary folder is removed.
     """
     dest = Path(dest)
-    if dest.exists() and not dest.is_dir():
-        raise NotADirectoryError(
-            f"output path {dest} exists and is a file. Fix: pass a folder path for --out"
-        )
-    if dest.is_dir() and any(dest.iterdir()) and not overwrite:
-        raise FileExistsError(
-            f"output folder {dest} already exists and is not empty. "
-            "Fix: choose another --out or pass --overwrite"
-        )
+    check_output_dir(dest, overwrite=overwrite)
     parent = dest.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -53,6 +45,20 @@ def atomic_dir(dest: Path, *, overwrite: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def check_output_dir(dest: Path, *, overwrite: bool = False) -> None:
+    """Refuse an output folder we must not replace; jobs call this before their slow work."""
+    dest = Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise NotADirectoryError(
+            f"output path {dest} exists and is a file. Fix: pass a folder path for --out"
+        )
+    if dest.is_dir() and any(dest.iterdir()) and not overwrite:
+        raise FileExistsError(
+            f"output folder {dest} already exists and is not empty. "
+            "Fix: choose another --out or pass --overwrite"
+        )
 
 
 def atomic_write_bytes(dest: Path, data: bytes) -> None:

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
-from genrec_spec.data_pipelines.atomic import atomic_dir
+from genrec_spec.data_pipelines.atomic import atomic_dir, check_output_dir
 from genrec_spec.data_pipelines.errors import DataError
 
 MANIFEST_VERSION = 1
@@ -85,6 +85,7 @@ def prepare(
 ) -> dict:
     """Run the whole pipeline and write `out` atomically; returns the manifest."""
     _check_config(config)
+    check_output_dir(out, overwrite=overwrite)
     timings: dict[str, float] = {}
     log = functools.partial(_step, timings=timings, verbose=config.progress)
 
@@ -138,9 +139,9 @@ def prepare(
         import numpy as np
 
         items.insert(0, "item_index", np.arange(n_items, dtype=np.int64))
-        items["semantic_id"] = list(sid.codes)
+        items["semantic_id"] = list(sid.codes.numpy())
         if long_id is not None:
-            items["long_id"] = list(long_id.codes)
+            items["long_id"] = list(long_id.codes.numpy())
         items.to_parquet(tmp / "items.parquet", index=False)
         inter = raw.interactions.copy()
         inter["item_index"] = item_index.get_indexer(inter["item_id"]).astype(np.int64)
@@ -148,7 +149,7 @@ def prepare(
         frames = split.to_frames()
         for part in ("train", "valid", "test"):
             frames[part].to_parquet(tmp / f"{part}.parquet", index=False)
-        np.save(tmp / "item_embeddings.npy", emb)
+        np.save(tmp / "item_embeddings.npy", emb.numpy())
         manifest = {
             "manifest_version": MANIFEST_VERSION,
             "dataset": dataset,
