@@ -2,6 +2,8 @@
 
 Every subcommand module exposes `add_arguments(parser)` and `run(args) -> int`; this file only
 wires them together and turns bad-input errors into one clear line and a non-zero exit code.
+Only the module of the subcommand being run is imported, so `genrec-spec --help` stays fast and
+no job pays for another's imports (torch, faiss, transformers).
 """
 
 from __future__ import annotations
@@ -11,13 +13,13 @@ import importlib
 import os
 import sys
 
-# name -> (module, one-line help). A subcommand module keeps its heavy imports (torch, faiss,
-# transformers) inside `run`, so that `genrec-spec --help` stays fast.
+# name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": (
         "genrec_spec.data_pipelines.prepare",
         "raw interactions -> leave-one-out split -> item embeddings -> semantic IDs",
     ),
+    "bench": ("genrec_spec.bench", "benchmarks: kernel, ratios against a same-run baseline"),
     "demo": ("genrec_spec.demo", "the main job on the embedded default (ML-100K)"),
 }
 
@@ -26,32 +28,43 @@ COMMANDS: dict[str, tuple[str, str]] = {
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="genrec-spec",
-        description="Lossless speculative decoding for generative recommenders and LLMs.",
-    )
+def add_subcommands(
+    parser: argparse.ArgumentParser, table: dict[str, tuple[str, str]], argv: list[str]
+) -> None:
+    """Add one subparser per entry of `table`; import and configure only the one named in argv."""
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (module_name, help_text) in COMMANDS.items():
-        module = importlib.import_module(module_name)
-        cmd = sub.add_parser(name, help=help_text, description=module.__doc__)
-        module.add_arguments(cmd)
-        cmd.set_defaults(_run=module.run)
-    return parser
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    for name, (module_name, help_text) in table.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            cmd.description = module.__doc__
+            cmd.formatter_class = argparse.RawDescriptionHelpFormatter
+            if hasattr(module, "COMMANDS"):  # a group of subcommands, e.g. `bench kernel`
+                add_subcommands(cmd, module.COMMANDS, argv[argv.index(name) + 1 :])
+            else:
+                module.add_arguments(cmd)
+                cmd.set_defaults(_run=module.run, _prog=cmd.prog)
 
 
 def main(argv: list[str] | None = None) -> int:
     # Nothing can be fetched from a model hub here; a hub lookup would only waste time.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="genrec-spec",
+        description="Lossless speculative decoding for generative recommenders and LLMs.",
+    )
+    add_subcommands(parser, COMMANDS, argv)
+    args = parser.parse_args(argv)
     try:
         return int(args._run(args) or 0)
     except USER_ERRORS as exc:
-        print(f"genrec-spec {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{args._prog}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"genrec-spec {args.command}: interrupted", file=sys.stderr)
+        print(f"{args._prog}: interrupted", file=sys.stderr)
         return 130
 
 

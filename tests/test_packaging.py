@@ -56,12 +56,25 @@ def test_every_source_package_is_in_the_wheel(wheel_names):
     )
 
 
-def test_console_script_help():
+def _all_commands(table, prefix=()):
+    import importlib
+
+    for name, (module_name, _) in table.items():
+        module = importlib.import_module(module_name)
+        if hasattr(module, "COMMANDS"):
+            yield from _all_commands(module.COMMANDS, (*prefix, name))
+        else:
+            yield (*prefix, name)
+
+
+def test_every_subcommand_has_help():
     from genrec_spec.cli import COMMANDS, main
 
-    for command in COMMANDS:
+    commands = list(_all_commands(COMMANDS))
+    assert ("bench", "kernel") in commands
+    for command in commands:
         with pytest.raises(SystemExit) as exc:
-            main([command, "--help"])
+            main([*command, "--help"])
         assert exc.value.code == 0
 
 
