@@ -1,0 +1,158 @@
+"""Static KV cache with pending tree entries: forward scores a tree, commit keeps one path.
+
+A forward pass over a draft tree computes K/V for every tree node but cannot know yet which
+branch will be accepted, so it stores them as *pending* entries beside the committed cache.
+``commit`` then appends, per row, the K/V of the accepted root-to-leaf path; everything else is
+dropped. Rows may accept different numbers of tokens, so ``lengths`` is ragged: row b's committed
+keys are ``k[:, b, :, :lengths[b]]``; positions past it hold stale values that nobody reads.
+"""
+
+import torch
+
+
+class KVCacheError(ValueError):
+    """Bad use of a ``StaticKVCache``; the message says what was wrong and how to fix it."""
+
+
+class StaticKVCache:
+    """Preallocated per-layer K/V for B rows of up to ``max_len`` tokens each.
+
+    Index tensors passed to ``commit`` and ``reorder`` are checked for shape but not for values:
+    reading values would cost a host sync on every decoding step.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        batch_size: int,
+        n_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if batch_size < 1 or max_len < 1:
+            raise KVCacheError(
+                f"a cache needs batch_size >= 1 and max_len >= 1, got {batch_size} and {max_len}; "
+                "pass positive sizes"
+            )
+        shape = (n_layers, batch_size, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [n_layers, B, Hkv, S, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [n_layers, B, Hkv, S, D]
+        self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)  # [B]
+        self.pending_k: torch.Tensor | None = None  # [n_layers, B, Hkv, N, D] of the last pass
+        self.pending_v: torch.Tensor | None = None  # [n_layers, B, Hkv, N, D]
+        # Host-side upper bound on lengths.max(): lets begin_pass check room without a host
+        # sync until the bound gets close to max_len (commit adds K, an upper bound of n).
+        self._length_bound = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    def begin_pass(self, n: int) -> None:
+        """Make room for a forward pass over n tree nodes per row: check every row can still
+        commit n tokens, and allocate the pending buffers the layers fill in."""
+        if self._length_bound + n > self.max_len:
+            self._length_bound = int(self.lengths.max())  # the one host sync, near capacity only
+            if self._length_bound + n > self.max_len:
+                raise KVCacheError(
+                    f"a row holds {self._length_bound} committed tokens and this pass adds {n}, "
+                    f"more than the cache's max_len {self.max_len}; create the cache with a "
+                    f"larger max_len (model.new_cache(batch_size, max_len=...)) or shorten the "
+                    "prompt / max_new_tokens"
+                )
+        n_layers, batch, heads, _, head_dim = self.k.shape
+        shape = (n_layers, batch, heads, n, head_dim)
+        self.pending_k = torch.empty(shape, dtype=self.dtype, device=self.k.device)
+        self.pending_v = torch.empty(shape, dtype=self.dtype, device=self.k.device)
+
+    def set_pending(
+        self,
+        layer: int,
+        k: torch.Tensor,  # [B, Hkv, N, D]
+        v: torch.Tensor,  # [B, Hkv, N, D]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # pending k, v of this layer: [B, Hkv, N, D] each
+        """Store one layer's K/V of the current pass; returns the stored copies."""
+        self.pending_k[layer].copy_(k)
+        self.pending_v[layer].copy_(v)
+        return self.pending_k[layer], self.pending_v[layer]
+
+    def commit(
+        self,
+        node_idx: torch.Tensor,  # [B, K] int64: per row, a root-to-leaf path of pending nodes
+        n: torch.Tensor,  # [B] int64: how many of them to keep, 0 <= n[b] <= K
+    ) -> None:
+        """Append the pending K/V of nodes ``node_idx[b, :n[b]]`` at positions
+        ``lengths[b] .. lengths[b] + n[b] - 1`` and advance ``lengths`` by n.
+
+        Without a Python loop over rows: every row writes all K slots; slots past n[b] land
+        beyond the new length, where nothing reads them. They stay inside the buffer because
+        begin_pass checked lengths + N <= max_len and K <= N."""
+        if self.pending_k is None:
+            raise KVCacheError(
+                "commit called with no pending entries; run the model's forward on this cache "
+                "first (each forward's entries can be committed once)"
+            )
+        n_layers, batch, heads, n_nodes, head_dim = self.pending_k.shape
+        if node_idx.dim() != 2 or node_idx.shape[0] != batch or node_idx.shape[1] > n_nodes:
+            raise KVCacheError(
+                f"node_idx has shape {tuple(node_idx.shape)}, expected [B={batch}, K] with "
+                f"K <= {n_nodes} (the nodes of the last forward); pass one path per row"
+            )
+        if tuple(n.shape) != (batch,):
+            raise KVCacheError(
+                f"n has shape {tuple(n.shape)}, expected [B={batch}]; pass one count per row"
+            )
+        width = node_idx.shape[1]
+        if width > 0:
+            slots = torch.arange(width, device=node_idx.device)
+            index_shape = (n_layers, batch, heads, width, head_dim)
+            src = node_idx.long().view(1, batch, 1, width, 1).expand(index_shape)
+            dst = (self.lengths[:, None] + slots).view(1, batch, 1, width, 1).expand(index_shape)
+            self.k.scatter_(3, dst, self.pending_k.gather(3, src))
+            self.v.scatter_(3, dst, self.pending_v.gather(3, src))
+        self.lengths = self.lengths + n.long()
+        self._length_bound += width
+        self.pending_k = self.pending_v = None
+
+    def reorder(self, batch_idx: torch.Tensor) -> None:  # batch_idx: [B'] int64
+        """Keep rows ``batch_idx`` (repeats allowed, e.g. beam search): new row i is old row
+        batch_idx[i]. Pending entries follow, so a commit after a reorder still works."""
+        if batch_idx.dim() != 1 or batch_idx.numel() == 0:
+            raise KVCacheError(
+                f"batch_idx must be a non-empty 1-D index tensor, got shape "
+                f"{tuple(batch_idx.shape)}; pass the old row of each new row"
+            )
+        self.k = self.k.index_select(1, batch_idx)
+        self.v = self.v.index_select(1, batch_idx)
+        self.lengths = self.lengths.index_select(0, batch_idx)
+        if self.pending_k is not None:
+            self.pending_k = self.pending_k.index_select(1, batch_idx)
+            self.pending_v = self.pending_v.index_select(1, batch_idx)
+
+    def truncate(self, lengths: torch.Tensor) -> None:  # lengths: [B] int64
+        """Roll rows back to ``lengths`` committed tokens (never forward); drops pending
+        entries, whose positions were relative to the old lengths."""
+        lengths = lengths.to(device=self.lengths.device, dtype=torch.int64)
+        if tuple(lengths.shape) != (self.batch_size,):
+            raise KVCacheError(
+                f"truncate lengths have shape {tuple(lengths.shape)}, expected "
+                f"[B={self.batch_size}]; pass one length per row"
+            )
+        if bool(((lengths < 0) | (lengths > self.lengths)).any()):
+            raise KVCacheError(
+                f"truncate to {lengths.tolist()} but rows hold {self.lengths.tolist()}; "
+                "truncate only rolls back: pass 0 <= lengths <= cache.lengths"
+            )
+        self.lengths = lengths
+        self.pending_k = self.pending_v = None

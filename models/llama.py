@@ -1,0 +1,292 @@
+"""A Llama-family decoder (SmolLM2, Llama 2/3 without rope scaling) that scores draft trees.
+
+One forward pass takes the tokens of a tree per row, attends to the row's committed KV cache
+plus each node's own ancestors (``genrec_spec.kernels.tree_attention``), and leaves the tree's
+K/V pending in the cache; the caller commits the accepted path (``StaticKVCache.commit``). A
+chain (ordinary prefill or one decode step) is the tree whose parents are ``i - 1``.
+
+Weights use the Hugging Face layout (q/k rows in rotate-half order), so ``from_hf`` loads
+transformers checkpoints as they are and ``from_gguf`` undoes llama.cpp's q/k permutation.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from genrec_spec.kernels import tree_attention, tree_depths
+from genrec_spec.models.kv_cache import StaticKVCache
+
+
+class LlamaError(ValueError):
+    """Bad input to the Llama model or its loaders; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    dim: int  # residual stream width (hidden_size)
+    n_layers: int
+    n_heads: int  # query heads
+    n_kv_heads: int  # key/value heads; n_heads % n_kv_heads == 0 (grouped-query attention)
+    hidden_dim: int  # feed-forward inner width (intermediate_size)
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 2048  # longest sequence the RoPE tables (and any cache) may hold
+    tie_embeddings: bool = False  # output projection reuses the token embedding matrix
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads or self.head_dim % 2:
+            raise LlamaError(
+                f"dim {self.dim}, n_heads {self.n_heads}, n_kv_heads {self.n_kv_heads} do not "
+                "fit: dim must split into n_heads heads of even size and n_heads must be a "
+                "multiple of n_kv_heads"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+def rope_tables(
+    config: LlamaConfig, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: [max_seq_len, D/2] fp32
+    """cos/sin of position * inv_freq, computed as transformers does (fp32 outer product)."""
+    half = config.head_dim // 2
+    exponents = torch.arange(half, dtype=torch.int64, device=device).float() / half
+    inv_freq = 1.0 / (config.rope_theta**exponents)  # [D/2]
+    angles = torch.outer(torch.arange(config.max_seq_len, device=device).float(), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(
+    x: torch.Tensor,  # [B, N, H, D]
+    cos: torch.Tensor,  # [B, N, D/2] fp32
+    sin: torch.Tensor,  # [B, N, D/2] fp32
+) -> torch.Tensor:  # [B, N, H, D], x's dtype
+    """Rotate-half RoPE (the Hugging Face layout), in fp32 whatever x's dtype."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, :, None], sin[:, :, None]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, N, dim] -> [B, N, dim]
+        # Normalise in fp32 and scale in x's dtype, as transformers' LlamaRMSNorm does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer  # which slot of the KV cache this layer owns
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            config.n_heads,
+            config.n_kv_heads,
+            config.head_dim,
+        )
+        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, N, dim]
+        cos: torch.Tensor,  # [B, N, D/2] fp32, at each node's position
+        sin: torch.Tensor,  # [B, N, D/2] fp32
+        cache: StaticKVCache,
+        parents: torch.Tensor,  # [B, N] int64
+    ) -> torch.Tensor:  # [B, N, dim]
+        batch, n, _ = x.shape
+        q = self.wq(x).view(batch, n, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, n, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, n, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        dtype = cache.dtype
+        k_tree, v_tree = cache.set_pending(self.layer, k.transpose(1, 2), v.transpose(1, 2))
+        out = tree_attention(
+            q.transpose(1, 2).to(dtype),
+            cache.k[self.layer],
+            cache.v[self.layer],
+            cache.lengths,
+            k_tree,
+            v_tree,
+            parents,
+        )  # [B, Hq, N, D]
+        return self.wo(out.transpose(1, 2).reshape(batch, n, -1).to(x.dtype))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(config.dim, config.hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(config.hidden_dim, config.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, N, dim] -> [B, N, dim]
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config, layer)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x, cos, sin, cache, parents):  # x: [B, N, dim] -> [B, N, dim]
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, parents)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        # With tied embeddings the output projection is tok_embeddings.weight itself.
+        self.output = (
+            None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
+        )
+        # RoPE tables are plain attributes, not buffers, so model.to(torch.bfloat16) cannot
+        # round them: they stay fp32 and follow the model's device on first use (_rope).
+        self._rope_cos, self._rope_sin = rope_tables(config, "cpu")
+
+    # --- loading -----------------------------------------------------------------------------
+
+    @classmethod
+    def from_state_dict(
+        cls, config: LlamaConfig, state_dict: dict[str, torch.Tensor], dtype=torch.float32
+    ) -> "Llama":
+        """Build a model around ``state_dict`` (this module's parameter names) without first
+        initialising random weights."""
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, assign=True)
+        return model.eval()
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "Llama":
+        """Load a llama.cpp GGUF file, dequantising every tensor (see ``llama_loading``)."""
+        from genrec_spec.models.llama_loading import read_gguf  # it imports LlamaConfig
+
+        return cls.from_state_dict(*read_gguf(path), dtype=dtype)
+
+    @classmethod
+    def from_hf(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> "Llama":
+        """Load a Hugging Face folder (config.json + *.safetensors) of a Llama model."""
+        from genrec_spec.models.llama_loading import read_hf  # it imports LlamaConfig
+
+        return cls.from_state_dict(*read_hf(folder), dtype=dtype)
+
+    # --- decoding ----------------------------------------------------------------------------
+
+    def new_cache(
+        self, batch_size: int, max_len: int, dtype: torch.dtype | None = None
+    ) -> StaticKVCache:
+        """An empty cache on the model's device, in the model's dtype unless told otherwise."""
+        if max_len > self.config.max_seq_len:
+            raise LlamaError(
+                f"max_len {max_len} exceeds the model's max_seq_len {self.config.max_seq_len}; "
+                "ask for a shorter cache (the model has no positions past max_seq_len)"
+            )
+        weight = self.tok_embeddings.weight
+        return StaticKVCache(
+            self.config.n_layers,
+            batch_size,
+            self.config.n_kv_heads,
+            max_len,
+            self.config.head_dim,
+            dtype=dtype or weight.dtype,
+            device=weight.device,
+        )
+
+    def _rope(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rope_cos.device != device:
+            self._rope_cos, self._rope_sin = rope_tables(self.config, device)
+        return self._rope_cos, self._rope_sin
+
+    @torch.no_grad()
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, N] int64
+        cache: StaticKVCache,
+        parents: torch.Tensor | None = None,  # [B, N] int64, -1 = child of the committed root
+        *,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, dict[int, torch.Tensor]]:  # logits [B, N, V] fp32
+        """Score a tree of N tokens per row against the committed cache.
+
+        Node i sits at position ``cache.lengths[b] + depth(i)`` and sees the committed cache and
+        its own tree ancestors. ``parents=None`` means a chain (prefill or decode step). The
+        pass's K/V become the cache's pending entries; ``cache.lengths`` does not move.
+
+        ``hidden_layers`` follows transformers' ``output_hidden_states`` indexing: 0 is the
+        embedding output, l the output of layer l, ``n_layers`` the final-normed state. With it,
+        returns ``(logits, {l: hidden [B, N, dim]})``.
+
+        Inference only (no_grad): the target is frozen in every method here, and a graph kept
+        alive through the cache would grow with every step. Hidden states come out detached,
+        ready as training inputs for draft heads.
+        """
+        self._check_forward(tokens, cache, parents, hidden_layers)
+        batch, n = tokens.shape
+        if parents is None:
+            depths = torch.arange(n, device=tokens.device).expand(batch, n)
+            parents = depths - 1
+        else:
+            depths = tree_depths(parents)  # also validates parents
+        cache.begin_pass(n)  # raises before any work if a row has no room for n more tokens
+        cos, sin = self._rope(tokens.device)
+        positions = cache.lengths[:, None] + depths  # [B, N], < cache.max_len <= max_seq_len
+        cos, sin = cos[positions], sin[positions]  # [B, N, D/2]
+
+        x = self.tok_embeddings(tokens)
+        hidden = {0: x} if 0 in hidden_layers else {}
+        for i, layer in enumerate(self.layers, start=1):
+            x = layer(x, cos, sin, cache, parents)
+            if i in hidden_layers:
+                hidden[i] = x
+        x = self.norm(x)
+        if self.config.n_layers in hidden_layers:
+            hidden[self.config.n_layers] = x
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        logits = F.linear(x, weight).float()
+        return (logits, hidden) if hidden_layers else logits
+
+    def _check_forward(self, tokens, cache, parents, hidden_layers) -> None:
+        """Shapes and options only: reading tensor values would cost a host sync per step."""
+        if tokens.dim() != 2 or tokens.shape[1] == 0 or tokens.dtype != torch.int64:
+            raise LlamaError(
+                f"tokens must be a non-empty [B, N] int64 tensor, got shape "
+                f"{tuple(tokens.shape)} of {tokens.dtype}"
+            )
+        if tokens.shape[0] != cache.batch_size:
+            raise LlamaError(
+                f"tokens have {tokens.shape[0]} rows but the cache has {cache.batch_size}; "
+                "create the cache with model.new_cache(batch_size=tokens.shape[0], ...)"
+            )
+        if parents is not None and parents.shape != tokens.shape:
+            raise LlamaError(
+                f"parents has shape {tuple(parents.shape)}, expected tokens' shape "
+                f"{tuple(tokens.shape)}: one parent index per tree node"
+            )
+        bad = [i for i in hidden_layers if not 0 <= i <= self.config.n_layers]
+        if bad:
+            raise LlamaError(
+                f"hidden_layers {bad} out of range; use 0 (embeddings) .. "
+                f"{self.config.n_layers} (final-normed state)"
+            )

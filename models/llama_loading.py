@@ -1,0 +1,155 @@
+"""Read Llama checkpoints into (LlamaConfig, state dict in ``Llama``'s parameter names).
+
+Two formats:
+- llama.cpp GGUF: every tensor is dequantised to fp32 with the ``gguf`` package, and the rows
+  of attn_q / attn_k are un-permuted (llama.cpp interleaves the two rotary halves of each head;
+  ``Llama`` uses the Hugging Face rotate-half layout).
+- Hugging Face folders: config.json plus one or more *.safetensors files.
+
+Only plain Llama is accepted: rope scaling, biases or other architectures raise ``LlamaError``
+rather than load into a model that would compute something else.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+
+from genrec_spec.models.llama import LlamaConfig, LlamaError
+
+# Per-layer parameter names: ours -> (GGUF "blk.{i}." suffix, HF "model.layers.{i}." suffix).
+LAYER_NAMES = {
+    "attention_norm.weight": ("attn_norm.weight", "input_layernorm.weight"),
+    "attention.wq.weight": ("attn_q.weight", "self_attn.q_proj.weight"),
+    "attention.wk.weight": ("attn_k.weight", "self_attn.k_proj.weight"),
+    "attention.wv.weight": ("attn_v.weight", "self_attn.v_proj.weight"),
+    "attention.wo.weight": ("attn_output.weight", "self_attn.o_proj.weight"),
+    "ffn_norm.weight": ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    "feed_forward.w1.weight": ("ffn_gate.weight", "mlp.gate_proj.weight"),
+    "feed_forward.w3.weight": ("ffn_up.weight", "mlp.up_proj.weight"),
+    "feed_forward.w2.weight": ("ffn_down.weight", "mlp.down_proj.weight"),
+}
+# Model-level names: ours -> (GGUF, HF). "output.weight" is absent with tied embeddings.
+TOP_NAMES = {
+    "tok_embeddings.weight": ("token_embd.weight", "model.embed_tokens.weight"),
+    "norm.weight": ("output_norm.weight", "model.norm.weight"),
+    "output.weight": ("output.weight", "lm_head.weight"),
+}
+
+
+def _our_names(config: LlamaConfig, fmt: int) -> dict[str, str]:
+    """Checkpoint name -> our name, for fmt 0 (GGUF) or 1 (HF)."""
+    prefix = ("blk.{}.", "model.layers.{}.")[fmt]
+    names = {theirs[fmt]: ours for ours, theirs in TOP_NAMES.items()}
+    if config.tie_embeddings:
+        del names[TOP_NAMES["output.weight"][fmt]]
+    for i in range(config.n_layers):
+        for ours, theirs in LAYER_NAMES.items():
+            names[prefix.format(i) + theirs[fmt]] = f"layers.{i}.{ours}"
+    return names
+
+
+def _rename(
+    tensors: dict[str, torch.Tensor], names: dict[str, str], source: str, ignore: set[str]
+) -> dict[str, torch.Tensor]:
+    unknown = sorted(set(tensors) - set(names) - ignore)
+    missing = sorted(set(names) - set(tensors))
+    if unknown or missing:
+        raise LlamaError(
+            f"{source} does not hold a plain Llama model: unexpected tensors {unknown[:5]}, "
+            f"missing tensors {missing[:5]}; only Llama checkpoints without extras load here"
+        )
+    return {ours: tensors[theirs] for theirs, ours in names.items()}
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:  # [H*D, dim] -> [H*D, dim]
+    """Undo llama.cpp's convert_hf_to_gguf permutation of q/k rows: per head it reshaped rows
+    as (2, D/2) and transposed to (D/2, 2), interleaving the rotate-half pairs."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """Config and fp32 weights of a llama-architecture GGUF file."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+
+    def field(key: str, default=None):
+        f = reader.get_field(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch != "llama":
+        raise LlamaError(f"{path} holds a {arch!r} model; only 'llama' GGUF files load here")
+    if field("llama.rope.scaling.type", "none") != "none":
+        raise LlamaError(f"{path} uses rope scaling, which this Llama does not implement")
+    n_heads = field("llama.attention.head_count")
+    tensors = {
+        t.name: torch.from_numpy(gguf.dequantize(t.data, t.tensor_type).copy())
+        for t in reader.tensors
+    }
+    config = LlamaConfig(
+        vocab_size=tensors["token_embd.weight"].shape[0],
+        dim=field("llama.embedding_length"),
+        n_layers=field("llama.block_count"),
+        n_heads=n_heads,
+        n_kv_heads=field("llama.attention.head_count_kv", n_heads),
+        hidden_dim=field("llama.feed_forward_length"),
+        rope_theta=float(field("llama.rope.freq_base", 10000.0)),
+        norm_eps=float(field("llama.attention.layer_norm_rms_epsilon")),
+        max_seq_len=field("llama.context_length"),
+        tie_embeddings="output.weight" not in tensors,
+    )
+    if field("llama.rope.dimension_count", config.head_dim) != config.head_dim:
+        raise LlamaError(f"{path} rotates only part of each head (partial RoPE): unsupported")
+    state = _rename(tensors, _our_names(config, 0), str(path), ignore=set())
+    for i in range(config.n_layers):
+        for name, heads in (("wq", config.n_heads), ("wk", config.n_kv_heads)):
+            key = f"layers.{i}.attention.{name}.weight"
+            state[key] = unpermute_qk(state[key], heads)
+    return config, state
+
+
+def read_hf(folder: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """Config and weights of a Hugging Face Llama folder (config.json + *.safetensors)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not (folder / "config.json").is_file() or not files:
+        raise LlamaError(
+            f"{folder} must hold config.json and *.safetensors weights (a Hugging Face model "
+            "folder, e.g. written by save_pretrained)"
+        )
+    hf = json.loads((folder / "config.json").read_text())
+    rope = hf.get("rope_parameters") or {}  # transformers >= 5 nests rope settings here
+    rope_type = rope.get("rope_type", (hf.get("rope_scaling") or {}).get("rope_type", "default"))
+    if hf.get("model_type") != "llama" or rope_type != "default":
+        raise LlamaError(
+            f"{folder} holds model_type {hf.get('model_type')!r} with rope type {rope_type!r}; "
+            "only plain Llama (default RoPE) loads here"
+        )
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise LlamaError(f"{folder} uses attention/MLP biases, which this Llama does not have")
+    n_heads = hf["num_attention_heads"]
+    config = LlamaConfig(
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        hidden_dim=hf["intermediate_size"],
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        norm_eps=float(hf["rms_norm_eps"]),
+        max_seq_len=hf["max_position_embeddings"],
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+    if hf.get("head_dim", config.head_dim) != config.head_dim:
+        raise LlamaError(f"{folder} sets head_dim != hidden_size / heads: unsupported")
+    tensors = {}
+    for file in files:
+        tensors.update(load_file(file))
+    # A tied checkpoint may still store lm_head (a copy of the embeddings): ignore it.
+    ignore = {"lm_head.weight"} if config.tie_embeddings else set()
+    return config, _rename(tensors, _our_names(config, 1), str(folder), ignore)
