@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "genrec_spec.data_pipelines.prepare",
         "raw interactions -> leave-one-out split -> item embeddings -> semantic IDs",
     ),
+    "generate": ("genrec_spec.generate_cli", "LLM text generation with a speculative method"),
     "bench": ("genrec_spec.bench", "benchmarks: kernel, ratios against a same-run baseline"),
     "demo": ("genrec_spec.demo", "the main job on the embedded default (ML-100K)"),
 }

@@ -1,4 +1,4 @@
-"""Attention kernels (reference PyTorch, fast CPU path, Triton) behind one public op.
+"""Attention kernels (reference PyTorch, fast CPU paths, Triton) behind one public op.
 
 ``import genrec_spec.kernels`` never imports triton; the Triton backend loads on first use.
 """
@@ -10,12 +10,15 @@ from genrec_spec.kernels.tree_mask import (
     ancestor_mask,
     tree_depths,
 )
+from genrec_spec.kernels.tree_plan import TreePlan, prepare_tree
 
 __all__ = [
     "BACKENDS",
     "TreeAttentionError",
+    "TreePlan",
     "ancestor_bitmask",
     "ancestor_mask",
+    "prepare_tree",
     "tree_attention",
     "tree_depths",
 ]

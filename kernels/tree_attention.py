@@ -5,10 +5,17 @@ of N nodes. Node i attends to the first ``root_lens[b]`` root keys and to the tr
 itself or its ancestors, never to siblings or other branches; so one forward pass scores every
 branch against the shared root.
 
+A model calling the op once per layer builds a ``TreePlan`` once per forward
+(``prepare_tree``) and passes it as ``plan=``: the validation (host syncs) and the tree's masks
+are then paid once per pass, not once per layer.
+
 Backends (all compute the same function):
 - ``"torch"``: the dense-mask reference, the specification (``tree_attention_torch``);
-- ``"cpu"``: split attention, root part shared by all nodes, combined by log-sum-exp; plain torch,
-  so it runs on any device; what ``"auto"`` picks for CPU tensors;
+- ``"cpu"``: what ``"auto"`` picks for CPU tensors; plain torch, so it runs on any device. For
+  float32 up to a mask size (the plan decides, ``tree_plan.DENSE_MAX_MASK_ELEMENTS``) one SDPA
+  call over [root | tree] keys with the plan's additive mask; otherwise (and whenever the
+  log-sum-exp is asked for) split attention: the root part shared by all nodes, the tree
+  part with the small ancestor mask, combined by log-sum-exp;
 - ``"triton"``: the Triton kernel (``tree_attention_triton``), imported only when asked for;
   what ``"auto"`` picks for CUDA tensors. On a machine without a GPU it runs in the Triton
   interpreter when ``TRITON_INTERPRET=1`` was set before triton was imported.
@@ -20,10 +27,12 @@ import os
 import torch
 
 from genrec_spec.kernels.tree_attention_torch import (
+    tree_attention_dense,
     tree_attention_reference,
     tree_attention_split,
 )
 from genrec_spec.kernels.tree_mask import TreeAttentionError
+from genrec_spec.kernels.tree_plan import TreePlan, prepare_tree
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -41,6 +50,7 @@ def tree_attention(
     scale: float | None = None,
     backend: str = "auto",
     return_lse: bool = False,
+    plan: TreePlan | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # out [B, Hq, N, D] (, lse [B, Hq, N])
     """Shared-context tree attention.
 
@@ -50,18 +60,28 @@ def tree_attention(
     ``return_lse``, the fp32 natural log-sum-exp of each query's scaled scores, which lets a
     caller merge this attention with another over more keys. Raises ``TreeAttentionError`` (a
     ``ValueError``) on inconsistent shapes, dtypes, devices, lengths or parents.
+
+    ``plan``: ``prepare_tree(parents, root_lens, S, dtype=q.dtype)`` built from these very
+    ``parents`` and ``root_lens`` tensors, typically once per forward pass for all layers. With
+    it, the parents' and lengths' values are not checked again (no host sync); shapes are.
     """
-    _check_inputs(q, k_root, v_root, root_lens, k_tree, v_tree, parents, backend)
+    _check_inputs(q, k_root, v_root, k_tree, v_tree, parents, backend)
+    if plan is None:
+        plan = prepare_tree(parents, root_lens, k_root.shape[2], dtype=q.dtype)
+    else:
+        _check_plan(plan, q, parents, root_lens, k_root)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if backend == "auto":
         backend = "triton" if q.is_cuda else "cpu"
+    if backend == "cpu" and plan.dense_mask is not None and not return_lse:
+        return tree_attention_dense(q, k_root, v_root, k_tree, v_tree, plan, scale)
     if backend == "torch":
         impl = tree_attention_reference
     elif backend == "cpu":
         impl = tree_attention_split
     else:
         impl = _triton_impl(q.device)
-    out, lse = impl(q, k_root, v_root, root_lens, k_tree, v_tree, parents, scale)
+    out, lse = impl(q, k_root, v_root, k_tree, v_tree, plan, scale)
     return (out, lse) if return_lse else out
 
 
@@ -84,12 +104,12 @@ def _triton_impl(device: torch.device):
     return module.tree_attention_triton
 
 
-def _check_inputs(q, k_root, v_root, root_lens, k_tree, v_tree, parents, backend) -> None:
-    """Shapes, dtypes, devices and root lengths; ``ancestor_mask`` checks the parents' values."""
+def _check_inputs(q, k_root, v_root, k_tree, v_tree, parents, backend) -> None:
+    """Shapes, dtypes and devices of the attention inputs (no values: no host sync);
+    ``prepare_tree`` checks root_lens and the parents' values."""
     if backend not in BACKENDS:
         raise TreeAttentionError(f"unknown backend {backend!r}", f"use one of {BACKENDS}")
     floats = {"q": q, "k_root": k_root, "v_root": v_root, "k_tree": k_tree, "v_tree": v_tree}
-    tensors = {**floats, "root_lens": root_lens, "parents": parents}
     for name, t in floats.items():
         if t.dim() != 4:
             raise TreeAttentionError(
@@ -101,7 +121,7 @@ def _check_inputs(q, k_root, v_root, root_lens, k_tree, v_tree, parents, backend
                 f"{name} is {t.dtype} but q is {q.dtype}",
                 "give q, k_root, v_root, k_tree and v_tree one dtype: float32, float16 or bfloat16",
             )
-    for name, t in tensors.items():
+    for name, t in {**floats, "parents": parents}.items():
         if t.device != q.device:
             raise TreeAttentionError(
                 f"{name} is on {t.device} but q is on {q.device}", "put all inputs on one device"
@@ -109,17 +129,16 @@ def _check_inputs(q, k_root, v_root, root_lens, k_tree, v_tree, parents, backend
     batch, hq, n, d = q.shape
     hkv, s = k_root.shape[1], k_root.shape[2]
     expected = {
-        "k_root": (batch, hkv, s, d),
-        "v_root": (batch, hkv, s, d),
-        "k_tree": (batch, hkv, n, d),
-        "v_tree": (batch, hkv, n, d),
-        "root_lens": (batch,),
-        "parents": (batch, n),
+        "k_root": (k_root, (batch, hkv, s, d)),
+        "v_root": (v_root, (batch, hkv, s, d)),
+        "k_tree": (k_tree, (batch, hkv, n, d)),
+        "v_tree": (v_tree, (batch, hkv, n, d)),
+        "parents": (parents, (batch, n)),
     }
-    for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
+    for name, (t, shape) in expected.items():
+        if t.shape != shape:
             raise TreeAttentionError(
-                f"{name} has shape {tuple(tensors[name].shape)}, expected {shape} from q "
+                f"{name} has shape {tuple(t.shape)}, expected {shape} from q "
                 f"{tuple(q.shape)} and k_root {tuple(k_root.shape)}",
                 "q is [B, Hq, N, D], k_root/v_root [B, Hkv, S, D], k_tree/v_tree [B, Hkv, N, D], "
                 "root_lens [B], parents [B, N]",
@@ -129,15 +148,23 @@ def _check_inputs(q, k_root, v_root, root_lens, k_tree, v_tree, parents, backend
             f"{hq} query heads cannot share {hkv} KV heads evenly",
             "use a number of query heads that is a multiple of the number of KV heads",
         )
-    if n == 0:
-        raise TreeAttentionError("the tree has no nodes (N = 0)", "pass at least one tree node")
-    if root_lens.dtype.is_floating_point or root_lens.dtype == torch.bool:
+
+
+def _check_plan(plan, q, parents, root_lens, k_root) -> None:
+    """A plan fits only the tensors it was built from (identity: comparing values would sync)."""
+    if plan.parents is not parents or plan.root_lens is not root_lens:
         raise TreeAttentionError(
-            f"root_lens must be an integer tensor, got {root_lens.dtype}",
-            "pass root_lens as int64 lengths of each row's root context",
+            "the plan was built from other parents / root_lens tensors than the ones passed",
+            "build it with prepare_tree(parents, root_lens, S) from the tensors you pass",
         )
-    if bool(((root_lens < 0) | (root_lens > s)).any()):
+    if plan.dtype != q.dtype:
         raise TreeAttentionError(
-            f"root_lens {root_lens.tolist()} must lie in [0, {s}] (S = k_root.shape[2])",
-            "clip each row's root length to the padded root size S",
+            f"the plan was built for {plan.dtype} inputs but q is {q.dtype}",
+            "pass dtype=q.dtype to prepare_tree",
+        )
+    if plan.root_size != k_root.shape[2]:
+        raise TreeAttentionError(
+            f"the plan was built for roots padded to S = {plan.root_size}, but k_root has "
+            f"S = {k_root.shape[2]}",
+            "pass k_root.shape[2] as prepare_tree's root_size",
         )

@@ -1,36 +1,37 @@
-"""Tree attention in plain PyTorch: the dense-mask reference and the split CPU path.
+"""Tree attention in plain PyTorch: the dense-mask reference and the two CPU paths.
 
-Both take already-validated inputs (see ``tree_attention.tree_attention``) and return the output
-in q's dtype plus the fp32 log-sum-exp of each query row's scaled scores. Every node sees itself,
-so no row is ever fully masked and neither path can produce NaN.
+All take already-validated inputs and their ``TreePlan`` (see ``tree_attention.tree_attention``)
+and return the output in q's dtype; the reference and the split path also the fp32 log-sum-exp
+of each query row's scaled scores. Every node sees itself, so no row is ever fully masked and no
+path can produce NaN.
 """
 
 import torch
+import torch.nn.functional as F
 
-from genrec_spec.kernels.tree_mask import ancestor_mask
+from genrec_spec.kernels.tree_plan import TreePlan
 
 
 def tree_attention_reference(
     q: torch.Tensor,  # [B, Hq, N, D]
     k_root: torch.Tensor,  # [B, Hkv, S, D]
     v_root: torch.Tensor,  # [B, Hkv, S, D]
-    root_lens: torch.Tensor,  # [B] int64
     k_tree: torch.Tensor,  # [B, Hkv, N, D]
     v_tree: torch.Tensor,  # [B, Hkv, N, D]
-    parents: torch.Tensor,  # [B, N] int64
+    plan: TreePlan,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, Hq, N, D], lse [B, Hq, N] fp32
     """The specification: one dense [N, S + N] visibility mask per row over [root | tree] keys,
     GQA by repeating K/V to every query head, softmax in fp32."""
     batch, hq, n, _ = q.shape
     hkv, s = k_root.shape[1], k_root.shape[2]
-    root_visible = torch.arange(s, device=q.device) < root_lens[:, None]  # [B, S]
+    root_visible = torch.arange(s, device=q.device) < plan.root_lens[:, None]  # [B, S]
     # Padding may hold anything (an uninitialised cache, NaN); 0 * NaN would leak into the output.
     v_root = v_root.masked_fill(~root_visible[:, None, :, None], 0)
     k = torch.cat([k_root, k_tree], dim=2).repeat_interleave(hq // hkv, dim=1).float()
     v = torch.cat([v_root, v_tree], dim=2).repeat_interleave(hq // hkv, dim=1).float()
     visible = torch.cat(
-        [root_visible[:, None, :].expand(batch, n, s), ancestor_mask(parents)], dim=2
+        [root_visible[:, None, :].expand(batch, n, s), plan.visible], dim=2
     )  # [B, N, S + N]
     scores = (q.float() @ k.transpose(-1, -2)) * scale  # [B, Hq, N, S + N]
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
@@ -43,10 +44,9 @@ def tree_attention_split(
     q: torch.Tensor,  # [B, Hq, N, D]
     k_root: torch.Tensor,  # [B, Hkv, S, D]
     v_root: torch.Tensor,  # [B, Hkv, S, D]
-    root_lens: torch.Tensor,  # [B] int64
     k_tree: torch.Tensor,  # [B, Hkv, N, D]
     v_tree: torch.Tensor,  # [B, Hkv, N, D]
-    parents: torch.Tensor,  # [B, N] int64
+    plan: TreePlan,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, Hq, N, D], lse [B, Hq, N] fp32
     """Split attention. The root part multiplies each (row, KV head)'s root keys once by the
@@ -58,13 +58,66 @@ def tree_attention_split(
     group = hq // hkv
     # Head h = kv * G + g, so this view stacks the G query heads of each KV head.
     qg = (q.float() * scale).reshape(batch * hkv, group * n, d)
+    # On a GPU (where this path is only a fallback) the plan has no host lengths: one sync.
+    host_lens = plan.root_lens.tolist() if plan.host_root_lens is None else plan.host_root_lens
+    lens = [length for length in host_lens for _ in range(hkv)]
     root = _root_partial(
-        qg, k_root.flatten(0, 1), v_root.flatten(0, 1), root_lens.repeat_interleave(hkv)
+        qg, k_root.flatten(0, 1), v_root.flatten(0, 1), plan.root_lens.repeat_interleave(hkv), lens
     )
-    visible = ancestor_mask(parents).repeat_interleave(hkv, dim=0)  # [B*Hkv, N, N]
+    visible = plan.visible.repeat_interleave(hkv, dim=0)  # [B*Hkv, N, N]
     tree = _tree_partial(qg, k_tree.flatten(0, 1), v_tree.flatten(0, 1), visible)
     out, lse = _merge(root, tree)
     return out.view(batch, hq, n, d).to(q.dtype), lse.view(batch, hq, n)
+
+
+def tree_attention_dense(
+    q: torch.Tensor,  # [B, Hq, N, D]
+    k_root: torch.Tensor,  # [B, Hkv, S, D]
+    v_root: torch.Tensor,  # [B, Hkv, S, D]
+    k_tree: torch.Tensor,  # [B, Hkv, N, D]
+    v_tree: torch.Tensor,  # [B, Hkv, N, D]
+    plan: TreePlan,
+    scale: float,
+) -> torch.Tensor:  # out [B, Hq, N, D]
+    """The dense CPU path for small trees: one SDPA call (GQA without repeated K/V) over the
+    keys [root[:max_len] | tree] with the plan's prebuilt additive mask, so its cost is a few
+    ops. Needs ``plan.dense_mask``; returns no log-sum-exp (SDPA does not give it)."""
+    keys = _join(k_root, k_tree, plan)
+    values = _join(v_root, v_tree, plan)
+    grouped = q.shape[1] != k_root.shape[1]
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=plan.dense_mask, scale=scale, enable_gqa=grouped
+    )
+
+
+def _join(
+    root: torch.Tensor,  # [B, Hkv, S, D]
+    tree: torch.Tensor,  # [B, Hkv, N, D]
+    plan: TreePlan,
+) -> torch.Tensor:  # [B, Hkv, max_len + N, D]: root[:, :, :max_len] then tree
+    """The dense path's keys (or values). When ``tree`` already sits in ``root``'s buffer right
+    after the longest root (how the Llama's KV cache stores a pass's pending entries), that is a
+    view, no copy. Otherwise a copy, in which padding is zeroed unless the plan knows it finite
+    (0 * NaN would leak through the zero attention weights)."""
+    low, high = plan.min_root_len, plan.max_root_len
+    n = tree.shape[2]
+    if plan.root_padding is None and _follows(root, tree, high):
+        return root[:, :, : high + n]
+    joined = torch.cat([root[:, :, :high], tree], dim=2)
+    if plan.root_padding is not None:
+        joined[:, :, low:high].masked_fill_(plan.root_padding, 0)
+    return joined
+
+
+def _follows(root: torch.Tensor, tree: torch.Tensor, offset: int) -> bool:
+    """Whether ``tree`` is exactly ``root``'s positions [offset, offset + N) (same buffer and
+    strides), so ``root[:, :, :offset + N]`` holds the root prefix followed by the tree."""
+    return (
+        tree.untyped_storage().data_ptr() == root.untyped_storage().data_ptr()
+        and tree.stride() == root.stride()
+        and tree.storage_offset() == root.storage_offset() + offset * root.stride(2)
+        and offset + tree.shape[2] <= root.shape[2]
+    )
 
 
 # A softmax partial over some keys: running max [R, M], sum of exp(score - max) [R, M], and the
@@ -82,13 +135,13 @@ def _root_partial(
     k: torch.Tensor,  # [R, S, D]
     v: torch.Tensor,  # [R, S, D]
     lens: torch.Tensor,  # [R] int64
+    lengths: list[int],  # lens on the host
 ) -> Partial:
     """The root part, a few (row, KV head) pairs at a time, each step cut to its longest root
-    (so padding is read only up to that length; the lengths' host copy is free on CPU)."""
+    (so padding is read only up to that length)."""
     rows, m, d = qg.shape
     row_max = qg.new_full((rows, m), float("-inf"))
     total, out = qg.new_zeros(rows, m), qg.new_zeros(rows, m, d)
-    lengths = lens.tolist()
     step = max(1, ROOT_CHUNK_SCORES // (m * max(max(lengths), 1)))
     for start in range(0, rows, step):
         rs = slice(start, start + step)

@@ -3,7 +3,7 @@
 One program owns one (row b, KV head) pair and a block of tree nodes; its query rows are all the
 G query heads of that KV head times the block's nodes (GQA without repeating K/V). It streams the
 row's root keys once for all those rows, then the tree keys up to its last node, masked by each
-node's ancestor bitmask (``tree_mask.ancestor_bitmask``: 32 nodes per int32 word, so one word is
+node's ancestor bitmask (``TreePlan.bits``: 32 nodes per int32 word, so one word is
 one 32-key step), with an online softmax in fp32.
 
 Imported only by ``tree_attention`` when the Triton backend is asked for. Under the interpreter
@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from genrec_spec.kernels.tree_mask import BITS_PER_WORD, ancestor_bitmask
+from genrec_spec.kernels.tree_mask import BITS_PER_WORD
+from genrec_spec.kernels.tree_plan import TreePlan
 
 INTERPRETED = knobs.runtime.interpret
 LOG2E = 1.4426950408889634
@@ -132,15 +133,15 @@ def tree_attention_triton(
     q: torch.Tensor,  # [B, Hq, N, D]
     k_root: torch.Tensor,  # [B, Hkv, S, D]
     v_root: torch.Tensor,  # [B, Hkv, S, D]
-    root_lens: torch.Tensor,  # [B] int64
     k_tree: torch.Tensor,  # [B, Hkv, N, D]
     v_tree: torch.Tensor,  # [B, Hkv, N, D]
-    parents: torch.Tensor,  # [B, N] int64
+    plan: TreePlan,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, Hq, N, D], lse [B, Hq, N] fp32
     """The Triton backend of ``tree_attention`` (inputs already validated)."""
-    bits = ancestor_bitmask(parents)  # [B, N, W]
-    return launch_tree_attention(q, k_root, v_root, root_lens, k_tree, v_tree, bits, scale)
+    return launch_tree_attention(
+        q, k_root, v_root, plan.root_lens, k_tree, v_tree, plan.bits, scale
+    )
 
 
 def launch_tree_attention(

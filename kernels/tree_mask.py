@@ -49,12 +49,17 @@ def check_parents(parents: torch.Tensor) -> None:  # parents: [B, N] integer
         )
 
 
-def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:  # [B, N] -> [B, N, N] bool
+def ancestor_mask(
+    parents: torch.Tensor,  # [B, N] int64
+    *,
+    validate: bool = True,  # False: the caller already ran check_parents
+) -> torch.Tensor:  # [B, N, N] bool
     """``mask[b, i, j]`` is True when node j is node i or one of its ancestors.
 
     Pointer doubling: ceil(log2 N) gathers instead of one step per tree level, with no host
-    sync (a 512-node chain takes 9 steps, not 511)."""
-    check_parents(parents)
+    sync past the validation (a 512-node chain takes 9 steps, not 511)."""
+    if validate:
+        check_parents(parents)
     batch, n = parents.shape
     # Index n is a sentinel for the root context: its own "parent", so walking up past the top
     # of a branch stays there; its column is cut off at the end.
@@ -79,12 +84,17 @@ def tree_depths(parents: torch.Tensor) -> torch.Tensor:  # [B, N] -> [B, N] int6
 def ancestor_bitmask(parents: torch.Tensor) -> torch.Tensor:  # [B, N] -> [B, N, W] int32
     """``ancestor_mask`` packed little-endian into W = ceil(N / 32) int32 words per node: bit
     ``j % 32`` of word ``j // 32`` is set when node j is node i or one of its ancestors."""
-    mask = ancestor_mask(parents)
+    return pack_bits(ancestor_mask(parents))
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:  # [B, N, N] bool -> [B, N, W] int32
+    """Pack the last dim of a mask into int32 words, 32 columns per word (see
+    ``ancestor_bitmask``)."""
     batch, n, _ = mask.shape
     words = -(-n // BITS_PER_WORD)
     padded = torch.nn.functional.pad(mask, (0, words * BITS_PER_WORD - n))
     bits = padded.view(batch, n, words, BITS_PER_WORD).long()
-    shifts = torch.arange(BITS_PER_WORD, device=parents.device)
+    shifts = torch.arange(BITS_PER_WORD, device=mask.device)
     packed = (bits << shifts).sum(dim=-1)  # [B, N, W] in [0, 2^32)
     # Reinterpret as signed int32 (torch has no general uint32): bit 31 becomes the sign bit.
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)

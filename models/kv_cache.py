@@ -1,10 +1,15 @@
 """Static KV cache with pending tree entries: forward scores a tree, commit keeps one path.
 
 A forward pass over a draft tree computes K/V for every tree node but cannot know yet which
-branch will be accepted, so it stores them as *pending* entries beside the committed cache.
+branch will be accepted, so it stores them as *pending* entries past the committed ones.
 ``commit`` then appends, per row, the K/V of the accepted root-to-leaf path; everything else is
 dropped. Rows may accept different numbers of tokens, so ``lengths`` is ragged: row b's committed
 keys are ``k[:, b, :, :lengths[b]]``; positions past it hold stale values that nobody reads.
+
+The pending entries of a pass over N nodes sit at positions ``[start, start + N)`` of every row,
+with ``start`` at least the longest row's length: right after the committed keys, in the same
+buffer, so attention can read [committed | tree] keys as one slice without copying the cache
+(``tree_attention``'s dense CPU path does).
 """
 
 import torch
@@ -19,6 +24,10 @@ class StaticKVCache:
 
     Index tensors passed to ``commit`` and ``reorder`` are checked for shape but not for values:
     reading values would cost a host sync on every decoding step.
+
+    Every position past a row's length holds finite numbers (zeros, or K/V the model wrote and
+    that were not kept), which is what lets attention read them under a -inf mask
+    (``prepare_tree(..., finite_padding=True)``).
     """
 
     def __init__(
@@ -40,12 +49,12 @@ class StaticKVCache:
         shape = (n_layers, batch_size, n_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [n_layers, B, Hkv, S, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # [n_layers, B, Hkv, S, D]
-        self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)  # [B]
-        self.pending_k: torch.Tensor | None = None  # [n_layers, B, Hkv, N, D] of the last pass
-        self.pending_v: torch.Tensor | None = None  # [n_layers, B, Hkv, N, D]
-        # Host-side upper bound on lengths.max(): lets begin_pass check room without a host
-        # sync until the bound gets close to max_len (commit adds K, an upper bound of n).
+        self._lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)  # [B]
+        # Host-side upper bound on lengths.max(): lets begin_pass check room and place the
+        # pending entries without a host sync (commit adds K, an upper bound of n); on CPU,
+        # where reading lengths is free, begin_pass makes it exact.
         self._length_bound = 0
+        self.pending: tuple[int, int] | None = None  # (start, N) of the last pass's entries
 
     @property
     def batch_size(self) -> int:
@@ -59,11 +68,24 @@ class StaticKVCache:
     def dtype(self) -> torch.dtype:
         return self.k.dtype
 
+    @property
+    def lengths(self) -> torch.Tensor:  # [B] int64 committed tokens per row
+        return self._lengths
+
+    @lengths.setter
+    def lengths(self, lengths: torch.Tensor) -> None:  # [B] int64
+        # Set directly (e.g. after copying K/V in from another cache): read them once (a host
+        # sync) so the bound on the longest row, which places pending entries, stays true.
+        self._lengths = lengths
+        self._length_bound = int(lengths.max())
+        self.pending = None
+
     def begin_pass(self, n: int) -> None:
         """Make room for a forward pass over n tree nodes per row: check every row can still
-        commit n tokens, and allocate the pending buffers the layers fill in."""
-        if self._length_bound + n > self.max_len:
-            self._length_bound = int(self.lengths.max())  # the one host sync, near capacity only
+        commit n tokens, and place the pass's pending entries after the longest row."""
+        if self.k.device.type == "cpu" or self._length_bound + n > self.max_len:
+            # Exact on CPU, where it costs nothing; on a GPU the one host sync, near capacity.
+            self._length_bound = int(self._lengths.max())
             if self._length_bound + n > self.max_len:
                 raise KVCacheError(
                     f"a row holds {self._length_bound} committed tokens and this pass adds {n}, "
@@ -71,10 +93,7 @@ class StaticKVCache:
                     f"larger max_len (model.new_cache(batch_size, max_len=...)) or shorten the "
                     "prompt / max_new_tokens"
                 )
-        n_layers, batch, heads, _, head_dim = self.k.shape
-        shape = (n_layers, batch, heads, n, head_dim)
-        self.pending_k = torch.empty(shape, dtype=self.dtype, device=self.k.device)
-        self.pending_v = torch.empty(shape, dtype=self.dtype, device=self.k.device)
+        self.pending = (self._length_bound, n)
 
     def set_pending(
         self,
@@ -82,10 +101,14 @@ class StaticKVCache:
         k: torch.Tensor,  # [B, Hkv, N, D]
         v: torch.Tensor,  # [B, Hkv, N, D]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # pending k, v of this layer: [B, Hkv, N, D] each
-        """Store one layer's K/V of the current pass; returns the stored copies."""
-        self.pending_k[layer].copy_(k)
-        self.pending_v[layer].copy_(v)
-        return self.pending_k[layer], self.pending_v[layer]
+        """Store one layer's K/V of the current pass; returns the stored entries (views of the
+        cache at positions [start, start + N), see the module docstring)."""
+        start, n = self.pending
+        k_slot = self.k[layer, :, :, start : start + n]
+        v_slot = self.v[layer, :, :, start : start + n]
+        k_slot.copy_(k)
+        v_slot.copy_(v)
+        return k_slot, v_slot
 
     def commit(
         self,
@@ -97,13 +120,16 @@ class StaticKVCache:
 
         Without a Python loop over rows: every row writes all K slots; slots past n[b] land
         beyond the new length, where nothing reads them. They stay inside the buffer because
-        begin_pass checked lengths + N <= max_len and K <= N."""
-        if self.pending_k is None:
+        begin_pass checked lengths + N <= max_len and K <= N. The pending entries are gathered
+        before any slot is written, so writes over them (a row shorter than the longest) are
+        harmless."""
+        if self.pending is None:
             raise KVCacheError(
                 "commit called with no pending entries; run the model's forward on this cache "
                 "first (each forward's entries can be committed once)"
             )
-        n_layers, batch, heads, n_nodes, head_dim = self.pending_k.shape
+        start, n_nodes = self.pending
+        n_layers, batch, heads, _, head_dim = self.k.shape
         if node_idx.dim() != 2 or node_idx.shape[0] != batch or node_idx.shape[1] > n_nodes:
             raise KVCacheError(
                 f"node_idx has shape {tuple(node_idx.shape)}, expected [B={batch}, K] with "
@@ -117,17 +143,18 @@ class StaticKVCache:
         if width > 0:
             slots = torch.arange(width, device=node_idx.device)
             index_shape = (n_layers, batch, heads, width, head_dim)
-            src = node_idx.long().view(1, batch, 1, width, 1).expand(index_shape)
-            dst = (self.lengths[:, None] + slots).view(1, batch, 1, width, 1).expand(index_shape)
-            self.k.scatter_(3, dst, self.pending_k.gather(3, src))
-            self.v.scatter_(3, dst, self.pending_v.gather(3, src))
-        self.lengths = self.lengths + n.long()
+            src = (start + node_idx.long()).view(1, batch, 1, width, 1).expand(index_shape)
+            dst = (self._lengths[:, None] + slots).view(1, batch, 1, width, 1).expand(index_shape)
+            self.k.scatter_(3, dst, self.k.gather(3, src))
+            self.v.scatter_(3, dst, self.v.gather(3, src))
+        self._lengths = self._lengths + n.long()
         self._length_bound += width
-        self.pending_k = self.pending_v = None
+        self.pending = None
 
     def reorder(self, batch_idx: torch.Tensor) -> None:  # batch_idx: [B'] int64
         """Keep rows ``batch_idx`` (repeats allowed, e.g. beam search): new row i is old row
-        batch_idx[i]. Pending entries follow, so a commit after a reorder still works."""
+        batch_idx[i]. Pending entries follow (they live in the same buffers, at the same
+        positions), so a commit after a reorder still works."""
         if batch_idx.dim() != 1 or batch_idx.numel() == 0:
             raise KVCacheError(
                 f"batch_idx must be a non-empty 1-D index tensor, got shape "
@@ -135,10 +162,7 @@ class StaticKVCache:
             )
         self.k = self.k.index_select(1, batch_idx)
         self.v = self.v.index_select(1, batch_idx)
-        self.lengths = self.lengths.index_select(0, batch_idx)
-        if self.pending_k is not None:
-            self.pending_k = self.pending_k.index_select(1, batch_idx)
-            self.pending_v = self.pending_v.index_select(1, batch_idx)
+        self._lengths = self._lengths.index_select(0, batch_idx)
 
     def truncate(self, lengths: torch.Tensor) -> None:  # lengths: [B] int64
         """Roll rows back to ``lengths`` committed tokens (never forward); drops pending
@@ -154,5 +178,5 @@ class StaticKVCache:
                 f"truncate to {lengths.tolist()} but rows hold {self.lengths.tolist()}; "
                 "truncate only rolls back: pass 0 <= lengths <= cache.lengths"
             )
-        self.lengths = lengths
-        self.pending_k = self.pending_v = None
+        self._lengths = lengths
+        self.pending = None

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from genrec_spec.kernels import tree_attention, tree_depths
+from genrec_spec.kernels import TreePlan, prepare_tree, tree_attention
 from genrec_spec.models.kv_cache import StaticKVCache
 
 
@@ -52,24 +52,27 @@ class LlamaConfig:
 
 def rope_tables(
     config: LlamaConfig, device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: [max_seq_len, D/2] fp32
-    """cos/sin of position * inv_freq, computed as transformers does (fp32 outer product)."""
+) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: [max_seq_len, D] fp32
+    """cos/sin of position * inv_freq, computed as transformers does (fp32 outer product), laid
+    out for ``apply_rope``: cos as [cos, cos] and sin as [-sin, sin] over the two halves."""
     half = config.head_dim // 2
     exponents = torch.arange(half, dtype=torch.int64, device=device).float() / half
     inv_freq = 1.0 / (config.rope_theta**exponents)  # [D/2]
     angles = torch.outer(torch.arange(config.max_seq_len, device=device).float(), inv_freq)
-    return angles.cos(), angles.sin()
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
 def apply_rope(
     x: torch.Tensor,  # [B, N, H, D]
-    cos: torch.Tensor,  # [B, N, D/2] fp32
-    sin: torch.Tensor,  # [B, N, D/2] fp32
+    cos: torch.Tensor,  # [B, N, 1, D] fp32 from rope_tables, at each node's position
+    sin: torch.Tensor,  # [B, N, 1, D] fp32
 ) -> torch.Tensor:  # [B, N, H, D], x's dtype
-    """Rotate-half RoPE (the Hugging Face layout), in fp32 whatever x's dtype."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[:, :, None], sin[:, :, None]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    """Rotate-half RoPE (the Hugging Face layout), in fp32 whatever x's dtype: with x = [x1, x2]
+    it gives [x1 cos - x2 sin, x2 cos + x1 sin], here as x * cos + [x2, x1] * sin with the
+    tables' signs (3 ops instead of split, 4 products, 2 sums and a concatenation)."""
+    x32 = x.float()
+    return (x32 * cos + x32.roll(x.shape[-1] // 2, dims=-1) * sin).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -102,10 +105,10 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [B, N, dim]
-        cos: torch.Tensor,  # [B, N, D/2] fp32, at each node's position
-        sin: torch.Tensor,  # [B, N, D/2] fp32
+        cos: torch.Tensor,  # [B, N, 1, D] fp32, at each node's position (see apply_rope)
+        sin: torch.Tensor,  # [B, N, 1, D] fp32
         cache: StaticKVCache,
-        parents: torch.Tensor,  # [B, N] int64
+        plan: TreePlan,  # the pass's tree over the committed cache, shared by all layers
     ) -> torch.Tensor:  # [B, N, dim]
         batch, n, _ = x.shape
         q = self.wq(x).view(batch, n, self.n_heads, self.head_dim)
@@ -113,15 +116,18 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, n, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         dtype = cache.dtype
+        # The pending entries land in the cache right after the longest row, so the attention
+        # below reads [committed | tree] keys in place.
         k_tree, v_tree = cache.set_pending(self.layer, k.transpose(1, 2), v.transpose(1, 2))
         out = tree_attention(
             q.transpose(1, 2).to(dtype),
             cache.k[self.layer],
             cache.v[self.layer],
-            cache.lengths,
+            plan.root_lens,
             k_tree,
             v_tree,
-            parents,
+            plan.parents,
+            plan=plan,
         )  # [B, Hq, N, D]
         return self.wo(out.transpose(1, 2).reshape(batch, n, -1).to(x.dtype))
 
@@ -145,8 +151,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x, cos, sin, cache, parents):  # x: [B, N, dim] -> [B, N, dim]
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache, parents)
+    def forward(self, x, cos, sin, cache, plan):  # x: [B, N, dim] -> [B, N, dim]
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, plan)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -245,19 +251,21 @@ class Llama(nn.Module):
         self._check_forward(tokens, cache, parents, hidden_layers)
         batch, n = tokens.shape
         if parents is None:
-            depths = torch.arange(n, device=tokens.device).expand(batch, n)
-            parents = depths - 1
-        else:
-            depths = tree_depths(parents)  # also validates parents
+            parents = torch.arange(-1, n - 1, device=tokens.device).expand(batch, n)
         cache.begin_pass(n)  # raises before any work if a row has no room for n more tokens
+        # The tree's bookkeeping (validation, masks, depths), once for all layers. The cache's
+        # padding is finite (see StaticKVCache), so attention may read it under its mask.
+        plan = prepare_tree(
+            parents, cache.lengths, cache.max_len, dtype=cache.dtype, finite_padding=True
+        )
         cos, sin = self._rope(tokens.device)
-        positions = cache.lengths[:, None] + depths  # [B, N], < cache.max_len <= max_seq_len
-        cos, sin = cos[positions], sin[positions]  # [B, N, D/2]
+        positions = cache.lengths[:, None] + plan.depths  # [B, N] < cache.max_len <= max_seq_len
+        cos, sin = cos[positions][:, :, None], sin[positions][:, :, None]  # [B, N, 1, D]
 
         x = self.tok_embeddings(tokens)
         hidden = {0: x} if 0 in hidden_layers else {}
         for i, layer in enumerate(self.layers, start=1):
-            x = layer(x, cos, sin, cache, parents)
+            x = layer(x, cos, sin, cache, plan)
             if i in hidden_layers:
                 hidden[i] = x
         x = self.norm(x)

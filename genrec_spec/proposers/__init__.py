@@ -1,1 +1,14 @@
 """Proposers: one drafter per module, each producing a DraftTree."""
+
+from genrec_spec.proposers.draft_model import DraftModelProposer, layer_skip_copy
+from genrec_spec.proposers.lookahead import LookaheadProposer
+from genrec_spec.proposers.ngram import NgramTrie, PromptLookup, TrieProposer
+
+__all__ = [
+    "DraftModelProposer",
+    "LookaheadProposer",
+    "NgramTrie",
+    "PromptLookup",
+    "TrieProposer",
+    "layer_skip_copy",
+]

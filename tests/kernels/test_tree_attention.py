@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from genrec_spec.kernels import TreeAttentionError, tree_attention
+from genrec_spec.kernels import TreeAttentionError, prepare_tree, tree_attention
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -81,11 +81,23 @@ def test_reference_matches_per_node_oracle(random_inputs, tree_kinds, data):
 
 
 def check_against_reference(inputs, backend, dtype):
-    out, lse = tree_attention(*inputs, backend=backend, return_lse=True)
+    """With and without a prebuilt plan (which must give exactly the same result); on the CPU
+    backend also without the log-sum-exp, which takes the dense path for float32."""
     expected_out, expected_lse = tree_attention(*inputs, backend="torch", return_lse=True)
+    q, k_root, _, root_lens, _, _, parents = inputs
+    plan = prepare_tree(parents, root_lens, k_root.shape[2], dtype=q.dtype)
+    out, lse = tree_attention(*inputs, backend=backend, return_lse=True)
+    planned_out, planned_lse = tree_attention(*inputs, backend=backend, return_lse=True, plan=plan)
     assert out.dtype == dtype and lse.dtype == torch.float32 and not out.isnan().any()
     assert_matches(out, expected_out, dtype)
     assert_matches(lse, expected_lse, torch.float32)
+    assert torch.equal(planned_out, out) and torch.equal(planned_lse, lse)
+    if backend != "cpu":
+        return
+    out = tree_attention(*inputs, backend=backend)
+    assert out.dtype == dtype and not out.isnan().any()
+    assert_matches(out, expected_out, dtype)
+    assert torch.equal(tree_attention(*inputs, backend=backend, plan=plan), out)
 
 
 @settings(max_examples=40, **PROPERTY)

@@ -105,3 +105,32 @@ def test_misuse_raises(llama_kit, tied):
         cache.commit(torch.zeros(3, 1, dtype=torch.int64), one)
     with pytest.raises(KVCacheError, match="positive sizes"):
         tied.new_cache(0, 8)
+
+
+@torch.no_grad()
+def test_pending_entries_sit_after_the_longest_row(llama_kit, tied):
+    """A pass writes its K/V at [max(lengths), max(lengths) + N) of every row and leaves the
+    committed entries alone; commit moves a path from there to each row's own end."""
+    cache, _ = llama_kit.prefill(tied, llama_kit.PROMPTS, max_len=16)
+    committed = cache.k.clone()
+    longest = max(map(len, llama_kit.PROMPTS))
+    tied(torch.tensor([[10, 11], [12, 13], [14, 15]]), cache)
+    assert cache.pending == (longest, 2)
+    for b, prompt in enumerate(llama_kit.PROMPTS):
+        assert torch.equal(cache.k[:, b, :, : len(prompt)], committed[:, b, :, : len(prompt)])
+    pending = cache.k[:, :, :, longest : longest + 2].clone()
+    cache.commit(torch.tensor([[0, 1], [1, 0], [0, 0]]), torch.tensor([2, 1, 0]))
+    for b, (prompt, nodes) in enumerate(zip(llama_kit.PROMPTS, [[0, 1], [1], []], strict=True)):
+        end = len(prompt) + len(nodes)
+        assert torch.equal(cache.k[:, b, :, len(prompt) : end], pending[:, b, :, nodes])
+
+
+@torch.no_grad()
+def test_lengths_set_directly_after_copying_into_a_bigger_cache(llama_kit, tied, check_next):
+    """Growing a cache (copy K/V, set lengths) keeps the bound on the longest row true, so the
+    next pass's pending entries cannot land on committed ones."""
+    small, _ = llama_kit.prefill(tied, llama_kit.PROMPTS, max_len=10)
+    big = tied.new_cache(3, 20)
+    big.k[:, :, :, :10], big.v[:, :, :, :10] = small.k, small.v
+    big.lengths = small.lengths
+    check_next(tied, big, llama_kit.PROMPTS, [1, 2, 3])

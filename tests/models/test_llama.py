@@ -95,6 +95,19 @@ def test_commit_a_tree_path_then_decode_equals_plain_decoding(llama_kit, tiny_ll
 
 
 @torch.no_grad()
+def test_a_forward_validates_its_tree_once(llama_kit, tiny_llama, monkeypatch):
+    """The tree bookkeeping (validation, masks) is paid once per pass, not once per layer."""
+    from genrec_spec.kernels import tree_plan
+
+    calls = []
+    check = tree_plan.check_parents
+    monkeypatch.setattr(tree_plan, "check_parents", lambda p: calls.append(p) or check(p))
+    cache, _ = llama_kit.prefill(tiny_llama, llama_kit.PROMPTS, max_len=32)
+    tiny_llama(torch.ones(3, 4, dtype=torch.int64), cache, llama_kit.random_parents(3, 4, None))
+    assert len(calls) == 2 and llama_kit.TINY.n_layers == 3  # prefill + tree pass
+
+
+@torch.no_grad()
 def test_explicit_chain_parents_equal_none(llama_kit, tiny_llama):
     cache, _ = llama_kit.prefill(tiny_llama, llama_kit.PROMPTS, max_len=32)
     tokens = torch.tensor([[1, 2, 3, 4]] * 3)

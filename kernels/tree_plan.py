@@ -1,0 +1,157 @@
+"""A tree-attention plan: what every layer's call derives from (parents, root_lens), built once.
+
+A model calls ``tree_attention`` once per layer with the same tree and the same root lengths.
+``prepare_tree`` validates them once (the value checks are the op's host syncs) and precomputes
+every view of the tree the backends read; ``tree_attention(..., plan=plan)`` then skips all of
+that, so a forward pass pays the tree bookkeeping once, not once per layer.
+
+On CPU the plan also picks the CPU path for the shape and dtype (see
+``DENSE_MAX_MASK_ELEMENTS``) and, for the dense one, prebuilds its additive mask.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from genrec_spec.kernels.tree_mask import (
+    TreeAttentionError,
+    ancestor_mask,
+    check_parents,
+    pack_bits,
+)
+
+# The CPU path for a plan: the dense one (one SDPA call over [root | tree] keys with the plan's
+# prebuilt additive mask, GQA without repeated K/V) for float32 while the mask has at most this
+# many elements (64 MiB), the split one otherwise. Measured at one thread with SmolLM2's heads
+# (9 query / 3 KV, head dim 64) on roots of 128-2048 keys: dense is 2-7x faster than split at
+# N = 1-8 (a few ops against split's ~40) and still 1.3-1.6x faster at N = 64-512 (one fused
+# kernel against separate passes). CPU SDPA in float16 was 2-4x slower than split, in bfloat16
+# up to 2x slower at N = 1 on long roots, so half types keep the split path.
+DENSE_MAX_MASK_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True, eq=False)
+class TreePlan:
+    """Per-forward description of B trees of N nodes over roots padded to S keys.
+
+    Built by ``prepare_tree``; tensors live on the tree's device. ``host_root_lens``,
+    ``dense_mask`` and ``root_padding`` exist on CPU only (on a GPU the lengths' host copy
+    would be a sync and nothing there reads them)."""
+
+    parents: torch.Tensor  # [B, N] int64, the tensor the plan was built from
+    root_lens: torch.Tensor  # [B] int64, the tensor the plan was built from
+    root_size: int  # S, the padded root length the lengths were checked against
+    dtype: torch.dtype  # the attention inputs' dtype the plan was built for
+    visible: torch.Tensor  # [B, N, N] bool: node i sees tree node j (itself or an ancestor)
+    depths: torch.Tensor  # [B, N] int64: number of tree ancestors (position past the root)
+    bits: torch.Tensor  # [B, N, W] int32: ``visible`` packed 32 nodes per word (Triton)
+    host_root_lens: tuple[int, ...] | None  # root_lens on the host (CPU only)
+    # Dense CPU path only (None: take the split path): over keys [root[:max_len] | tree], 0
+    # where visible and -inf where not.
+    dense_mask: torch.Tensor | None  # [B, 1, N, max_len + N]
+    # Dense path with ragged roots whose padding may be non-finite: True at the padding keys
+    # among root positions [min_len, max_len), zeroed in the copied keys before SDPA reads them.
+    root_padding: torch.Tensor | None  # [B, 1, max_len - min_len, 1] bool
+
+    @property
+    def shape(self) -> tuple[int, int, int]:  # (B, N, S)
+        return (*self.parents.shape, self.root_size)
+
+    @property
+    def max_root_len(self) -> int:  # CPU only
+        return max(self.host_root_lens)
+
+    @property
+    def min_root_len(self) -> int:  # CPU only
+        return min(self.host_root_lens)
+
+
+def prepare_tree(
+    parents: torch.Tensor,  # [B, N] int64, -1 <= parents[b, i] < i
+    root_lens: torch.Tensor,  # [B] int64, 0 <= root_lens[b] <= root_size
+    root_size: int,  # S = k_root.shape[2], the padded root length
+    *,
+    dtype: torch.dtype = torch.float32,
+    finite_padding: bool = False,
+) -> TreePlan:
+    """Validate a tree and its root lengths once and precompute what ``tree_attention`` needs.
+
+    ``dtype`` is the attention inputs' dtype (the dense CPU mask is built in it). With
+    ``finite_padding=True`` the caller promises that padded root keys/values (positions past a
+    row's length) hold finite numbers, as a zero-initialised KV cache that only ever receives
+    model outputs does: the dense CPU path may then read them under its -inf mask (weight
+    exactly 0) instead of zeroing them in a copy, which lets it read a cache in place. Without
+    the promise padding may hold anything, NaN included.
+
+    Raises ``TreeAttentionError`` on bad shapes or values (one host sync each on a GPU)."""
+    _check_tree_inputs(parents, root_lens, root_size)
+    check_parents(parents)
+    if bool(((root_lens < 0) | (root_lens > root_size)).any()):
+        raise TreeAttentionError(
+            f"root_lens {root_lens.tolist()} must lie in [0, {root_size}] (S = k_root.shape[2])",
+            "clip each row's root length to the padded root size S",
+        )
+    visible = ancestor_mask(parents, validate=False)
+    host_lens = dense_mask = root_padding = None
+    if parents.device.type == "cpu":
+        host_lens = tuple(root_lens.tolist())  # free on CPU
+        batch, n = parents.shape
+        mask_elements = batch * n * (max(host_lens) + n)
+        if dtype == torch.float32 and mask_elements <= DENSE_MAX_MASK_ELEMENTS:
+            dense_mask, root_padding = _dense_masks(visible, root_lens, host_lens, dtype)
+            root_padding = None if finite_padding else root_padding
+    return TreePlan(
+        parents=parents,
+        root_lens=root_lens,
+        root_size=root_size,
+        dtype=dtype,
+        visible=visible,
+        depths=visible.sum(dim=-1) - 1,
+        bits=pack_bits(visible),
+        host_root_lens=host_lens,
+        dense_mask=dense_mask,
+        root_padding=root_padding,
+    )
+
+
+def _dense_masks(
+    visible: torch.Tensor,  # [B, N, N] bool
+    root_lens: torch.Tensor,  # [B] int64
+    host_lens: tuple[int, ...],
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # [B, 1, N, max + N], [B, 1, max - min, 1]
+    """The dense path's additive mask over [root[:max] | tree] keys, and its padding mask."""
+    batch, n, _ = visible.shape
+    low, high = min(host_lens), max(host_lens)
+    root_visible = torch.arange(high, device=visible.device) < root_lens[:, None]  # [B, max]
+    keys_visible = torch.cat([root_visible[:, None, :].expand(batch, n, high), visible], dim=2)
+    mask = torch.zeros(batch, 1, n, high + n, dtype=dtype, device=visible.device)
+    mask.masked_fill_(~keys_visible[:, None], float("-inf"))
+    padding = ~root_visible[:, None, low:, None] if low < high else None
+    return mask, padding
+
+
+def _check_tree_inputs(parents: torch.Tensor, root_lens: torch.Tensor, root_size: int) -> None:
+    """Shapes, dtypes and devices of a tree and its root lengths (no values: no host sync)."""
+    if root_lens.dtype.is_floating_point or root_lens.dtype == torch.bool:
+        raise TreeAttentionError(
+            f"root_lens must be an integer tensor, got {root_lens.dtype}",
+            "pass root_lens as int64 lengths of each row's root context",
+        )
+    if parents.dim() != 2 or tuple(root_lens.shape) != (parents.shape[0],):
+        raise TreeAttentionError(
+            f"parents has shape {tuple(parents.shape)} and root_lens {tuple(root_lens.shape)}, "
+            "expected [B, N] and [B]",
+            "pass one tree (parents [B, N]) and one root length per row",
+        )
+    if parents.shape[1] == 0:
+        raise TreeAttentionError("the tree has no nodes (N = 0)", "pass at least one tree node")
+    if root_lens.device != parents.device:
+        raise TreeAttentionError(
+            f"root_lens is on {root_lens.device} but parents is on {parents.device}",
+            "put all inputs on one device",
+        )
+    if root_size < 0:
+        raise TreeAttentionError(
+            f"root_size {root_size} is negative", "pass k_root.shape[2] as root_size"
+        )

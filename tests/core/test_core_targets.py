@@ -1,0 +1,108 @@
+"""Target adapters score a branching tree exactly as the cache-free callable does, before and
+after committing rows' different paths, and expose hidden states for trained drafters."""
+
+import pytest
+import torch
+from transformers import LlamaConfig as HFLlamaConfig
+from transformers import LlamaForCausalLM
+
+from genrec_spec import CallableTarget, DraftTree, HFTarget, NativeTarget
+from genrec_spec.models.llama import Llama, LlamaConfig
+
+VOCAB = 50
+PROMPTS = torch.tensor([[3, 7, 9, 11, 2], [5, 8, 0, 0, 0], [1, 2, 3, 4, 0]])
+LENGTHS = torch.tensor([5, 2, 4])
+# Root, two children, grandchildren under both, and (row 1 only) a padding leaf.
+TREE = DraftTree(
+    tokens=torch.tensor([[2, 10, 11, 12, 13, 14], [8, 20, 21, 22, 23, 0], [4, 30, 31, 32, 33, 34]]),
+    parents=torch.tensor([[-1, 0, 0, 1, 2, 3], [-1, 0, 0, 1, 1, 0], [-1, 0, 0, 2, 3, 1]]),
+    valid=torch.tensor([[True] * 6, [True] * 5 + [False], [True] * 6]),
+)
+
+
+def models():
+    torch.manual_seed(0)
+    native = Llama(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            dim=32,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            hidden_dim=64,
+            max_seq_len=128,
+        )
+    ).eval()
+    hf = LlamaForCausalLM(
+        HFLlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    ).eval()
+    return {
+        "hf": (HFTarget(hf), lambda ids: hf(ids).logits),
+        "native": (
+            NativeTarget(native),
+            lambda ids: native(ids, native.new_cache(ids.shape[0], ids.shape[1])),
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", ["hf", "native"])
+def test_tree_scores_match_cache_free_callable(name):
+    target, fn = models()[name]
+    reference = CallableTarget(fn)
+    with torch.inference_mode():
+        caches = [t.prefill(PROMPTS, LENGTHS, 16) for t in (target, reference)]
+        got, want = (
+            t.score_tree(c, TREE) for t, c in zip((target, reference), caches, strict=True)
+        )
+        assert torch.allclose(got, want, atol=1e-4)
+        # Rows keep different paths (and row 2 keeps nothing: a finished row), then score a
+        # second tree on top of the new state.
+        nodes = torch.tensor([[0, 1, 3], [0, 2, 0], [0, 0, 0]])
+        counts = torch.tensor([3, 2, 0])
+        for t, c in zip((target, reference), caches, strict=True):
+            t.commit(c, nodes, counts)
+        second = DraftTree(
+            tokens=torch.tensor([[14, 1, 2], [23, 3, 4], [4, 5, 6]]),
+            parents=torch.tensor([[-1, 0, 0]] * 3),
+        )
+        got, want = (
+            t.score_tree(c, second) for t, c in zip((target, reference), caches, strict=True)
+        )
+        assert torch.allclose(got, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["hf", "native"])
+def test_hidden_states_for_drafters(name):
+    target, _ = models()[name]
+    with torch.inference_mode():
+        cache = target.prefill(PROMPTS, LENGTHS, 16, hidden_layers=(1, 2))
+        assert cache.hidden[2].shape == (3, 4, 32)  # the prompts minus their roots
+        target.score_tree(cache, TREE)
+        assert set(cache.hidden) == {1, 2} and cache.hidden[1].shape == (3, 6, 32)
+
+
+def test_native_cache_grows_for_big_trees():
+    target, fn = models()["native"]
+    reference = CallableTarget(fn)
+    n = 70  # more than the initial 64 slots
+    wide = DraftTree(
+        tokens=torch.arange(n).remainder(VOCAB).expand(3, n).clone(),
+        parents=torch.cat([torch.tensor([-1]), torch.zeros(n - 1, dtype=torch.long)])
+        .expand(3, n)
+        .contiguous(),
+    )
+    with torch.inference_mode():
+        cache = target.prefill(PROMPTS, LENGTHS, 0)
+        before = cache.kv.max_len
+        got = target.score_tree(cache, wide)
+        want = reference.score_tree(reference.prefill(PROMPTS, LENGTHS, 0), wide)
+    assert cache.kv.max_len > before
+    assert torch.allclose(got, want, atol=1e-4)
