@@ -4,17 +4,21 @@ For each shape (B rows, root length S, N tree nodes) and tree (a chain, candidat
 a Medusa-style tree) it times, side by side in one run:
 
 - ``reference``: the public op with backend="torch" (dense mask, fp32 softmax);
-- ``split``: backend="cpu" (what "auto" picks without a GPU);
+- ``split``: backend="cpu" with the log-sum-exp returned, which forces the split path (root
+  part as one matmul shared by all nodes, tree part with the small ancestor mask, merged by
+  log-sum-exp);
+- ``cpu``: backend="cpu" as "auto" picks it without a GPU (for fp32 and moderate masks one SDPA
+  call over [root | tree] with the tree plan's additive mask, else the split path);
 - ``sdpa-dense``: ``F.scaled_dot_product_attention`` with a dense boolean mask;
 - on CUDA also ``triton`` (the public op), ``triton-kernel`` (the kernel launch alone, ancestor
   bitmask prebuilt) and ``flex`` (compiled FlexAttention with a block mask).
 
 The baselines get their concatenated K/V and masks prebuilt outside the timing (their best
-case); ``reference``, ``split`` and ``triton`` are timed as the public op is called, input checks
-and mask building included. Times are medians over repeats; ``speedup`` is over sdpa-dense on
-GPU and over the reference on CPU; ``GB/s`` is the bytes floor (each row's root K/V read once,
-tree Q/K/V read once, output written once) divided by the time; ``max err`` is the largest
-absolute difference from the reference's output.
+case); ``reference``, ``split``, ``cpu`` and ``triton`` are timed as the public op is called,
+input checks and mask building included. Times are medians over repeats; ``speedup`` is over
+sdpa-dense on GPU and over the reference on CPU; ``GB/s`` is the bytes floor (each row's root
+K/V read once, tree Q/K/V read once, output written once) divided by the time; ``max err`` is
+the largest absolute difference from the reference's output.
 """
 
 import argparse
@@ -168,7 +172,9 @@ def prepare_methods(
     k, v, mask = dense_inputs(x)
     methods = {
         "reference": lambda: tree_attention(**x, backend="torch"),
-        "split": lambda: tree_attention(**x, backend="cpu"),
+        # return_lse forces the split path (root matmul + tree mask, merged by log-sum-exp).
+        "split": lambda: tree_attention(**x, backend="cpu", return_lse=True)[0],
+        "cpu": lambda: tree_attention(**x, backend="cpu"),
         "sdpa-dense": lambda: F.scaled_dot_product_attention(
             x["q"], k, v, attn_mask=mask, enable_gqa=True
         ),

@@ -54,8 +54,10 @@ def tree_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # out [B, Hq, N, D] (, lse [B, Hq, N])
     """Shared-context tree attention.
 
-    Row b's root keys are ``k_root[b, :, :root_lens[b]]`` (the rest is padding, never read by
-    the split and Triton paths). Query head h uses KV head ``h // (Hq // Hkv)`` (grouped-query
+    Row b's root keys are ``k_root[b, :, :root_lens[b]]``; the rest is padding and may hold
+    anything, NaN included (the split and Triton paths never read it, the dense CPU path zeroes
+    it in its copy of the keys, or reads it under a -inf mask when the plan was built with
+    ``finite_padding=True``). Query head h uses KV head ``h // (Hq // Hkv)`` (grouped-query
     attention). ``scale`` defaults to ``D ** -0.5``. Returns the output in q's dtype and, with
     ``return_lse``, the fp32 natural log-sum-exp of each query's scaled scores, which lets a
     caller merge this attention with another over more keys. Raises ``TreeAttentionError`` (a

@@ -79,9 +79,10 @@ def tree_attention_dense(
     plan: TreePlan,
     scale: float,
 ) -> torch.Tensor:  # out [B, Hq, N, D]
-    """The dense CPU path for small trees: one SDPA call (GQA without repeated K/V) over the
-    keys [root[:max_len] | tree] with the plan's prebuilt additive mask, so its cost is a few
-    ops. Needs ``plan.dense_mask``; returns no log-sum-exp (SDPA does not give it)."""
+    """The dense CPU path: one SDPA call (GQA without repeated K/V) over the keys
+    [root[:max_len] | tree] with the plan's prebuilt additive mask, a few ops in all. Needs
+    ``plan.dense_mask`` (the plan decides, see ``tree_plan.DENSE_MAX_MASK_ELEMENTS``); returns
+    no log-sum-exp (SDPA does not give it)."""
     keys = _join(k_root, k_tree, plan)
     values = _join(v_root, v_tree, plan)
     grouped = q.shape[1] != k_root.shape[1]

@@ -23,10 +23,11 @@ from genrec_spec.kernels.tree_mask import (
 # The CPU path for a plan: the dense one (one SDPA call over [root | tree] keys with the plan's
 # prebuilt additive mask, GQA without repeated K/V) for float32 while the mask has at most this
 # many elements (64 MiB), the split one otherwise. Measured at one thread with SmolLM2's heads
-# (9 query / 3 KV, head dim 64) on roots of 128-2048 keys: dense is 2-7x faster than split at
-# N = 1-8 (a few ops against split's ~40) and still 1.3-1.6x faster at N = 64-512 (one fused
-# kernel against separate passes). CPU SDPA in float16 was 2-4x slower than split, in bfloat16
-# up to 2x slower at N = 1 on long roots, so half types keep the split path.
+# (9 query / 3 KV, head dim 64), B 1 and 8, roots of 128-2048 keys, tree K/V copied in: dense
+# is 1.3-3.8x faster than split at N = 1-64 (most on short roots, where split's ~40 small ops
+# dominate) and 1.3-1.6x at N = 128-512; reading a cache in place (no copy) adds up to 1.4x.
+# CPU SDPA in float16 was 2-4x slower than split, in bfloat16 up to 2x slower at N = 1 on long
+# roots, so half types keep the split path.
 DENSE_MAX_MASK_ELEMENTS = 1 << 24
 
 
@@ -54,10 +55,6 @@ class TreePlan:
     root_padding: torch.Tensor | None  # [B, 1, max_len - min_len, 1] bool
 
     @property
-    def shape(self) -> tuple[int, int, int]:  # (B, N, S)
-        return (*self.parents.shape, self.root_size)
-
-    @property
     def max_root_len(self) -> int:  # CPU only
         return max(self.host_root_lens)
 
@@ -76,7 +73,7 @@ def prepare_tree(
 ) -> TreePlan:
     """Validate a tree and its root lengths once and precompute what ``tree_attention`` needs.
 
-    ``dtype`` is the attention inputs' dtype (the dense CPU mask is built in it). With
+    ``dtype`` is the attention inputs' dtype (the dense CPU path serves float32 only). With
     ``finite_padding=True`` the caller promises that padded root keys/values (positions past a
     row's length) hold finite numbers, as a zero-initialised KV cache that only ever receives
     model outputs does: the dense CPU path may then read them under its -inf mask (weight

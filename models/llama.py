@@ -252,12 +252,12 @@ class Llama(nn.Module):
         batch, n = tokens.shape
         if parents is None:
             parents = torch.arange(-1, n - 1, device=tokens.device).expand(batch, n)
-        cache.begin_pass(n)  # raises before any work if a row has no room for n more tokens
         # The tree's bookkeeping (validation, masks, depths), once for all layers. The cache's
         # padding is finite (see StaticKVCache), so attention may read it under its mask.
         plan = prepare_tree(
             parents, cache.lengths, cache.max_len, dtype=cache.dtype, finite_padding=True
         )
+        cache.begin_pass(n)  # raises before any layer runs if a row has no room for n tokens
         cos, sin = self._rope(tokens.device)
         positions = cache.lengths[:, None] + plan.depths  # [B, N] < cache.max_len <= max_seq_len
         cos, sin = cos[positions][:, :, None], sin[positions][:, :, None]  # [B, N, 1, D]

@@ -28,7 +28,7 @@ def test_plan_holds_the_trees_views(n, tree_kinds, random_parents):
     assert torch.equal(plan.visible, ancestor_mask(parents))
     assert torch.equal(plan.depths, tree_depths(parents))
     assert torch.equal(plan.bits, ancestor_bitmask(parents))
-    assert plan.shape == (4, n, 8) and plan.host_root_lens == (0, 3, 7, 7)
+    assert plan.root_size == 8 and plan.host_root_lens == (0, 3, 7, 7)
     # The dense mask over [root[:7] | tree]: row b sees its first lens[b] root keys and its
     # ancestors; the padding mask marks root positions 0..6 past each row's length.
     root = torch.arange(7) < lens[:, None]

@@ -108,6 +108,22 @@ def test_a_forward_validates_its_tree_once(llama_kit, tiny_llama, monkeypatch):
 
 
 @torch.no_grad()
+def test_attention_reads_the_cache_in_place(llama_kit, tiny_llama, monkeypatch):
+    """On CPU every layer's attention reads [committed | pending] K/V as one slice of the cache
+    (ragged rows included), never a copy of the committed entries."""
+    from genrec_spec.kernels import tree_attention_torch
+
+    found = []
+    follows = tree_attention_torch._follows
+    monkeypatch.setattr(
+        tree_attention_torch, "_follows", lambda *args: found.append(follows(*args)) or found[-1]
+    )
+    cache, _ = llama_kit.prefill(tiny_llama, llama_kit.PROMPTS, max_len=32)
+    tiny_llama(torch.ones(3, 5, dtype=torch.int64), cache, llama_kit.random_parents(3, 5, None))
+    assert found == [True] * 2 * 2 * llama_kit.TINY.n_layers  # K and V, prefill and tree pass
+
+
+@torch.no_grad()
 def test_explicit_chain_parents_equal_none(llama_kit, tiny_llama):
     cache, _ = llama_kit.prefill(tiny_llama, llama_kit.PROMPTS, max_len=32)
     tokens = torch.tensor([[1, 2, 3, 4]] * 3)
