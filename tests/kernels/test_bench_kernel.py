@@ -29,7 +29,7 @@ def test_benchmark_runs_and_every_method_agrees(capsys):
     args = parser.parse_args(["--shapes", "2x48x12", "--repeats", "1", "--warmup", "0"])
     assert bench_kernel.run(args) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
-    expected_methods = ["reference", "split", "sdpa-dense"]
+    expected_methods = ["reference", "split", "cpu", "sdpa-dense"]
     if torch.cuda.is_available():
         expected_methods += ["triton", "triton-kernel", "flex"]
     assert [row[4] for row in rows] == expected_methods * 3  # three tree shapes
