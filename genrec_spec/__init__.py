@@ -29,6 +29,7 @@ _EXPORTS = {
     "NativeTarget": "genrec_spec.targets",
     "Target": "genrec_spec.targets",
     "as_target": "genrec_spec.targets",
+    "recommend": "genrec_spec.recsys.recommend",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -6,4 +6,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "genrec_spec.bench_kernel",
         "shared-context tree attention: reference vs CPU split path (vs Triton/SDPA/Flex on GPU)",
     ),
+    "llm": (
+        "genrec_spec.bench_llm",
+        "SmolLM2 decoding: plain vs every speculative method vs Hugging Face, same run",
+    ),
+    "recsys": (
+        "genrec_spec.bench_recsys",
+        "recommendation decoders: batch-1 latency and throughput of each vs beam, same users",
+    ),
 }

@@ -19,8 +19,20 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "genrec_spec.data_pipelines.prepare",
         "raw interactions -> leave-one-out split -> item embeddings -> semantic IDs",
     ),
+    "train": ("genrec_spec.recsys.train", "train the Semantic-ID recommender on a prepared folder"),
+    "recommend": (
+        "genrec_spec.recsys.recommend_cli",
+        "top-K items for one user or history from a checkpoint",
+    ),
+    "evaluate": (
+        "genrec_spec.recsys.evaluate",
+        "HR/NDCG/MRR@K of a decoder on the valid or test split",
+    ),
     "generate": ("genrec_spec.generate_cli", "LLM text generation with a speculative method"),
-    "bench": ("genrec_spec.bench", "benchmarks: kernel, ratios against a same-run baseline"),
+    "bench": (
+        "genrec_spec.bench",
+        "benchmarks: kernel | llm | recsys, ratios against a same-run baseline",
+    ),
     "demo": ("genrec_spec.demo", "the main job on the embedded default (ML-100K)"),
 }
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from genrec_spec import ControllerConfig, NativeTarget, generate
+from genrec_spec.greedy_check import compare_greedy
 from genrec_spec.proposers import (
     DraftModelProposer,
     LookaheadProposer,
@@ -21,7 +22,6 @@ PROMPTS = [
     "<|im_start|>user\nCount from 1 to 10.<|im_end|>\n<|im_start|>assistant\n",
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
 ]
-TIE = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +34,8 @@ def smollm2(smollm2_model):
 
 def check_against_plain(model, prompts, plain, out):
     """Equal, or diverging only after a top-2 tie of the target at the divergence point."""
-    for prompt, want, got in zip(prompts, plain, out, strict=True):
-        if got == want:
-            continue
-        first = next(i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b)
-        seq = torch.tensor([prompt + want[:first]])
-        logits = model(seq, model.new_cache(1, seq.shape[1]))[0, -1]
-        top2 = logits.topk(2).values
-        assert float(top2[0] - top2[1]) < TIE, (first, want, got)
+    verdicts = compare_greedy(model, prompts, plain, out)
+    assert all(v == "yes" or v.startswith("tie@") for v in verdicts), (verdicts, plain, out)
 
 
 PROPOSERS = {

@@ -1,0 +1,461 @@
+"""LLM decoding benchmark: ``genrec-spec bench llm``.
+
+In one process and one run, on the same prompts and the same SmolLM2-135M-Instruct weights, it
+times plain decoding (``none``) and every speculative method of the core (``draft``: a
+layer-skipped copy of the target, ``ngram``: prompt lookup, ``trie``: multi-branch n-gram trie,
+``lookahead``), and what a user would pick instead: Hugging Face ``generate`` on the same
+weights, plain (``hf``) and with prompt lookup (``hf-lookup``; batch 1 only, as HF's assisted
+generation does not batch), for every batch size and temperature asked for.
+
+Columns:
+  tok/s    generated tokens / wall seconds over all prompts (median over repeats)
+  speedup  over plain decoding in the same run (ratio of the medians)
+  vs-hf    over the fastest Hugging Face option of the same batch size and temperature
+  acc-len  tokens emitted per row per target forward (plain decoding: 1.00)
+  exact    greedy runs: every row equals plain decoding's output ("yes"), or first differs at
+           generated token i where the target's top-2 logits are a tie < 1e-4 ("tie@i"), or
+           does not ("no@i": a bug); "ref" marks plain decoding itself, "-" sampled runs
+  accept   acceptance per draft position 1..k: accepted / drafted row-steps
+
+Timing: within each repeat the methods run round-robin one prompt batch at a time, the order
+rotating every batch, so drift of this shared machine hits every method alike; each method
+first decodes a few tokens untimed (warm-up). Batches of B > 1 hold prompts of uneven lengths
+(right-padded with their lengths for ours, left-padded with an attention mask for HF). Prompts
+come from the held-out ``bench`` split (``genrec_spec.prompts``). Example (the headline row):
+
+    genrec-spec bench llm --prompts humaneval --n 10 --max-new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from genrec_spec.decode import generate, pack_prompts
+from genrec_spec.greedy_check import compare_greedy
+from genrec_spec.types import DecodeStats, SamplingParams
+
+OURS = ("none", "draft", "ngram", "trie", "lookahead")
+HF = ("hf", "hf-lookup")
+METHODS = OURS + HF
+
+
+@dataclass(frozen=True)
+class BenchLLMConfig:
+    """Defaults of ``genrec-spec bench llm`` (the headline run: ~5-8 minutes here)."""
+
+    prompts: str = "humaneval"  # "humaneval", "fortunes" or a prompts file
+    split: str = "bench"  # prompts held out from drafter training (genrec_spec.prompts)
+    n: int = 10
+    max_new_tokens: int = 128
+    methods: tuple[str, ...] = METHODS  # "none" is always run: it is the baseline
+    batch_sizes: tuple[int, ...] = (1,)
+    temperatures: tuple[float, ...] = (0.0,)
+    repeats: int = 1  # one pass is ~5-8 minutes at the defaults; raise it for tighter medians
+    threads: int = 1  # torch CPU threads: one is fastest for one small model on 2 cores
+    seed: int = 0  # prompt draw and sampling
+    k: int = 4  # draft depth of draft, ngram and trie (the generate CLI's default)
+    draft_layers: int = 10  # layers of the target the draft method keeps
+    hf_lookup_tokens: int = 10  # HF's prompt_lookup_num_tokens
+    warmup_tokens: int = 4  # untimed tokens each method decodes first (first-call costs)
+    # --quick: a smoke test of every method, batch size > 1 and sampling in about a minute.
+    quick_n: int = 2
+    quick_max_new_tokens: int = 8
+    quick_batch_sizes: tuple[int, ...] = (1, 2)
+    quick_temperatures: tuple[float, ...] = (0.0, 0.8)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One method on one prompt batch."""
+
+    outputs: list[list[int]]  # generated tokens per row
+    seconds: float
+    stats: DecodeStats | None  # None for Hugging Face's generate
+
+
+@dataclass
+class Tally:
+    """One method's totals over one repeat (all prompt batches)."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    row_steps: int = 0
+    drafted: list[int] = field(default_factory=list)  # [K] row-steps per draft position
+    accepted: list[int] = field(default_factory=list)  # [K]
+    outputs: list[list[int]] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+    def add(self, run: Run) -> None:
+        self.tokens += sum(len(row) for row in run.outputs)
+        self.seconds += run.seconds
+        self.outputs += run.outputs
+        if run.stats is not None:
+            self.row_steps += run.stats.row_steps
+            self.drafted = _add(self.drafted, run.stats.drafted_per_position)
+            self.accepted = _add(self.accepted, run.stats.accepted_per_position)
+
+
+def _add(total: list[int], more: tuple[int, ...]) -> list[int]:
+    return [a + b for a, b in zip(total or [0] * len(more), more, strict=True)]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table."""
+
+    method: str
+    batch_size: int
+    temperature: float
+    tokens_per_s: float  # median over repeats
+    speedup: float  # over plain decoding (ratio of medians)
+    vs_hf: float | None  # over the fastest HF option of this batch size and temperature
+    accepted_length: float | None  # None for HF
+    exact: str  # "ref", "yes", "tie@i", "no@i" or "-"
+    acceptance: tuple[float, ...]  # [K] per draft position
+    tokens_per_s_repeats: tuple[float, ...]
+
+
+# --- methods -----------------------------------------------------------------------------------
+
+Runner = Callable[[list[list[int]], SamplingParams, int, int], Run]  # rows, sampling, seed, tokens
+
+
+def ours(model: object, proposer: object, eos: int | None) -> Runner:
+    """Our generate() with a proposer (None: plain decoding) on right-padded prompts."""
+
+    def run(rows: list[list[int]], sampling: SamplingParams, seed: int, new: int) -> Run:
+        tokens, lengths = pack_prompts(rows)  # [B, T] right-padded, [B]
+        start = time.perf_counter()
+        out = generate(
+            model,
+            tokens,
+            prompt_lengths=lengths,
+            proposer=proposer,
+            sampling=sampling,
+            max_new_tokens=new,
+            generator=torch.Generator().manual_seed(seed),
+            eos_token_id=eos,
+        )
+        return Run(out.tolist(), time.perf_counter() - start, out.stats)
+
+    return run
+
+
+def hugging_face(hf_model: object, eos: int | None, lookup_tokens: int | None) -> Runner:
+    """transformers' generate on left-padded prompts, with prompt lookup when lookup_tokens."""
+    pad = 0 if eos is None else eos
+
+    def run(rows: list[list[int]], sampling: SamplingParams, seed: int, new: int) -> Run:
+        ids, mask = left_padded(rows, pad)
+        options = {"do_sample": False}
+        if not sampling.greedy:  # top_k=0: HF's default of 50 would change the distribution
+            options = {"do_sample": True, "temperature": sampling.temperature, "top_k": 0}
+        if lookup_tokens:
+            options["prompt_lookup_num_tokens"] = lookup_tokens
+        torch.manual_seed(seed)  # HF samples from the global generator
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = hf_model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                eos_token_id=eos,
+                pad_token_id=pad,
+                **options,
+            )
+        seconds = time.perf_counter() - start
+        generated = out[:, ids.shape[1] :].tolist()
+        return Run([_cut_at_eos(row, eos) for row in generated], seconds, None)
+
+    return run
+
+
+def left_padded(rows: list[list[int]], pad: int) -> tuple[Tensor, Tensor]:
+    """Prompts left-padded with pad: ids [B, T] and attention mask [B, T] (1 = real token)."""
+    width = max(len(row) for row in rows)
+    ids = torch.tensor([[pad] * (width - len(row)) + row for row in rows])
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
+    return ids, mask
+
+
+def _cut_at_eos(row: list[int], eos: int | None) -> list[int]:
+    """HF pads finished rows after their eos; keep tokens up to and including the eos."""
+    return row[: row.index(eos) + 1] if eos is not None and eos in row else row
+
+
+def make_runners(
+    model: object, hf_model: object | None, settings: BenchLLMConfig, eos: int | None
+) -> dict[str, Runner]:
+    from genrec_spec.generate_cli import make_proposer
+
+    runners = {}
+    for method in settings.methods:
+        if method in OURS:
+            proposer = make_proposer(method, model, settings.k, settings.draft_layers)
+            runners[method] = ours(model, proposer, eos)
+        else:
+            lookup = settings.hf_lookup_tokens if method == "hf-lookup" else None
+            runners[method] = hugging_face(hf_model, eos, lookup)
+    return runners
+
+
+# --- the benchmark -----------------------------------------------------------------------------
+
+
+def benchmark(
+    model: object,
+    hf_model: object | None,
+    prompts: list[list[int]],
+    settings: BenchLLMConfig,
+    eos: int | None = None,
+    log: Callable[[str], None] = lambda line: None,
+) -> list[Row]:
+    """Every (batch size, temperature) of settings: every method on the same prompts (token
+    ids per prompt), timed round-robin; one Row per method that supports the batch size.
+
+    model: the native Llama; hf_model: the same weights as a transformers model (needed only
+    for the hf methods); log: receives one progress line per repeat."""
+    if "none" not in settings.methods:
+        raise ValueError("methods must include 'none': plain decoding is the baseline")
+    runners = make_runners(model, hf_model, settings, eos)
+    rows = []
+    for batch_size in settings.batch_sizes:
+        batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+        # HF's prompt lookup (assisted generation) runs batch 1 only.
+        methods = {m: r for m, r in runners.items() if batch_size == 1 or m != "hf-lookup"}
+        for temperature in settings.temperatures:
+            sampling = SamplingParams(temperature)
+            tallies = time_methods(methods, batches, sampling, settings)
+            for repeat in range(settings.repeats):
+                log(
+                    f"B={batch_size} T={temperature:g} repeat {repeat + 1}/{settings.repeats}: "
+                    + ", ".join(f"{m} {t[repeat].tokens_per_s:.1f}" for m, t in tallies.items())
+                    + " tok/s"
+                )
+            exact = _exactness(model, prompts, tallies) if sampling.greedy else {}
+            rows += _rows(tallies, batch_size, temperature, exact)
+    return rows
+
+
+def time_methods(
+    runners: dict[str, Runner],
+    batches: list[list[list[int]]],
+    sampling: SamplingParams,
+    settings: BenchLLMConfig,
+) -> dict[str, list[Tally]]:
+    """Method -> one Tally per repeat. Each method first decodes a few tokens untimed
+    (first-call allocations, lazy imports); then, per repeat and prompt batch, every method
+    runs once, starting one method later each batch."""
+    names = list(runners)
+    for name in names:
+        runners[name](batches[0], sampling, settings.seed, settings.warmup_tokens)
+    tallies = {name: [] for name in names}
+    for repeat in range(settings.repeats):
+        current = {name: Tally() for name in names}
+        for b, batch in enumerate(batches):
+            turn = (repeat * len(batches) + b) % len(names)
+            seed = settings.seed + 1000 * repeat + b  # the same for every method
+            for name in names[turn:] + names[:turn]:
+                current[name].add(runners[name](batch, sampling, seed, settings.max_new_tokens))
+        for name in names:
+            tallies[name].append(current[name])
+    return tallies
+
+
+def _exactness(
+    model: object, prompts: list[list[int]], tallies: dict[str, list[Tally]]
+) -> dict[str, str]:
+    """Greedy runs: each method's outputs (every repeat) against plain decoding's; the
+    verdict of a method is its first "no@i", else its first "tie@i", else "yes"."""
+    verdicts = {"none": "ref"}
+    for method, repeats in tallies.items():
+        if method == "none":
+            continue
+        rows = []
+        for tally, plain in zip(repeats, tallies["none"], strict=True):
+            rows += compare_greedy(model, prompts, plain.outputs, tally.outputs)
+        no = [v for v in rows if v.startswith("no@")]
+        ties = [v for v in rows if v.startswith("tie@")]
+        verdicts[method] = (no or ties or ["yes"])[0]
+    return verdicts
+
+
+def _rows(
+    tallies: dict[str, list[Tally]], batch_size: int, temperature: float, exact: dict[str, str]
+) -> list[Row]:
+    speed = {m: [t.tokens_per_s for t in ts] for m, ts in tallies.items()}
+    median = {m: statistics.median(s) for m, s in speed.items()}
+    hf_best = max((median[m] for m in median if m in HF), default=None)
+    rows = []
+    for method, repeats in tallies.items():
+        # Acceptance counts summed over every repeat.
+        tokens, steps = sum(t.tokens for t in repeats), sum(t.row_steps for t in repeats)
+        drafted = [sum(column) for column in zip(*(t.drafted for t in repeats), strict=True)]
+        accepted = [sum(column) for column in zip(*(t.accepted for t in repeats), strict=True)]
+        rows.append(
+            Row(
+                method=method,
+                batch_size=batch_size,
+                temperature=temperature,
+                tokens_per_s=median[method],
+                speedup=median[method] / median["none"],
+                vs_hf=None if hf_best is None else median[method] / hf_best,
+                accepted_length=tokens / steps if steps else None,
+                exact=exact.get(method, "-"),
+                acceptance=tuple(a / max(d, 1) for a, d in zip(accepted, drafted, strict=True)),
+                tokens_per_s_repeats=tuple(speed[method]),
+            )
+        )
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = [
+        f"{'method':<10} {'B':>2} {'T':>4} {'tok/s':>7} {'speedup':>8} {'vs-hf':>6} "
+        f"{'acc-len':>7} {'exact':>7}  accept per draft position"
+    ]
+    for r in rows:
+        vs_hf = "-" if r.vs_hf is None else f"{r.vs_hf:.2f}x"
+        length = "-" if r.accepted_length is None else f"{r.accepted_length:.2f}"
+        accept = " ".join(f"{a:.2f}" for a in r.acceptance) or "-"
+        lines.append(
+            f"{r.method:<10} {r.batch_size:>2} {r.temperature:>4g} {r.tokens_per_s:>7.2f} "
+            f"{r.speedup:>7.2f}x {vs_hf:>6} {length:>7} {r.exact:>7}  {accept}"
+        )
+    return "\n".join(lines)
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def _list(kind: type) -> Callable[[str], tuple]:
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(kind(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list") from None
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    c = BenchLLMConfig()
+    parser.add_argument(
+        "--prompts", default=c.prompts, help="humaneval, fortunes or a prompts file"
+    )
+    parser.add_argument("--split", default=c.split, choices=["bench", "train", "all"])
+    parser.add_argument("--n", type=int, help=f"prompts (default {c.n}; --quick {c.quick_n})")
+    parser.add_argument("--max-new-tokens", type=int, help=f"default {c.max_new_tokens}")
+    parser.add_argument(
+        "--methods", type=_list(str), default=c.methods, help=f"of {','.join(METHODS)}"
+    )
+    parser.add_argument("--batch-sizes", type=_list(int), help="e.g. 1,8 (default 1)")
+    parser.add_argument("--temperatures", type=_list(float), help="e.g. 0,0.8 (default 0)")
+    parser.add_argument("--repeats", type=int, default=c.repeats)
+    parser.add_argument("--threads", type=int, default=c.threads, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=c.seed)
+    parser.add_argument("--k", type=int, default=c.k, help="draft depth (draft, ngram, trie)")
+    parser.add_argument("--draft-layers", type=int, default=c.draft_layers)
+    parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke test: n={c.quick_n}, {c.quick_max_new_tokens} tokens, "
+        f"B={c.quick_batch_sizes}, T={c.quick_temperatures} unless given",
+    )
+
+
+def settings_from(args: argparse.Namespace) -> BenchLLMConfig:
+    """The run's settings: explicit options, else --quick's, else the defaults."""
+    c = BenchLLMConfig()
+    q = args.quick
+
+    def pick(value, quick, default):
+        return value if value is not None else quick if q else default
+
+    unknown = [m for m in args.methods if m not in METHODS]
+    settings = replace(
+        c,
+        prompts=args.prompts,
+        split=args.split,
+        n=pick(args.n, c.quick_n, c.n),
+        max_new_tokens=pick(args.max_new_tokens, c.quick_max_new_tokens, c.max_new_tokens),
+        # plain decoding first: it is every speedup's denominator
+        methods=("none",) + tuple(dict.fromkeys(m for m in args.methods if m != "none")),
+        batch_sizes=pick(args.batch_sizes, c.quick_batch_sizes, c.batch_sizes),
+        temperatures=pick(args.temperatures, c.quick_temperatures, c.temperatures),
+        repeats=args.repeats,
+        threads=args.threads,
+        seed=args.seed,
+        k=args.k,
+        draft_layers=args.draft_layers,
+    )
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; choose from {','.join(METHODS)}")
+    counts = (settings.n, settings.max_new_tokens, settings.repeats, settings.threads, settings.k)
+    if not settings.batch_sizes or min(counts + settings.batch_sizes) < 1:
+        raise ValueError("--n, --max-new-tokens, --repeats, --threads, --k, --batch-sizes: >= 1")
+    if not settings.temperatures or min(settings.temperatures) < 0:
+        raise ValueError("--temperatures: give values >= 0 (0 = greedy)")
+    return settings
+
+
+def run(args: argparse.Namespace) -> int:
+    from genrec_spec.models.smollm2 import load_smollm2, smollm2_hf_dir
+    from genrec_spec.prompts import load_prompts
+
+    settings = settings_from(args)
+    torch.set_num_threads(settings.threads)
+    model, tokenizer = load_smollm2()
+    texts = load_prompts(settings.prompts, settings.n, settings.seed, settings.split, tokenizer)
+    prompts = [tokenizer(text)["input_ids"] for text in texts]
+    hf_model = None
+    if any(m in HF for m in settings.methods):
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging
+
+        logging.set_verbosity_error()  # generate's notes on generation flags
+        hf_model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir(), dtype=torch.float32)
+        hf_model.eval()
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    rows = benchmark(
+        model,
+        hf_model,
+        prompts,
+        settings,
+        tokenizer.eos_token_id,
+        log=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    load_after = os.getloadavg()[0]
+    lengths = [len(p) for p in prompts]
+    print(
+        f"SmolLM2-135M-Instruct on cpu, {settings.threads} thread(s): {settings.prompts} "
+        f"({settings.split} split) n={len(prompts)}, prompt tokens {min(lengths)}-{max(lengths)}, "
+        f"max_new_tokens={settings.max_new_tokens}, median of {settings.repeats} repeat(s); "
+        f"{time.perf_counter() - started:.0f} s, load average {load_before:.2f} -> "
+        f"{load_after:.2f}"
+    )
+    print(format_table(rows))
+    if args.json:
+        report = {
+            "settings": asdict(settings),
+            "load_average": [load_before, load_after],
+            "rows": [asdict(row) for row in rows],
+        }
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0

@@ -1,0 +1,284 @@
+"""Recommendation decoding benchmark: ``genrec-spec bench recsys --ckpt CKPT``.
+
+In one process and one run, on the same users of the held-out split and the same checkpoint,
+it times every decoder (``beam``, ``spec_beam``, ``heads``, ``rpg`` over its item graph,
+``rpg-exact`` scoring every item, ``nezha``) with the same K and the same beam width (given to
+every decoder that has one: beam, spec_beam, nezha).
+
+Columns:
+  p50 / p99      latency per request at batch 1 (one user per call), milliseconds
+  speedup        beam's p50 / this decoder's p50
+  passes         sequential backbone passes per request (beam: one per code level)
+  users/s @B     throughput at batch B (median over repeats) and its speedup over beam's
+  same           fraction of users whose top-K equals beam's (items and order); spec_beam
+                 must be 1.00
+  overlap        mean |top-K ∩ beam's top-K| / K
+
+Timing: at batch 1 the decoders take turns user by user, the order rotating every user; at
+batch B they take turns batch by batch. Drift of this shared machine then hits every decoder
+alike. Each decoder first runs once untimed (warm-up; the rpg item graph is built there and its
+build time is reported apart). ``torch.set_num_threads(1)`` by default: one thread is fastest
+for one small model on 2 cores. Example (the README's table):
+
+    genrec-spec bench recsys --ckpt CKPT --users 200 --k 10 --beam-width 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from genrec_spec.data_pipelines.trie import PrefixTrie
+from genrec_spec.recsys.evaluate import load_model_and_data, options_for, sample_users
+from genrec_spec.recsys.recommend import get_decoder
+
+# Benchmark rows that are a registered decoder with fixed options.
+VARIANTS: dict[str, tuple[str, dict]] = {"rpg-exact": ("rpg", {"mode": "exact"})}
+DECODERS = ("beam", "spec_beam", "heads", "rpg", "rpg-exact", "nezha")
+
+
+@dataclass(frozen=True)
+class BenchRecsysConfig:
+    """Defaults of ``genrec-spec bench recsys``."""
+
+    decoders: tuple[str, ...] = DECODERS  # "beam" is always run: it is the baseline
+    split: str = "test"
+    k: int = 10
+    beam_width: int = 20  # of beam, spec_beam and nezha (beam's own default for k = 10)
+    users: int = 200  # users timed at batch 1 (a fixed random subset of the split)
+    batch_sizes: tuple[int, ...] = (64, 256)
+    batches: int = 2  # batches per batch size and repeat (same users for every decoder)
+    repeats: int = 3  # throughput repeats (median)
+    threads: int = 1
+    seed: int = 0
+    # --quick: a smoke test of every decoder and both timings in seconds.
+    quick_users: int = 4
+    quick_batch_sizes: tuple[int, ...] = (3,)
+    quick_repeats: int = 1
+
+
+@dataclass(frozen=True)
+class Row:
+    decoder: str
+    p50_ms: float
+    p99_ms: float
+    speedup: float  # beam's p50 / p50
+    passes: float  # sequential backbone passes per batch-1 request
+    users_per_s: dict[int, float]  # batch size -> median throughput
+    throughput_speedup: dict[int, float]  # batch size -> over beam
+    same_as_beam: float  # fraction of batch-1 users with beam's exact top-K
+    overlap: float  # mean |top-K ∩ beam's| / K
+
+
+def make_decoders(names: tuple[str, ...], beam_width: int) -> dict:
+    """name -> decode(model, values, offsets, *, k, trie) with the row's options bound."""
+    runners = {}
+    for name in names:
+        base, options = VARIANTS.get(name, (name, {}))
+        decode = get_decoder(base)
+        options = options | options_for(decode, {"beam_width": beam_width})
+
+        def bound(model, values, offsets, *, k, trie, _decode=decode, _options=options):
+            return _decode(model, values, offsets, k=k, trie=trie, **_options)
+
+        runners[name] = bound
+    return runners
+
+
+def _rotations(names: list[str], turn: int) -> list[str]:
+    return names[turn % len(names) :] + names[: turn % len(names)]
+
+
+def _timed(decode, model, users, k, trie):
+    start = time.perf_counter()
+    out = decode(model, users.values, users.offsets, k=k, trie=trie)
+    return time.perf_counter() - start, out
+
+
+def benchmark(model, histories, settings: BenchRecsysConfig, log=lambda line: None) -> list[Row]:
+    """Every decoder of `settings` on the same users of `histories` (a split with its users
+    already chosen): batch-1 latency over settings.users users, throughput at each batch size."""
+    trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+    names = ["beam"] + [n for n in settings.decoders if n != "beam"]
+    runners = make_decoders(tuple(names), settings.beam_width)
+    k = settings.k
+    first = histories.select(torch.tensor([0]))
+    for name in names:  # untimed warm-up: first-call allocations, the rpg item graph
+        out = runners[name](model, first.values, first.offsets, k=k, trie=trie)
+        if "graph_build_s" in out.stats:
+            log(f"{name}: item graph built in {out.stats['graph_build_s']:.2f} s (once per model)")
+
+    latency = {n: [] for n in names}
+    passes = {n: 0.0 for n in names}
+    lists = {n: [] for n in names}
+    batch1 = min(settings.users, len(histories))
+    for user in range(batch1):
+        one = histories.select(torch.tensor([user]))
+        for name in _rotations(names, user):
+            seconds, out = _timed(runners[name], model, one, k, trie)
+            latency[name].append(seconds)
+            passes[name] += out.stats.get("target_passes", 0)
+            lists[name].append(out.items)
+        if (user + 1) % 50 == 0:
+            log(f"batch 1: {user + 1}/{batch1} users")
+
+    throughput = {n: {} for n in names}
+    for size in settings.batch_sizes:
+        count = min(len(histories), size * settings.batches)
+        parts = [histories.select(p) for p in torch.arange(count).split(size)]
+        repeats = {n: [] for n in names}
+        for repeat in range(settings.repeats):
+            seconds = {n: 0.0 for n in names}
+            for b, part in enumerate(parts):
+                for name in _rotations(names, repeat * len(parts) + b):
+                    seconds[name] += _timed(runners[name], model, part, k, trie)[0]
+            for name in names:
+                repeats[name].append(count / seconds[name])
+            log(f"batch {size} repeat {repeat + 1}/{settings.repeats} done")
+        throughput = {n: throughput[n] | {size: statistics.median(repeats[n])} for n in names}
+
+    beam_items = torch.cat(lists["beam"])  # [U, K]
+    beam_p50 = statistics.median(latency["beam"])
+    rows = []
+    for name in names:
+        items = torch.cat(lists[name])
+        shared = (items[:, :, None] == beam_items[:, None, :]) & (items[:, :, None] >= 0)
+        p50 = statistics.median(latency[name])
+        rows.append(
+            Row(
+                decoder=name,
+                p50_ms=p50 * 1e3,
+                p99_ms=_percentile(latency[name], 0.99) * 1e3,
+                speedup=beam_p50 / p50,
+                passes=passes[name] / batch1,
+                users_per_s=throughput[name],
+                throughput_speedup={
+                    s: throughput[name][s] / throughput["beam"][s] for s in throughput[name]
+                },
+                same_as_beam=float((items == beam_items).all(dim=1).float().mean()),
+                overlap=float(shared.any(dim=2).float().sum(dim=1).mean() / k),
+            )
+        )
+    return rows
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """The q-quantile by linear interpolation (statistics.quantiles needs 2+ values)."""
+    return float(torch.tensor(values, dtype=torch.float64).quantile(q))
+
+
+def format_table(rows: list[Row], batch_sizes: tuple[int, ...]) -> str:
+    head = f"{'decoder':<10}{'p50 ms':>8}{'p99 ms':>8}{'speedup':>9}{'passes':>7}"
+    head += "".join(f"{f'users/s@{s}':>14}{'speedup':>9}" for s in batch_sizes)
+    lines = [head + f"{'same':>6}{'overlap':>9}"]
+    for r in rows:
+        line = f"{r.decoder:<10}{r.p50_ms:>8.2f}{r.p99_ms:>8.2f}{r.speedup:>8.2f}x{r.passes:>7.1f}"
+        for s in batch_sizes:
+            line += f"{r.users_per_s[s]:>14.1f}{r.throughput_speedup[s]:>8.2f}x"
+        lines.append(line + f"{r.same_as_beam:>6.2f}{r.overlap:>9.2f}")
+    return "\n".join(lines)
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    c = BenchRecsysConfig()
+    parser.add_argument("--ckpt", required=True, type=Path, help="checkpoint folder (train)")
+    parser.add_argument("--data", type=Path, help="prepared data (default: the trained-on one)")
+    parser.add_argument("--split", default=c.split, choices=["valid", "test"])
+    parser.add_argument(
+        "--decoders",
+        default=",".join(c.decoders),
+        help=f"comma-separated, of {','.join(DECODERS)} (beam always runs)",
+    )
+    parser.add_argument("--k", type=int, default=c.k, help="recommendations per user")
+    parser.add_argument("--beam-width", type=int, default=c.beam_width, help="W >= k")
+    parser.add_argument("--users", type=int, help=f"batch-1 users (default {c.users})")
+    parser.add_argument("--batch-sizes", help="comma-separated (default 64,256)")
+    parser.add_argument("--batches", type=int, default=c.batches, help="batches per size")
+    parser.add_argument("--repeats", type=int, help=f"throughput repeats (default {c.repeats})")
+    parser.add_argument("--threads", type=int, default=c.threads, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=c.seed, help="draws the users")
+    parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke test: {c.quick_users} users, batch {c.quick_batch_sizes}, one repeat",
+    )
+
+
+def settings_from(args: argparse.Namespace) -> BenchRecsysConfig:
+    c = BenchRecsysConfig()
+
+    def pick(value, quick, default):
+        return value if value is not None else quick if args.quick else default
+
+    names = tuple(dict.fromkeys(x.strip() for x in args.decoders.split(",") if x.strip()))
+    unknown = [n for n in names if n not in DECODERS]
+    if unknown:
+        raise ValueError(f"unknown decoders {unknown}; choose from {','.join(DECODERS)}")
+    try:
+        sizes = tuple(int(x) for x in args.batch_sizes.split(",")) if args.batch_sizes else None
+    except ValueError:
+        raise ValueError(f"--batch-sizes {args.batch_sizes!r}: give integers like 64,256") from None
+    settings = replace(
+        c,
+        decoders=names,
+        split=args.split,
+        k=args.k,
+        beam_width=args.beam_width,
+        users=pick(args.users, c.quick_users, c.users),
+        batch_sizes=pick(sizes, c.quick_batch_sizes, c.batch_sizes),
+        batches=args.batches,
+        repeats=pick(args.repeats, c.quick_repeats, c.repeats),
+        threads=args.threads,
+        seed=args.seed,
+    )
+    counts = (settings.k, settings.users, settings.batches, settings.repeats, settings.threads)
+    if not settings.batch_sizes or min(counts + settings.batch_sizes) < 1:
+        raise ValueError("--k, --users, --batches, --repeats, --threads, --batch-sizes: >= 1")
+    if settings.beam_width < settings.k:
+        raise ValueError(f"--beam-width {settings.beam_width} must be >= --k {settings.k}")
+    return settings
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    torch.set_num_threads(settings.threads)
+    model, data = load_model_and_data(args.ckpt, args.data)
+    split = getattr(data, settings.split)
+    needed = max(settings.users, max(settings.batch_sizes) * settings.batches)
+    histories = split.select(sample_users(len(split), needed, settings.seed))
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    rows = benchmark(
+        model, histories, settings, log=lambda line: print(line, file=sys.stderr, flush=True)
+    )
+    load_after = os.getloadavg()[0]
+    print(
+        f"{data.manifest.get('name', data.path)} {settings.split} split, {model.num_items} "
+        f"items, K={settings.k}, beam width {settings.beam_width}, cpu, {settings.threads} "
+        f"thread(s): batch 1 over {min(settings.users, len(histories))} users, throughput "
+        f"{settings.batches} batch(es) per size, median of {settings.repeats}; "
+        f"{time.perf_counter() - started:.0f} s, load average {load_before:.2f} -> "
+        f"{load_after:.2f}"
+    )
+    print(format_table(rows, settings.batch_sizes))
+    if args.json:
+        report = {
+            "ckpt": str(args.ckpt),
+            "settings": asdict(settings),
+            "load_average": [load_before, load_after],
+            "rows": [asdict(r) for r in rows],
+        }
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    return 0

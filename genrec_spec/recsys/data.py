@@ -1,0 +1,191 @@
+"""A prepared data folder (`genrec-spec prepare`) as tensors, and training batches from it.
+
+`load_prepared(dir)` reads the item table (Semantic IDs, long IDs) and the three splits as
+ragged values + offsets. `epoch_batches` cuts one epoch of training users into batches and
+`training_windows` cuts each user's train sequence to a window the model can read.
+
+Shape letters: U users of a split, B users of a batch, M history items, I items, L code levels,
+Q long-ID digits.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import Tensor
+
+from genrec_spec.data_pipelines.errors import DataError
+
+REQUIRED_FILES = (
+    "manifest.json",
+    "items.parquet",
+    "train.parquet",
+    "valid.parquet",
+    "test.parquet",
+)
+WINDOW_MODES = ("random", "last")
+
+
+@dataclass(frozen=True)
+class Histories:
+    """One split: every user's history as values + offsets, and the held-out target."""
+
+    user_ids: list[str]  # [U]
+    values: Tensor  # [M] int64 item indices, oldest first within a user
+    offsets: Tensor  # [U+1] int64
+    targets: Tensor | None  # [U] int64 item after each history; None for train
+
+    @property
+    def lengths(self) -> Tensor:  # [U] int64
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def __len__(self) -> int:
+        return len(self.user_ids)
+
+    def select(self, users: Tensor) -> Histories:  # users: [B] int64 rows of this split
+        """The histories (and targets) of some users, in the given order."""
+        start, lengths = self.offsets[users], self.lengths[users]  # [B], [B]
+        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        row = torch.repeat_interleave(torch.arange(len(users)), lengths)
+        index = start[row] + torch.arange(int(offsets[-1])) - offsets[row]
+        return Histories(
+            user_ids=[self.user_ids[int(u)] for u in users],
+            values=self.values[index],
+            offsets=offsets,
+            targets=None if self.targets is None else self.targets[users],
+        )
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    path: Path
+    manifest: dict
+    item_ids: list[str]  # [I] raw item id of each item index
+    item_codes: Tensor  # [I, L] int64 Semantic IDs (collision code last)
+    codebook_sizes: list[int]  # [L]
+    long_ids: Tensor | None  # [I, Q] int64 long PQ IDs; None when prepared without them
+    long_id_sizes: list[int] | None  # [Q]
+    train: Histories
+    valid: Histories
+    test: Histories
+
+    @property
+    def data_hash(self) -> str:
+        return self.manifest["data_hash"]
+
+    @property
+    def num_items(self) -> int:
+        return self.item_codes.shape[0]
+
+
+def load_prepared(path: Path | str) -> PreparedData:
+    """Read a folder written by `genrec-spec prepare`; a missing file names the fix."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DataError(
+            f"data folder {path} does not exist",
+            f"make it with `genrec-spec prepare --dataset ml-1m --out {path}`",
+        )
+    for name in REQUIRED_FILES:
+        if not (path / name).is_file():
+            raise DataError(
+                f"data folder {path} has no {name} (incomplete or not a prepared folder)",
+                f"re-create it with `genrec-spec prepare --dataset ... --out {path} --overwrite`",
+            )
+    manifest = json.loads((path / "manifest.json").read_text())
+    missing = [key for key in ("data_hash", "semantic_id") if key not in manifest]
+    if missing:
+        raise DataError(
+            f"{path / 'manifest.json'} lacks {missing} (written by an older or other tool)",
+            f"re-create the folder with `genrec-spec prepare --dataset ... --out {path} "
+            "--overwrite`",
+        )
+    items = pd.read_parquet(path / "items.parquet")
+    for column in ("item_index", "item_id", "semantic_id"):
+        if column not in items:
+            raise DataError(
+                f"{path / 'items.parquet'} has no {column} column",
+                f"re-create the folder with `genrec-spec prepare --dataset ... --out {path} "
+                "--overwrite`",
+            )
+    items = items.sort_values("item_index")
+    if not np.array_equal(items["item_index"].to_numpy(), np.arange(len(items))):
+        raise DataError(
+            f"item_index in {path / 'items.parquet'} is not 0..I-1",
+            "re-create the folder with `genrec-spec prepare`",
+        )
+    item_codes = torch.from_numpy(np.stack(items["semantic_id"].to_numpy()).astype(np.int64))
+    long_ids, long_id_sizes = None, None
+    if "long_id" in items and manifest.get("long_id"):
+        long_ids = torch.from_numpy(np.stack(items["long_id"].to_numpy()).astype(np.int64))
+        long_id_sizes = [int(v) for v in manifest["long_id"]["codebook_sizes"]]
+    splits = {name: _read_split(path / f"{name}.parquet") for name in ("train", "valid", "test")}
+    return PreparedData(
+        path=path,
+        manifest=manifest,
+        item_ids=items["item_id"].astype(str).tolist(),
+        item_codes=item_codes,
+        codebook_sizes=[int(v) for v in manifest["semantic_id"]["codebook_sizes"]],
+        long_ids=long_ids,
+        long_id_sizes=long_id_sizes,
+        **splits,
+    )
+
+
+def _read_split(file: Path) -> Histories:
+    frame = pd.read_parquet(file)
+    histories = [np.asarray(h, dtype=np.int64) for h in frame["history"]]
+    lengths = torch.tensor([len(h) for h in histories], dtype=torch.long)
+    values = np.concatenate(histories) if histories else np.zeros(0, dtype=np.int64)
+    return Histories(
+        user_ids=frame["user_id"].astype(str).tolist(),
+        values=torch.from_numpy(values),
+        offsets=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+        targets=torch.tensor(frame["target"].to_numpy(np.int64)) if "target" in frame else None,
+    )
+
+
+def epoch_batches(
+    lengths: Tensor,  # [U] train items per user; users with none are skipped
+    batch_size: int,
+    generator: torch.Generator,
+    bucket: int = 32,  # batches per length-sorted bucket
+) -> list[Tensor]:  # batches of user rows, [B] int64 each (the last one may be smaller)
+    """Shuffle the users, sort each run of `bucket` batches by length (rows of one batch then
+    need little padding) and shuffle the batch order."""
+    users = torch.nonzero(lengths > 0).squeeze(1)
+    users = users[torch.randperm(len(users), generator=generator)]
+    batches = []
+    for run in users.split(batch_size * bucket):
+        run = run[torch.sort(lengths[run], stable=True).indices]
+        batches.extend(run.split(batch_size))
+    order = torch.randperm(len(batches), generator=generator)
+    return [batches[int(i)] for i in order]
+
+
+def training_windows(
+    histories: Histories,  # B users' train sequences (each >= 1 item)
+    window: int,  # most items per window (the model's max_len + 1: inputs + the last target)
+    mode: str,  # "random": a uniformly placed window; "last": the most recent items
+    generator: torch.Generator,
+) -> tuple[Tensor, Tensor]:  # (values [M'], offsets [B+1])
+    """Cut every sequence longer than `window` to `window` consecutive items. "random" shows
+    a long user's older items too over the epochs; "last" always trains on the most recent."""
+    if mode not in WINDOW_MODES:
+        raise ValueError(f"unknown window mode {mode!r}; use one of {WINDOW_MODES}")
+    lengths = histories.lengths  # [B]
+    slack = (lengths - window).clamp(min=0)  # [B] possible start positions - 1
+    if mode == "random":
+        start = (torch.rand(len(lengths), generator=generator) * (slack + 1)).long()
+    else:
+        start = slack
+    kept = lengths - slack  # [B]
+    offsets = torch.cat([kept.new_zeros(1), kept.cumsum(0)])
+    row = torch.repeat_interleave(torch.arange(len(kept)), kept)
+    index = histories.offsets[row] + start[row] + torch.arange(int(offsets[-1])) - offsets[row]
+    return histories.values[index], offsets

@@ -1,0 +1,258 @@
+"""Ranking quality of recommendation decoders on a held-out split: ``genrec-spec evaluate``.
+
+    genrec-spec evaluate --ckpt CKPT --split test --decoder beam,heads,rpg,nezha --k 10,50,200
+
+Protocol (time-ordered leave-one-out, ranked against the full catalogue): every user of the
+split (or a fixed random subset, ``--users N``) gets a top-max(K) list from the decoder, which
+chooses among all catalogue items; the user's held-out next item is looked up in that list and
+HR@K, NDCG@K and MRR (over the whole list) are averaged over users (`recsys.metrics`). All
+decoders of one run see the same users. The table also gives each decoder's wall time per user,
+its sequential backbone passes per batch, and the count of invalid or repeated items in its
+lists (always 0 for a correct decoder).
+
+Decoder options go through ``--option NAME=VALUE`` (repeatable), given to every listed decoder
+that takes an option of that name, e.g. ``--option beam_width=50 --option mode=exact``.
+
+Shape letters: U users evaluated, B users of a batch, K list length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from genrec_spec.data_pipelines.trie import PrefixTrie
+from genrec_spec.recsys.checkpoint import load_checkpoint
+from genrec_spec.recsys.data import load_prepared
+from genrec_spec.recsys.metrics import DEFAULT_KS, ranking_metrics, ranks_from_topk
+from genrec_spec.recsys.recommend import get_decoder
+
+
+@dataclass(frozen=True)
+class EvaluateConfig:
+    """Defaults of ``genrec-spec evaluate``."""
+
+    split: str = "test"  # "valid" or "test"
+    decoders: tuple[str, ...] = ("beam",)
+    ks: tuple[int, ...] = DEFAULT_KS  # cut-offs; lists are max(ks) long
+    users: int = 0  # a fixed random subset of this many users; 0 = all
+    batch_size: int = 64  # users per decoder call
+    seed: int = 0  # draws the user subset
+    threads: int = 1  # torch CPU threads (one is fastest for small models on 2 cores)
+
+
+def load_model_and_data(ckpt: Path | str, data_dir: Path | str | None = None):
+    """(model in eval mode, PreparedData) of a checkpoint; the data folder defaults to the one
+    it was trained on and must be that data (same hash: item indices must mean the same items)."""
+    model, manifest = load_checkpoint(ckpt)
+    trained_on = manifest.get("data", {})
+    data = load_prepared(data_dir if data_dir is not None else trained_on.get("path", ""))
+    if trained_on.get("data_hash") != data.data_hash:
+        raise ValueError(
+            f"checkpoint {ckpt} was trained on data {trained_on.get('data_hash')} but "
+            f"{data.path} holds data {data.data_hash}; pass --data with the folder it was "
+            "trained on"
+        )
+    return model, data
+
+
+def decoder_options(decode) -> list[str]:
+    """The names of a decoder's own options (its keyword-only parameters but k and trie)."""
+    return [
+        p.name
+        for p in inspect.signature(decode).parameters.values()
+        if p.kind == p.KEYWORD_ONLY and p.name not in ("k", "trie")
+    ]
+
+
+def options_for(decode, options: dict) -> dict:
+    """The subset of `options` that `decode` takes."""
+    accepted = decoder_options(decode)
+    return {name: value for name, value in options.items() if name in accepted}
+
+
+def check_options(decoders: dict, options: dict) -> None:
+    """Every option must be taken by at least one of the decoders (a typo otherwise)."""
+    unused = set(options) - {n for d in decoders.values() for n in options_for(d, options)}
+    if unused:
+        takes = "; ".join(f"{n}: {decoder_options(d)}" for n, d in decoders.items())
+        raise ValueError(f"no listed decoder takes the option(s) {sorted(unused)}; {takes}")
+
+
+def sample_users(count: int, users: int, seed: int) -> Tensor:  # [U] int64 rows of a split
+    """A fixed random subset of `users` of `count` rows (all rows when users is 0), in order."""
+    if users < 0:
+        raise ValueError(f"--users must be >= 0 (0 = every user), got {users}")
+    if users == 0 or users >= count:
+        return torch.arange(count)
+    rows = torch.randperm(count, generator=torch.Generator().manual_seed(seed))[:users]
+    return rows.sort().values
+
+
+@torch.no_grad()
+def evaluate(
+    model,  # SemanticIdRecommender
+    histories,  # recsys.data.Histories of a split with targets
+    decode,  # a decoder: decode(model, values, offsets, *, k, trie, **options)
+    *,
+    ks: tuple[int, ...] = DEFAULT_KS,
+    batch_size: int = EvaluateConfig.batch_size,
+    trie=None,  # PrefixTrie of the model's catalogue; None = built here
+    **options,
+) -> dict:
+    """Metrics of `decode` over every user of `histories` (one held-out target each):
+    hr@K / ndcg@K for every K, mrr, plus users, wall_s_per_user, target_passes_per_batch and
+    invalid_items (items outside the catalogue or repeated within a list)."""
+    if histories.targets is None:
+        raise ValueError("the split has no held-out targets; evaluate the valid or test split")
+    if len(histories) == 0 or batch_size < 1:
+        raise ValueError("evaluate needs at least one user and a batch size >= 1")
+    if trie is None:
+        trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+    k = max(ks)
+    ranks, invalid, seconds, passes, batches = [], 0, 0.0, 0, 0
+    for part in torch.arange(len(histories)).split(batch_size):
+        users = histories.select(part)
+        start = time.perf_counter()
+        out = decode(model, users.values, users.offsets, k=k, trie=trie, **options)
+        seconds += time.perf_counter() - start
+        invalid += count_invalid(out.items, model.num_items)
+        passes += out.stats.get("target_passes", 0)
+        batches += 1
+        ranks.append(ranks_from_topk(out.items, users.targets))
+    metrics = ranking_metrics(torch.cat(ranks), ks, max_k=k)
+    return metrics | {
+        "users": len(histories),
+        "wall_s_per_user": seconds / len(histories),
+        "target_passes_per_batch": passes / batches,
+        "invalid_items": invalid,
+    }
+
+
+def count_invalid(items: Tensor, num_items: int) -> int:
+    """Entries of [B, K] lists that name no catalogue item (-1 pads excepted) or repeat an
+    earlier item of their row."""
+    real = items >= 0
+    outside = int((real & (items >= num_items)).sum())
+    ordered = items.sort(dim=1).values
+    repeats = int(((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).sum())
+    return outside + repeats
+
+
+def format_table(results: dict[str, dict], ks: tuple[int, ...]) -> str:
+    names = [f"hr@{k}" for k in ks] + [f"ndcg@{k}" for k in ks] + ["mrr"]
+    head = f"{'decoder':<12}" + "".join(f"{n:>10}" for n in names)
+    head += f"{'ms/user':>9}{'passes':>8}{'invalid':>8}"
+    lines = [head]
+    for decoder, r in results.items():
+        line = f"{decoder:<12}" + "".join(f"{r[n]:>10.4f}" for n in names)
+        line += f"{r['wall_s_per_user'] * 1e3:>9.2f}{r['target_passes_per_batch']:>8.1f}"
+        lines.append(line + f"{r['invalid_items']:>8d}")
+    return "\n".join(lines)
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def parse_option(text: str) -> tuple[str, object]:
+    """NAME=VALUE with VALUE read as an int, a float, true/false, or else a string."""
+    name, sep, raw = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"--option {text!r} must look like NAME=VALUE")
+    raw = raw.strip()
+    if raw.lower() in ("true", "false"):
+        return name.strip(), raw.lower() == "true"
+    for kind in (int, float):
+        try:
+            return name.strip(), kind(raw)
+        except ValueError:
+            continue
+    return name.strip(), raw
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more cut-offs >= 1")
+    return values
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    c = EvaluateConfig()
+    parser.add_argument("--ckpt", required=True, type=Path, help="checkpoint folder (train)")
+    parser.add_argument("--data", type=Path, help="prepared data (default: the trained-on one)")
+    parser.add_argument("--split", default=c.split, choices=["valid", "test"])
+    parser.add_argument(
+        "--decoder",
+        type=_name_list,
+        default=c.decoders,
+        help="decoder name(s), comma-separated: beam, heads, rpg, nezha, spec_beam",
+    )
+    parser.add_argument("--k", type=_int_list, default=c.ks, help="cut-offs, e.g. 10,50,200")
+    parser.add_argument("--users", type=int, default=c.users, help="random subset; 0 = all")
+    parser.add_argument("--batch-size", type=int, default=c.batch_size)
+    parser.add_argument("--seed", type=int, default=c.seed, help="draws the --users subset")
+    parser.add_argument("--threads", type=int, default=c.threads, help="torch CPU threads")
+    parser.add_argument(
+        "--option",
+        type=parse_option,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="decoder option, given to every listed decoder that takes it (repeatable)",
+    )
+    parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    decoders = {name: get_decoder(name) for name in args.decoder}
+    options = dict(args.option)
+    check_options(decoders, options)
+    model, data = load_model_and_data(args.ckpt, args.data)
+    split = getattr(data, args.split)
+    histories = split.select(sample_users(len(split), args.users, args.seed))
+    results = {}
+    for name, decode in decoders.items():
+        results[name] = evaluate(
+            model,
+            histories,
+            decode,
+            ks=args.k,
+            batch_size=args.batch_size,
+            **options_for(decode, options),
+        )
+    print(
+        f"{data.manifest.get('name', data.path)} {args.split} split, {len(histories)} users, "
+        f"full catalogue ({model.num_items} items), lists of {max(args.k)}"
+        + (f", options {options}" if options else "")
+    )
+    print(format_table(results, args.k))
+    if args.json:
+        report = {
+            "ckpt": str(args.ckpt),
+            "split": args.split,
+            "users": len(histories),
+            "options": options,
+            "results": results,
+        }
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    return 0

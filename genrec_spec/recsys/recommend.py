@@ -1,0 +1,125 @@
+"""Top-K items for user histories with any decoder: the public Python entry point.
+
+    genrec_spec.recommend(model, histories, k=10, decoder="beam", **options) -> Recommendations
+
+`histories` is a list of item-index lists (one per user, oldest first) or a pair
+(values [M], offsets [B+1]); `options` go to the decoder (e.g. `beam_width=50`, `draft="none"`,
+`trie=` a prebuilt `PrefixTrie` to skip building it). Decoders are looked up by name in
+`DECODERS` and imported only when asked for.
+
+Bad input and edge cases:
+- an item index outside the catalogue, a non-integer id, malformed offsets: `RecommendInputError`
+  naming the offending values and the valid range (map raw ids with items.parquet first);
+- an empty history is the cold start: the model reads its BOS token alone, so every decoder
+  returns the items it finds most likely for a new user (the same list for all new users);
+- a history longer than the model's context (`model.config.max_len`): the most recent items are
+  read, and `stats["truncated_histories"]` counts the rows that were cut;
+- k < 1 or k larger than the catalogue: `RecommendInputError` (a list cannot hold more items
+  than exist; ask for k <= the catalogue size);
+- an unknown decoder or an option the decoder does not take: `RecommendInputError` listing the
+  valid names.
+
+Shape letters: B users, M history items, K recommendations.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import numbers
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from genrec_spec.recsys.types import Recommendations
+
+# name -> "module:function", every function with the signature of `recsys.types`.
+DECODERS: dict[str, str] = {
+    "beam": "genrec_spec.recsys.beam:decode",
+    "spec_beam": "genrec_spec.recsys.spec_beam:decode",
+    "heads": "genrec_spec.recsys.heads:decode",
+    "rpg": "genrec_spec.recsys.rpg:decode",
+    "nezha": "genrec_spec.recsys.nezha:decode",
+}
+
+
+class RecommendInputError(ValueError):
+    """Bad input to `recommend` (histories, k, decoder name or options)."""
+
+
+def get_decoder(name: str):
+    """The decode function registered under `name`."""
+    if name not in DECODERS:
+        raise RecommendInputError(
+            f"unknown decoder {name!r}; valid decoders: {', '.join(DECODERS)}"
+        )
+    module, function = DECODERS[name].split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def as_values_offsets(
+    histories: Sequence[Sequence[int]] | tuple[Tensor, Tensor],
+    num_items: int,
+    device: torch.device,
+) -> tuple[Tensor, Tensor]:  # values [M] int64, offsets [B+1] int64
+    """Histories as ragged values + offsets, checked against the catalogue."""
+    if isinstance(histories, tuple) and len(histories) == 2 and isinstance(histories[0], Tensor):
+        values, offsets = (t.to(device) for t in histories)
+        if values.dtype.is_floating_point or offsets.dtype.is_floating_point:
+            raise RecommendInputError("history values and offsets must be integer tensors")
+        values, offsets = values.long(), offsets.long()
+    else:
+        rows = [list(row) for row in histories]
+        if not rows:
+            raise RecommendInputError("histories is empty; pass one item list per user")
+        flat = [item for row in rows for item in row]
+        bad = [i for i in flat if not isinstance(i, numbers.Integral) or isinstance(i, bool)]
+        if bad:
+            raise RecommendInputError(
+                f"history items must be integer item indices, got {bad[:5]}; map raw ids to "
+                "item indices (items.parquet item_index) first"
+            )
+        values = torch.tensor([int(i) for i in flat], dtype=torch.long, device=device)
+        lengths = torch.tensor([len(row) for row in rows], dtype=torch.long, device=device)
+        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    if offsets.dim() != 1 or offsets.numel() < 2 or int(offsets[0]) != 0:
+        raise RecommendInputError(f"offsets must be [B+1] starting at 0, got {offsets.tolist()}")
+    if values.numel():
+        outside = values[(values < 0) | (values >= num_items)]
+        if outside.numel():
+            raise RecommendInputError(
+                f"unknown item indices {outside[:10].tolist()}: the catalogue holds item "
+                f"indices 0..{num_items - 1}; map raw ids to item indices first"
+            )
+    return values, offsets
+
+
+@torch.no_grad()
+def recommend(
+    model,  # SemanticIdRecommender
+    histories: Sequence[Sequence[int]] | tuple[Tensor, Tensor],
+    k: int = 10,
+    decoder: str = "beam",
+    **options,
+) -> Recommendations:  # items [B, K], scores [B, K], stats
+    """The top-k items of every history by the named decoder (module docstring)."""
+    decode = get_decoder(decoder)
+    if not 1 <= k <= model.num_items:
+        raise RecommendInputError(
+            f"k must lie in 1..{model.num_items} (the catalogue size), got {k}"
+        )
+    accepted = inspect.signature(decode).parameters
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        valid = [n for n, p in accepted.items() if p.kind == p.KEYWORD_ONLY and n != "k"]
+        raise RecommendInputError(
+            f"decoder {decoder!r} takes no option(s) {unknown}; its options: {valid}"
+        )
+    device = model.item_codes.device
+    values, offsets = as_values_offsets(histories, model.num_items, device)
+    if options.get("trie") is None:
+        from genrec_spec.data_pipelines.trie import PrefixTrie
+
+        options["trie"] = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+    return decode(model, values, offsets, k=k, **options)

@@ -1,0 +1,219 @@
+"""Exact scoring of Semantic-ID prefixes against user histories, in one pass.
+
+Candidate scoring (MTGR-style) and speculative beam search both ask the same question: what are
+the target's log-probs at a set of code prefixes (trie nodes) of each user? This module answers it.
+
+- `TrieIndex`: per trie node its parent, code and level; `prefix_nodes`: the trie nodes of
+  items' prefixes.
+- `prefix_tree(index, member)`: a set of trie nodes per row (a [B, nodes] membership mask),
+  closed under ancestors, laid out as one padded tree per row in the node order of the trie
+  (parents first), ready for the model.
+- `encode_with_tree(model, values, offsets, tree)`: ONE forward pass over the history chain AND
+  the prefix tree: the history tokens attend causally (exactly `encode_history`), the tree's
+  nodes attend to the whole history and their own ancestors (exactly `score_tree`). Returns the
+  history state (for follow-up `score_tree` passes) and the log-probs at every tree node.
+- `score(model, values, offsets, candidates)`: the exact log-likelihood of every candidate
+  item, all candidates' distinct prefixes as one tree over the shared history root.
+
+An item's log-likelihood is log p(c_0 | history) + sum_l log p(c_{l+1} | history, c_0..c_l):
+the full code tuple under the model, without renormalising over valid codes (the same number
+`beam` ranks by).
+
+Shape letters: B users, M history items, C candidates, N tree nodes, I items, L code levels,
+V codes, T history tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from genrec_spec.data_pipelines.trie import PrefixTrie
+from genrec_spec.kernels import prepare_tree, tree_attention
+from genrec_spec.models.recommender import HistoryState, RecommenderInputError
+
+
+@dataclass(frozen=True)
+class TrieIndex:
+    """Node tables of a `PrefixTrie` (node 0 is the root; node ids grow with prefix length, so
+    a parent's id is always smaller than its children's)."""
+
+    parent: Tensor  # [n] int64 parent node of each node; -1 for the root
+    code: Tensor  # [n] int64 last code of each node's prefix (0 for the root)
+    level: Tensor  # [n] int64 level of that code (prefix length - 1; -1 for the root)
+    scorable: int  # nodes 0..scorable-1 have a next level to score (prefix length <= L-1)
+
+    @classmethod
+    def of(cls, trie: PrefixTrie) -> TrieIndex:
+        nodes = torch.arange(len(trie.child_codes) + 1, device=trie.device)
+        # Edge e leads to node e + 1 (see PrefixTrie); its key is parent * stride + code.
+        parent = torch.cat([nodes[:1] - 1, trie.edge_keys // trie.stride])
+        code = torch.cat([nodes[:1] * 0, trie.child_codes])
+        starts = torch.tensor(trie.level_starts[1:], device=trie.device)
+        level = torch.bucketize(nodes, starts, right=True) - 1
+        return cls(parent, code, level, trie.level_starts[trie.levels])
+
+    def with_ancestors(self, member: Tensor) -> Tensor:  # [B, >= scorable] bool -> [B, scorable]
+        """The membership mask closed under ancestors (the root excluded)."""
+        member = member[:, : self.scorable].clone()
+        member[:, 0] = False
+        for _ in range(int(self.level[self.scorable - 1])):  # prefix lengths above 1
+            rows, nodes = torch.nonzero(member, as_tuple=True)
+            above = self.parent[nodes]
+            member[rows[above > 0], above[above > 0]] = True
+        return member
+
+
+def prefix_nodes(
+    trie: PrefixTrie,
+    codes: Tensor,  # [..., L] int64 full Semantic IDs of catalogue items
+) -> Tensor:  # [..., L-1] int64 trie node of each item's prefix of length 1..L-1
+    flat = codes.reshape(-1, codes.shape[-1])
+    node, out = trie.root(flat.shape[0]), []
+    for level in range(trie.levels - 1):
+        node = trie.child(node, flat[:, level])
+        out.append(node)
+    return torch.stack(out, dim=1).reshape(*codes.shape[:-1], trie.levels - 1)
+
+
+@dataclass(frozen=True)
+class PrefixTree:
+    """Some trie nodes of each row as one padded tree (what `score_tree` takes)."""
+
+    nodes: Tensor  # [B, N] int64 trie node of each tree node; -1 = padding
+    codes: Tensor  # [B, N] int64
+    levels: Tensor  # [B, N] int64 code level (0..L-2)
+    parents: Tensor  # [B, N] int64 tree index of the parent; -1 = child of the history root
+    slots: Tensor  # [B, scorable] int64 tree index of each trie node; -1 = not in the tree
+
+    @property
+    def real_nodes(self) -> int:
+        return int((self.nodes >= 0).sum())
+
+
+def prefix_tree(index: TrieIndex, member: Tensor) -> PrefixTree:
+    """member: [B, >= scorable] bool, the trie nodes wanted per row; their ancestors are added
+    (a node's score depends on its whole prefix). Padding nodes are harmless level-0 roots."""
+    member = index.with_ancestors(member)
+    batch = member.shape[0]
+    slots = member.long().cumsum(dim=1) - 1  # [B, scorable] position among the row's nodes
+    rows, nodes = torch.nonzero(member, as_tuple=True)  # row-major, ascending node ids
+    width = int(member.sum(dim=1).max()) if batch else 0
+    tree_nodes = torch.full((batch, width), -1, dtype=torch.long, device=member.device)
+    tree_nodes[rows, slots[rows, nodes]] = nodes
+    safe = tree_nodes.clamp(min=0)
+    parent = index.parent[safe]  # [B, N] trie node of the parent (0 = the root)
+    parents = torch.where(
+        (tree_nodes >= 0) & (parent > 0), slots.gather(1, parent.clamp(min=0)), -1
+    )
+    return PrefixTree(
+        nodes=tree_nodes,
+        codes=torch.where(tree_nodes >= 0, index.code[safe], 0),
+        levels=torch.where(tree_nodes >= 0, index.level[safe], 0),
+        parents=parents,
+        slots=torch.where(member, slots, -1),
+    )
+
+
+@torch.no_grad()
+def encode_with_tree(
+    model,  # SemanticIdRecommender
+    values: Tensor,  # [M] int64 history item indices, oldest first within a row
+    offsets: Tensor,  # [B+1] int64
+    tree: PrefixTree,  # N nodes per row (N may be 0)
+) -> tuple[HistoryState, Tensor]:  # (state, log-probs of the next level at each node [B, N, V])
+    """`encode_history` and `score_tree(tree)` fused into one forward: one embedding lookup and
+    one set of block calls for the history tokens and the tree nodes together. Per layer the
+    history part attends causally (as in `encode_history`) and the tree part through the
+    tree-attention op against this layer's history keys (as in `score_tree`); the history
+    state is the same as `encode_history`'s, so follow-up `score_tree` passes can use it."""
+    model._check_history(values, offsets)
+    values, offsets, truncated = model._keep_recent(values.long(), offsets.long())
+    hist, nodes = model._embed(values, offsets, tree.codes, tree.levels, tree.nodes >= 0)
+    batch, tokens = hist.shape[:2]
+    lengths = offsets[1:] - offsets[:-1] + 1  # [B] history tokens, BOS included
+    has_tree = tree.nodes.shape[1] > 0
+    plan = prepare_tree(tree.parents, lengths, tokens) if has_tree else None
+    keys, vals = [], []
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # [B, H, T + N, Dh] each
+        k_hist, v_hist = k[:, :, :tokens], v[:, :, :tokens]
+        keys.append(k_hist)
+        vals.append(v_hist)
+        # Rows are right-padded, so plain causal attention is exact for every real token.
+        out = F.scaled_dot_product_attention(q[:, :, :tokens], k_hist, v_hist, is_causal=True)
+        if not has_tree:
+            return out
+        tree_out = tree_attention(
+            q[:, :, tokens:],
+            k_hist,
+            v_hist,
+            lengths,
+            k[:, :, tokens:],
+            v[:, :, tokens:],
+            tree.parents,
+            backend=model.config.attention_backend,
+            plan=plan,
+        )
+        return torch.cat([out, tree_out], dim=2)
+
+    x = torch.cat([hist, nodes], dim=1)  # [B, T + N, D]
+    for block in model.blocks:
+        x = block(x, attend)
+    h = model.norm(x)
+    last = h[torch.arange(batch, device=h.device), lengths - 1]  # [B, D]
+    state = HistoryState(
+        keys=torch.stack(keys),
+        values=torch.stack(vals),
+        lengths=lengths,
+        hidden=last,
+        level0_log_probs=model.code_heads[0](last).log_softmax(dim=-1),
+        truncated=truncated,
+    )
+    return state, model._next_level_log_probs(h[:, tokens:], tree.levels)
+
+
+def check_candidates(model, candidates: Tensor, batch: int) -> None:
+    if candidates.dim() != 2 or candidates.shape[0] != batch or candidates.is_floating_point():
+        raise RecommenderInputError(
+            f"candidates must be an integer tensor [B, C] with B = {batch} history rows, got "
+            f"{tuple(candidates.shape)} {candidates.dtype}"
+        )
+    if candidates.numel() and (
+        int(candidates.min()) < 0 or int(candidates.max()) >= model.num_items
+    ):
+        raise RecommenderInputError(
+            f"candidate item indices must lie in [0, {model.num_items}); map raw item ids to "
+            "item indices (items.parquet item_index) first"
+        )
+
+
+@torch.no_grad()
+def score(
+    model,  # SemanticIdRecommender
+    values: Tensor,  # [M] int64 history item indices, oldest first within a row
+    offsets: Tensor,  # [B+1] int64
+    candidates: Tensor,  # [B, C] int64 item indices (repeats allowed)
+    *,
+    trie: PrefixTrie | None = None,  # the catalogue's trie; None = built from model.item_codes
+) -> Tensor:  # [B, C] float32 log-likelihood of each candidate
+    """Every candidate's exact log-likelihood, in one forward pass per batch."""
+    check_candidates(model, candidates, offsets.numel() - 1)
+    if trie is None:
+        trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+    index = TrieIndex.of(trie)
+    batch, count = candidates.shape
+    codes = model.item_codes[candidates]  # [B, C, L]
+    paths = prefix_nodes(trie, codes)  # [B, C, L-1] trie node of each candidate's prefixes
+    member = torch.zeros(batch, index.scorable, dtype=torch.bool, device=candidates.device)
+    member.scatter_(1, paths.flatten(1), True)
+    tree = prefix_tree(index, member)
+    state, out = encode_with_tree(model, values, offsets, tree)
+    total = state.level0_log_probs.gather(1, codes[:, :, 0])  # [B, C]
+    for level in range(1, model.num_levels):
+        at = tree.slots.gather(1, paths[:, :, level - 1])  # [B, C] tree node of the prefix
+        total += out[torch.arange(batch, device=at.device)[:, None], at, codes[:, :, level]]
+    return total

@@ -1,0 +1,300 @@
+"""The training loop of `genrec-spec train` (see `train.py` for the command and its config).
+
+One step: a global batch of users (the same on every process) -> each process takes its share
+-> training windows -> one tree per user (`rec_layout.train_layout`) -> `forward_train` losses
+-> AdamW. After each epoch the validation users are ranked by the model's exact item
+trie-constrained log-likelihoods (`rec_item_scores`: every catalogue item as a branch of
+prefix trees over the history) and by the PinRec / RPG heads' item scores; early stopping
+watches the exact NDCG@10.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from genrec_spec.models.rec_item_scores import item_log_likelihoods
+from genrec_spec.models.rec_layout import train_layout
+from genrec_spec.models.recommender import RecommenderConfig, SemanticIdRecommender
+from genrec_spec.recsys.checkpoint import load_checkpoint, save_checkpoint
+from genrec_spec.recsys.data import (
+    Histories,
+    PreparedData,
+    epoch_batches,
+    load_prepared,
+    training_windows,
+)
+from genrec_spec.recsys.metrics import per_user_metrics, ranks_from_topk
+from genrec_spec.recsys.train import TrainConfig
+
+EVAL_K = 10
+
+
+def train(
+    data_dir: Path,
+    out: Path,
+    model_config: RecommenderConfig,
+    config: TrainConfig,
+    *,
+    overwrite: bool = False,
+) -> dict | None:
+    """Train, validate, early-stop and write the checkpoint; returns its manifest on rank 0
+    (None on the other ranks)."""
+    start_time = time.perf_counter()
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:  # fail before hours of training
+        raise FileExistsError(
+            f"checkpoint folder {out} exists; choose another --out or pass --overwrite"
+        )
+    rank, world, device = _setup_processes(config)
+    torch.manual_seed(config.seed)
+    data = load_prepared(data_dir)
+    model = _build_model(data, model_config, config).to(device)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    ddp = model
+    if world > 1:
+        ddp = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr)
+    steps_per_epoch = max(1, int((data.train.lengths > 0).sum()) // config.batch_size)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, _warmup_cosine(config.warmup_steps, config.epochs * steps_per_epoch)
+    )
+    order_gen = torch.Generator().manual_seed(config.seed)  # same on every rank
+    local_gen = torch.Generator().manual_seed(config.seed * 1000 + 1 + rank)
+    valid_rows = _validation_rows(data.valid, config)
+
+    history, best, best_state, stale = [], None, None, 0
+    for epoch in range(1, config.epochs + 1):
+        epoch_start = time.perf_counter()
+        model.train()
+        batches = [
+            b
+            for b in epoch_batches(data.train.lengths, config.batch_size, order_gen)
+            if len(b) >= world
+        ]
+        sums: dict[str, torch.Tensor] = {}
+        bar = tqdm(
+            batches,
+            desc=f"epoch {epoch}",
+            disable=not config.progress or rank != 0,
+            leave=False,
+            dynamic_ncols=True,
+        )
+        for step, users in enumerate(bar):
+            part = data.train.select(users[rank::world])
+            values, offsets = training_windows(
+                part, model_config.max_len + 1, config.window, local_gen
+            )
+            layout = train_layout(
+                values, offsets, model.num_levels - 1, config.branches_per_row, local_gen
+            ).to(device)
+            losses = ddp(layout)
+            optimizer.zero_grad(set_to_none=True)
+            losses["loss"].backward()
+            torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
+            optimizer.step()
+            schedule.step()
+            for name, value in losses.items():
+                sums[name] = sums.get(name, 0.0) + value.detach()
+            if step % 20 == 0:
+                bar.set_postfix(loss=f"{float(losses['loss'].detach()):.3f}")
+        record = {"epoch": epoch, "steps": len(batches), "lr": schedule.get_last_lr()[0]}
+        record.update(_mean_over_processes(sums, len(batches)))
+        record.update(evaluate(model, data, data.valid, valid_rows[rank::world], config, device))
+        record["epoch_s"] = round(time.perf_counter() - epoch_start, 2)
+        history.append(record)
+        if rank == 0:
+            print(_format_epoch(record), flush=True)
+        if best is None or record["ndcg@10"] > best["ndcg@10"]:
+            best, stale = record, 0
+            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        else:
+            stale += 1
+        # Stop early, or when another epoch like this one would overrun the time budget; the
+        # decision is shared, so no process is left waiting for the others.
+        finish_min = (time.perf_counter() - start_time + record["epoch_s"]) / 60
+        stop = stale >= config.patience or bool(
+            config.max_minutes and finish_min > config.max_minutes
+        )
+        if world > 1:
+            flag = torch.tensor([float(stop)], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stop = bool(flag.item())
+        if stop:
+            break
+
+    model.load_state_dict(best_state)
+    manifest = None
+    if rank == 0:
+        manifest = save_checkpoint(
+            out,
+            model,
+            {
+                "data": {
+                    "path": str(Path(data_dir).resolve()),
+                    "data_hash": data.data_hash,
+                    "name": data.manifest.get("name"),
+                },
+                "train_config": asdict(config),
+                "metrics": history,
+                "best": best,
+                "stopped_after_epoch": history[-1]["epoch"],
+                "world_size": world,
+                "device": str(device),
+                "threads": torch.get_num_threads(),
+                "wall_time_s": round(time.perf_counter() - start_time, 1),
+            },
+            overwrite=overwrite,
+        )
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return manifest
+
+
+@torch.no_grad()
+def evaluate(
+    model: SemanticIdRecommender,
+    data: PreparedData,
+    split: Histories,
+    rows: torch.Tensor,  # [U'] rows of `split` this process scores
+    config: TrainConfig,
+    device: torch.device,
+) -> dict[str, float]:
+    """HR@10 / NDCG@10 over `rows` (summed over processes): `hr@10`, `ndcg@10` from the exact
+    item log-likelihoods, `parallel_*` / `long_id_*` from the heads' item scores."""
+    model.eval()
+    items = torch.arange(data.num_items, device=device)
+    sums: dict[str, torch.Tensor] = {}
+    for part in rows.split(config.eval_batch_size):
+        users = split.select(part)
+        state = model.encode_history(users.values.to(device), users.offsets.to(device))
+        targets = users.targets.to(device)
+        scores = {"": item_log_likelihoods(model, state, items, chunk=config.eval_chunk)}
+        if model.parallel_heads is not None:
+            scores["parallel_"] = model.parallel_heads.score_items(state.hidden, model.item_codes)
+        if model.long_id_heads is not None:
+            scores["long_id_"] = model.long_id_heads.score_items(state.hidden, model.long_ids)
+        for prefix, score in scores.items():
+            ranks = ranks_from_topk(score.topk(EVAL_K, dim=1).indices, targets)
+            for name, per_user in per_user_metrics(ranks, (EVAL_K,), EVAL_K).items():
+                if name != "mrr":
+                    sums[prefix + name] = sums.get(prefix + name, 0.0) + per_user.sum()
+        sums["users"] = sums.get("users", 0.0) + len(part)
+    names = sorted(sums)
+    total = torch.tensor([float(sums[n]) for n in names], dtype=torch.float64, device=device)
+    if dist.is_initialized():  # NCCL reduces CUDA tensors only, hence `device`
+        dist.all_reduce(total)
+    count = total[names.index("users")]
+    return {
+        n: round(float(v / count), 5) for n, v in zip(names, total, strict=True) if n != "users"
+    } | {"valid_users": int(count)}
+
+
+def _mean_over_processes(sums: dict[str, torch.Tensor], steps: int) -> dict[str, float]:
+    """Per-step mean of each training loss, averaged over processes: `train_<name>`."""
+    names = sorted(sums)
+    if not names:
+        return {}
+    total = torch.stack([sums[n].float() for n in names]) / max(1, steps)
+    if dist.is_initialized():
+        dist.all_reduce(total)
+        total /= dist.get_world_size()
+    return {f"train_{n}": float(v) for n, v in zip(names, total, strict=True)}
+
+
+def _setup_processes(config: TrainConfig) -> tuple[int, int, torch.device]:
+    """(rank, world size, device); starts the process group under torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device is cuda but no CUDA GPU is visible; use auto or cpu")
+    rank, device = 0, torch.device("cpu")
+    if world > 1:
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+        rank = dist.get_rank()
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    threads = config.threads or max(1, (os.cpu_count() or 1) // local_world)
+    torch.set_num_threads(threads)
+    return rank, world, device
+
+
+def _build_model(
+    data: PreparedData, model_config: RecommenderConfig, config: TrainConfig
+) -> SemanticIdRecommender:
+    model = SemanticIdRecommender(
+        model_config, data.item_codes, data.codebook_sizes, data.long_ids, data.long_id_sizes
+    )
+    if config.init_from:
+        start, manifest = load_checkpoint(config.init_from)
+        if manifest["data"]["data_hash"] != data.data_hash:
+            raise ValueError(
+                f"train.init_from {config.init_from} was trained on data {manifest['data']} "
+                f"but --data has hash {data.data_hash}; start from a checkpoint of this data"
+            )
+        heads = ("parallel_heads", "long_id_heads", "draft_head")
+        head_names = {n for n, _ in model.named_parameters() if n.split(".")[0] in heads}
+        missing, unexpected = model.load_state_dict(start.state_dict(), strict=False)
+        if set(missing) - head_names or unexpected:
+            raise ValueError(
+                f"train.init_from {config.init_from} does not match the model config "
+                f"(missing {sorted(set(missing) - head_names)[:5]}, unexpected "
+                f"{unexpected[:5]}); use the checkpoint's model section in the config"
+            )
+    if config.freeze_backbone:
+        for p in model.backbone_parameters():
+            p.requires_grad_(False)
+    return model
+
+
+def _param_groups(model: SemanticIdRecommender, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices of linear layers only (not embeddings, biases, norms)."""
+    decay, rest = [], []
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            is_matrix = isinstance(module, torch.nn.Linear) and name == "weight"
+            (decay if is_matrix else rest).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def _warmup_cosine(warmup: int, total: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def _validation_rows(valid: Histories, config: TrainConfig) -> torch.Tensor:  # [U'] int64
+    """A fixed random subset of the valid users (the same every epoch and on every rank)."""
+    rows = torch.randperm(len(valid), generator=torch.Generator().manual_seed(config.seed + 7))
+    return rows[: config.valid_users] if config.valid_users else rows
+
+
+def _format_epoch(r: dict) -> str:
+    heads = "".join(
+        f" | {p[:-1]} hr@10 {r[p + 'hr@10']:.4f}"
+        for p in ("parallel_", "long_id_")
+        if p + "hr@10" in r
+    )
+    return (
+        f"epoch {r['epoch']}: loss {r['train_loss']:.4f} | valid hr@10 {r['hr@10']:.4f} "
+        f"ndcg@10 {r['ndcg@10']:.4f}{heads} | {r['epoch_s']:.0f} s"
+    )

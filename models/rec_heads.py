@@ -1,0 +1,146 @@
+"""Draft heads on the recommender's last history state, for the fast decoders.
+
+All three read h, the backbone's final hidden state of the last history token ([..., D]), the
+same state that predicts code level 0:
+
+- `ParallelLevelHeads` (PinRec-style): every code level independently from h, in one pass; an
+  item's score is the sum of its levels' log-probabilities.
+- `LongIdHeads` (RPG-style multi-token prediction): one head per digit of the long
+  product-quantised ID; digits are independent given h, an item's score is the sum of its digits'
+  log-probabilities.
+- `RecurrentDraftHead` (NEZHA-style): a GRU cell started from h that reads the previous code and
+  predicts the next level, so a beam over codes costs one backbone pass plus tiny GRU steps.
+  Level 0 comes from the backbone itself (its level-0 log-probs are free in the same pass).
+
+Shape letters: D model width, L code levels, V codes per level, Q long-ID digits, I items.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def _padded_log_softmax(logits: Tensor, sizes: list[int]) -> Tensor:
+    """log_softmax over the first sizes[j] entries of logits[..., j, :]; -inf past them.
+    logits: [..., J, Vmax] -> [..., J, Vmax]."""
+    if min(sizes) == logits.shape[-1]:  # nothing to mask (e.g. PQ digits of one size)
+        return logits.log_softmax(dim=-1)
+    width = torch.arange(logits.shape[-1], device=logits.device)  # [Vmax]
+    real = width[None, :] < torch.tensor(sizes, device=logits.device)[:, None]  # [J, Vmax]
+    return logits.masked_fill(~real, float("-inf")).log_softmax(dim=-1)
+
+
+def _sum_of_code_scores(
+    log_probs: Tensor,  # [B, J, Vmax] per-position log-probs of J code positions
+    item_codes: Tensor,  # [I, J] int64 codes of every item
+) -> Tensor:  # [B, I]
+    """Item score = sum over its J positions of log p(code); one gather per position keeps the
+    memory at [B, I] instead of [B, I, J]."""
+    score = log_probs.new_zeros(log_probs.shape[0], item_codes.shape[0])
+    for j in range(item_codes.shape[1]):
+        score += log_probs[:, j, item_codes[:, j]]
+    return score
+
+
+def _code_cross_entropy(
+    log_probs: Tensor,  # [M, J, Vmax]
+    targets: Tensor,  # [M, J] int64
+) -> Tensor:  # [] mean over the J positions of the per-position mean CE
+    return F.nll_loss(log_probs.flatten(0, 1), targets.flatten())
+
+
+class ParallelLevelHeads(nn.Module):
+    """PinRec-style: one small MLP per code level, all levels from h at once."""
+
+    def __init__(self, dim: int, codebook_sizes: list[int]) -> None:
+        super().__init__()
+        self.codebook_sizes = list(codebook_sizes)
+        self.mlp = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, size))
+            for size in self.codebook_sizes
+        )
+
+    def log_probs(self, h: Tensor) -> Tensor:  # h: [..., D] -> [..., L, Vmax], -inf padded
+        vmax = max(self.codebook_sizes)
+        logits = [F.pad(mlp(h), (0, vmax - mlp[-1].out_features)) for mlp in self.mlp]
+        return _padded_log_softmax(torch.stack(logits, dim=-2), self.codebook_sizes)
+
+    def loss(self, h: Tensor, codes: Tensor) -> Tensor:  # h: [M, D], codes: [M, L] -> []
+        return _code_cross_entropy(self.log_probs(h), codes)
+
+    def score_items(self, h: Tensor, item_codes: Tensor) -> Tensor:
+        # h: [B, D], item_codes: [I, L] -> [B, I] sum of level log-probs
+        return _sum_of_code_scores(self.log_probs(h), item_codes)
+
+
+class LongIdHeads(nn.Module):
+    """RPG-style: Q independent digit classifiers from h through one shared projection."""
+
+    def __init__(self, dim: int, digit_sizes: list[int]) -> None:
+        super().__init__()
+        self.digit_sizes = list(digit_sizes)
+        self.vmax = max(self.digit_sizes)
+        self.proj = nn.Sequential(nn.Linear(dim, dim), nn.GELU())
+        self.out = nn.Linear(dim, len(self.digit_sizes) * self.vmax)
+
+    def log_probs(self, h: Tensor) -> Tensor:  # h: [..., D] -> [..., Q, Vmax], -inf padded
+        logits = self.out(self.proj(h)).unflatten(-1, (len(self.digit_sizes), self.vmax))
+        return _padded_log_softmax(logits, self.digit_sizes)
+
+    def loss(self, h: Tensor, digits: Tensor) -> Tensor:  # h: [M, D], digits: [M, Q] -> []
+        return _code_cross_entropy(self.log_probs(h), digits)
+
+    def score_items(self, h: Tensor, item_digits: Tensor) -> Tensor:
+        # h: [B, D], item_digits: [I, Q] -> [B, I] sum of digit log-probs
+        return _sum_of_code_scores(self.log_probs(h), item_digits)
+
+
+class RecurrentDraftHead(nn.Module):
+    """NEZHA-style autoregressive draft head: a GRU cell over code embeddings, started from h.
+
+    `init(h)` gives the draft state; `step(state, codes, level)` reads the level-`level` code of
+    each prefix and returns the new state and the log-probs of level `level + 1`. Leading
+    dimensions are free, so a decoder can run B users x K beams at once.
+    """
+
+    def __init__(self, dim: int, codebook_sizes: list[int], hidden: int) -> None:
+        super().__init__()
+        self.codebook_sizes = list(codebook_sizes)
+        self.start = nn.Linear(dim, hidden)
+        # Codes of levels 0..L-2 are read (the last level is only predicted).
+        self.embed = nn.ModuleList(nn.Embedding(v, hidden) for v in self.codebook_sizes[:-1])
+        self.cell = nn.GRUCell(hidden, hidden)
+        # out[l] predicts level l + 1.
+        self.out = nn.ModuleList(nn.Linear(hidden, v) for v in self.codebook_sizes[1:])
+
+    def init(self, h: Tensor) -> Tensor:  # h: [..., D] -> [..., Hd]
+        return torch.tanh(self.start(h))
+
+    def step(
+        self,
+        state: Tensor,  # [..., Hd]
+        codes: Tensor,  # [...] int64 level-`level` code of each prefix
+        level: int,  # 0..L-2
+    ) -> tuple[Tensor, Tensor]:  # (new state [..., Hd], log-probs of level + 1 [..., V])
+        if not 0 <= level < len(self.embed):
+            raise ValueError(
+                f"draft step level {level} out of range: the head reads levels "
+                f"0..{len(self.embed) - 1} and predicts the next one"
+            )
+        lead = codes.shape
+        new = self.cell(
+            self.embed[level](codes).reshape(-1, state.shape[-1]),
+            state.reshape(-1, state.shape[-1]),
+        )
+        new = new.reshape(*lead, -1)
+        return new, self.out[level](new).log_softmax(dim=-1)
+
+    def loss(self, h: Tensor, codes: Tensor) -> Tensor:  # h: [M, D], codes: [M, L] -> []
+        """Teacher-forced mean CE of levels 1..L-1."""
+        state, losses = self.init(h), []
+        for level in range(len(self.embed)):
+            state, log_probs = self.step(state, codes[:, level], level)
+            losses.append(F.nll_loss(log_probs, codes[:, level + 1]))
+        return torch.stack(losses).mean()

@@ -1,0 +1,159 @@
+"""`genrec-spec bench llm` and its greedy-exactness check: the verdicts of compare_greedy on a
+target with a planted tie; the whole benchmark on a tiny random Llama loaded both natively and
+in transformers (same weights), B > 1 with uneven prompts, greedy and sampled; the CLI on the
+real SmolLM2 (slow)."""
+
+import argparse
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig as HFLlamaConfig
+from transformers import LlamaForCausalLM
+
+from genrec_spec import CallableTarget
+from genrec_spec.bench_llm import METHODS, BenchLLMConfig, benchmark, format_table
+from genrec_spec.greedy_check import compare_greedy, first_divergence
+from genrec_spec.models.llama import Llama
+
+VOCAB = 8
+
+
+def planted_tie_lm(ids: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T, V]
+    """Next token = last token + 1 (mod V), except after token 3, where 4 and 5 tie exactly."""
+    logits = torch.nn.functional.one_hot((ids + 1) % VOCAB, VOCAB).float()
+    logits[..., 5] += (ids == 3).float()
+    return logits
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 9, 3]) == 1
+    assert first_divergence([1, 2, 3], [1, 2]) == 2
+
+
+def test_compare_greedy_verdicts():
+    prompts = [[1], [0, 1], [6]]
+    expected = [[2, 3, 4, 5], [2, 3, 4, 5], [7, 0, 1, 2]]
+    got = [
+        [2, 3, 5, 6],  # took the other side of the tie after token 3
+        [2, 3, 4, 5],
+        [7, 0, 2, 3],  # a real error: after 0 the next token is clearly 1
+    ]
+    verdicts = compare_greedy(CallableTarget(planted_tie_lm), prompts, expected, got)
+    assert verdicts == ["tie@2", "yes", "no@2"]
+
+
+def hf_tiny(seed: int = 0) -> LlamaForCausalLM:
+    config = HFLlamaConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # sharpen random weights so greedy paths are not all near-ties
+        for p in model.parameters():
+            p.mul_(4.0)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """The same random weights in transformers and as the native Llama."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    hf = hf_tiny()
+    hf.save_pretrained(folder)
+    return Llama.from_hf(folder), hf
+
+
+def test_benchmark_on_tiny_models(tiny_pair):
+    native, hf = tiny_pair
+    prompts = [[5, 9, 2, 33, 7, 5, 9, 2, 8], [4, 60], [12, 3, 3, 40, 22, 3]]  # uneven
+    settings = BenchLLMConfig(
+        methods=METHODS,
+        max_new_tokens=6,
+        batch_sizes=(1, 2),
+        temperatures=(0.0, 0.8),
+        repeats=2,
+        k=3,
+        draft_layers=1,
+        warmup_tokens=2,
+    )
+    lines = []
+    rows = benchmark(native, hf, prompts, settings, eos=None, log=lines.append)
+    assert len(lines) == 2 * 2 * 2  # one line per (B, T, repeat)
+    # Every method at every (B, T), but HF's prompt lookup only at batch 1.
+    assert [(r.method, r.batch_size, r.temperature) for r in rows] == [
+        (m, b, t) for b in (1, 2) for t in (0.0, 0.8) for m in METHODS if b == 1 or m != "hf-lookup"
+    ]
+    for row in rows:
+        assert row.tokens_per_s > 0 and len(row.tokens_per_s_repeats) == 2
+        assert row.vs_hf is not None
+        if row.temperature == 0.0:
+            # Every method, HF's own generate included, reproduces plain greedy decoding.
+            assert row.exact == "ref" if row.method == "none" else row.exact == "yes", row
+        else:
+            assert row.exact == "-"
+        if row.method.startswith("hf"):
+            assert row.accepted_length is None and row.acceptance == ()
+        else:
+            assert row.accepted_length >= 1.0
+            assert all(0.0 <= a <= 1.0 for a in row.acceptance)
+        if row.method == "none":
+            assert row.speedup == 1.0 and row.accepted_length == 1.0
+    table = format_table(rows)
+    assert all(method in table for method in METHODS)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    from genrec_spec import bench_llm
+
+    parser = argparse.ArgumentParser()
+    bench_llm.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_settings_and_bad_input():
+    from genrec_spec.bench_llm import settings_from
+
+    c = BenchLLMConfig()
+    quick = settings_from(parse(["--quick", "--n", "3", "--methods", "ngram,none,hf"]))
+    assert quick.n == 3 and quick.max_new_tokens == c.quick_max_new_tokens
+    assert quick.batch_sizes == c.quick_batch_sizes and quick.temperatures == (0.0, 0.8)
+    assert quick.methods == ("none", "ngram", "hf")  # the baseline first
+    default = settings_from(parse(["--batch-sizes", "1,8", "--temperatures", "0,0.8"]))
+    assert default.n == c.n and default.batch_sizes == (1, 8) and default.temperatures == (0, 0.8)
+    with pytest.raises(ValueError, match="unknown methods"):
+        settings_from(parse(["--methods", "none,medusa"]))
+    with pytest.raises(ValueError, match=">= 1"):
+        settings_from(parse(["--batch-sizes", "0,8"]))
+    with pytest.raises(ValueError, match="temperatures"):
+        settings_from(parse(["--temperatures=-1,2"]))
+
+
+@pytest.mark.slow
+def test_bench_llm_cli_on_smollm2(smollm2_model, monkeypatch, tmp_path, capsys):
+    """The command end to end on the real model: every method of batch 2 (uneven prompts),
+    greedy; all exact."""
+    from genrec_spec import bench_llm
+    from genrec_spec.models import smollm2
+
+    monkeypatch.setattr(smollm2, "load_smollm2", lambda: smollm2_model)
+    out, prompts = tmp_path / "bench.json", tmp_path / "prompts.txt"
+    prompts.write_text("def fib(n):\nThe quick brown fox jumps over the lazy dog. The quick fox\n")
+    argv = ["--prompts", str(prompts), "--split", "all", "--n", "2", "--max-new-tokens", "4"]
+    argv += ["--batch-sizes", "2", "--json", str(out)]
+    assert bench_llm.run(parse(argv)) == 0
+    printed = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert [row["method"] for row in rows] == [m for m in METHODS if m != "hf-lookup"]
+    for row in rows:
+        assert row["exact"] == "ref" or row["exact"].startswith(("yes", "tie@")), row
+        assert row["method"] in printed
+    assert report["settings"]["n"] == 2 and len(report["load_average"]) == 2

@@ -1,0 +1,117 @@
+"""Trie-constrained beam search: equals a plain Python beam search over the model, exhaustive
+scoring when the beam is as wide as the catalogue, valid distinct items, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from genrec_spec.data_pipelines.trie import PrefixTrie
+from genrec_spec.recsys import beam
+from genrec_spec.recsys.scoring import score
+from genrec_spec.recsys.spec_beam import same_top_k
+from genrec_spec.recsys.types import Recommendations
+
+
+@pytest.fixture
+def model(tiny_model):
+    """The tiny model with large random weights: peaked distributions, so rankings are not
+    decided by float rounding between near-uniform log-probs."""
+    model, _ = tiny_model
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
+
+
+def _trie(model) -> PrefixTrie:
+    return PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+
+
+def _histories(model, lengths: list[int], seed: int):
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, model.num_items, (sum(lengths),), generator=g)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return values, offsets
+
+
+def _python_beam(model, history: torch.Tensor, k: int, width: int) -> tuple[list, list]:
+    """Beam search written plainly: every prefix scored as its own chain of code tokens,
+    candidates sorted by (score desc, parent rank, code), invalid prefixes skipped."""
+    codes = [tuple(c) for c in model.item_codes.tolist()]
+    valid = {c[:n] for c in codes for n in range(1, len(c) + 1)}
+    state = model.encode_history(history, torch.tensor([0, len(history)]))
+    beams = [((), 0.0)]
+    for level in range(model.num_levels):
+        candidates = []
+        for rank, (prefix, total) in enumerate(beams):
+            if level == 0:
+                log_probs = state.level0_log_probs[0]
+            else:
+                out = model.score_tree(
+                    state,
+                    torch.tensor([prefix]),
+                    torch.arange(level)[None],
+                    torch.arange(level)[None] - 1,
+                )
+                log_probs = out[0, -1]
+            for code in range(model.codebook_sizes[level]):
+                if prefix + (code,) in valid:
+                    candidates.append((total + float(log_probs[code]), rank, code, prefix))
+        candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
+        beams = [(prefix + (code,), total) for total, _, code, prefix in candidates[:width]]
+    return [codes.index(p) for p, _ in beams[:k]], [t for _, t in beams[:k]]
+
+
+@pytest.mark.parametrize(("k", "width"), [(1, 1), (3, 4), (5, 8)])
+def test_beam_equals_a_python_beam_search(model, k, width):
+    values, offsets = _histories(model, [6, 0, 30], seed=k)  # empty and truncated rows
+    trie = _trie(model)
+    got = beam.decode(model, values, offsets, k=k, trie=trie, beam_width=width)
+    items, scores = [], []
+    for b in range(3):
+        row_items, row_scores = _python_beam(model, values[offsets[b] : offsets[b + 1]], k, width)
+        items.append(row_items)
+        scores.append(row_scores)
+    want = Recommendations(torch.tensor(items), torch.tensor(scores))
+    assert same_top_k(want, got).all()
+    assert got.stats["target_passes"] == model.num_levels
+    assert got.stats["truncated_histories"] == 1
+
+
+def test_catalogue_wide_beam_is_the_exhaustive_top_k(model):
+    """With a beam as wide as the catalogue nothing is pruned: the top-K by exact
+    log-likelihood of every item."""
+    values, offsets = _histories(model, [4, 9, 1, 12], seed=11)
+    trie = _trie(model)
+    got = beam.decode(model, values, offsets, k=8, trie=trie, beam_width=model.num_items)
+    every = score(model, values, offsets, torch.arange(model.num_items).expand(4, -1))
+    top = every.topk(8, dim=1)
+    assert same_top_k(Recommendations(top.indices, top.values), got).all()
+
+
+@pytest.mark.parametrize(("k", "width"), [(1, None), (10, None), (40, 40), (7, 25)])
+def test_items_are_valid_distinct_and_sorted(model, k, width):
+    values, offsets = _histories(model, [3, 8, 0, 13, 5], seed=3)
+    out = beam.decode(model, values, offsets, k=k, trie=_trie(model), beam_width=width)
+    assert out.items.shape == out.scores.shape == (5, k)
+    assert ((out.items >= 0) & (out.items < model.num_items)).all()
+    for row in out.items.tolist():
+        assert len(set(row)) == k
+    assert (out.scores[:, 1:] <= out.scores[:, :-1]).all()
+    assert (out.scores <= 0).all()
+
+
+def test_bad_options_raise(model):
+    values, offsets = _histories(model, [3, 2], seed=5)
+    trie = _trie(model)
+    with pytest.raises(beam.DecodeOptionError, match="beam_width 3 must be >= k = 5"):
+        beam.decode(model, values, offsets, k=5, trie=trie, beam_width=3)
+    with pytest.raises(beam.DecodeOptionError, match="larger than the catalogue"):
+        beam.decode(model, values, offsets, k=model.num_items + 1, trie=trie)
+    with pytest.raises(beam.DecodeOptionError, match="k must be >= 1"):
+        beam.decode(model, values, offsets, k=0, trie=trie)
+    other = PrefixTrie.from_codes(model.item_codes[:-1], tuple(model.codebook_sizes))
+    with pytest.raises(beam.DecodeOptionError, match="does not match the model"):
+        beam.decode(model, values, offsets, k=2, trie=other)

@@ -1,0 +1,51 @@
+"""`genrec-spec bench recsys --quick` on a tiny checkpoint: every decoder timed on the same users,
+beam as the baseline, spec_beam identical to it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from genrec_spec import bench_recsys
+from genrec_spec.recsys.checkpoint import save_checkpoint
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_recsys.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_bench_recsys_quick(tiny_model, tmp_path, capsys):
+    model, data = tiny_model
+    save_checkpoint(
+        tmp_path / "ckpt", model, {"data": {"path": str(data.path), "data_hash": data.data_hash}}
+    )
+    out = tmp_path / "bench.json"
+    argv = ["--ckpt", str(tmp_path / "ckpt"), "--quick", "--k", "3", "--beam-width", "4"]
+    assert bench_recsys.run(_args(argv + ["--json", str(out)])) == 0
+    table = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    rows = {row["decoder"]: row for row in report["rows"]}
+    assert list(rows) == list(bench_recsys.DECODERS)  # beam first, then every decoder
+    for name in rows:
+        assert name in table
+    settings = report["settings"]
+    assert settings["users"] == 4 and settings["batch_sizes"] == [3]
+    assert rows["beam"]["speedup"] == 1.0 and rows["beam"]["same_as_beam"] == 1.0
+    assert rows["beam"]["passes"] == model.num_levels
+    assert rows["spec_beam"]["same_as_beam"] == 1.0  # lossless: beam's exact top-K
+    for name in ("heads", "rpg", "rpg-exact", "nezha"):
+        assert rows[name]["passes"] == 1
+    for row in rows.values():
+        assert row["p99_ms"] >= row["p50_ms"] > 0
+        assert row["users_per_s"]["3"] > 0 and 0 <= row["overlap"] <= 1
+
+
+def test_bench_recsys_bad_settings(tmp_path):
+    base = ["--ckpt", str(tmp_path)]
+    for bad in (["--decoders", "beam,fast"], ["--k", "5", "--beam-width", "4"], ["--users", "0"]):
+        with pytest.raises(ValueError):
+            bench_recsys.settings_from(_args(base + bad))

@@ -1,0 +1,240 @@
+"""The Semantic-ID recommender: shapes, tree scoring = chain scoring, training layout = inference
+path, exact item scores, heads, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from genrec_spec.kernels import ancestor_mask
+from genrec_spec.models.rec_item_scores import item_log_likelihoods
+from genrec_spec.models.rec_layout import prefix_forest, train_layout
+from genrec_spec.models.recommender import RecommenderInputError
+
+
+def _histories(model, lengths: list[int], seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, model.num_items, (sum(lengths),), generator=g)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return values, offsets
+
+
+def _random_tree(model, batch: int, nodes: int, seed: int = 0):
+    """Random prefix trees: each node a child of the root or of an earlier node, with codes and
+    levels consistent along every path (a node's level = its parent's + 1, at most L-2)."""
+    g = torch.Generator().manual_seed(seed)
+    parents = torch.full((batch, nodes), -1)
+    levels = torch.zeros(batch, nodes, dtype=torch.long)
+    for b in range(batch):
+        for i in range(1, nodes):
+            p = int(torch.randint(-1, i, (1,), generator=g))
+            if p >= 0 and levels[b, p] < model.num_levels - 2:
+                parents[b, i], levels[b, i] = p, levels[b, p] + 1
+    sizes = torch.tensor(model.codebook_sizes)[levels]
+    codes = (torch.rand(batch, nodes, generator=g) * sizes).long()
+    return codes, levels, parents
+
+
+def _path(parents: torch.Tensor, node: int) -> list[int]:  # root-to-node path of one row
+    path = [node]
+    while parents[path[0]] >= 0:
+        path.insert(0, int(parents[path[0]]))
+    return path
+
+
+def test_shapes_and_padding(tiny_model):
+    model, _ = tiny_model
+    values, offsets = _histories(model, [5, 0, 20])  # an empty and a truncated history
+    state = model.encode_history(values, offsets)
+    layers, heads, dim = model.config.layers, model.config.heads, model.config.dim
+    assert state.keys.shape == (layers, 3, heads, model.config.max_len + 1, dim // heads)
+    assert state.lengths.tolist() == [6, 1, model.config.max_len + 1]
+    assert state.truncated.tolist() == [False, False, True]
+    assert state.hidden.shape == (3, dim)
+    assert state.level0_log_probs.shape == (3, model.codebook_sizes[0])
+    assert torch.allclose(state.level0_log_probs.exp().sum(1), torch.ones(3))
+
+    codes, levels, parents = _random_tree(model, 3, 9)
+    out = model.score_tree(state, codes, levels, parents)
+    assert out.shape == (3, 9, max(model.codebook_sizes[1:]))
+    for b in range(3):
+        for i in range(9):
+            width = model.codebook_sizes[int(levels[b, i]) + 1]
+            assert torch.isinf(out[b, i, width:]).all()
+            assert torch.allclose(out[b, i, :width].exp().sum(), torch.tensor(1.0), atol=1e-5)
+
+
+def test_tree_equals_each_branch_as_a_chain(tiny_model):
+    model, _ = tiny_model
+    values, offsets = _histories(model, [7, 3, 11], seed=1)
+    state = model.encode_history(values, offsets)
+    codes, levels, parents = _random_tree(model, 3, 10, seed=2)
+    tree = model.score_tree(state, codes, levels, parents)
+    for b in range(3):
+        one = values[offsets[b] : offsets[b + 1]]
+        row = model.encode_history(one, torch.tensor([0, len(one)]))
+        for i in range(10):
+            path = torch.tensor(_path(parents[b], i))
+            chain = model.score_tree(
+                row, codes[b, path][None], levels[b, path][None], torch.arange(len(path))[None] - 1
+            )
+            torch.testing.assert_close(chain[0, -1], tree[b, i], atol=1e-5, rtol=1e-5)
+
+
+def test_training_layout_matches_inference(tiny_model):
+    """forward_train's losses (SDPA over the training tree) equal the same cross-entropies
+    computed with encode_history on every prefix and score_tree on every branch."""
+    model, _ = tiny_model
+    g = torch.Generator().manual_seed(3)
+    windows, offsets = _histories(model, [6, 13, 1], seed=4)
+    layout = train_layout(windows, offsets, model.num_levels - 1, 3, g)
+    losses = model.forward_train(layout)
+
+    level_terms = {level: [] for level in range(model.num_levels)}
+    for b in range(3):
+        seq = windows[offsets[b] : offsets[b + 1]]
+        for t in range(len(seq)):
+            state = model.encode_history(seq[:t], torch.tensor([0, t]))
+            target = model.item_codes[seq[t]]
+            level_terms[0].append(-state.level0_log_probs[0, target[0]])
+            if t in layout.branch_anchor[b].tolist():
+                chain = torch.arange(model.num_levels - 1)
+                out = model.score_tree(state, target[None, :-1], chain[None], chain[None] - 1)
+                for level in range(1, model.num_levels):
+                    level_terms[level].append(-out[0, level - 1, target[level]])
+    for level, terms in level_terms.items():
+        expected = torch.stack(terms).mean()
+        torch.testing.assert_close(losses[f"level_{level}"], expected, atol=1e-5, rtol=1e-5)
+
+
+def _chain_log_probs(model, state, item: int) -> list[torch.Tensor]:  # L x [B, V_l]
+    """Log-probs of every level along one item's code chain, the item scored alone."""
+    codes, batch = model.item_codes[item], state.lengths.numel()
+    levels = torch.arange(model.num_levels - 1)
+    chain = model.score_tree(
+        state,
+        codes[None, :-1].expand(batch, -1),
+        levels.expand(batch, -1),
+        (levels - 1).expand(batch, -1),
+    )
+    return [state.level0_log_probs] + [chain[:, i] for i in range(model.num_levels - 1)]
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 64])  # chunks split subtrees, or hold all of them
+def test_item_log_likelihoods_are_exact(tiny_model, chunk):
+    model, _ = tiny_model
+    state = model.encode_history(*_histories(model, [4, 9, 0], seed=5))
+    items = torch.tensor([3, 0, 17, 25, 39, 8, 30, 12])
+    raw = item_log_likelihoods(model, state, items, constrained=False, chunk=chunk)
+    trie = item_log_likelihoods(model, state, items, constrained=True, chunk=chunk)
+    assert raw.shape == trie.shape == (3, len(items))
+    codes = model.item_codes[items]  # [C, L]
+    for j, item in enumerate(items.tolist()):
+        per_level = _chain_log_probs(model, state, item)
+        expected_raw = expected_trie = 0.0
+        for level in range(model.num_levels):
+            code = int(codes[j, level])
+            # The trie constraint: codes that extend this item's prefix to some candidate.
+            same_prefix = (codes[:, :level] == codes[j, :level]).all(dim=1)
+            allowed = codes[same_prefix, level].unique()
+            lp = per_level[level]
+            expected_raw = expected_raw + lp[:, code]
+            expected_trie = expected_trie + lp[:, code] - lp[:, allowed].logsumexp(dim=1)
+        torch.testing.assert_close(raw[:, j], expected_raw, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(trie[:, j], expected_trie, atol=1e-5, rtol=1e-5)
+    # Over the whole catalogue: a distribution over items (constrained), a sub-one mass (raw).
+    everything = torch.arange(model.num_items)
+    total = item_log_likelihoods(model, state, everything).exp().sum(1)
+    torch.testing.assert_close(total, torch.ones(3))
+    raw_total = item_log_likelihoods(model, state, everything, constrained=False).exp().sum(1)
+    assert bool((raw_total < 1).all())
+
+
+def test_prefix_forest_and_train_layout_structure():
+    codes = torch.tensor([[0, 1, 0], [0, 1, 1], [0, 2, 0], [3, 1, 0]])
+    forest = prefix_forest(codes)
+    assert len(forest.codes) == 2 + 3  # prefixes (0), (3); (0,1), (0,2), (3,1)
+    assert bool((forest.parents < torch.arange(len(forest.codes))).all())
+    for c in range(len(codes)):
+        node = int(forest.item_nodes[c, -1])
+        assert forest.codes[_path(forest.parents, node)].tolist() == codes[c, :2].tolist()
+
+    g = torch.Generator().manual_seed(0)
+    layout = train_layout(torch.arange(9), torch.tensor([0, 5, 6, 9]), 2, 2, g)
+    assert layout.next_items.tolist() == [[0, 1, 2, 3, 4], [5, -1, -1, -1, -1], [6, 7, 8, -1, -1]]
+    assert layout.hist_items.tolist() == [0, 1, 2, 3, 6, 7]  # windows minus their last item
+    assert layout.hist_offsets.tolist() == [0, 4, 4, 6]
+    assert layout.branch_anchor[1].tolist() == [0, -1]  # one position only
+    n = layout.parents.shape[1]
+    assert n == 5 + 2 * 2 and bool((layout.parents < torch.arange(n)).all())
+    for b in range(3):
+        for p, anchor in enumerate(layout.branch_anchor[b].tolist()):
+            assert layout.parents[b, 5 + 2 * p].item() == anchor
+
+
+@pytest.mark.parametrize("branches", [1, 3, 20])
+def test_layout_visibility_is_the_ancestor_mask(branches):
+    g = torch.Generator().manual_seed(branches)
+    lengths = torch.tensor([7, 1, 12, 4])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    layout = train_layout(torch.arange(int(lengths.sum())), offsets, 3, branches, g)
+    assert torch.equal(layout.visibility(), ancestor_mask(layout.parents))
+
+
+def test_heads_shapes_and_item_scores(tiny_model):
+    model, data = tiny_model
+    state = model.encode_history(*_histories(model, [3, 8, 5], seed=6))
+    h = state.hidden  # [B, D]
+    per_level = model.parallel_heads.log_probs(h)  # [B, L, Vmax]
+    assert per_level.shape == (3, model.num_levels, max(model.codebook_sizes))
+    scores = model.parallel_heads.score_items(h, model.item_codes)
+    item = 11
+    expected = sum(per_level[:, lv, c] for lv, c in enumerate(model.item_codes[item].tolist()))
+    torch.testing.assert_close(scores[:, item], expected)
+
+    digits = model.long_id_heads.log_probs(h)
+    assert digits.shape == (3, data.long_ids.shape[1], max(data.long_id_sizes))
+    long_scores = model.long_id_heads.score_items(h, model.long_ids)
+    assert long_scores.shape == (3, model.num_items)
+
+    beams = 4  # the draft head runs B users x K beams at once
+    draft = model.draft_head.init(h)[:, None].expand(-1, beams, -1)
+    codes0 = state.level0_log_probs.topk(beams, dim=1).indices  # [B, K]
+    draft, log_probs = model.draft_head.step(draft, codes0, 0)
+    assert draft.shape == (3, beams, model.config.draft_hidden)
+    assert log_probs.shape == (3, beams, model.codebook_sizes[1])
+    # The same as stepping one beam alone.
+    alone, alone_lp = model.draft_head.step(model.draft_head.init(h[1:2]), codes0[1:2, 2], 0)
+    torch.testing.assert_close(alone_lp[0], log_probs[1, 2])
+    torch.testing.assert_close(log_probs.exp().sum(-1), torch.ones(3, beams))
+
+
+def test_bad_input_raises_clear_errors(tiny_model):
+    model, _ = tiny_model
+    with pytest.raises(RecommenderInputError, match=r"\[0, 40\)"):
+        model.encode_history(torch.tensor([1, 40]), torch.tensor([0, 1, 2]))
+    with pytest.raises(RecommenderInputError, match="offsets"):
+        model.encode_history(torch.tensor([1, 2]), torch.tensor([0, 3]))
+    state = model.encode_history(*_histories(model, [3, 2]))
+    top = model.num_levels - 1
+    with pytest.raises(RecommenderInputError, match="predicts nothing"):
+        model.score_tree(
+            state,
+            torch.zeros(2, 1, dtype=torch.long),
+            torch.full((2, 1), top),
+            torch.full((2, 1), -1),
+        )
+    with pytest.raises(RecommenderInputError, match="codebook"):
+        model.score_tree(
+            state,
+            torch.full((2, 1), 99),
+            torch.zeros(2, 1, dtype=torch.long),
+            torch.full((2, 1), -1),
+        )
+    with pytest.raises(ValueError, match="parent"):
+        model.score_tree(
+            state,
+            torch.zeros(2, 2, dtype=torch.long),
+            torch.zeros(2, 2, dtype=torch.long),
+            torch.tensor([[-1, 1], [-1, 0]]),
+        )

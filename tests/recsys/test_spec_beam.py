@@ -1,0 +1,174 @@
+"""Speculative beam search returns beam search's top-K exactly: random models with 2 and 3 code
+levels (+ collision) over many users, K and beam widths, with drafts that hit and drafts that
+miss (follow-up passes); then a model trained on real ML-100K."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from genrec_spec.data_pipelines.trie import PrefixTrie
+from genrec_spec.models.recommender import RecommenderConfig, SemanticIdRecommender
+from genrec_spec.recsys import beam, spec_beam
+from genrec_spec.recsys.beam import DecodeOptionError
+from genrec_spec.recsys.spec_beam import same_top_k
+from genrec_spec.recsys.types import Recommendations
+
+
+def _random_model(seed: int, sizes: tuple[int, ...], items: int) -> SemanticIdRecommender:
+    """Unique random Semantic IDs (a collision code appended) and large random weights, so the
+    code distributions are peaked like a trained model's instead of near-uniform."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.stack([torch.randint(0, v, (items,), generator=g) for v in sizes], dim=1)
+    collision = torch.zeros(items, dtype=torch.long)
+    seen: dict[tuple, int] = {}
+    for i, key in enumerate(map(tuple, codes.tolist())):
+        collision[i] = seen.get(key, 0)
+        seen[key] = int(collision[i]) + 1
+    config = RecommenderConfig(
+        dim=16, layers=2, heads=2, dropout=0.0, max_len=10, long_id_heads=False, draft_hidden=8
+    )
+    model = SemanticIdRecommender(
+        config,
+        torch.cat([codes, collision[:, None]], dim=1),
+        [*sizes, int(collision.max()) + 1],
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model.eval()
+
+
+def _histories(model, users: int, seed: int):
+    """Uneven rows: empty ones and ones longer than max_len (truncated) included."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, model.config.max_len + 6, (users,), generator=g)
+    lengths[0] = 0
+    values = torch.randint(0, model.num_items, (int(lengths.sum()),), generator=g)
+    return values, torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+
+
+MODELS = [(0, (5, 4), 60), (1, (4, 3, 3), 90), (2, (6, 5, 4), 150)]  # seed, sizes, items
+# (draft, lookahead) -> sequential passes for L = 3 and L = 4 code levels (collision included)
+PASSES = {
+    ("frontier", True): {3: 2, 4: 2},
+    ("frontier", False): {3: 2, 4: 3},
+    ("none", True): {3: 2, 4: 3},
+    ("none", False): {3: 3, 4: 4},
+}
+
+
+@pytest.mark.parametrize(("seed", "sizes", "items"), MODELS)
+def test_spec_beam_equals_beam(seed, sizes, items):
+    model = _random_model(seed, sizes, items)
+    trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+    values, offsets = _histories(model, users=12, seed=seed)
+    levels = model.num_levels
+    for k, width in [(1, 1), (5, 10), (30, 45)]:
+        want = beam.decode(model, values, offsets, k=k, trie=trie, beam_width=width)
+        for (draft, lookahead), passes in PASSES.items():
+            got = spec_beam.decode(
+                model,
+                values,
+                offsets,
+                k=k,
+                trie=trie,
+                beam_width=width,
+                draft=draft,
+                lookahead=lookahead,
+            )
+            assert same_top_k(want, got).all(), (k, width, draft, lookahead)
+            assert got.stats["target_passes"] == passes[levels]
+            assert got.stats["truncated_histories"] == want.stats["truncated_histories"]
+
+
+@pytest.mark.parametrize("drafted", [1, 3, "all"])
+def test_item_drafts_that_hit_and_miss(drafted):
+    """Drafting every item's prefixes needs no follow-up (one pass, every needed prefix
+    drafted); a few random items leave most prefixes to the follow-up passes."""
+    model = _random_model(3, (5, 4, 3), 80)
+    trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+    values, offsets = _histories(model, users=9, seed=4)
+    count = model.num_items if drafted == "all" else drafted
+    g = torch.Generator().manual_seed(5)
+    items = torch.stack([torch.randperm(model.num_items, generator=g)[:count] for _ in range(9)])
+    want = beam.decode(model, values, offsets, k=10, trie=trie, beam_width=15)
+    got = spec_beam.decode(
+        model, values, offsets, k=10, trie=trie, beam_width=15, draft="none", draft_items=items
+    )
+    assert same_top_k(want, got).all()
+    if drafted == "all":
+        assert got.stats["target_passes"] == 1
+        assert got.stats["draft_hit_rate"] == 1.0
+    else:
+        assert 1 < got.stats["target_passes"] <= model.num_levels
+        assert 0.0 <= got.stats["draft_hit_rate"] < 1.0
+
+
+def test_same_top_k_rejects_different_lists():
+    items = torch.tensor([[3, 1, 2], [5, 6, 7]])
+    scores = torch.tensor([[-1.0, -2.0, -2.00001], [-0.5, -1.0, -3.0]])
+    ref = Recommendations(items, scores)
+    swapped_tie = Recommendations(torch.tensor([[3, 2, 1], [5, 6, 7]]), scores)
+    assert same_top_k(ref, swapped_tie).tolist() == [True, True]  # a near-exact tie
+    swapped = Recommendations(torch.tensor([[1, 3, 2], [5, 6, 8]]), scores)
+    assert same_top_k(ref, swapped).tolist() == [False, False]
+    shifted = Recommendations(items, scores - torch.tensor([[0.0], [0.01]]))
+    assert same_top_k(ref, shifted).tolist() == [True, False]
+
+
+def test_bad_options_raise():
+    model = _random_model(0, (5, 4), 60)
+    trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+    values, offsets = _histories(model, users=2, seed=0)
+    with pytest.raises(DecodeOptionError, match="valid drafts: frontier, none"):
+        spec_beam.decode(model, values, offsets, k=3, trie=trie, draft="heads")
+    with pytest.raises(ValueError, match="candidate item indices must lie in"):
+        bad = torch.tensor([[0], [model.num_items]])
+        spec_beam.decode(model, values, offsets, k=3, trie=trie, draft_items=bad)
+    with pytest.raises(DecodeOptionError, match="beam_width 2 must be >= k = 3"):
+        spec_beam.decode(model, values, offsets, k=3, trie=trie, beam_width=2)
+
+
+@pytest.fixture(scope="session")
+def ml100k_model(ml100k_dir, tmp_path_factory):
+    """A short training run on real ML-100K (~30-40 s): a model with real, peaked and uneven
+    code distributions."""
+    from genrec_spec.recsys.checkpoint import load_checkpoint
+    from genrec_spec.recsys.train import TrainConfig
+    from genrec_spec.recsys.trainer import train
+
+    out = tmp_path_factory.mktemp("spec_beam") / "ckpt"
+    model_config = RecommenderConfig(dim=32, layers=2, heads=2, max_len=50, dropout=0.1)
+    train_config = TrainConfig(
+        epochs=2,
+        max_minutes=0.5,
+        batch_size=32,
+        lr=3e-3,
+        warmup_steps=20,
+        branches_per_row=8,
+        valid_users=50,
+        progress=False,
+    )
+    train(ml100k_dir, out, model_config, train_config)
+    model, _ = load_checkpoint(out)
+    return model
+
+
+@pytest.mark.slow
+def test_spec_beam_equals_beam_on_trained_ml100k(ml100k_model, ml100k_dir):
+    from genrec_spec.recsys.data import load_prepared
+
+    model = ml100k_model
+    test = load_prepared(ml100k_dir).test
+    trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+    users = torch.arange(200)
+    for k, width, draft in [(10, 20, "frontier"), (30, 30, "none")]:
+        for rows in users.split(100):
+            part = test.select(rows)
+            want = beam.decode(model, part.values, part.offsets, k=k, trie=trie, beam_width=width)
+            got = spec_beam.decode(
+                model, part.values, part.offsets, k=k, trie=trie, beam_width=width, draft=draft
+            )
+            assert same_top_k(want, got).all()
+            assert got.stats["target_passes"] < want.stats["target_passes"]
