@@ -58,7 +58,10 @@ class RecommenderConfig:
     layers: int = 2  # transformer blocks
     heads: int = 2  # attention heads H (D / H per head)
     ffn_mult: int = 4  # feed-forward width = ffn_mult * D
-    dropout: float = 0.2  # on embeddings, attention output and feed-forward output
+    # On embeddings, attention output and feed-forward output. Low because the ML-1M budget
+    # (45 CPU minutes) leaves the model under-trained: 0.05 led 0.2 by ~0.015 valid HR@10 at
+    # every epoch from 4 to 11.
+    dropout: float = 0.05
     max_len: int = 200  # most recent history items read (older ones are dropped)
     item_embedding: bool = True  # add a per-item embedding to its summed code embeddings
     parallel_heads: bool = True  # PinRec-style level heads

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
     histories = split.select(sample_users(len(split), args.users, args.seed))
     results = {}
     for name, decode in decoders.items():
+        start = time.perf_counter()
         results[name] = evaluate(
             model,
             histories,
@@ -240,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             **options_for(decode, options),
         )
+        seconds = time.perf_counter() - start
+        print(f"{name}: {len(histories)} users in {seconds:.0f} s", file=sys.stderr, flush=True)
     print(
         f"{data.manifest.get('name', data.path)} {args.split} split, {len(histories)} users, "
         f"full catalogue ({model.num_items} items), lists of {max(args.k)}"

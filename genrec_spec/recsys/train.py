@@ -36,7 +36,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # max gradient norm
     branches_per_row: int = 32  # history positions per user per step that get a code branch
     window: str = "random"  # "random" | "last": which max_len + 1 items of a long user to read
-    valid_users: int = 1024  # fixed random subset of valid users scored per epoch; 0 = all
+    valid_users: int = 512  # fixed random subset of valid users scored per epoch; 0 = all
     eval_batch_size: int = 64  # users per validation pass
     eval_chunk: int = 32  # scored prefix nodes per tree pass in validation
     patience: int = 4  # epochs without a better valid NDCG@10 before stopping

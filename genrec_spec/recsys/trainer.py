@@ -110,7 +110,7 @@ def train(
                 bar.set_postfix(loss=f"{float(losses['loss'].detach()):.3f}")
         record = {"epoch": epoch, "steps": len(batches), "lr": schedule.get_last_lr()[0]}
         record.update(_mean_over_processes(sums, len(batches)))
-        record.update(evaluate(model, data, data.valid, valid_rows[rank::world], config, device))
+        record.update(validate(model, data, data.valid, valid_rows[rank::world], config, device))
         record["epoch_s"] = round(time.perf_counter() - epoch_start, 2)
         history.append(record)
         if rank == 0:
@@ -163,7 +163,7 @@ def train(
 
 
 @torch.no_grad()
-def evaluate(
+def validate(
     model: SemanticIdRecommender,
     data: PreparedData,
     split: Histories,

@@ -1,19 +1,11 @@
 """Shared helpers of the kernel tests: random trees and ragged roots (as session fixtures,
 since the suite imports test files in importlib mode, where sibling modules are not importable).
 
-Without a CUDA GPU the Triton kernel runs in the interpreter. The switch must be set before triton
-is imported, and it is process-wide; that is harmless because only
-``genrec_spec.kernels.tree_attention_triton`` imports triton, lazily, when backend="triton" is
-asked for (``import genrec_spec.kernels`` does not), and on CPU nothing else picks that backend.
+The Triton interpreter switch is set in the top-level ``tests/conftest.py``.
 """
-
-import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TREE_KINDS = ("chain", "star", "branches", "random")
 

@@ -155,32 +155,28 @@ def test_two_processes_match_one(tiny_prepared, tmp_path):
         "p = argparse.ArgumentParser(); add_arguments(p); sys.exit(run(p.parse_args()))\n"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    common = ["--data", str(data), "--config", str(config)]
-    subprocess.run(
-        [sys.executable, str(script), *common, "--out", str(tmp_path / "one")],
-        check=True,
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-    )
-    subprocess.run(
-        [
+    common = [str(script), "--data", str(data), "--config", str(config)]
+    launches = {
+        "one": [sys.executable, *common],
+        "two": [
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--standalone",
             "--nproc_per_node",
             "2",
-            str(script),
             *common,
-            "--out",
-            str(tmp_path / "two"),
         ],
-        check=True,
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-    )
+    }
+    for out, command in launches.items():
+        done = subprocess.run(
+            [*command, "--out", str(tmp_path / out)],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
     one = json.loads((tmp_path / "one" / "manifest.json").read_text())
     two = json.loads((tmp_path / "two" / "manifest.json").read_text())
     assert (one["world_size"], two["world_size"]) == (1, 2)
