@@ -1,8 +1,18 @@
-"""Fixtures shared by every test folder."""
+"""Fixtures shared by every test folder: the real ML-100K prepared folder (slow tests), a tiny
+random prepared-data folder written in the format of `genrec-spec prepare`, a tiny model on it and
+a tiny checkpoint of that model.
 
+Fixtures return functions/paths rather than sibling-module helpers because the suite runs in
+importlib mode, where test modules cannot import each other.
+"""
+
+import hashlib
+import json
 import os
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -27,3 +37,104 @@ def ml100k_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("prepared") / "ml-100k"
     prepare("ml-100k", out, PrepareConfig(progress=False))
     return out
+
+
+TINY_LEVELS = (6, 5)  # quantiser codebook sizes; a collision level is appended
+TINY_DIGITS, TINY_DIGIT_SIZE = 4, 4  # long IDs
+
+
+def write_tiny_prepared(
+    path: Path, items: int = 40, users: int = 24, max_len: int = 14, seed: int = 0
+) -> Path:
+    """A prepared folder with random unique Semantic IDs and learnable sequences: each user walks
+    the catalogue mostly by +1 steps (item i -> i + 1), so next-item loss can fall."""
+    rng = np.random.default_rng(seed)
+    codes = np.stack([rng.integers(0, v, items) for v in TINY_LEVELS], axis=1)
+    collision = np.zeros(items, dtype=np.int64)
+    seen: dict[tuple, int] = {}
+    for i, key in enumerate(map(tuple, codes)):
+        collision[i] = seen.get(key, 0)
+        seen[key] = collision[i] + 1
+    semantic_id = np.concatenate([codes, collision[:, None]], axis=1).astype(np.int64)
+    sizes = [*TINY_LEVELS, int(collision.max()) + 1]
+    long_id = rng.integers(0, TINY_DIGIT_SIZE, (items, TINY_DIGITS)).astype(np.int64)
+
+    path.mkdir(parents=True)
+    pd.DataFrame(
+        {
+            "item_index": np.arange(items),
+            "item_id": [f"i{i}" for i in range(items)],
+            "text": [f"item {i}" for i in range(items)],
+            "semantic_id": list(semantic_id),
+            "long_id": list(long_id),
+        }
+    ).to_parquet(path / "items.parquet", index=False)
+    rows = {"train": [], "valid": [], "test": []}
+    for u in range(users):
+        n = int(rng.integers(3, max_len + 3))
+        steps = np.where(rng.random(n) < 0.85, 1, rng.integers(2, items, n))
+        seq = (int(rng.integers(items)) + np.cumsum(steps)) % items
+        user = f"u{u}"
+        rows["train"].append({"user_id": user, "history": seq[:-2]})
+        rows["valid"].append({"user_id": user, "history": seq[:-2], "target": seq[-2]})
+        rows["test"].append({"user_id": user, "history": seq[:-1], "target": seq[-1]})
+    for name, frame in rows.items():
+        pd.DataFrame(frame).to_parquet(path / f"{name}.parquet", index=False)
+    np.save(path / "item_embeddings.npy", rng.standard_normal((items, 8)).astype(np.float32))
+    files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+    manifest = {
+        "name": "tiny",
+        "semantic_id": {"levels": len(sizes), "codebook_sizes": sizes, "collisions": 0},
+        "long_id": {"levels": TINY_DIGITS, "codebook_sizes": [TINY_DIGIT_SIZE] * TINY_DIGITS},
+        "files": files,
+        "data_hash": hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16],
+    }
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    return path
+
+
+@pytest.fixture
+def tiny_data_dir(tmp_path: Path) -> Path:
+    return write_tiny_prepared(tmp_path / "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_prepared():
+    """The writer itself, for tests that need other sizes."""
+    return write_tiny_prepared
+
+
+@pytest.fixture
+def tiny_model(tiny_data_dir: Path):
+    """(model in eval mode with dropout 0 and all heads, its PreparedData)."""
+    from genrec_spec.models.recommender import RecommenderConfig, SemanticIdRecommender
+    from genrec_spec.recsys.data import load_prepared
+
+    torch.manual_seed(0)
+    data = load_prepared(tiny_data_dir)
+    config = RecommenderConfig(dim=16, layers=2, heads=2, dropout=0.0, max_len=12, draft_hidden=8)
+    model = SemanticIdRecommender(
+        config, data.item_codes, data.codebook_sizes, data.long_ids, data.long_id_sizes
+    )
+    return model.eval(), data
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A checkpoint folder of an untrained tiny model (all heads) on its own tiny data folder,
+    with the manifest `genrec-spec train` writes (data path and hash), for product tests that
+    load from disk; read-only, shared by the session."""
+    from genrec_spec.models.recommender import RecommenderConfig, SemanticIdRecommender
+    from genrec_spec.recsys.checkpoint import save_checkpoint
+    from genrec_spec.recsys.data import load_prepared
+
+    root = tmp_path_factory.mktemp("tiny_checkpoint")
+    data = load_prepared(write_tiny_prepared(root / "data"))
+    torch.manual_seed(0)
+    config = RecommenderConfig(dim=16, layers=2, heads=2, dropout=0.0, max_len=12, draft_hidden=8)
+    model = SemanticIdRecommender(
+        config, data.item_codes, data.codebook_sizes, data.long_ids, data.long_id_sizes
+    )
+    manifest = {"data": {"path": str(data.path), "data_hash": data.data_hash, "name": "tiny"}}
+    save_checkpoint(root / "ckpt", model, manifest)
+    return root / "ckpt"
