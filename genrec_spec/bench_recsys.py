@@ -1,14 +1,19 @@
 """Recommendation decoding benchmark: ``genrec-spec bench recsys --ckpt CKPT``.
 
 In one process and one run, on the same users of the held-out split and the same checkpoint,
-it times every decoder (``beam``, ``spec_beam``, ``heads``, ``rpg`` over its item graph,
-``rpg-exact`` scoring every item, ``nezha``) with the same K and the same beam width (given to
-every decoder that has one: beam, spec_beam, nezha).
+it times every decoder (``beam``, ``spec_beam`` with its default frontier draft, ``spec-nezha``
+drafting from the NEZHA head, ``heads``, ``rpg`` over its item graph, ``rpg-exact`` scoring
+every item, ``nezha``) with the same K and the same beam width (given to
+every decoder that has one: beam, spec_beam, nezha; by default beam's own, max(K, 20)).
 
 Columns:
   p50 / p99      latency per request at batch 1 (one user per call), milliseconds
+  cpu p50        the same requests' median CPU time (this thread's), which a loaded shared
+                 machine inflates less than wall time
   speedup        beam's p50 / this decoder's p50
   passes         sequential backbone passes per request (beam: one per code level)
+  nodes          tree nodes scored per request (beam's prefixes, spec_beam's drafts)
+  hit            spec_beam's draft hit rate: needed prefixes found in its drafts
   users/s @B     throughput at batch B (median over repeats) and its speedup over beam's
   same           fraction of users whose top-K equals beam's (items and order); spec_beam
                  must be 1.00
@@ -37,12 +42,17 @@ from pathlib import Path
 import torch
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
+from genrec_spec.recsys.beam import beam_width_for
 from genrec_spec.recsys.evaluate import load_model_and_data, options_for, sample_users
 from genrec_spec.recsys.recommend import get_decoder
 
 # Benchmark rows that are a registered decoder with fixed options.
-VARIANTS: dict[str, tuple[str, dict]] = {"rpg-exact": ("rpg", {"mode": "exact"})}
-DECODERS = ("beam", "spec_beam", "heads", "rpg", "rpg-exact", "nezha")
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "rpg-exact": ("rpg", {"mode": "exact"}),
+    # spec_beam drafting from the NEZHA head after the history pass (follow-ups for misses only)
+    "spec-nezha": ("spec_beam", {"draft": "nezha", "lookahead": 0}),
+}
+DECODERS = ("beam", "spec_beam", "spec-nezha", "heads", "rpg", "rpg-exact", "nezha")
 
 
 @dataclass(frozen=True)
@@ -52,7 +62,7 @@ class BenchRecsysConfig:
     decoders: tuple[str, ...] = DECODERS  # "beam" is always run: it is the baseline
     split: str = "test"
     k: int = 10
-    beam_width: int = 20  # of beam, spec_beam and nezha (beam's own default for k = 10)
+    beam_width: int | None = None  # of beam, spec_beam and nezha; None = beam's max(k, 20)
     users: int = 200  # users timed at batch 1 (a fixed random subset of the split)
     batch_sizes: tuple[int, ...] = (64, 256)
     batches: int = 2  # batches per batch size and repeat (same users for every decoder)
@@ -70,8 +80,11 @@ class Row:
     decoder: str
     p50_ms: float
     p99_ms: float
+    cpu_p50_ms: float  # median CPU time of this thread per batch-1 request
     speedup: float  # beam's p50 / p50
     passes: float  # sequential backbone passes per batch-1 request
+    nodes: float  # tree nodes scored per batch-1 request
+    hit_rate: float | None  # mean draft hit rate per batch-1 request (drafting decoders only)
     users_per_s: dict[int, float]  # batch size -> median throughput
     throughput_speedup: dict[int, float]  # batch size -> over beam
     same_as_beam: float  # fraction of batch-1 users with beam's exact top-K
@@ -98,9 +111,10 @@ def _rotations(names: list[str], turn: int) -> list[str]:
 
 
 def _timed(decode, model, users, k, trie):
-    start = time.perf_counter()
+    """(wall seconds, CPU seconds of this thread, Recommendations) of one call."""
+    start, cpu = time.perf_counter(), time.thread_time()
     out = decode(model, users.values, users.offsets, k=k, trie=trie)
-    return time.perf_counter() - start, out
+    return time.perf_counter() - start, time.thread_time() - cpu, out
 
 
 def benchmark(model, histories, settings: BenchRecsysConfig, log=lambda line: None) -> list[Row]:
@@ -108,7 +122,8 @@ def benchmark(model, histories, settings: BenchRecsysConfig, log=lambda line: No
     already chosen): batch-1 latency over settings.users users, throughput at each batch size."""
     trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
     names = ["beam"] + [n for n in settings.decoders if n != "beam"]
-    runners = make_decoders(tuple(names), settings.beam_width)
+    width = beam_width_for(settings.k, settings.beam_width, model.num_items)
+    runners = make_decoders(tuple(names), width)
     k = settings.k
     first = histories.select(torch.tensor([0]))
     for name in names:  # untimed warm-up: first-call allocations, the rpg item graph
@@ -117,15 +132,17 @@ def benchmark(model, histories, settings: BenchRecsysConfig, log=lambda line: No
             log(f"{name}: item graph built in {out.stats['graph_build_s']:.2f} s (once per model)")
 
     latency = {n: [] for n in names}
-    passes = {n: 0.0 for n in names}
+    cpu = {n: [] for n in names}
+    stats = {n: [] for n in names}
     lists = {n: [] for n in names}
     batch1 = min(settings.users, len(histories))
     for user in range(batch1):
         one = histories.select(torch.tensor([user]))
         for name in _rotations(names, user):
-            seconds, out = _timed(runners[name], model, one, k, trie)
+            seconds, cpu_seconds, out = _timed(runners[name], model, one, k, trie)
             latency[name].append(seconds)
-            passes[name] += out.stats.get("target_passes", 0)
+            cpu[name].append(cpu_seconds)
+            stats[name].append(out.stats)
             lists[name].append(out.items)
         if (user + 1) % 50 == 0:
             log(f"batch 1: {user + 1}/{batch1} users")
@@ -152,13 +169,17 @@ def benchmark(model, histories, settings: BenchRecsysConfig, log=lambda line: No
         items = torch.cat(lists[name])
         shared = (items[:, :, None] == beam_items[:, None, :]) & (items[:, :, None] >= 0)
         p50 = statistics.median(latency[name])
+        hits = [s["draft_hit_rate"] for s in stats[name] if "draft_hit_rate" in s]
         rows.append(
             Row(
                 decoder=name,
                 p50_ms=p50 * 1e3,
                 p99_ms=_percentile(latency[name], 0.99) * 1e3,
+                cpu_p50_ms=statistics.median(cpu[name]) * 1e3,
                 speedup=beam_p50 / p50,
-                passes=passes[name] / batch1,
+                passes=statistics.mean(s.get("target_passes", 0) for s in stats[name]),
+                nodes=statistics.mean(s.get("nodes_scored", 0) for s in stats[name]),
+                hit_rate=statistics.mean(hits) if hits else None,
                 users_per_s=throughput[name],
                 throughput_speedup={
                     s: throughput[name][s] / throughput["beam"][s] for s in throughput[name]
@@ -176,11 +197,14 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def format_table(rows: list[Row], batch_sizes: tuple[int, ...]) -> str:
-    head = f"{'decoder':<10}{'p50 ms':>8}{'p99 ms':>8}{'speedup':>9}{'passes':>7}"
+    head = f"{'decoder':<10}{'p50 ms':>8}{'p99 ms':>8}{'cpu p50':>8}{'speedup':>9}{'passes':>7}"
+    head += f"{'nodes':>7}{'hit':>6}"
     head += "".join(f"{f'users/s@{s}':>14}{'speedup':>9}" for s in batch_sizes)
     lines = [head + f"{'same':>6}{'overlap':>9}"]
     for r in rows:
-        line = f"{r.decoder:<10}{r.p50_ms:>8.2f}{r.p99_ms:>8.2f}{r.speedup:>8.2f}x{r.passes:>7.1f}"
+        line = f"{r.decoder:<10}{r.p50_ms:>8.2f}{r.p99_ms:>8.2f}{r.cpu_p50_ms:>8.2f}"
+        line += f"{r.speedup:>8.2f}x{r.passes:>7.2f}{r.nodes:>7.0f}"
+        line += f"{r.hit_rate:>6.2f}" if r.hit_rate is not None else f"{'-':>6}"
         for s in batch_sizes:
             line += f"{r.users_per_s[s]:>14.1f}{r.throughput_speedup[s]:>8.2f}x"
         lines.append(line + f"{r.same_as_beam:>6.2f}{r.overlap:>9.2f}")
@@ -201,7 +225,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated, of {','.join(DECODERS)} (beam always runs)",
     )
     parser.add_argument("--k", type=int, default=c.k, help="recommendations per user")
-    parser.add_argument("--beam-width", type=int, default=c.beam_width, help="W >= k")
+    parser.add_argument(
+        "--beam-width", type=int, default=c.beam_width, help="W >= k (default max(k, 20))"
+    )
     parser.add_argument("--users", type=int, help=f"batch-1 users (default {c.users})")
     parser.add_argument("--batch-sizes", help="comma-separated (default 64,256)")
     parser.add_argument("--batches", type=int, default=c.batches, help="batches per size")
@@ -246,7 +272,7 @@ def settings_from(args: argparse.Namespace) -> BenchRecsysConfig:
     counts = (settings.k, settings.users, settings.batches, settings.repeats, settings.threads)
     if not settings.batch_sizes or min(counts + settings.batch_sizes) < 1:
         raise ValueError("--k, --users, --batches, --repeats, --threads, --batch-sizes: >= 1")
-    if settings.beam_width < settings.k:
+    if settings.beam_width is not None and settings.beam_width < settings.k:
         raise ValueError(f"--beam-width {settings.beam_width} must be >= --k {settings.k}")
     return settings
 
@@ -264,9 +290,10 @@ def run(args: argparse.Namespace) -> int:
         model, histories, settings, log=lambda line: print(line, file=sys.stderr, flush=True)
     )
     load_after = os.getloadavg()[0]
+    width = beam_width_for(settings.k, settings.beam_width, model.num_items)
     print(
         f"{data.manifest.get('name', data.path)} {settings.split} split, {model.num_items} "
-        f"items, K={settings.k}, beam width {settings.beam_width}, cpu, {settings.threads} "
+        f"items, K={settings.k}, beam width {width}, cpu, {settings.threads} "
         f"thread(s): batch 1 over {min(settings.users, len(histories))} users, throughput "
         f"{settings.batches} batch(es) per size, median of {settings.repeats}; "
         f"{time.perf_counter() - started:.0f} s, load average {load_before:.2f} -> "

@@ -28,6 +28,19 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "genrec_spec.recsys.evaluate",
         "HR/NDCG/MRR@K of a decoder on the valid or test split",
     ),
+    "batch": (
+        "genrec_spec.jobs.batch_cli",
+        "batch candidate generation: top-K for many users to parquet shards (local or Ray)",
+    ),
+    "replay": (
+        "genrec_spec.jobs.replay_cli",
+        "offline A/B replay of two decoders or checkpoints with bootstrap CIs and a report",
+    ),
+    "serve": ("genrec_spec.serve.serve_cli", "the online retrieval service (FastAPI on uvicorn)"),
+    "loadtest": (
+        "genrec_spec.serve.loadtest",
+        "load-test a running service: p50/p99 latency and requests/s per concurrency",
+    ),
     "generate": ("genrec_spec.generate_cli", "LLM text generation with a speculative method"),
     "bench": (
         "genrec_spec.bench",

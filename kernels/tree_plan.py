@@ -6,10 +6,16 @@ every view of the tree the backends read; ``tree_attention(..., plan=plan)`` the
 that, so a forward pass pays the tree bookkeeping once, not once per layer.
 
 On CPU the plan also picks the CPU path for the shape and dtype (see
-``DENSE_MAX_MASK_ELEMENTS``) and, for the dense one, prebuilds its additive mask.
+``DENSE_MAX_MASK_ELEMENTS``) and, for the dense one, prebuilds its additive mask. The views only
+some paths read (``depths``, the Triton kernel's ``bits``) are built on first use.
+
+A caller that knows its trees are shallow (a Semantic-ID prefix tree is at most L - 1 code levels
+deep) passes ``max_depth``: the ancestor mask then takes max_depth walk steps up the tree instead
+of ceil(log2 N) pointer-doubling steps over [B, N+1, N+1] (N = 60, depth 2: 2 steps, not 6).
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -37,15 +43,14 @@ class TreePlan:
 
     Built by ``prepare_tree``; tensors live on the tree's device. ``host_root_lens``,
     ``dense_mask`` and ``root_padding`` exist on CPU only (on a GPU the lengths' host copy
-    would be a sync and nothing there reads them)."""
+    would be a sync and nothing there reads them); ``depths`` and ``bits`` are built on first
+    use."""
 
     parents: torch.Tensor  # [B, N] int64, the tensor the plan was built from
     root_lens: torch.Tensor  # [B] int64, the tensor the plan was built from
     root_size: int  # S, the padded root length the lengths were checked against
     dtype: torch.dtype  # the attention inputs' dtype the plan was built for
     visible: torch.Tensor  # [B, N, N] bool: node i sees tree node j (itself or an ancestor)
-    depths: torch.Tensor  # [B, N] int64: number of tree ancestors (position past the root)
-    bits: torch.Tensor  # [B, N, W] int32: ``visible`` packed 32 nodes per word (Triton)
     host_root_lens: tuple[int, ...] | None  # root_lens on the host (CPU only)
     # Dense CPU path only (None: take the split path): over keys [root[:max_len] | tree], 0
     # where visible and -inf where not.
@@ -53,6 +58,16 @@ class TreePlan:
     # Dense path with ragged roots whose padding may be non-finite: True at the padding keys
     # among root positions [min_len, max_len), zeroed in the copied keys before SDPA reads them.
     root_padding: torch.Tensor | None  # [B, 1, max_len - min_len, 1] bool
+
+    @cached_property
+    def depths(self) -> torch.Tensor:  # [B, N] int64: number of tree ancestors (position past root)
+        return self.visible.sum(dim=-1) - 1
+
+    @cached_property
+    def bits(
+        self,
+    ) -> torch.Tensor:  # [B, N, W] int32: ``visible`` packed 32 nodes per word (Triton)
+        return pack_bits(self.visible)
 
     @property
     def max_root_len(self) -> int:  # CPU only
@@ -70,6 +85,7 @@ def prepare_tree(
     *,
     dtype: torch.dtype = torch.float32,
     finite_padding: bool = False,
+    max_depth: int | None = None,
 ) -> TreePlan:
     """Validate a tree and its root lengths once and precompute what ``tree_attention`` needs.
 
@@ -80,6 +96,9 @@ def prepare_tree(
     exactly 0) instead of zeroing them in a copy, which lets it read a cache in place. Without
     the promise padding may hold anything, NaN included.
 
+    ``max_depth``: no node has more than this many tree ancestors (checked: a deeper tree
+    raises); the ancestor mask is then built in max_depth steps (module docstring).
+
     Raises ``TreeAttentionError`` on bad shapes or values (one host sync each on a GPU)."""
     _check_tree_inputs(parents, root_lens, root_size)
     check_parents(parents)
@@ -88,7 +107,10 @@ def prepare_tree(
             f"root_lens {root_lens.tolist()} must lie in [0, {root_size}] (S = k_root.shape[2])",
             "clip each row's root length to the padded root size S",
         )
-    visible = ancestor_mask(parents, validate=False)
+    if max_depth is None:
+        visible = ancestor_mask(parents, validate=False)
+    else:
+        visible = _shallow_ancestor_mask(parents, max_depth)
     host_lens = dense_mask = root_padding = None
     if parents.device.type == "cpu":
         host_lens = tuple(root_lens.tolist())  # free on CPU
@@ -103,12 +125,32 @@ def prepare_tree(
         root_size=root_size,
         dtype=dtype,
         visible=visible,
-        depths=visible.sum(dim=-1) - 1,
-        bits=pack_bits(visible),
         host_root_lens=host_lens,
         dense_mask=dense_mask,
         root_padding=root_padding,
     )
+
+
+def _shallow_ancestor_mask(
+    parents: torch.Tensor,  # [B, N] int64, already checked
+    max_depth: int,
+) -> torch.Tensor:  # [B, N, N] bool, equal to ancestor_mask(parents)
+    """Walk up max_depth steps, marking one ancestor per node and step; raises when some node
+    still has an ancestor left (the tree is deeper than promised)."""
+    batch, n = parents.shape
+    # Index n is a sentinel for the root context (its own parent); its column is cut at the end.
+    up = torch.where(parents < 0, n, parents)  # [B, N]
+    table = torch.cat([up, up.new_full((batch, 1), n)], dim=1)  # [B, N+1]
+    mask = torch.eye(n, n + 1, dtype=torch.bool, device=parents.device).repeat(batch, 1, 1)
+    for _ in range(max_depth):
+        mask.scatter_(2, up[..., None], True)
+        up = table.gather(1, up)
+    if bool((up < n).any()):
+        raise TreeAttentionError(
+            f"a tree node has more than max_depth = {max_depth} ancestors",
+            "pass the trees' true maximum depth as max_depth, or None",
+        )
+    return mask[:, :, :n]
 
 
 def _dense_masks(

@@ -5,7 +5,7 @@
 One `encode_history` pass gives the level-0 log-probs; then one `score_tree` pass per further
 level scores the current beams' prefixes (the beams of every earlier level form one tree per
 row, linked by which beam each came from, so shared prefixes are scored once). At every level
-the codes that lead to no item are masked with the valid-ID trie before the top-W selection, so
+only codes that lead to an item are candidates (each beam's children in the valid-ID trie), so
 every finished beam is an item. An item's score is the sum of its levels' log-probs: the exact
 log-likelihood of its full code tuple under the model. The last level is the collision code.
 
@@ -13,7 +13,8 @@ Tie-breaking (deterministic, and what `spec_beam` reproduces): the candidates of
 ordered by score, descending; equal scores keep the order of (parent beam's rank, code), i.e. a
 stable sort over the flattened [W, V] candidates.
 
-Shape letters: B users, W beams, V codes of a level, N tree nodes, L code levels, K results.
+Shape letters: B users, W beams, V codes of a level, C most trie children of a prefix at a
+level, N tree nodes, L code levels, K results.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class DecodeOptionError(ValueError):
 class Beams:
     """The W best prefixes of one length per row, best first."""
 
-    codes: Tensor  # [B, W, l] int64 the prefix's codes (levels 0..l-1)
+    code: Tensor  # [B, W] int64 the prefix's last code
     nodes: Tensor  # [B, W] int64 trie node of the prefix; -1 = empty beam (too few prefixes)
     scores: Tensor  # [B, W] float32 sum of the prefix's log-probs; -inf for empty beams
     origin: Tensor  # [B, W] int64 index of the beam of length l - 1 this one extends
@@ -75,7 +76,7 @@ def start_beams(batch: int, trie: PrefixTrie) -> Beams:
     """One beam per row: the empty prefix at the trie root, score 0."""
     origin = torch.zeros(batch, 1, dtype=torch.long, device=trie.device)
     return Beams(
-        codes=origin[:, :, None][:, :, :0],
+        code=origin,
         nodes=trie.root(batch)[:, None],
         scores=torch.zeros(batch, 1, device=trie.device),
         origin=origin,
@@ -88,27 +89,47 @@ def extend(
     trie: PrefixTrie,
     level: int,
     width: int,
-) -> Beams:  # the `width` best valid prefixes of length level + 1
-    """One beam step: mask codes that lead to no item, keep the top `width` (module docstring
-    for the tie-breaking)."""
+) -> Beams:  # the min(width, W * V) best valid prefixes of length level + 1; -1 nodes pad
+    """One beam step: the top `width` valid extensions (module docstring for the tie-breaking).
+
+    The candidates are each beam's trie children (at most `trie.max_children[level]` per beam,
+    e.g. 28 of 256 codes at level 1 on ML-100K), read from the trie's CSR arrays in code
+    order, instead of a [W, V] grid masked to the valid codes: the same candidates in the same
+    order, a sort over W * C instead of W * V scores, and each child's node id for free (edge
+    e leads to node e + 1)."""
     batch, beams_in = beams.nodes.shape
-    vocab = trie.codebook_sizes[level]
-    allowed = trie.allowed_mask(beams.nodes.flatten(), level).view(batch, beams_in, vocab)
-    candidates = beams.scores[:, :, None] + log_probs[:, :, :vocab]
-    candidates = candidates.masked_fill(~allowed, float("-inf")).flatten(1)  # [B, W * V]
-    width = min(width, candidates.shape[1])
+    vocab, most = trie.codebook_sizes[level], trie.max_children[level]
+    # An empty beam (node -1, score -inf) reads the root's child slots: its candidates stay -inf.
+    safe = beams.nodes.clamp(min=0)  # [B, W]
+    edge = trie.child_offsets[safe][..., None] + torch.arange(most, device=safe.device)
+    exists = edge < trie.child_offsets[safe + 1][..., None]  # [B, W, C]
+    edge = edge.clamp(max=len(trie.child_codes) - 1)
+    code = trie.child_codes[edge]  # [B, W, C]
+    candidates = beams.scores[..., None] + log_probs.gather(2, code)
+    candidates = candidates.masked_fill(~exists, float("-inf")).flatten(1)  # [B, W * C]
+    keep = min(width, candidates.shape[1])
     ranked = torch.sort(candidates, dim=1, descending=True, stable=True)
-    scores, flat = ranked.values[:, :width], ranked.indices[:, :width]  # [B, W']
-    origin, code = flat // vocab, flat % vocab
-    parent_nodes = beams.nodes.gather(1, origin)
-    nodes = trie.child(parent_nodes.flatten(), code.flatten()).view(batch, width)
-    real = torch.isfinite(scores)
-    prefix = beams.codes.gather(1, origin[:, :, None].expand(-1, -1, level))
-    return Beams(
-        codes=torch.cat([prefix, code[:, :, None]], dim=2),
-        nodes=torch.where(real, nodes, -1),
+    scores, flat = ranked.values[:, :keep], ranked.indices[:, :keep]  # [B, W']
+    found = torch.isfinite(scores)
+    picked = edge.flatten(1).gather(1, flat)
+    beams_out = Beams(
+        code=code.flatten(1).gather(1, flat),
+        nodes=torch.where(found, picked + 1, -1),
         scores=scores,
-        origin=origin,
+        origin=flat // most,
+    )
+    short = min(width, beams_in * vocab) - keep  # beam's width over [W, V]: pad to it
+    return _pad(beams_out, short) if short > 0 else beams_out
+
+
+def _pad(beams: Beams, count: int) -> Beams:
+    """`count` more empty beams at the end of every row."""
+    pad = torch.nn.functional.pad
+    return Beams(
+        code=pad(beams.code, (0, count)),
+        nodes=pad(beams.nodes, (0, count), value=-1),
+        scores=pad(beams.scores, (0, count), value=float("-inf")),
+        origin=pad(beams.origin, (0, count)),
     )
 
 
@@ -118,7 +139,7 @@ def beam_tree(history: list[Beams]) -> tuple[Tensor, Tensor, Tensor]:
     [B, l * W]; the last W nodes are the current beams."""
     codes, levels, parents = [], [], []
     for depth, beams in enumerate(history):
-        codes.append(beams.codes[:, :, -1])
+        codes.append(beams.code)
         levels.append(torch.full_like(beams.nodes, depth))
         start = sum(b.nodes.shape[1] for b in history[: depth - 1])
         parents.append(beams.origin + start if depth else torch.full_like(beams.nodes, -1))

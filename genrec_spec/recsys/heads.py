@@ -57,14 +57,13 @@ def item_scores(
         )
     if level0 not in LEVEL0_SOURCES:
         raise DecodeOptionError(f"level0 must be one of {LEVEL0_SOURCES}, got {level0!r}")
-    log_probs = model.parallel_heads.log_probs(state.hidden)  # [B, L, Vmax]
     codes = model.item_codes  # [I, L]
-    if level0 == "backbone":
-        score = state.level0_log_probs[:, codes[:, 0]]  # [B, I]
-    else:
-        score = log_probs[:, 0, codes[:, 0]]
-    for level in range(1, codes.shape[1]):
-        score = score + log_probs[:, level, codes[:, level]]
+    score = state.level0_log_probs[:, codes[:, 0]] if level0 == "backbone" else 0.0  # [B, I]
+    # Level by level over each level's own codebook (what `ParallelLevelHeads.log_probs` stacks
+    # and pads for the training loss): fewer ops, and no level 0 when the backbone gives it.
+    for level, mlp in enumerate(model.parallel_heads.mlp):
+        if level or level0 == "head":
+            score = score + mlp(state.hidden).log_softmax(dim=-1)[:, codes[:, level]]
     return score
 
 

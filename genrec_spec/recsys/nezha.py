@@ -19,12 +19,14 @@ Shape letters: B users, M history items, W beams, V codes of a level, Hd draft w
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.recsys.beam import (
+    Beams,
     DecodeOptionError,
     beam_width_for,
     check_trie,
@@ -33,6 +35,35 @@ from genrec_spec.recsys.beam import (
     start_beams,
 )
 from genrec_spec.recsys.types import Recommendations
+
+
+def draft_head_of(model):  # -> the model's RecurrentDraftHead
+    if model.draft_head is None:
+        raise DecodeOptionError(
+            "the nezha decoder and draft need the model's draft head; train with "
+            'model.draft_head = true or use decoder "beam"'
+        )
+    return model.draft_head
+
+
+def head_beams(
+    model,  # SemanticIdRecommender with a draft head
+    state,  # HistoryState of B users
+    beams: Beams,  # [B, W] the level-0 beams (from the backbone's level-0 log-probs)
+    trie: PrefixTrie,
+    width: int,
+    levels: int,  # prefixes grow to this length (L: whole Semantic IDs)
+) -> Iterator[Beams]:  # the beams of each length 2..levels, in turn
+    """The draft head's trie-constrained beam, level by level (what `decode` ranks with and
+    `spec_beam`'s "nezha" draft proposes)."""
+    head = draft_head_of(model)
+    draft = head.init(state.hidden)[:, None].expand(-1, beams.nodes.shape[1], -1)  # [B, W, Hd]
+    for level in range(1, levels):
+        # The state of each surviving beam reads its last code and predicts this level.
+        draft, log_probs = head.step(draft, beams.code, level - 1)  # [B, W, V]
+        beams = extend(beams, log_probs, trie, level, width)
+        draft = draft.gather(1, beams.origin[:, :, None].expand(-1, -1, draft.shape[-1]))
+        yield beams
 
 
 @torch.no_grad()
@@ -49,23 +80,13 @@ def decode(
     start_time = time.perf_counter()
     width = beam_width_for(k, beam_width, model.num_items)
     check_trie(model, trie)
-    head = model.draft_head
-    if head is None:
-        raise DecodeOptionError(
-            "the nezha decoder needs the model's draft head; train with model.draft_head = true "
-            'or use decoder "beam"'
-        )
+    draft_head_of(model)  # before any work
     state = model.encode_history(values, offsets)
     batch = state.lengths.numel()
-    beams = extend(start_beams(batch, trie), state.level0_log_probs[:, None], trie, 0, width)
-    draft = head.init(state.hidden)[:, None].expand(-1, beams.nodes.shape[1], -1)  # [B, W, Hd]
+    first = extend(start_beams(batch, trie), state.level0_log_probs[:, None], trie, 0, width)
     draft_nodes = 0
-    for level in range(1, model.num_levels):
-        # The state of each surviving beam reads its last code and predicts this level.
-        draft, log_probs = head.step(draft, beams.codes[:, :, -1], level - 1)  # [B, W, V]
-        draft_nodes += beams.codes.shape[0] * beams.codes.shape[1]
-        beams = extend(beams, log_probs, trie, level, width)
-        draft = draft.gather(1, beams.origin[:, :, None].expand(-1, -1, draft.shape[-1]))
+    for beams in head_beams(model, state, first, trie, width, model.num_levels):
+        draft_nodes += beams.code.numel()
     items, scores = finish(beams, trie, k)
     return Recommendations(
         items=items,

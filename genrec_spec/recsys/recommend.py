@@ -19,6 +19,14 @@ Bad input and edge cases:
 - an unknown decoder or an option the decoder does not take: `RecommendInputError` listing the
   valid names.
 
+Excluding items (e.g. those a user has already seen): `exclude` holds one item-index list per
+user. The decoder is asked for `fetch_size(k, ...)` items, k plus the row's count of distinct
+excluded items rounded up to a power of two (capped at the catalogue), the excluded ones are
+dropped and the first k that remain are kept (-1 / -inf pads when fewer remain). The rounding
+lets rows with similar counts share one decoder call: a call is asked for the largest fetch size
+of its rows, so rows of equal fetch size get the same list together as alone (a beam decoder's
+list depends on its width, which grows with the fetch size). `stats["fetched"]` is that size.
+
 Shape letters: B users, M history items, K recommendations.
 """
 
@@ -95,15 +103,41 @@ def as_values_offsets(
     return values, offsets
 
 
+def fetch_size(k: int, excluded: int, num_items: int) -> int:
+    """Items to ask a decoder for so that k remain after dropping `excluded` distinct items:
+    k + excluded rounded up to a power of two, capped at the catalogue (module docstring)."""
+    if excluded <= 0:
+        return k
+    return min(num_items, k + (1 << (excluded - 1).bit_length()))
+
+
+def drop_excluded(
+    items: Tensor,  # [B, F] int64 item indices, best first; -1 pads
+    scores: Tensor,  # [B, F] float32
+    excluded: Tensor,  # [B, I] bool: item i is excluded from row b
+    k: int,
+) -> tuple[Tensor, Tensor]:  # items [B, K], scores [B, K]; -1 / -inf pads
+    """The first k items of each row that are not excluded, in their order."""
+    hit = excluded.gather(1, items.clamp(min=0)) | (items < 0)  # [B, F]
+    # A stable sort on the hit flag moves the kept items to the front in their order.
+    order = torch.sort(hit.to(torch.uint8), dim=1, stable=True).indices[:, :k]  # [B, K]
+    dropped = hit.gather(1, order)
+    items = torch.where(dropped, -1, items.gather(1, order))
+    scores = torch.where(dropped, float("-inf"), scores.gather(1, order))
+    return items, scores
+
+
 @torch.no_grad()
 def recommend(
     model,  # SemanticIdRecommender
     histories: Sequence[Sequence[int]] | tuple[Tensor, Tensor],
     k: int = 10,
     decoder: str = "beam",
+    exclude: Sequence[Sequence[int]] | None = None,  # [B] item-index lists to leave out
     **options,
 ) -> Recommendations:  # items [B, K], scores [B, K], stats
-    """The top-k items of every history by the named decoder (module docstring)."""
+    """The top-k items of every history by the named decoder, without each row's `exclude`
+    items when given (module docstring)."""
     decode = get_decoder(decoder)
     if not 1 <= k <= model.num_items:
         raise RecommendInputError(
@@ -122,4 +156,20 @@ def recommend(
         from genrec_spec.data_pipelines.trie import PrefixTrie
 
         options["trie"] = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
-    return decode(model, values, offsets, k=k, **options)
+    if exclude is None:
+        return decode(model, values, offsets, k=k, **options)
+    drop_values, drop_offsets = as_values_offsets(exclude, model.num_items, device)
+    if drop_offsets.numel() != offsets.numel():
+        raise RecommendInputError(
+            f"exclude holds {drop_offsets.numel() - 1} item lists for {offsets.numel() - 1} "
+            "histories; pass one list per history (an empty list excludes nothing)"
+        )
+    rows = torch.repeat_interleave(
+        torch.arange(drop_offsets.numel() - 1, device=device), drop_offsets.diff()
+    )
+    excluded = torch.zeros(len(drop_offsets) - 1, model.num_items, dtype=torch.bool, device=device)
+    excluded[rows, drop_values] = True  # [B, I]
+    fetch = max(fetch_size(k, int(n), model.num_items) for n in excluded.sum(1).tolist())
+    out = decode(model, values, offsets, k=fetch, **options)
+    items, scores = drop_excluded(out.items, out.scores, excluded, k)
+    return Recommendations(items=items, scores=scores, stats=out.stats | {"fetched": fetch})

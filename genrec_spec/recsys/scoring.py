@@ -8,12 +8,9 @@ the target's log-probs at a set of code prefixes (trie nodes) of each user? This
 - `prefix_tree(index, member)`: a set of trie nodes per row (a [B, nodes] membership mask),
   closed under ancestors, laid out as one padded tree per row in the node order of the trie
   (parents first), ready for the model.
-- `encode_with_tree(model, values, offsets, tree)`: ONE forward pass over the history chain AND
-  the prefix tree: the history tokens attend causally (exactly `encode_history`), the tree's
-  nodes attend to the whole history and their own ancestors (exactly `score_tree`). Returns the
-  history state (for follow-up `score_tree` passes) and the log-probs at every tree node.
 - `score(model, values, offsets, candidates)`: the exact log-likelihood of every candidate
-  item, all candidates' distinct prefixes as one tree over the shared history root.
+  item, all candidates' distinct prefixes as one tree over the shared history root, scored in
+  ONE forward with the history (`model.encode_history_and_tree`).
 
 An item's log-likelihood is log p(c_0 | history) + sum_l log p(c_{l+1} | history, c_0..c_l):
 the full code tuple under the model, without renormalising over valid codes (the same number
@@ -28,12 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
-from genrec_spec.kernels import prepare_tree, tree_attention
-from genrec_spec.models.recommender import HistoryState, RecommenderInputError
+from genrec_spec.models.recommender import RecommenderInputError
 
 
 @dataclass(frozen=True)
@@ -118,64 +113,6 @@ def prefix_tree(index: TrieIndex, member: Tensor) -> PrefixTree:
     )
 
 
-@torch.no_grad()
-def encode_with_tree(
-    model,  # SemanticIdRecommender
-    values: Tensor,  # [M] int64 history item indices, oldest first within a row
-    offsets: Tensor,  # [B+1] int64
-    tree: PrefixTree,  # N nodes per row (N may be 0)
-) -> tuple[HistoryState, Tensor]:  # (state, log-probs of the next level at each node [B, N, V])
-    """`encode_history` and `score_tree(tree)` fused into one forward: one embedding lookup and
-    one set of block calls for the history tokens and the tree nodes together. Per layer the
-    history part attends causally (as in `encode_history`) and the tree part through the
-    tree-attention op against this layer's history keys (as in `score_tree`); the history
-    state is the same as `encode_history`'s, so follow-up `score_tree` passes can use it."""
-    model._check_history(values, offsets)
-    values, offsets, truncated = model._keep_recent(values.long(), offsets.long())
-    hist, nodes = model._embed(values, offsets, tree.codes, tree.levels, tree.nodes >= 0)
-    batch, tokens = hist.shape[:2]
-    lengths = offsets[1:] - offsets[:-1] + 1  # [B] history tokens, BOS included
-    has_tree = tree.nodes.shape[1] > 0
-    plan = prepare_tree(tree.parents, lengths, tokens) if has_tree else None
-    keys, vals = [], []
-
-    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # [B, H, T + N, Dh] each
-        k_hist, v_hist = k[:, :, :tokens], v[:, :, :tokens]
-        keys.append(k_hist)
-        vals.append(v_hist)
-        # Rows are right-padded, so plain causal attention is exact for every real token.
-        out = F.scaled_dot_product_attention(q[:, :, :tokens], k_hist, v_hist, is_causal=True)
-        if not has_tree:
-            return out
-        tree_out = tree_attention(
-            q[:, :, tokens:],
-            k_hist,
-            v_hist,
-            lengths,
-            k[:, :, tokens:],
-            v[:, :, tokens:],
-            tree.parents,
-            backend=model.config.attention_backend,
-            plan=plan,
-        )
-        return torch.cat([out, tree_out], dim=2)
-
-    x = torch.cat([hist, nodes], dim=1)  # [B, T + N, D]
-    for block in model.blocks:
-        x = block(x, attend)
-    h = model.norm(x)
-    last = h[torch.arange(batch, device=h.device), lengths - 1]  # [B, D]
-    state = HistoryState(
-        keys=torch.stack(keys),
-        values=torch.stack(vals),
-        lengths=lengths,
-        hidden=last,
-        level0_log_probs=model.code_heads[0](last).log_softmax(dim=-1),
-        truncated=truncated,
-    )
-    return state, model._next_level_log_probs(h[:, tokens:], tree.levels)
-
-
 def check_candidates(model, candidates: Tensor, batch: int) -> None:
     if candidates.dim() != 2 or candidates.shape[0] != batch or candidates.is_floating_point():
         raise RecommenderInputError(
@@ -211,7 +148,9 @@ def score(
     member = torch.zeros(batch, index.scorable, dtype=torch.bool, device=candidates.device)
     member.scatter_(1, paths.flatten(1), True)
     tree = prefix_tree(index, member)
-    state, out = encode_with_tree(model, values, offsets, tree)
+    state, out = model.encode_history_and_tree(
+        values, offsets, tree.codes, tree.levels, tree.parents
+    )
     total = state.level0_log_probs.gather(1, codes[:, :, 0])  # [B, C]
     for level in range(1, model.num_levels):
         at = tree.slots.gather(1, paths[:, :, level - 1])  # [B, C] tree node of the prefix

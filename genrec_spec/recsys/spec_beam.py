@@ -1,36 +1,47 @@
 """Lossless speculative beam search over Semantic IDs: `beam`'s exact top-K in fewer passes.
 
     decode(model, values, offsets, *, k, trie, beam_width=None, draft="frontier",
-           draft_items=None, lookahead=True) -> Recommendations
+           draft_items=None, lookahead=1, draft_width=None) -> Recommendations
 
 Trie-constrained beam search needs, at level l, the target's log-probs of level l at each of the
 W beams (prefixes of length l). Which prefixes those are is known only after level l - 1 was
 selected, so `beam` pays one sequential target pass per level. Here:
 
-1. Draft: before any target pass, pick trie prefixes the beam is likely to need. `"frontier"`
-   (default) takes the whole first level of the trie (every level-0 code): whichever codes the
-   target ranks top-W, they are scored. `draft_items` adds the prefixes of given items (any
-   retrieval result); `"none"` drafts nothing (every level then needs a follow-up pass).
-2. One fused target pass scores the history AND the draft tree (`scoring.encode_with_tree`).
+1. Draft: pick trie prefixes the beam is likely to need. Before any target pass: `"frontier"`
+   (default) takes the whole first level of the trie (every level-0 code), so whichever codes
+   the target ranks top-W, they are scored; `draft_items` adds the prefixes of given items (any
+   retrieval result). After the history pass: `"nezha"` runs the model's NEZHA draft head's
+   trie-constrained beam (width `draft_width`, default 2 W) from the exact level-0 beams down
+   to prefixes of length L - 1. `"none"` drafts nothing.
+2. One fused target pass scores the history AND the pre-history draft
+   (`model.encode_history_and_tree`).
 3. Beam selection runs level by level on the target's exact log-probs looked up at the beams'
-   nodes, through the very `beam.extend` of plain beam search (same masking, same
+   nodes, through the very `beam.extend` of plain beam search (same candidates, same
    tie-breaking), so the result is `beam`'s up to float rounding.
-4. Beams whose prefix the draft missed are scored in a follow-up `score_tree` pass: the missing
-   prefixes and, with `lookahead`, the unscored children of every current beam (the only
-   prefixes the next level can need), plus their ancestors as context.
+4. Beams whose prefix is unscored get a follow-up `score_tree` pass: the missing prefixes, the
+   not yet scored "nezha" draft (so the first follow-up is the draft's pass), and the
+   unscored descendants of every current beam `lookahead` levels down (1: the children, the
+   only prefixes the next level can need; L - 2: all the rest of the decode can need, so at
+   most one follow-up), plus their ancestors as context.
 
 With 3 code levels + the collision code (L = 4) and the frontier draft, pass 1 covers levels 0
 and 1, the follow-up at level 2 covers levels 2 and 3: 2 sequential passes instead of 4,
-whatever the model says. The draft costs compute (V0 = 256 extra tree nodes per row): on a
-2-core CPU with this project's 2-layer, 64-wide models that costs about what the two saved passes
-cost, so batch-1 latency breaks even with `beam` and large batches lose throughput. The saving
-pays where a pass's fixed cost dominates a tree node's (an accelerator; not measured here).
-Drafts from the parallel or NEZHA heads (which need the history pass first) or from an ANN over
-item text embeddings were measured to miss needed prefixes for nearly every user (trained ML-100K,
-W = 20), so they would add follow-up passes rather than save them; they are not offered.
+whatever the model says.
 
-Stats: "target_passes", "nodes_scored" (real tree nodes over all passes), "draft_nodes" (in
-pass 1), "draft_hit_rate" (needed prefixes found in the pass-1 draft), "wall_time_s",
+Measured on a 2-core CPU at batch 1 (trained ML-100K and ML-1M models: 2 layers, width 64;
+W = 20): a pass's fixed cost is only about what 70 extra tree nodes cost (the nodes'
+feed-forward and attention are real compute), and this module's bookkeeping (membership masks,
+prefix trees) costs ~1.5-2 ms, so exactness does not come cheap: the frontier draft (256 extra
+nodes) runs at ~0.8x `beam`'s latency, "none" with lookahead 2 (~640 nodes) ~0.5x. The
+"nezha" draft found 51-62% of the needed prefixes on ML-100K (draft width W-2W; the level-0
+beams it always holds included) and 87-96% on ML-1M (2W-4W), yet some needed prefix is missed
+for nearly every user, so it saves at most one pass (3.3-4 passes) and runs at ~0.65x. Even an
+oracle draft (exactly the prefixes beam needs: ONE pass, ~100 nodes) measured only 1.35x at
+W = 20 and 1.23x at W = 50, since the history pass and the per-level selection stay. The saving
+pays where a pass's fixed cost dominates a tree node's (an accelerator; not measured here).
+
+Stats: "target_passes", "nodes_scored" (real tree nodes over all passes), "draft_nodes"
+(prefixes drafted), "draft_hit_rate" (needed prefixes that some draft proposed), "wall_time_s",
 "truncated_histories".
 
 Shape letters: B users, W beams, N tree nodes, V codes, L code levels, R drafted items.
@@ -46,6 +57,7 @@ from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.recsys.beam import (
+    Beams,
     DecodeOptionError,
     beam_width_for,
     check_trie,
@@ -53,25 +65,30 @@ from genrec_spec.recsys.beam import (
     finish,
     start_beams,
 )
+from genrec_spec.recsys.nezha import draft_head_of, head_beams
 from genrec_spec.recsys.scoring import (
     PrefixTree,
     TrieIndex,
     check_candidates,
-    encode_with_tree,
     prefix_nodes,
     prefix_tree,
 )
 from genrec_spec.recsys.types import Recommendations
 
-DRAFTS = ("frontier", "none")
+DRAFTS = ("frontier", "none", "nezha")
 
 
 @dataclass(frozen=True)
 class SpecBeamConfig:
     """Defaults of the `spec_beam` options."""
 
-    draft: str = "frontier"  # what pass 1 scores beside the history: "frontier" | "none"
-    lookahead: bool = True  # follow-up passes also score the children of the current beams
+    # What is drafted: "frontier" (pass 1 scores it with the history), "nezha" (after the
+    # history pass, rides on the first follow-up) or "none".
+    draft: str = "frontier"
+    draft_width: int | None = None  # beam width of the "nezha" draft; None = 2 W
+    # Levels of the current beams' descendants a follow-up pass also scores (0: only the
+    # missing prefixes; 1: their children; L - 2: all the decode can still need).
+    lookahead: int = 1
 
 
 @dataclass(frozen=True)
@@ -110,19 +127,36 @@ def draft_member(
     return member
 
 
-def children_member(
+def head_draft(
+    model,  # SemanticIdRecommender with a draft head
+    state,  # HistoryState of B users
+    beams: Beams,  # [B, W] the exact level-0 beams
     trie: PrefixTrie,
-    nodes: Tensor,  # [B, W] int64 trie nodes (-1 = none), all of prefix length <= L - 2
-    scorable: int,
-) -> Tensor:  # [B, scorable] bool, True at every child of the given nodes
+    width: int,  # the draft beam's width
+) -> Tensor:  # [B, scorable] bool: the level-0 beams and every prefix the draft beam keeps
+    """The "nezha" draft: the draft head's beam (`nezha.head_beams`) from the exact level-0
+    beams down to prefixes of length L - 1, guessing the target's beams of levels 1..L-2."""
+    member = torch.zeros(
+        beams.nodes.shape[0], trie.level_starts[trie.levels], dtype=torch.bool, device=trie.device
+    )
+    rows = torch.arange(beams.nodes.shape[0], device=trie.device)[:, None]
+    for found in [beams, *head_beams(model, state, beams, trie, width, model.num_levels - 1)]:
+        real = found.nodes >= 0
+        member[rows.expand_as(real)[real], found.nodes[real]] = True
+    return member
+
+
+def children_of(
+    trie: PrefixTrie,
+    member: Tensor,  # [B, scorable] bool a set of trie nodes per row
+) -> Tensor:  # [B, scorable] bool, True at every (scorable) child of a node of the set
     """Node n's children are the consecutive ids child_offsets[n] + 1 .. child_offsets[n+1]
     (edge e leads to node e + 1); mark those ranges with one difference array per row."""
-    real = (nodes >= 0).long()
-    safe = nodes.clamp(min=0)
-    delta = torch.zeros(nodes.shape[0], len(trie.child_codes) + 2, dtype=torch.long)
-    delta = delta.to(nodes.device)
-    delta.scatter_add_(1, trie.child_offsets[safe] + 1, real)
-    delta.scatter_add_(1, trie.child_offsets[safe + 1] + 1, -real)
+    batch, scorable = member.shape
+    count = member.long()
+    delta = torch.zeros(batch, len(trie.child_codes) + 2, dtype=torch.long, device=member.device)
+    delta.scatter_add_(1, (trie.child_offsets[:scorable] + 1).expand(batch, -1), count)
+    delta.scatter_add_(1, (trie.child_offsets[1 : scorable + 1] + 1).expand(batch, -1), -count)
     return delta.cumsum(dim=1)[:, :scorable] > 0
 
 
@@ -155,10 +189,17 @@ def decode(
     beam_width: int | None = None,  # W >= k; None = beam's default, max(k, 20)
     draft: str = SpecBeamConfig.draft,
     draft_items: Tensor | None = None,  # [B, R] int64 items whose prefixes pass 1 also scores
-    lookahead: bool = SpecBeamConfig.lookahead,
+    lookahead: int = SpecBeamConfig.lookahead,  # descendant levels per follow-up (module doc)
+    draft_width: int | None = SpecBeamConfig.draft_width,  # "nezha" draft's beam width
 ) -> Recommendations:
     start_time = time.perf_counter()
     width = beam_width_for(k, beam_width, model.num_items)
+    if not isinstance(lookahead, int) or lookahead < 0:  # a bool is 0 or 1
+        raise DecodeOptionError(f"lookahead must be an integer >= 0 (levels), got {lookahead!r}")
+    if draft_width is not None and draft_width < 1:
+        raise DecodeOptionError(f"draft_width must be >= 1, got {draft_width}")
+    if draft == "nezha":
+        draft_head_of(model)  # raises before any work when the model has no draft head
     check_trie(model, trie)
     batch = offsets.numel() - 1
     draft_codes = None
@@ -167,24 +208,32 @@ def decode(
         draft_codes = model.item_codes[draft_items]
     index = TrieIndex.of(trie)
     first = prefix_tree(index, draft_member(trie, index, batch, draft, draft_codes))
-    state, log_probs = encode_with_tree(model, values, offsets, first)
+    state, log_probs = model.encode_history_and_tree(
+        values, offsets, first.codes, first.levels, first.parents
+    )
     scored = ScoredNodes(first.slots, log_probs)
     passes, nodes_scored = 1, first.real_nodes
     needed = hits = torch.zeros((), dtype=torch.long)
     rows = torch.arange(batch, device=offsets.device)[:, None]
 
     beams = extend(start_beams(batch, trie), state.level0_log_probs[:, None], trie, 0, width)
+    drafted = first.slots >= 0  # [B, scorable] prefixes some draft proposed
+    if draft == "nezha":  # scored with the first follow-up, beside the level-0 beams it needs
+        drafted = drafted | head_draft(model, state, beams, trie, draft_width or 2 * width)
     for level in range(1, model.num_levels):
         slot = scored.lookup(beams.nodes)  # [B, W]
         real = beams.nodes >= 0
         needed = needed + real.sum()
-        hits = hits + (real & (first.slots.gather(1, beams.nodes.clamp(min=0)) >= 0)).sum()
+        hits = hits + (real & drafted.gather(1, beams.nodes.clamp(min=0))).sum()
         missing = real & (slot < 0)
         if bool(missing.any()):  # a follow-up pass only when some row needs one
-            want = torch.zeros_like(first.slots, dtype=torch.bool)
+            want = drafted & (scored.slots < 0)
             want[rows.expand_as(missing)[missing], beams.nodes[missing]] = True
-            if lookahead and level + 1 < model.num_levels:
-                want |= children_member(trie, beams.nodes, index.scorable) & (scored.slots < 0)
+            below = torch.zeros_like(want)
+            below[rows.expand_as(real)[real], beams.nodes[real]] = True
+            for _ in range(lookahead):  # descendants of the beams the next levels can need
+                below = children_of(trie, below)
+                want |= below & (scored.slots < 0)
             tree = prefix_tree(index, want)
             out = model.score_tree(state, tree.codes, tree.levels, tree.parents)
             scored = scored.add(tree, out)
@@ -198,7 +247,7 @@ def decode(
         stats={
             "target_passes": passes,
             "nodes_scored": nodes_scored,
-            "draft_nodes": first.real_nodes,
+            "draft_nodes": int(drafted.sum()),
             "draft_hit_rate": float(hits) / max(int(needed), 1),
             "wall_time_s": time.perf_counter() - start_time,
             "truncated_histories": int(state.truncated.sum()),

@@ -66,9 +66,10 @@ def train(
         )
     optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr)
     steps_per_epoch = max(1, int((data.train.lengths > 0).sum()) // config.batch_size)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, _warmup_cosine(config.warmup_steps, config.epochs * steps_per_epoch)
-    )
+    # The cosine decay spans the epochs planned: `epochs`, or fewer once the time budget (at
+    # the speed of the epoch just run) would run out first, so a run cut by `max_minutes` still
+    # ends at a low learning rate.
+    planned_epochs, done_steps, lr = config.epochs, 0, config.lr
     order_gen = torch.Generator().manual_seed(config.seed)  # same on every rank
     local_gen = torch.Generator().manual_seed(config.seed * 1000 + 1 + rank)
     valid_rows = _validation_rows(data.valid, config)
@@ -91,6 +92,10 @@ def train(
             dynamic_ncols=True,
         )
         for step, users in enumerate(bar):
+            total_steps = planned_epochs * steps_per_epoch
+            lr = config.lr * _warmup_cosine(done_steps, config.warmup_steps, total_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
             part = data.train.select(users[rank::world])
             values, offsets = training_windows(
                 part, model_config.max_len + 1, config.window, local_gen
@@ -103,12 +108,12 @@ def train(
             losses["loss"].backward()
             torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
             optimizer.step()
-            schedule.step()
+            done_steps += 1
             for name, value in losses.items():
                 sums[name] = sums.get(name, 0.0) + value.detach()
             if step % 20 == 0:
                 bar.set_postfix(loss=f"{float(losses['loss'].detach()):.3f}")
-        record = {"epoch": epoch, "steps": len(batches), "lr": schedule.get_last_lr()[0]}
+        record = {"epoch": epoch, "steps": len(batches), "lr": lr}
         record.update(_mean_over_processes(sums, len(batches)))
         record.update(validate(model, data, data.valid, valid_rows[rank::world], config, device))
         record["epoch_s"] = round(time.perf_counter() - epoch_start, 2)
@@ -121,15 +126,15 @@ def train(
         else:
             stale += 1
         # Stop early, or when another epoch like this one would overrun the time budget; the
-        # decision is shared, so no process is left waiting for the others.
-        finish_min = (time.perf_counter() - start_time + record["epoch_s"]) / 60
-        stop = stale >= config.patience or bool(
-            config.max_minutes and finish_min > config.max_minutes
-        )
+        # decisions are shared, so no process is left waiting and all use one learning rate.
+        if config.max_minutes:
+            elapsed_s = time.perf_counter() - start_time
+            planned_epochs = _epochs_that_fit(epoch, config, elapsed_s, record["epoch_s"])
+        stop = stale >= config.patience or planned_epochs <= epoch
         if world > 1:
-            flag = torch.tensor([float(stop)], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            stop = bool(flag.item())
+            flags = torch.tensor([float(stop), -float(planned_epochs)], device=device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            stop, planned_epochs = bool(flags[0].item()), int(-flags[1].item())
         if stop:
             break
 
@@ -172,7 +177,9 @@ def validate(
     device: torch.device,
 ) -> dict[str, float]:
     """HR@10 / NDCG@10 over `rows` (summed over processes): `hr@10`, `ndcg@10` from the exact
-    item log-likelihoods, `parallel_*` / `long_id_*` from the heads' item scores."""
+    item log-likelihoods, `parallel_*` / `long_id_*` from the heads' item scores; `nll`, the mean
+    negative exact log-likelihood of the targets (a far less noisy signal than HR@10 on a few
+    hundred users)."""
     model.eval()
     items = torch.arange(data.num_items, device=device)
     sums: dict[str, torch.Tensor] = {}
@@ -181,6 +188,8 @@ def validate(
         state = model.encode_history(users.values.to(device), users.offsets.to(device))
         targets = users.targets.to(device)
         scores = {"": item_log_likelihoods(model, state, items, chunk=config.eval_chunk)}
+        target_ll = scores[""].gather(1, targets[:, None])  # [B', 1]
+        sums["nll"] = sums.get("nll", 0.0) - target_ll.sum()
         if model.parallel_heads is not None:
             scores["parallel_"] = model.parallel_heads.score_items(state.hidden, model.item_codes)
         if model.long_id_heads is not None:
@@ -272,14 +281,19 @@ def _param_groups(model: SemanticIdRecommender, weight_decay: float) -> list[dic
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
-def _warmup_cosine(warmup: int, total: int):
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+def _epochs_that_fit(done: int, config: TrainConfig, elapsed_s: float, epoch_s: float) -> int:
+    """`done` epochs plus as many more as end within `max_minutes` if each takes `epoch_s` like
+    the last one, at most `epochs` (<= done: stop now)."""
+    left_s = config.max_minutes * 60 - elapsed_s
+    return min(config.epochs, done + math.floor(left_s / max(epoch_s, 0.01)))
 
-    return factor
+
+def _warmup_cosine(step: int, warmup: int, total: int) -> float:
+    """Learning-rate factor: linear warm-up, then cosine decay to 0.1 at step `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def _validation_rows(valid: Histories, config: TrainConfig) -> torch.Tensor:  # [U'] int64
@@ -294,7 +308,10 @@ def _format_epoch(r: dict) -> str:
         for p in ("parallel_", "long_id_")
         if p + "hr@10" in r
     )
+    # The code levels' summed CE: the backbone's training NLL per next item, whatever the heads.
+    codes = sum(v for k, v in r.items() if k.startswith("train_level_"))
     return (
-        f"epoch {r['epoch']}: loss {r['train_loss']:.4f} | valid hr@10 {r['hr@10']:.4f} "
-        f"ndcg@10 {r['ndcg@10']:.4f}{heads} | {r['epoch_s']:.0f} s"
+        f"epoch {r['epoch']}: loss {r['train_loss']:.4f} (codes {codes:.4f}) | valid nll "
+        f"{r['nll']:.4f} hr@10 {r['hr@10']:.4f} ndcg@10 {r['ndcg@10']:.4f}{heads} | "
+        f"{r['epoch_s']:.0f} s"
     )

@@ -115,3 +115,36 @@ def test_bad_options_raise(model):
     other = PrefixTrie.from_codes(model.item_codes[:-1], tuple(model.codebook_sizes))
     with pytest.raises(beam.DecodeOptionError, match="does not match the model"):
         beam.decode(model, values, offsets, k=2, trie=other)
+
+
+def _dense_extend(beams: beam.Beams, log_probs, trie, level: int, width: int):
+    """The beam step over the full [W, V] grid: mask codes that lead to no item, stable sort."""
+    batch, beams_in = beams.nodes.shape
+    vocab = trie.codebook_sizes[level]
+    allowed = trie.allowed_mask(beams.nodes.flatten(), level).view(batch, beams_in, vocab)
+    candidates = beams.scores[:, :, None] + log_probs[:, :, :vocab]
+    candidates = candidates.masked_fill(~allowed, float("-inf")).flatten(1)
+    ranked = torch.sort(candidates, dim=1, descending=True, stable=True)
+    scores, flat = ranked.values[:, :width], ranked.indices[:, :width]
+    nodes = trie.child(beams.nodes.gather(1, flat // vocab).flatten(), (flat % vocab).flatten())
+    return scores, torch.where(torch.isfinite(scores), nodes.view(scores.shape), -1), flat // vocab
+
+
+@pytest.mark.parametrize("width", [1, 3, 7, 500])
+def test_extend_equals_the_dense_grid_step(model, width):
+    """Candidates read from the trie's child lists give the dense masked grid's beams: same
+    scores, nodes and parents, ties included (log-probs rounded to create many), empty beams
+    and beams wider than the candidates."""
+    trie = _trie(model)
+    g = torch.Generator().manual_seed(width)
+    beams = beam.start_beams(3, trie)
+    for level in range(model.num_levels):
+        vmax = max(model.codebook_sizes)
+        log_probs = (torch.rand(3, beams.nodes.shape[1], vmax, generator=g) * 4).round().neg()
+        want_scores, want_nodes, want_origin = _dense_extend(beams, log_probs, trie, level, width)
+        beams = beam.extend(beams, log_probs, trie, level, width)
+        assert torch.equal(beams.scores, want_scores)
+        assert torch.equal(beams.nodes, want_nodes)
+        real = beams.nodes >= 0
+        assert torch.equal(beams.origin[real], want_origin[real])
+        assert torch.equal(beams.code[real], trie.child_codes[beams.nodes[real] - 1])

@@ -36,12 +36,27 @@ def test_bench_recsys_quick(tiny_model, tmp_path, capsys):
     assert settings["users"] == 4 and settings["batch_sizes"] == [3]
     assert rows["beam"]["speedup"] == 1.0 and rows["beam"]["same_as_beam"] == 1.0
     assert rows["beam"]["passes"] == model.num_levels
-    assert rows["spec_beam"]["same_as_beam"] == 1.0  # lossless: beam's exact top-K
+    for name in ("spec_beam", "spec-nezha"):
+        assert rows[name]["same_as_beam"] == 1.0  # lossless: beam's exact top-K
     for name in ("heads", "rpg", "rpg-exact", "nezha"):
         assert rows[name]["passes"] == 1
+    assert rows["beam"]["nodes"] > 0 and rows["heads"]["nodes"] == 0
+    assert 0 <= rows["spec_beam"]["hit_rate"] <= 1  # only drafting decoders report one
+    assert rows["beam"]["hit_rate"] is None and rows["nezha"]["hit_rate"] is None
     for row in rows.values():
-        assert row["p99_ms"] >= row["p50_ms"] > 0
+        assert row["p99_ms"] >= row["p50_ms"] > 0 and row["cpu_p50_ms"] > 0
         assert row["users_per_s"]["3"] > 0 and 0 <= row["overlap"] <= 1
+
+
+def test_bench_recsys_default_beam_width_is_beams(tiny_model, tmp_path, capsys):
+    """Without --beam-width every decoder gets beam's own default, max(k, 20)."""
+    model, data = tiny_model
+    save_checkpoint(
+        tmp_path / "ckpt", model, {"data": {"path": str(data.path), "data_hash": data.data_hash}}
+    )
+    argv = ["--ckpt", str(tmp_path / "ckpt"), "--quick", "--k", "25", "--decoders", "beam,nezha"]
+    assert bench_recsys.run(_args(argv)) == 0
+    assert "K=25, beam width 25," in capsys.readouterr().out
 
 
 def test_bench_recsys_bad_settings(tmp_path):

@@ -127,17 +127,39 @@ def test_rpg_graph_scores_are_exact_and_a_complete_graph_finds_the_top_k(tiny_mo
     assert torch.allclose(full.scores, exact.scores[:, :8])
 
 
-def test_rpg_graph_is_built_once_and_rebuilt_when_weights_change(tiny_model):
+def test_rpg_graph_and_table_are_built_once_and_rebuilt_when_weights_change(tiny_model):
     model, _ = tiny_model
     config = rpg.RpgConfig(degree=5, seeds=6)
-    graph = rpg.GRAPHS.get(model, config)
+    graph, table = rpg.GRAPHS.get(model, config), rpg.TABLES.get(model)
     assert graph.neighbours.shape == (model.num_items, 5)
     assert not (graph.neighbours == torch.arange(model.num_items)[:, None]).any()
     assert len(graph.seeds) <= 6 and len(graph.seeds.unique()) == len(graph.seeds)
-    assert rpg.GRAPHS.get(model, config) is graph
+    assert rpg.GRAPHS.get(model, config) is graph and rpg.TABLES.get(model) is table
+    assert rpg.GRAPHS.get(model, rpg.RpgConfig(degree=5, seeds=6, beam=3)) is graph
+    assert rpg.GRAPHS.get(model, rpg.RpgConfig(degree=4, seeds=6)) is not graph
     with torch.no_grad():
         model.long_id_heads.out.weight.mul_(2.0)
-    assert rpg.GRAPHS.get(model, config) is not graph
+    assert rpg.GRAPHS.get(model, config) is not graph and rpg.TABLES.get(model) is not table
+    table = rpg.TABLES.get(model)
+    with torch.no_grad():
+        model.long_id_heads.out.bias.add_(1.0)
+    assert rpg.TABLES.get(model) is not table
+
+
+def test_rpg_item_table_scores_are_the_summed_digit_log_probs(tiny_model):
+    """<u, e_i> + c_i - sum_q logsumexp_q(u) equals the heads' summed log-probs (B > 1)."""
+    model, _ = tiny_model
+    values, offsets = _histories(model, [6, 0, 9], seed=7)
+    hidden = model.encode_history(values, offsets).hidden
+    u = model.long_id_heads.proj(hidden)
+    table = rpg.item_table(model)
+    got = u @ table.vectors.T + table.biases - rpg.digit_normalizer(model, u)[:, None]
+    want = model.long_id_heads.score_items(hidden, model.long_ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    some = torch.tensor([[3, -1, 0], [model.num_items - 1, 2, 2], [-1, -1, 5]])
+    picked = rpg.candidate_scores(u, rpg.digit_normalizer(model, u), table, some)
+    assert torch.isinf(picked[some < 0]).all()
+    torch.testing.assert_close(picked[some >= 0], got.gather(1, some.clamp(min=0))[some >= 0])
 
 
 def test_nezha_with_an_exhaustive_beam_equals_brute_force(tiny_model):

@@ -9,7 +9,6 @@ from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.recommender import RecommenderInputError
 from genrec_spec.recsys.scoring import (
     TrieIndex,
-    encode_with_tree,
     prefix_nodes,
     prefix_tree,
     score,
@@ -74,7 +73,9 @@ def test_fused_pass_equals_encode_then_score_tree(tiny_model):
     values, offsets = _histories(model, [7, 1, 15], seed=4)
     member = torch.rand(3, index.scorable, generator=torch.Generator().manual_seed(5)) < 0.3
     tree = prefix_tree(index, member)
-    state, out = encode_with_tree(model, values, offsets, tree)
+    state, out = model.encode_history_and_tree(
+        values, offsets, tree.codes, tree.levels, tree.parents
+    )
     plain = model.encode_history(values, offsets)
     torch.testing.assert_close(state.level0_log_probs, plain.level0_log_probs)
     torch.testing.assert_close(state.keys, plain.keys)
@@ -119,3 +120,14 @@ def test_bad_candidates_raise(tiny_model):
         score(model, values, offsets, torch.tensor([0, 1]))
     with pytest.raises(RecommenderInputError, match=r"\[B, C\]"):
         score(model, values, offsets, torch.zeros(3, 2, dtype=torch.long))
+
+
+def test_score_tree_rejects_a_tree_deeper_than_the_code_levels(tiny_model):
+    """A code prefix has at most L - 1 codes: the plan's shallow ancestor walk checks it."""
+    model, _ = tiny_model
+    values, offsets = _histories(model, [3, 5], seed=8)
+    state = model.encode_history(values, offsets)
+    depth = model.num_levels  # one node more than any prefix chain
+    chain = torch.arange(depth).expand(2, -1)
+    with pytest.raises(ValueError, match="more than max_depth"):
+        model.score_tree(state, chain * 0, (chain % (model.num_levels - 1)), chain - 1)

@@ -51,10 +51,12 @@ def _histories(model, users: int, seed: int):
 MODELS = [(0, (5, 4), 60), (1, (4, 3, 3), 90), (2, (6, 5, 4), 150)]  # seed, sizes, items
 # (draft, lookahead) -> sequential passes for L = 3 and L = 4 code levels (collision included)
 PASSES = {
-    ("frontier", True): {3: 2, 4: 2},
-    ("frontier", False): {3: 2, 4: 3},
-    ("none", True): {3: 2, 4: 3},
-    ("none", False): {3: 3, 4: 4},
+    ("frontier", 1): {3: 2, 4: 2},
+    ("frontier", 0): {3: 2, 4: 3},
+    ("frontier", 2): {3: 2, 4: 2},
+    ("none", 1): {3: 2, 4: 3},
+    ("none", 0): {3: 3, 4: 4},
+    ("none", 2): {3: 2, 4: 2},  # the first follow-up scores all the decode can need
 }
 
 
@@ -80,6 +82,32 @@ def test_spec_beam_equals_beam(seed, sizes, items):
             assert same_top_k(want, got).all(), (k, width, draft, lookahead)
             assert got.stats["target_passes"] == passes[levels]
             assert got.stats["truncated_histories"] == want.stats["truncated_histories"]
+
+
+@pytest.mark.parametrize(("seed", "sizes", "items"), MODELS)
+def test_nezha_draft_equals_beam(seed, sizes, items):
+    """The draft head's guesses only decide what is scored early: the list stays beam's, and
+    every needed prefix is scored by the last level's pass at the latest."""
+    model = _random_model(seed, sizes, items)
+    trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+    values, offsets = _histories(model, users=12, seed=seed)
+    for k, width, draft_width in [(1, 1, None), (5, 10, 3), (30, 45, 90)]:
+        want = beam.decode(model, values, offsets, k=k, trie=trie, beam_width=width)
+        for lookahead in (0, 1):
+            got = spec_beam.decode(
+                model,
+                values,
+                offsets,
+                k=k,
+                trie=trie,
+                beam_width=width,
+                draft="nezha",
+                draft_width=draft_width,
+                lookahead=lookahead,
+            )
+            assert same_top_k(want, got).all(), (k, width, lookahead)
+            assert 2 <= got.stats["target_passes"] <= model.num_levels
+            assert 0.0 < got.stats["draft_hit_rate"] <= 1.0  # level-0 beams are always drafted
 
 
 @pytest.mark.parametrize("drafted", [1, 3, "all"])
@@ -121,13 +149,21 @@ def test_bad_options_raise():
     model = _random_model(0, (5, 4), 60)
     trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
     values, offsets = _histories(model, users=2, seed=0)
-    with pytest.raises(DecodeOptionError, match="valid drafts: frontier, none"):
+    with pytest.raises(DecodeOptionError, match="valid drafts: frontier, none, nezha"):
         spec_beam.decode(model, values, offsets, k=3, trie=trie, draft="heads")
     with pytest.raises(ValueError, match="candidate item indices must lie in"):
         bad = torch.tensor([[0], [model.num_items]])
         spec_beam.decode(model, values, offsets, k=3, trie=trie, draft_items=bad)
     with pytest.raises(DecodeOptionError, match="beam_width 2 must be >= k = 3"):
         spec_beam.decode(model, values, offsets, k=3, trie=trie, beam_width=2)
+    with pytest.raises(DecodeOptionError, match="draft_width must be >= 1"):
+        spec_beam.decode(model, values, offsets, k=3, trie=trie, draft="nezha", draft_width=0)
+    model.draft_head = None
+    with pytest.raises(DecodeOptionError, match="need the model's draft head"):
+        spec_beam.decode(model, values, offsets, k=3, trie=trie, draft="nezha")
+    for bad in (-1, 1.5, "2"):
+        with pytest.raises(DecodeOptionError, match="lookahead must be an integer >= 0"):
+            spec_beam.decode(model, values, offsets, k=3, trie=trie, lookahead=bad)
 
 
 @pytest.fixture(scope="session")

@@ -17,8 +17,8 @@ from genrec_spec.data_pipelines.errors import DataError
 from genrec_spec.models.rec_item_scores import item_log_likelihoods
 from genrec_spec.recsys.checkpoint import load_checkpoint, save_checkpoint
 from genrec_spec.recsys.data import load_prepared
-from genrec_spec.recsys.train import add_arguments, load_config, run
-from genrec_spec.recsys.trainer import train
+from genrec_spec.recsys.train import TrainConfig, add_arguments, load_config, run
+from genrec_spec.recsys.trainer import _epochs_that_fit, _warmup_cosine, train
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = {"dim": 16, "layers": 2, "heads": 2, "max_len": 12, "dropout": 0.0}
@@ -117,6 +117,19 @@ def test_shipped_configs_load_and_ml1m_is_the_default():
     assert load_config(REPO / "configs" / "ml-1m.json") == (RecommenderConfig(), TrainConfig())
     model_config, train_config = load_config(REPO / "configs" / "ml-100k-demo.json")
     assert model_config.max_len == 50 and train_config.max_minutes < 3
+
+
+def test_schedule_decays_within_the_time_budget():
+    """The cosine spans the epochs that fit in max_minutes at the last epoch's speed, so a run
+    cut by the budget still ends at the floor (0.1 x lr)."""
+    config = TrainConfig(epochs=25, max_minutes=10)
+    assert _epochs_that_fit(1, config, elapsed_s=70, epoch_s=60) == 9  # 530 s left: 8 more
+    assert _epochs_that_fit(9, config, elapsed_s=560, epoch_s=60) == 9  # 40 s left: stop
+    assert _epochs_that_fit(1, TrainConfig(epochs=4, max_minutes=10), 70, 60) == 4
+    assert _warmup_cosine(0, 10, 100) == pytest.approx(0.1)
+    assert _warmup_cosine(9, 10, 100) == pytest.approx(1.0)
+    assert _warmup_cosine(55, 10, 100) == pytest.approx(0.55)
+    assert _warmup_cosine(100, 10, 100) == _warmup_cosine(500, 10, 100) == pytest.approx(0.1)
 
 
 def test_bad_input_is_reported_clearly(tiny_data_dir, tmp_path):

@@ -1,0 +1,1 @@
+"""Offline products: the batch candidate-generation job and the A/B replay evaluation."""

@@ -1,0 +1,378 @@
+"""Batch candidate generation: top-K items for many users, written as parquet shards.
+
+    genrec-spec batch --ckpt CKPT --users users.parquet --out DIR --k 50 --decoder beam
+    genrec-spec batch --ckpt CKPT --users all --out DIR --engine ray --actors 2
+
+Users: a parquet file with a ``user_id`` column of raw user ids (the ``user_id`` of the prepared
+data's splits), or ``all`` for every user of the test split, in its order. Each user's history
+is every interaction the data holds for them, oldest first: the test split's history plus its
+held-out item, as ``genrec-spec recommend --user`` reads it (the model sees the most recent
+``max_len`` of them). Unknown or repeated ids are an error naming some of them, before any work.
+
+Output: one parquet row per user with ``user_id``, ``item_ids`` (raw item ids, best first;
+shorter than k only when fewer items are reachable), ``scores`` (the decoder's log-likelihoods,
+float32), ``decoder``, ``model_hash`` (sha256 of the checkpoint's files) and ``data_hash`` (the
+prepared data's manifest hash); see `batch_store` for the folder layout and the exactly-once
+protocol. ``pd.read_parquet(DIR)`` reads all rows.
+
+Plan: the users, in the order given, are cut into ``--shards`` contiguous near-equal slices
+(fewer when there are fewer users), each slice into chunks of ``--batch-size`` users. The plan
+follows from the arguments alone, so a rerun redoes exactly the shards the manifest lacks. A
+chunk is one decoder call in either engine, so both engines decode the same batches and write
+the same rows. The arguments that decide the rows (model and data hashes, users, k, decoder,
+options, shards, batch size) are stored in the manifest; once a shard is complete, a rerun into
+the same folder with other values is refused. Execution settings (engine, Ray address, actors,
+threads) may change between runs.
+
+Engines yield (chunk, recommendations) in any order; this module (the driver, one process) keeps
+the chunks of each shard and writes the shard once all of them are in. With one writer, exactly-
+once needs only the atomic renames of `batch_store`, and the output folder need exist only where
+the driver runs, not on Ray worker nodes.
+
+Shape letters: U users, B users of a chunk, M history items, K list length.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from genrec_spec.data_pipelines.trie import PrefixTrie
+from genrec_spec.jobs.batch_store import open_store
+from genrec_spec.recsys.checkpoint import MANIFEST, WEIGHTS
+from genrec_spec.recsys.data import Histories
+from genrec_spec.recsys.evaluate import check_options, load_model_and_data
+from genrec_spec.recsys.recommend import get_decoder
+from genrec_spec.recsys.types import Recommendations
+
+ENGINES = ("local", "ray")
+# Decoder stats that add up over chunks (the rest, e.g. rates, are per call).
+COUNTED_STATS = ("target_passes", "nodes_scored", "draft_nodes", "truncated_histories")
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """Defaults of ``genrec-spec batch``."""
+
+    k: int = 50  # items per user
+    decoder: str = "beam"  # a name of recsys.recommend.DECODERS
+    shards: int = 16  # output files; also the unit of resumption
+    batch_size: int = 64  # users per decoder call (a chunk)
+    engine: str = "local"  # "local" (in this process) or "ray" (Ray Data actor pool)
+    ray_address: str | None = None  # a running Ray cluster (HOST:PORT); None = start Ray here
+    actors: int = 2  # Ray actors, each holding one model copy and using one CPU
+    ray_cpus: int = 2  # CPUs of the Ray started here (ignored with ray_address)
+    ray_timeout_s: float = 5.0  # how long a --ray-address may take to answer a connect
+    threads: int = 1  # torch CPU threads per process (driver or actor)
+    progress: bool = True  # tqdm bar on stderr
+
+
+class BatchInputError(ValueError):
+    """Bad arguments or users for the batch job."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The users of one decoder call: the `index`-th batch of shard `shard`."""
+
+    shard: int
+    index: int
+    user_ids: list[str]  # [B]
+    values: Tensor  # [M] int64 item indices, oldest first within a user
+    offsets: Tensor  # [B+1] int64
+
+
+class ChunkDecoder:
+    """A decoder bound to a model and the catalogue's trie: what an engine runs per chunk."""
+
+    def __init__(self, model, decoder: str, k: int, options: dict) -> None:
+        self.model, self.k, self.options = model, k, options
+        self.decode = get_decoder(decoder)
+        self.trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+
+    @torch.no_grad()
+    def __call__(self, values: Tensor, offsets: Tensor) -> Recommendations:  # [M], [B+1]
+        return self.decode(self.model, values, offsets, k=self.k, trie=self.trie, **self.options)
+
+
+def run_local(
+    decoder: ChunkDecoder, chunks: list[Chunk]
+) -> Iterator[tuple[Chunk, Recommendations]]:
+    """The local engine: every chunk in order, in this process."""
+    for chunk in chunks:
+        yield chunk, decoder(chunk.values, chunk.offsets)
+
+
+# --- inputs ------------------------------------------------------------------------------------
+
+
+def model_hash(ckpt: Path) -> str:
+    """sha256 (16 hex digits) of a checkpoint's manifest and weights: the model's identity."""
+    digest = hashlib.sha256()
+    for name in (MANIFEST, WEIGHTS):
+        digest.update((Path(ckpt) / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def read_user_ids(users: str | Path) -> list[str]:
+    """The raw user ids of a parquet file's `user_id` column, in file order."""
+    path = Path(users)
+    fix = "pass a parquet file with a user_id column, or `all`"
+    if not path.is_file():
+        raise BatchInputError(f"--users {path}: no such file; {fix}")
+    try:
+        frame = pd.read_parquet(path)
+    except (OSError, ValueError) as exc:
+        raise BatchInputError(
+            f"--users {path} is not a readable parquet file ({exc}); {fix}"
+        ) from None
+    if "user_id" not in frame:
+        raise BatchInputError(f"--users {path} has no user_id column (it has {list(frame)}); {fix}")
+    if frame["user_id"].isna().any():
+        raise BatchInputError(f"--users {path} has empty user ids; {fix}")
+    return frame["user_id"].astype(str).tolist()
+
+
+def known_histories(test: Histories) -> Histories:
+    """Every test user's history with the held-out item appended: all the data knows of them."""
+    lengths = test.lengths + 1  # [U]
+    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])  # [U+1]
+    last = offsets[1:] - 1  # [U] where each held-out item goes
+    values = torch.empty(int(offsets[-1]), dtype=torch.long)
+    history = torch.ones_like(values, dtype=torch.bool)
+    history[last] = False
+    values[history], values[last] = test.values, test.targets
+    return Histories(user_ids=test.user_ids, values=values, offsets=offsets, targets=None)
+
+
+def select_users(data, users: str | Path) -> Histories:
+    """The requested users' known histories, in the requested order (module docstring)."""
+    known = known_histories(data.test)
+    if str(users) == "all":
+        return known
+    user_ids = read_user_ids(users)
+    if not user_ids:
+        raise BatchInputError(f"--users {users} lists no users")
+    row = {user: i for i, user in enumerate(known.user_ids)}
+    unknown = [user for user in dict.fromkeys(user_ids) if user not in row]
+    if unknown:
+        raise BatchInputError(
+            f"{len(unknown)} unknown user id(s) in {users}: {', '.join(unknown[:10])}; the data "
+            f"({data.path}) has {len(row)} users, e.g. {', '.join(known.user_ids[:5])}"
+        )
+    repeated = pd.Series(user_ids)[pd.Series(user_ids).duplicated()].unique().tolist()
+    if repeated:
+        raise BatchInputError(
+            f"{len(repeated)} user id(s) appear more than once in {users}: "
+            f"{', '.join(repeated[:10])}; list each user once"
+        )
+    return known.select(torch.tensor([row[user] for user in user_ids]))
+
+
+def plan_shards(
+    histories: Histories, shards: int, batch_size: int
+) -> tuple[list[int], dict[int, list[Chunk]]]:
+    """([shards] users per shard, shard -> its chunks): contiguous slices of the user order."""
+    count = min(shards, len(histories))
+    bounds = [s * len(histories) // count for s in range(count + 1)]
+    chunks = {}
+    for shard in range(count):
+        rows = torch.arange(bounds[shard], bounds[shard + 1]).split(batch_size)
+        parts = [histories.select(r) for r in rows]
+        chunks[shard] = [
+            Chunk(shard, i, part.user_ids, part.values, part.offsets)
+            for i, part in enumerate(parts)
+        ]
+    return [bounds[s + 1] - bounds[s] for s in range(count)], chunks
+
+
+def check_config(config: BatchConfig, options: dict) -> None:
+    for name in ("k", "shards", "batch_size", "actors", "ray_cpus", "threads"):
+        if getattr(config, name) < 1:
+            flag = "--" + name.replace("_", "-")
+            raise BatchInputError(f"{flag} must be >= 1, got {getattr(config, name)}")
+    if config.engine not in ENGINES:
+        raise BatchInputError(f"unknown engine {config.engine!r}; use one of {ENGINES}")
+    if config.ray_address and config.engine != "ray":
+        raise BatchInputError("--ray-address needs --engine ray")
+    check_options({config.decoder: get_decoder(config.decoder)}, options)
+    try:
+        json.dumps(options)
+    except TypeError:
+        raise BatchInputError(
+            f"decoder options must be numbers, booleans or strings, got {options}"
+        ) from None
+
+
+# --- the job -----------------------------------------------------------------------------------
+
+
+def run_batch(
+    ckpt: Path | str,
+    users: str | Path,  # a parquet file with user_id, or "all"
+    out: Path | str,
+    config: BatchConfig = BatchConfig(),
+    *,
+    data_dir: Path | str | None = None,  # default: the folder the checkpoint was trained on
+    options: dict | None = None,  # decoder options, e.g. {"beam_width": 20}
+) -> dict:
+    """Write (or finish) the candidates of `users` into `out`; returns this run's summary."""
+    options = dict(options or {})
+    check_config(config, options)
+    if config.engine == "ray":
+        from genrec_spec.jobs.batch_ray import check_ray_address
+
+        check_ray_address(config.ray_address, config.ray_timeout_s)
+    torch.set_num_threads(config.threads)
+    model, data = load_model_and_data(ckpt, data_dir)
+    if config.k > model.num_items:
+        raise BatchInputError(f"--k {config.k} exceeds the catalogue's {model.num_items} items")
+    histories = select_users(data, users)
+    hashes = {"model_hash": model_hash(Path(ckpt)), "data_hash": data.data_hash}
+    job = hashes | {
+        "users_hash": hashlib.sha256("\n".join(histories.user_ids).encode()).hexdigest()[:16],
+        "users": len(histories),
+        "k": config.k,
+        "decoder": config.decoder,
+        "options": options,
+        "shards": config.shards,
+        "batch_size": config.batch_size,  # batching moves scores by ~1e-6
+    }
+    info = {"ckpt": str(ckpt), "data": str(data.path), "users": str(users)}
+    shard_users, chunks = plan_shards(histories, config.shards, config.batch_size)
+    with open_store(Path(out), job, shard_users, info) as store:
+        pending = [c for shard in store.pending for c in chunks[shard]]
+        done_before = sum(shard_users) - sum(len(c.user_ids) for c in pending)
+        start = time.perf_counter()
+        if config.engine == "ray":
+            from genrec_spec.jobs.batch_ray import run_ray
+
+            results = run_ray(Path(ckpt), hashes["model_hash"], pending, config, options)
+        else:
+            results = run_local(ChunkDecoder(model, config.decoder, config.k, options), pending)
+        bar = tqdm(
+            total=sum(shard_users),
+            initial=done_before,
+            unit=" users",
+            desc=f"batch {config.decoder}",
+            disable=not config.progress,
+            file=sys.stderr,
+        )
+        # closing(): an error must end the engine (e.g. shut Ray down) now, not at collection.
+        with bar, contextlib.closing(results):
+            item_ids = np.array(data.item_ids, dtype=object)
+            stats = write_results(
+                results, store, chunks, item_ids, config.decoder, hashes, bar, start
+            )
+        seconds = time.perf_counter() - start
+        written = sum(shard_users) - done_before
+        summary = {
+            "users": sum(shard_users),
+            "users_written": written,
+            "users_resumed": done_before,
+            "shards": len(shard_users),
+            "engine": config.engine,
+            "decoder": config.decoder,
+            "k": config.k,
+            "seconds": seconds,
+            "users_per_s": written / seconds if written else 0.0,
+            **stats,
+            "out": str(out),
+        }
+        store.finish(summary)
+    return summary
+
+
+def write_results(
+    results: Iterable[tuple[Chunk, Recommendations]],
+    store,  # batch_store.ShardStore
+    chunks: dict[int, list[Chunk]],
+    item_ids: np.ndarray,  # [I] raw item id of each item index
+    decoder: str,
+    hashes: dict,
+    bar: tqdm,
+    start: float,  # perf_counter() when the engine was started
+) -> dict:
+    """Write each shard as soon as all its chunks are decoded; returns the summed decoder stats."""
+    waiting: dict[int, dict[int, tuple[Chunk, Recommendations]]] = defaultdict(dict)
+    totals = dict.fromkeys(COUNTED_STATS, 0) | {"batches": 0, "first_chunk_s": 0.0}
+    later_users = 0  # users after the first chunk, whose rate excludes the engine's start-up
+    for chunk, out in results:
+        if totals["batches"]:
+            later_users += len(chunk.user_ids)
+        else:  # engine start-up plus one chunk: Ray's start shows here
+            totals["first_chunk_s"] = time.perf_counter() - start
+        waiting[chunk.shard][chunk.index] = (chunk, out)
+        for name in COUNTED_STATS:
+            totals[name] += out.stats.get(name, 0)
+        totals["batches"] += 1
+        bar.update(len(chunk.user_ids))
+        if len(waiting[chunk.shard]) == len(chunks[chunk.shard]):
+            done = waiting.pop(chunk.shard)
+            parts = [done[i] for i in range(len(done))]
+            store.write_shard(chunk.shard, shard_table(parts, item_ids, decoder, hashes))
+    if waiting:  # an engine that lost a chunk is a bug, never a silently short output
+        raise RuntimeError(f"the engine returned incomplete shards {sorted(waiting)}")
+    totals["target_passes_per_batch"] = totals["target_passes"] / max(totals["batches"], 1)
+    later_s = time.perf_counter() - start - totals["first_chunk_s"]
+    totals["users_per_s_after_first"] = later_users / later_s if later_users else 0.0
+    return totals
+
+
+def shard_table(
+    parts: list[tuple[Chunk, Recommendations]], item_ids: np.ndarray, decoder: str, hashes: dict
+) -> pa.Table:
+    """The rows of one shard, users in plan order; -1 pads (unreachable items) are dropped."""
+    users, items, scores = [], [], []
+    for chunk, out in parts:
+        top, score = out.items.cpu().numpy(), out.scores.cpu().numpy()  # [B, K], [B, K]
+        for row in range(len(chunk.user_ids)):
+            real = top[row] >= 0
+            items.append(item_ids[top[row][real]].tolist())
+            scores.append(score[row][real].tolist())
+        users.extend(chunk.user_ids)
+    return pa.table(
+        {
+            "user_id": pa.array(users, pa.string()),
+            "item_ids": pa.array(items, pa.list_(pa.string())),
+            "scores": pa.array(scores, pa.list_(pa.float32())),
+            "decoder": pa.array([decoder] * len(users), pa.string()),
+            "model_hash": pa.array([hashes["model_hash"]] * len(users), pa.string()),
+            "data_hash": pa.array([hashes["data_hash"]] * len(users), pa.string()),
+        }
+    )
+
+
+def format_summary(summary: dict) -> str:
+    if not summary["users_written"]:
+        return (
+            f"nothing to do: all {summary['users']} users of {summary['out']} were written by "
+            "earlier runs"
+        )
+    lines = [
+        f"{summary['users']} users in {summary['shards']} shards -> {summary['out']} "
+        f"({summary['users_written']} written now, {summary['users_resumed']} from earlier runs)",
+        f"{summary['engine']} engine, {summary['decoder']} top-{summary['k']}: "
+        f"{summary['seconds']:.1f} s, {summary['users_per_s']:.1f} users/s "
+        f"(first batch after {summary['first_chunk_s']:.1f} s, "
+        f"{summary['users_per_s_after_first']:.1f} users/s after it)",
+        f"decoder: {summary['batches']} batches, {summary['target_passes']} target passes "
+        f"({summary['target_passes_per_batch']:.1f} per batch), "
+        f"{summary['nodes_scored']} nodes scored, "
+        f"{summary['truncated_histories']} histories cut to the model's context",
+    ]
+    return "\n".join(lines)

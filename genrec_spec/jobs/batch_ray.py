@@ -1,0 +1,146 @@
+"""The Ray Data engine of ``genrec-spec batch``: the same chunks as the local engine, decoded by
+a pool of actors, locally (``ray.init(num_cpus=...)``) or on a cluster at ``--ray-address``.
+
+The dataset holds one row per chunk (shard, chunk index, the users' histories as item indices);
+``map_batches`` hands one row at a time (``batch_size=1``) to ``RayChunkDecoder``, a callable
+class that loads the checkpoint once in ``__init__``; a pool of ``actors`` actors, one CPU each.
+A chunk is the unit, not a single user, so every decoder call sees exactly the users the local
+engine would batch together and the rows come out identical. Results stream back to the driver,
+which writes the shards (`batch.write_results`): one writer keeps exactly-once simple and the
+output folder need not be visible to the workers. The checkpoint folder must be, at the same
+path on every node; an actor checks the model hash it loads against the driver's.
+
+A cluster address that does not answer is one clear error before anything is written:
+``ray.init(address=...)`` can wait a long time, so the address's port is first tried with a
+socket connect bounded by ``ray_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from genrec_spec.jobs.batch import BatchConfig, BatchInputError, Chunk, ChunkDecoder, model_hash
+from genrec_spec.recsys.checkpoint import load_checkpoint
+from genrec_spec.recsys.types import Recommendations
+
+
+class RayAddressError(BatchInputError):
+    """A --ray-address that is malformed or where no Ray cluster answers."""
+
+
+def check_ray_address(address: str | None, timeout_s: float) -> None:
+    """Raise unless `address` is None, "auto" or HOST:PORT (ray:// too) accepting connections."""
+    if address is None or address == "auto":  # Ray then starts here / finds its own cluster
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise RayAddressError(
+            f"--ray-address {address!r} must look like HOST:PORT (the head's GCS, e.g. "
+            "10.0.0.5:6379) or ray://HOST:10001"
+        )
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise RayAddressError(
+            f"no Ray cluster answers at {address} ({exc}); start one there with "
+            "`ray start --head`, or leave out --ray-address to run Ray on this machine"
+        ) from None
+
+
+class RayChunkDecoder:
+    """The actor: one model copy, decoding one chunk row per call."""
+
+    def __init__(
+        self, ckpt: str, expected_hash: str, decoder: str, k: int, options: dict, threads: int
+    ) -> None:
+        torch.set_num_threads(threads)
+        if model_hash(Path(ckpt)) != expected_hash:
+            raise BatchInputError(
+                f"the checkpoint at {ckpt} on this Ray node is not the driver's (hash "
+                f"{expected_hash}); make the same checkpoint folder visible on every node"
+            )
+        model, _ = load_checkpoint(ckpt)
+        self.decode = ChunkDecoder(model, decoder, k, options)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        values = torch.as_tensor(np.asarray(batch["values"][0], dtype=np.int64))  # [M]
+        offsets = torch.as_tensor(np.asarray(batch["offsets"][0], dtype=np.int64))  # [B+1]
+        out = self.decode(values, offsets)
+        return {
+            "shard": batch["shard"],
+            "index": batch["index"],
+            "items": out.items.numpy()[None],  # [1, B, K]
+            "scores": out.scores.numpy()[None],  # [1, B, K]
+            "stats": np.array([json.dumps(out.stats)]),
+        }
+
+
+def run_ray(
+    ckpt: Path, expected_hash: str, chunks: list[Chunk], config: BatchConfig, options: dict
+) -> Iterator[tuple[Chunk, Recommendations]]:
+    """Decode `chunks` on a Ray actor pool; yields results as they arrive, in any order."""
+    if not chunks:
+        return
+    import ray
+    import ray.data  # configures the "ray.data" logger, so import before quieting it
+
+    address = config.ray_address
+    try:
+        ray.init(
+            address=address,
+            num_cpus=None if address else config.ray_cpus,
+            log_to_driver=False,
+            include_dashboard=False,
+            logging_level="error",
+        )
+    except ConnectionError as exc:
+        raise RayAddressError(f"cannot join the Ray cluster at {address}: {exc}") from None
+    data_logger = logging.getLogger("ray.data")
+    level = data_logger.level
+    try:
+        data_logger.setLevel(logging.ERROR)  # no per-dataset notices between the bar's updates
+        context = ray.data.DataContext.get_current()
+        context.enable_progress_bars = False  # the job's own bar counts users
+        context.print_on_execution_start = False
+        rows = [
+            {
+                "shard": c.shard,
+                "index": c.index,
+                "values": c.values.tolist(),
+                "offsets": c.offsets.tolist(),
+            }
+            for c in chunks
+        ]
+        results = ray.data.from_items(rows).map_batches(
+            RayChunkDecoder,
+            fn_constructor_kwargs={
+                "ckpt": str(Path(ckpt).resolve()),
+                "expected_hash": expected_hash,
+                "decoder": config.decoder,
+                "k": config.k,
+                "options": options,
+                "threads": config.threads,
+            },
+            batch_size=1,
+            batch_format="numpy",
+            compute=ray.data.ActorPoolStrategy(size=config.actors),
+            num_cpus=1,
+        )
+        by_key = {(c.shard, c.index): c for c in chunks}
+        for row in results.iter_rows():
+            out = Recommendations(
+                items=torch.tensor(row["items"]),  # [B, K]
+                scores=torch.tensor(row["scores"]),  # [B, K]
+                stats=json.loads(row["stats"]),
+            )
+            yield by_key[int(row["shard"]), int(row["index"])], out
+    finally:
+        data_logger.setLevel(level)
+        ray.shutdown()

@@ -1,0 +1,165 @@
+"""The events an A/B replay decodes, in time order: each is a user's history -> the next item.
+
+- **split** (``valid`` / ``test``): one event per user of the prepared data's split: the user's
+  history -> the held-out item (time-ordered leave-one-out). Events are ordered by the held-out
+  item's timestamp, read from the folder's ``interactions.parquet`` with the split's own rule
+  (the user's last interaction is the test item, the one before it the valid item); a folder
+  without that file is replayed in split order and gets no timestamps.
+- **log**: a parquet or csv file with columns ``user_id, timestamp, item_id`` (raw ids of the
+  prepared data; other columns are ignored; timestamps are numbers or dates). Every event is
+  predicted from the user's *train* history (the split's ``train`` part, which holds neither the
+  valid nor the test item) followed by all of that user's log events that come before it.
+  "Before" is the replay order: timestamp ascending, equal timestamps in file order. A log made
+  of each user's valid and test items therefore replays the valid split and then the test split
+  exactly. Users and items the data does not know are an error (the model has no history or no
+  Semantic ID for them). Histories keep the most recent ``keep_last`` items (the models'
+  context); decoders would drop older ones anyway.
+
+``users`` draws a fixed random subset of users (all their events), seeded as in
+``genrec-spec evaluate``.
+
+Shape letters: E events, M history items.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import Tensor
+
+from genrec_spec.recsys.data import Histories
+from genrec_spec.recsys.evaluate import sample_users
+
+LOG_COLUMNS = ("user_id", "timestamp", "item_id")
+SPLITS = ("valid", "test")
+
+
+class ReplayInputError(ValueError):
+    """Bad input to the replay: arms, checkpoints, the log file or the settings."""
+
+
+@dataclass(frozen=True)
+class Events:
+    """The events to replay, in replay (time) order."""
+
+    histories: Histories  # E events: user_ids, values [M], offsets [E+1], targets [E]
+    timestamps: Tensor | None  # [E] int64 time of each target; None when the data has none
+    source: str  # "test split", "valid split" or "log FILE"
+    history_lengths: Tensor  # [E] int64 items before each event (histories may keep fewer)
+
+    @property
+    def is_split(self) -> bool:
+        return self.source.endswith("split")
+
+
+def split_events(data, split: str, users: int, seed: int) -> Events:
+    """One event per user of the valid or test split, ordered by the held-out item's time."""
+    if split not in SPLITS:
+        raise ReplayInputError(f"unknown split {split!r}; use one of {SPLITS}")
+    part = getattr(data, split)
+    histories = part.select(sample_users(len(part), users, seed))
+    times = held_out_times(Path(data.path), split, histories.user_ids)
+    if times is not None:
+        order = torch.sort(times, stable=True).indices  # ties keep the split's order
+        histories, times = histories.select(order), times[order]
+    return Events(histories, times, f"{split} split", histories.lengths)
+
+
+def held_out_times(folder: Path, split: str, user_ids: list[str]) -> Tensor | None:  # [E] int64
+    """Timestamp of each user's held-out item: the last interaction (test) or the one before it
+    (valid), by the split's stable rule; None without interactions.parquet."""
+    file = folder / "interactions.parquet"
+    if not file.is_file():
+        return None
+    frame = pd.read_parquet(file, columns=["user_id", "timestamp"])
+    frame = frame.iloc[np.argsort(frame["timestamp"].to_numpy(), kind="stable")]
+    from_last = frame.groupby("user_id", sort=False).cumcount(ascending=False)
+    held = frame[from_last == SPLITS[::-1].index(split)]
+    times = held.set_index(held["user_id"].astype(str))["timestamp"].reindex(user_ids)
+    if times.isna().any():
+        return None
+    return torch.tensor(times.to_numpy(np.int64))
+
+
+def read_log(path: Path) -> pd.DataFrame:
+    """The log's user_id (str), timestamp (int64) and item_id (str) columns, checked."""
+    path = Path(path)
+    if not path.is_file():
+        raise ReplayInputError(f"log file {path} does not exist; pass a parquet or csv file")
+    if path.suffix in (".parquet", ".pq"):
+        frame = pd.read_parquet(path)
+    elif path.suffix == ".csv":
+        frame = pd.read_csv(path, dtype={"user_id": str, "item_id": str})
+    else:
+        raise ReplayInputError(f"log file {path}: use a .parquet or .csv file")
+    missing = [c for c in LOG_COLUMNS if c not in frame]
+    if missing:
+        raise ReplayInputError(
+            f"log file {path} lacks column(s) {missing}; it has {list(frame.columns)} and needs "
+            f"{list(LOG_COLUMNS)} (raw ids of the prepared data, one row per event)"
+        )
+    frame = frame[list(LOG_COLUMNS)]
+    if len(frame) == 0 or frame.isna().any().any():
+        raise ReplayInputError(f"log file {path} is empty or has missing values")
+    stamps = frame["timestamp"]
+    if not pd.api.types.is_numeric_dtype(stamps):
+        try:
+            stamps = pd.to_datetime(stamps).astype("int64")
+        except (ValueError, TypeError):
+            raise ReplayInputError(
+                f"log file {path}: timestamp must be numbers or dates, got e.g. "
+                f"{frame['timestamp'].iloc[0]!r}"
+            ) from None
+    return pd.DataFrame(
+        {
+            "user_id": frame["user_id"].astype(str),
+            "timestamp": stamps.astype("int64"),
+            "item_id": frame["item_id"].astype(str),
+        }
+    )
+
+
+def log_events(
+    data, log: pd.DataFrame, users: int, seed: int, keep_last: int, source: str = "log"
+) -> Events:
+    """Every log event: train history + the user's earlier log items -> the event's item."""
+    index = {item: i for i, item in enumerate(data.item_ids)}
+    rows = {user: i for i, user in enumerate(data.train.user_ids)}
+    for column, known, what in (("item_id", index, "items"), ("user_id", rows, "users")):
+        unknown = sorted(set(log[column]) - set(known))
+        if unknown:
+            raise ReplayInputError(
+                f"the log names {len(unknown)} {what} the data does not know "
+                f"({', '.join(unknown[:10])}); the data ({data.path}) has {len(known)} {what} "
+                f"(ids like {', '.join(list(known)[:5])}): replay a log of the same dataset"
+            )
+    log = log.iloc[np.argsort(log["timestamp"].to_numpy(), kind="stable")]
+    chosen = sorted(set(log["user_id"]))
+    chosen = {chosen[int(i)] for i in sample_users(len(chosen), users, seed)}
+    log = log[log["user_id"].isin(chosen)]
+    train, offsets = data.train.values.tolist(), data.train.offsets.tolist()
+    past: dict[str, list[int]] = {}
+    histories, targets, full_lengths = [], [], []
+    for user, item in zip(log["user_id"], log["item_id"], strict=True):
+        if user not in past:
+            past[user] = train[offsets[rows[user]] : offsets[rows[user] + 1]]
+        histories.append(past[user][-keep_last:])
+        full_lengths.append(len(past[user]))
+        targets.append(index[item])
+        past[user].append(index[item])
+    lengths = torch.tensor([len(h) for h in histories], dtype=torch.long)
+    return Events(
+        Histories(
+            user_ids=log["user_id"].tolist(),
+            values=torch.tensor([i for h in histories for i in h], dtype=torch.long),
+            offsets=torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]),
+            targets=torch.tensor(targets, dtype=torch.long),
+        ),
+        torch.tensor(log["timestamp"].to_numpy(np.int64)),
+        source,
+        torch.tensor(full_lengths, dtype=torch.long),
+    )

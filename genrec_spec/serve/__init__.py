@@ -1,0 +1,1 @@
+"""The online retrieval service (FastAPI on uvicorn) and its load-test client."""

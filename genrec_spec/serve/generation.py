@@ -1,0 +1,72 @@
+"""The LLM behind /v1/generate: SmolLM2 text with the decoding core's methods.
+
+Methods are those of ``genrec-spec generate`` (`generate_cli.make_proposer`): none (plain
+decoding; "plain" is accepted as its name too), draft (a layer-skipped copy of the target), ngram
+(prompt lookup), trie, lookahead. Every request gets a fresh proposer and its own seeded
+`torch.Generator`, so an answer depends only on its request (n-gram pools do not carry over
+between users, and a seeded sampled answer is reproducible).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from genrec_spec.decode import generate
+from genrec_spec.generate_cli import make_proposer
+from genrec_spec.types import SamplingParams
+
+LLMS = ("smollm2",)
+
+
+@dataclass(frozen=True)
+class GenerateQuery:
+    prompt: str
+    max_new_tokens: int
+    method: str  # a generate_cli method name ("plain" already mapped to "none")
+    temperature: float
+    seed: int
+    chat: bool
+
+
+class TextGenerator:
+    """A loaded LLM and its tokenizer."""
+
+    def __init__(self, model, tokenizer) -> None:
+        self.model, self.tokenizer = model, tokenizer
+
+    @classmethod
+    def load(cls, name: str) -> TextGenerator:
+        if name not in LLMS:
+            raise ValueError(f"unknown LLM {name!r}; this service can load {', '.join(LLMS)}")
+        from genrec_spec.models.smollm2 import load_smollm2
+
+        return cls(*load_smollm2())
+
+    @torch.inference_mode()
+    def run(self, query: GenerateQuery) -> dict:
+        """Generated text, token count and the core's decoding stats (DecodeInputError, a
+        ValueError, for a prompt that does not fit the model's context)."""
+        prompt = query.prompt
+        if query.chat:
+            prompt = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+        ids = self.tokenizer(prompt)["input_ids"]
+        out = generate(
+            self.model,
+            [ids],
+            proposer=make_proposer(query.method, self.model),
+            sampling=SamplingParams(temperature=query.temperature),
+            max_new_tokens=query.max_new_tokens,
+            generator=torch.Generator().manual_seed(query.seed),
+            eos_token_id=self.tokenizer.eos_token_id,
+        )
+        tokens = out.tolist()[0]
+        return {
+            "method": query.method,
+            "text": self.tokenizer.decode(tokens),
+            "tokens": len(tokens),
+            "stats": out.stats.as_dict(),
+        }

@@ -1,0 +1,194 @@
+"""The recommender behind /v1/recommend: raw ids in, raw ids out, many requests per decoder call.
+
+`Retriever.prepare` checks one request (user, item ids, k, decoder options) and turns it into a
+batch key and a query; `Retriever.run` answers a batch of queries of one key with ONE
+`recommend` call. The key holds everything the call must share (decoder, k, fetch size, options),
+so each request's answer is the one it would get alone (the same items; scores agree to float
+rounding, as batched matrix products sum in another order).
+
+A user id stands for everything the data holds of the user: the test split's history plus its
+held-out item, oldest first (as ``genrec-spec recommend --user``). ``exclude_seen`` leaves the
+items of that history out of the list (`recsys.recommend`'s `exclude`).
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from genrec_spec.data_pipelines.trie import PrefixTrie
+from genrec_spec.recsys.evaluate import decoder_options, load_model_and_data
+from genrec_spec.recsys.recommend import DECODERS, fetch_size, get_decoder, recommend
+from genrec_spec.serve.schemas import RecommendRequest
+
+JSON_TYPES = (bool, int, float, str, type(None))
+
+
+class ServeInputError(ValueError):
+    """A request the service cannot answer as asked (unknown id, k out of range, bad option)."""
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """What the requests of one decoder call share."""
+
+    decoder: str
+    k: int
+    fetch: int  # items asked of the decoder (k, or more when seen items are dropped)
+    options: tuple[tuple[str, object], ...]  # sorted (name, value) pairs
+
+
+@dataclass(frozen=True)
+class Query:
+    user_id: str | None
+    history: list[int]  # item indices, oldest first
+    exclude: list[int]  # item indices to leave out of the list ([] = none)
+
+
+def servable_options(decode) -> dict[str, tuple[type, ...]]:
+    """A decoder's options that JSON can carry (plain bool/int/float/str/None values), with the
+    types each accepts; tensor-valued options are not offered over HTTP."""
+    hints = typing.get_type_hints(decode)
+    servable = {}
+    for name in decoder_options(decode):
+        allowed = typing.get_args(hints[name]) or (hints[name],)
+        if all(t in JSON_TYPES for t in allowed):
+            servable[name] = allowed
+    return servable
+
+
+def check_option(
+    decoder: str, name: str, value: object, allowed: tuple[type, ...], limit: int
+) -> None:
+    """A JSON option value must have a type the decoder takes; integers must lie in 0..limit
+    (the catalogue size: no decoder option counts more than the items, and a huge one would
+    only tie up the model worker)."""
+    if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= limit:
+        raise ServeInputError(
+            f"option {name!r} of decoder {decoder!r} must lie in 0..{limit}, got {value}"
+        )
+    # bool is an int to Python; an int may stand for a float.
+    if isinstance(value, bool):
+        ok = bool in allowed
+    else:
+        ok = isinstance(value, allowed) or (isinstance(value, int) and float in allowed)
+    if not ok:
+        names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+        raise ServeInputError(
+            f"option {name!r} of decoder {decoder!r} takes {names}, got {value!r}"
+        )
+
+
+class Retriever:
+    """A loaded recommender checkpoint, its data and the lookups requests need."""
+
+    def __init__(self, model, data, max_k: int) -> None:
+        self.model, self.data = model, data
+        self.max_k = min(max_k, model.num_items)
+        self.trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+        self.item_index = {item: i for i, item in enumerate(data.item_ids)}
+        self.user_row = {user: row for row, user in enumerate(data.test.user_ids)}
+        self.options = {name: servable_options(get_decoder(name)) for name in DECODERS}
+
+    @classmethod
+    def load(cls, ckpt: Path | str, data_dir: Path | str | None, max_k: int) -> Retriever:
+        model, data = load_model_and_data(ckpt, data_dir)
+        return cls(model, data, max_k)
+
+    @property
+    def user_ids(self) -> list[str]:
+        return self.data.test.user_ids
+
+    def user_history(self, user_id: str) -> list[int]:
+        """Every interaction the data holds of a user (test history + held-out item)."""
+        row = self.user_row.get(user_id)
+        if row is None:
+            examples = ", ".join(self.user_ids[:5])
+            raise ServeInputError(
+                f"unknown user_id {user_id!r}: the data has {len(self.user_ids)} users (e.g. "
+                f"{examples}); send a history of item ids for a user it does not know"
+            )
+        test = self.data.test
+        history = test.values[test.offsets[row] : test.offsets[row + 1]].tolist()
+        return history + [int(test.targets[row])]
+
+    def item_indices(self, item_ids: Sequence[str | int]) -> list[int]:
+        indices = [self.item_index.get(str(item), -1) for item in item_ids]
+        unknown = [str(item) for item, i in zip(item_ids, indices, strict=True) if i < 0]
+        if unknown:
+            examples = ", ".join(self.data.item_ids[:5])
+            raise ServeInputError(
+                f"{len(unknown)} unknown item id(s) in history: {', '.join(unknown[:10])}; the "
+                f"catalogue has {len(self.item_index)} items (ids like {examples})"
+            )
+        return indices
+
+    def prepare(self, request: RecommendRequest) -> tuple[BatchKey, Query]:
+        """Check a request and turn it into (batch key, query); ServeInputError names what is
+        wrong."""
+        if request.k > self.max_k:
+            raise ServeInputError(
+                f"k={request.k} is too large: this service returns at most {self.max_k} items "
+                f"(catalogue of {self.model.num_items}); ask for fewer"
+            )
+        servable = self.options[request.decoder]
+        unknown = sorted(set(request.options) - set(servable))
+        if unknown:
+            raise ServeInputError(
+                f"decoder {request.decoder!r} takes no option(s) {unknown}; its options: "
+                f"{sorted(servable)}"
+            )
+        for name, value in request.options.items():
+            check_option(request.decoder, name, value, servable[name], self.model.num_items)
+        if request.user_id is not None:
+            history = self.user_history(request.user_id)
+        else:
+            history = self.item_indices(request.history)
+        exclude = sorted(set(history)) if request.exclude_seen else []
+        key = BatchKey(
+            decoder=request.decoder,
+            k=request.k,
+            fetch=fetch_size(request.k, len(exclude), self.model.num_items),
+            options=tuple(sorted(request.options.items())),
+        )
+        return key, Query(request.user_id, history, exclude)
+
+    @torch.no_grad()
+    def run(self, key: BatchKey, queries: Sequence[Query]) -> tuple[list[dict], dict]:
+        """Answers (response fields but latency) for a batch of queries of one key, and the
+        decoder call's stats."""
+        out = recommend(
+            self.model,
+            [q.history for q in queries],
+            k=key.k,
+            decoder=key.decoder,
+            exclude=[q.exclude for q in queries],
+            trie=self.trie,
+            **dict(key.options),
+        )
+        stats = out.stats
+        context = self.model.config.max_len
+        answers = []
+        for row, query in enumerate(queries):
+            real = out.items[row] >= 0  # [K] -1 pads where fewer than k items remain
+            answers.append(
+                {
+                    "user_id": query.user_id,
+                    "decoder": key.decoder,
+                    "k": key.k,
+                    "items": [self.data.item_ids[i] for i in out.items[row][real].tolist()],
+                    "scores": out.scores[row][real].tolist(),
+                    "history_length": len(query.history),
+                    "history_used": min(len(query.history), context),
+                    "truncated": len(query.history) > context,
+                    "cold_start": not query.history,
+                    "excluded": len(query.exclude),
+                    "batch_size": len(queries),
+                    "stats": stats,
+                }
+            )
+        return answers, stats

@@ -1,0 +1,99 @@
+"""The service's request and response bodies (pydantic): the OpenAPI schema is built from them.
+
+Unknown fields are refused (a typo such as ``"decoders"`` must not pass silently), and numbers
+that must be integers are strict (``"k": true`` or ``"k": 2.5`` is an error, not a coercion).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+
+from genrec_spec.generate_cli import METHODS
+from genrec_spec.recsys.recommend import DECODERS
+
+DecoderName = Literal[tuple(DECODERS)]
+# "plain" is a readable alias of the CLI's "none" (plain autoregressive decoding).
+MethodName = Literal[("plain", *METHODS)]
+OptionValue = StrictBool | StrictInt | float | str | None
+
+
+class RecommendRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    user_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="a user id of the data: recommend from everything the data holds of them",
+    )
+    history: list[str | int] | None = Field(
+        None,
+        max_length=10_000,
+        description="raw item ids (items.parquet item_id), oldest first; [] = a new user",
+    )
+    k: StrictInt = Field(10, ge=1, description="list length (at most the service's max_k)")
+    decoder: DecoderName = "beam"
+    exclude_seen: StrictBool = Field(
+        False, description="leave the items of the history out of the list"
+    )
+    options: dict[str, OptionValue] = Field(
+        default_factory=dict, description='decoder options, e.g. {"beam_width": 50}'
+    )
+
+    @model_validator(mode="after")
+    def one_source(self) -> RecommendRequest:
+        if (self.user_id is None) == (self.history is None):
+            raise ValueError("give exactly one of user_id (a known user) or history (item ids)")
+        return self
+
+
+class RecommendResponse(BaseModel):
+    user_id: str | None
+    decoder: str
+    k: int
+    items: list[str] = Field(description="raw item ids, best first (fewer than k if fewer exist)")
+    scores: list[float] = Field(description="the decoder's log-likelihood of each item")
+    history_length: int
+    history_used: int = Field(description="history items the model read (its context)")
+    truncated: bool
+    cold_start: bool
+    excluded: int = Field(description="distinct items left out (exclude_seen)")
+    batch_size: int = Field(description="requests that shared this decoder call")
+    stats: dict[str, float | int] = Field(description="the shared decoder call's statistics")
+    latency_ms: float = Field(description="time in the service: queue wait and decoding")
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1, max_length=32_000)
+    max_new_tokens: StrictInt = Field(32, ge=1, description="at most the service's limit")
+    method: MethodName = Field("plain", description="plain/none, draft, ngram, trie, lookahead")
+    temperature: float = Field(0.0, ge=0.0, le=10.0, description="0 = greedy")
+    seed: StrictInt = Field(0, ge=0, description="seeds the sampling (temperature > 0)")
+    chat: StrictBool = Field(False, description="wrap the prompt in the chat template")
+
+
+class GenerateResponse(BaseModel):
+    method: str
+    text: str
+    tokens: int
+    stats: dict[str, float | int | list[int]]
+    latency_ms: float
+
+
+class UsersResponse(BaseModel):
+    users: list[str]
+    total: int = Field(description="users the data holds")
+
+
+class ReadyResponse(BaseModel):
+    ready: bool
+    components: dict[str, str] = Field(description="ready, loading, off or failed: why")
+
+
+class ErrorResponse(BaseModel):
+    kind: str = Field(description="bad_request, invalid_request, unauthorized, too_large, ...")
+    detail: str

@@ -1,0 +1,102 @@
+"""The online retrieval service: ``genrec-spec serve`` (FastAPI on uvicorn).
+
+    genrec-spec serve --ckpt CKPT [--data DIR] [--llm smollm2] --host 127.0.0.1 --port 8080 \\
+        [--api-key KEY | env GENREC_SPEC_API_KEY] [--max-batch 32] [--max-wait-ms 5] \\
+        [--max-queue 256] [--timeout-s 5]
+
+    curl -s localhost:8080/v1/recommend -H 'content-type: application/json' \\
+        -d '{"user_id": "196", "k": 10, "decoder": "heads"}'
+
+The recommender is loaded before the server starts (a bad checkpoint or data folder is a clear
+error and exit code 2); the LLM (``--llm``) loads in the background after start-up, and
+/readyz answers 503 until it is ready. Concurrent /v1/recommend requests of the same decoder, k
+and options are decoded together (up to --max-batch requests; the first waits at most
+--max-wait-ms for company), in one model worker thread. More than --max-queue waiting requests
+are refused with 503 and Retry-After; a request unanswered after --timeout-s gets 504. With an
+API key (``--api-key`` or the environment variable GENREC_SPEC_API_KEY) every /v1/* request
+needs the header ``X-API-Key``; /healthz, /readyz and /metrics stay open. Endpoints and errors:
+`genrec_spec.serve.app`; the schema is served at /openapi.json (and /docs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+from pathlib import Path
+
+API_KEY_ENV = "GENREC_SPEC_API_KEY"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from genrec_spec.serve.config import ServeConfig
+    from genrec_spec.serve.generation import LLMS
+
+    c = ServeConfig()
+    parser.add_argument("--ckpt", required=True, type=Path, help="checkpoint folder (train)")
+    parser.add_argument("--data", type=Path, help="prepared data (default: the trained-on one)")
+    parser.add_argument("--llm", choices=LLMS, help="also serve /v1/generate with this LLM")
+    parser.add_argument("--host", default=c.host, help="bind address")
+    parser.add_argument("--port", type=int, default=c.port)
+    parser.add_argument("--api-key", help=f"require X-API-Key on /v1/* (default: ${API_KEY_ENV})")
+    parser.add_argument("--max-batch", type=int, default=c.max_batch, help="requests per call")
+    parser.add_argument("--max-wait-ms", type=float, default=c.max_wait_ms, help="batch window")
+    parser.add_argument("--max-queue", type=int, default=c.max_queue, help="waiting requests")
+    parser.add_argument("--timeout-s", type=float, default=c.timeout_s, help="per request")
+    parser.add_argument("--max-k", type=int, default=c.max_k, help="longest list a request gets")
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=c.max_body_bytes, help="larger bodies get 413"
+    )
+    parser.add_argument("--threads", type=int, default=c.threads, help="torch CPU threads")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    parser.add_argument("--access-log", action="store_true", help="log every request")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    from genrec_spec.serve.app import create_app
+    from genrec_spec.serve.config import ServeConfig
+    from genrec_spec.serve.retrieval import Retriever
+
+    config = ServeConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_batch=args.max_batch,
+        max_wait_ms=args.max_wait_ms,
+        max_queue=args.max_queue,
+        timeout_s=args.timeout_s,
+        max_body_bytes=args.max_body_bytes,
+        max_k=args.max_k,
+        threads=args.threads,
+    )
+    torch.set_num_threads(config.threads)
+    retriever = Retriever.load(args.ckpt, args.data, config.max_k)
+    if config.api_key is None and not is_loopback(config.host):
+        print(
+            f"warning: serving on {config.host} without an API key; anyone who can reach it "
+            f"can use it (set --api-key or ${API_KEY_ENV})",
+            file=sys.stderr,
+        )
+    app = create_app(config, retriever, llm=args.llm)
+    uvicorn.run(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=args.log_level,
+        access_log=args.access_log,
+    )
+    return 0
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine only ("localhost" or a loopback address)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,321 @@
+"""`genrec-spec replay`: paired bootstrap statistics, beam vs spec_beam equality, the report,
+atomic output, log replay, and bad input through the CLI."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from genrec_spec.cli import main
+from genrec_spec.jobs import replay as rp
+from genrec_spec.jobs import replay_events as ev
+from genrec_spec.recsys.checkpoint import save_checkpoint
+from genrec_spec.recsys.evaluate import evaluate, load_model_and_data
+from genrec_spec.recsys.recommend import get_decoder
+
+FAST = ["--bootstrap", "200", "--batch-size", "5"]
+
+
+def _replay(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = main(["replay", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# --- statistics ----------------------------------------------------------------------------------
+
+
+def test_bootstrap_interval_covers_the_known_difference_at_its_nominal_rate():
+    rng = np.random.default_rng(0)
+    true_diff, repeats = 0.25, 300
+    # 300 independent paired samples of 300 users each, one row per sample.
+    a = torch.tensor(rng.normal(1.0, 1.0, (repeats, 300)))
+    b = a + true_diff + torch.tensor(rng.normal(0.0, 0.5, (repeats, 300)))  # B shares A's part
+    names = [f"sample{i}" for i in range(repeats)]
+    config = rp.ReplayConfig(bootstrap=1000)
+    diffs = rp.metric_differences(a, b, names, config, torch.Generator().manual_seed(0))
+    covered = sum(d["low"] <= true_diff <= d["high"] for d in diffs.values())
+    assert 0.9 <= covered / repeats <= 0.99, covered / repeats
+    assert all(d["significant"] for d in diffs.values())  # 0.25 is ~9 standard errors from 0
+
+
+def test_bootstrap_interval_matches_the_normal_theory_interval_and_stays_paired():
+    rng = np.random.default_rng(1)
+    a = torch.tensor(rng.normal(0.0, 1.0, 2000))
+    b = a + 0.1 + torch.tensor(rng.normal(0.0, 0.3, 2000))
+    rows = torch.stack([a, b, b - a])  # [3, 2000]
+    replicates = rp.bootstrap_means(rows, 3000, torch.Generator().manual_seed(0))  # [3, 3000]
+    # One draw for every row: the difference row's replicates are the rows' differences.
+    torch.testing.assert_close(replicates[2], replicates[1] - replicates[0])
+    low, high = rp.interval(replicates, 0.95)
+    half_width = 1.96 * (b - a).std() / math.sqrt(2000)  # normal-theory 95% half-width
+    assert abs((high[2] - low[2]) / 2 - half_width) < 0.1 * half_width
+    assert abs((high[2] + low[2]) / 2 - (b - a).mean()) < 0.2 * half_width
+    # Resampled pairs are much narrower than unpaired noise would be.
+    assert high[2] - low[2] < 0.5 * (high[1] - low[1])
+
+
+def test_identical_arms_give_zero_difference_and_full_overlap():
+    lists = torch.tensor([[3, 1, 2], [0, 4, -1], [5, 6, 7]])  # [E=3, K=3], one padded row
+    metrics = rp.arm_metrics(lists, torch.tensor([1, 9, 7]))
+    a = torch.stack([metrics[n] for n in rp.metric_names(3)])
+    d = rp.metric_differences(
+        a, a.clone(), rp.metric_names(3), rp.ReplayConfig(bootstrap=100), torch.Generator()
+    )
+    assert all(v["diff"] == v["low"] == v["high"] == 0 and not v["significant"] for v in d.values())
+    assert rp.overlap_at_k(lists[[0, 2]], lists[[0, 2]]).tolist() == [1.0, 1.0]
+    # Pads are no items: two of three real items shared; none shared.
+    other = torch.tensor([[2, 9, 3], [8, 4, -1], [1, 2, 0]])
+    assert rp.overlap_at_k(lists, other).tolist() == pytest.approx([2 / 3, 1 / 3, 0.0])
+    assert metrics["rank"].tolist() == [2, 0, 3]
+    assert metrics["mrr@3"].tolist() == pytest.approx([0.5, 0.0, 1 / 3])
+
+
+# --- replay on the tiny checkpoint ---------------------------------------------------------------
+
+
+def test_beam_and_spec_beam_replay_to_identical_lists(tiny_checkpoint):
+    config = rp.ReplayConfig(bootstrap=200, batch_size=5)  # 24 users: 5 batches
+    arm_a = rp.parse_arm("decoder=beam,beam_width=12", tiny_checkpoint)
+    arm_b = rp.parse_arm("decoder=spec_beam,beam_width=12", tiny_checkpoint, "--b")
+    result = rp.run_replay(arm_a, arm_b, config, split="test")
+    s = result.summary
+    assert torch.equal(result.runs[0].items, result.runs[1].items)
+    assert s["overlap"]["identical_lists"] == 1.0 and s["overlap"]["mean_overlap@10"] == 1.0
+    for d in s["differences"].values():
+        assert d["diff"] == d["low"] == d["high"] == 0.0 and not d["significant"]
+    assert s["arms"]["A"]["target_passes_per_batch"] > s["arms"]["B"]["target_passes_per_batch"]
+    assert "identical lists for 100.0% of users" in "\n".join(s["verdict"])
+    # Arm A's metrics are `genrec-spec evaluate`'s on the same users.
+    model, data = load_model_and_data(tiny_checkpoint)
+    reference = evaluate(model, data.test, get_decoder("beam"), ks=(10,), beam_width=12)
+    assert s["arms"]["A"]["metrics"]["hr@10"] == pytest.approx(reference["hr@10"])
+    assert s["arms"]["A"]["metrics"]["mrr@10"] == pytest.approx(reference["mrr"])
+    assert s["replay"]["events"] == len(data.test) and s["replay"]["batches"] == 5
+
+
+@pytest.fixture(scope="module")
+def second_checkpoint(tiny_checkpoint, tmp_path_factory) -> Path:
+    """Another tiny model (other initial weights) on the same data as `tiny_checkpoint`."""
+    from genrec_spec.models.recommender import SemanticIdRecommender
+
+    model, data = load_model_and_data(tiny_checkpoint)
+    torch.manual_seed(1)
+    other = SemanticIdRecommender(
+        model.config, data.item_codes, data.codebook_sizes, data.long_ids, data.long_id_sizes
+    )
+    manifest = {"data": {"path": str(data.path), "data_hash": data.data_hash}}
+    out = tmp_path_factory.mktemp("second") / "ckpt"
+    save_checkpoint(out, other, manifest)
+    return out
+
+
+def test_report_files_are_complete_and_self_contained(
+    tiny_checkpoint, second_checkpoint, tmp_path, capsys
+):
+    out = tmp_path / "out"
+    argv = ["--ckpt", str(tiny_checkpoint), "--ckpt-b", str(second_checkpoint)]
+    argv += ["--a", "decoder=beam", "--b", "decoder=heads"]
+    code, printed, _ = _replay([*argv, "--split", "test", "--out", str(out), *FAST], capsys)
+    assert code == 0, printed
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["report.html", "metrics.json", "per_user.parquet"]
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary folder left
+    page = (out / "report.html").read_text()
+    images = page.split('src="data:image/png;base64,')[1:]
+    assert len(images) == 3
+    for image in images:
+        assert base64.b64decode(image.split('"')[0]).startswith(b"\x89PNG\r\n\x1a\n")
+    text = re.sub(r"data:image/png;base64,[A-Za-z0-9+/=]+", "", page)
+    for external in ("http", "//", "<script", "<link", "url("):
+        assert external not in text, external  # nothing fetched from elsewhere
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert set(metrics) == {
+        "replay", "arms", "differences", "latency", "overlap", "verdict", "command"
+    }  # fmt: skip
+    assert set(metrics["differences"]) == {"hr@10", "ndcg@10", "mrr@10"}
+    assert {
+        "decoder",
+        "options",
+        "ckpt",
+        "metrics",
+        "ms_per_event",
+        "target_passes_per_batch",
+    } <= set(metrics["arms"]["B"])
+    assert {"low", "high", "speedup_of_b", "speedup_low", "speedup_high"} <= set(metrics["latency"])
+    assert metrics["command"].startswith("genrec-spec replay --ckpt ")
+    assert metrics["arms"]["B"]["ckpt"] == str(second_checkpoint)
+    assert metrics["overlap"]["identical_lists"] < 1.0
+    rows = pd.read_parquet(out / "per_user.parquet")
+    assert len(rows) == 24 and rows["user_id"].nunique() == 24
+    for column in ("target", "a_rank", "a_hit", "a_ndcg", "a_rr", "b_rank", "b_rr", "overlap"):
+        assert column in rows
+    assert rows["a_latency_ms"].sum() == pytest.approx(metrics["arms"]["A"]["total_s"] * 1e3)
+    assert (rows["a_hit"] == (rows["a_rank"] > 0)).all()
+    assert "verdict:" in printed and "B = decoder=heads" in printed
+
+
+def test_a_failed_replay_leaves_nothing_behind(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "out"
+    # beam_width < k fails inside the replay, after the temporary output folder was made.
+    argv = ["--ckpt", str(tiny_checkpoint), "--a", "decoder=beam,beam_width=3", "--b"]
+    code, _, err = _replay([*argv, "decoder=beam", "--split", "test", "--out", str(out)], capsys)
+    assert code == 2 and "beam_width 3 must be >= k = 10" in err
+    assert list(tmp_path.iterdir()) == []
+    # An existing result is kept unless --overwrite.
+    out.mkdir()
+    (out / "keep.txt").write_text("old")
+    argv = ["--ckpt", str(tiny_checkpoint), "--a", "decoder=beam", "--b", "decoder=beam"]
+    code, _, err = _replay([*argv, "--split", "valid", "--out", str(out)], capsys)
+    assert code == 2 and "--overwrite" in err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_split_events_follow_the_held_out_items_time(tmp_path, tiny_prepared):
+    from genrec_spec.recsys.data import load_prepared
+
+    users = ["a", "b", "a", "b", "a", "c", "c"]
+    times = pd.DataFrame({"user_id": users, "timestamp": [5, 9, 1, 2, 3, 4, 4]})
+    times.to_parquet(tmp_path / "interactions.parquet")
+    # a: 1, 3, 5 -> test 5, valid 3; b: 2, 9 -> test 9, valid 2; c: 4, 4
+    assert ev.held_out_times(tmp_path, "test", ["a", "b", "c"]).tolist() == [5, 9, 4]
+    assert ev.held_out_times(tmp_path, "valid", ["c", "a", "b"]).tolist() == [4, 3, 2]
+    assert ev.held_out_times(tmp_path, "test", ["a", "nobody"]) is None
+    assert ev.held_out_times(tmp_path / "elsewhere", "test", ["a"]) is None
+    # A prepared folder whose users' last interactions run backwards in time.
+    data = load_prepared(tiny_prepared(tmp_path / "data", users=6))
+    stamps = {user: 100 - u for u, user in enumerate(data.test.user_ids)}
+    pd.DataFrame({"user_id": list(stamps), "timestamp": list(stamps.values())}).to_parquet(
+        data.path / "interactions.parquet"
+    )
+    events = ev.split_events(data, "test", users=4, seed=0)
+    assert events.timestamps.tolist() == sorted(events.timestamps.tolist())
+    assert events.histories.user_ids == sorted(events.histories.user_ids, key=stamps.get)
+    assert len(events.histories) == 4 and events.is_split
+    rows = torch.tensor([data.test.user_ids.index(u) for u in events.histories.user_ids])
+    assert torch.equal(events.histories.targets, data.test.targets[rows])
+    assert torch.equal(events.history_lengths, data.test.lengths[rows])
+
+
+# --- log replay ----------------------------------------------------------------------------------
+
+
+def _valid_then_test_log(data) -> pd.DataFrame:
+    """Each user's valid item, then their test item, users interleaved in time."""
+    rows = []
+    for u, user in enumerate(data.test.user_ids):
+        rows.append((user, 100 + u, data.item_ids[int(data.valid.targets[u])]))
+        rows.append((user, 1000 + u, data.item_ids[int(data.test.targets[u])]))
+    return pd.DataFrame(rows, columns=["user_id", "timestamp", "item_id"]).sample(
+        frac=1.0, random_state=0
+    )
+
+
+def test_log_events_append_earlier_log_items_to_the_train_history(tiny_checkpoint, tmp_path):
+    _, data = load_model_and_data(tiny_checkpoint)
+    log = pd.DataFrame(
+        {
+            "user_id": ["u1", "u0", "u1", "u1", "u0"],
+            "timestamp": [5, 7, 5, 2, 1],  # u1's two events at time 5 keep file order
+            "item_id": ["i3", "i4", "i5", "i6", "i7"],
+        }
+    )
+    log.to_csv(tmp_path / "log.csv", index=False)
+    events = ev.log_events(data, ev.read_log(tmp_path / "log.csv"), 0, 0, keep_last=100)
+    h = events.histories
+    assert events.timestamps.tolist() == [1, 2, 5, 5, 7]
+    assert h.user_ids == ["u0", "u1", "u1", "u1", "u0"]
+    assert h.targets.tolist() == [7, 6, 3, 5, 4]
+    train = {u: data.train.select(torch.tensor([u])).values.tolist() for u in (0, 1)}
+    got = [h.values[h.offsets[e] : h.offsets[e + 1]].tolist() for e in range(5)]
+    assert got == [train[0], train[1], train[1] + [6], train[1] + [6, 3], train[0] + [7]]
+    assert events.history_lengths.tolist() == [len(g) for g in got]
+    short = ev.log_events(data, ev.read_log(tmp_path / "log.csv"), 0, 0, keep_last=2)
+    assert short.histories.values[short.histories.offsets[3] :][:2].tolist() == [6, 3]
+
+
+def test_log_of_valid_and_test_items_replays_both_splits(tiny_checkpoint, tmp_path, capsys):
+    _, data = load_model_and_data(tiny_checkpoint)
+    _valid_then_test_log(data).to_parquet(tmp_path / "log.parquet", index=False)
+    argv = ["--ckpt", str(tiny_checkpoint), "--a", "decoder=beam", "--b", "decoder=rpg", *FAST]
+    code, printed, _ = _replay(
+        [*argv, "--log", str(tmp_path / "log.parquet"), "--out", str(tmp_path / "log")], capsys
+    )
+    assert code == 0 and "identical lists for" in printed and "of events" in printed
+    code, _, _ = _replay([*argv, "--split", "test", "--out", str(tmp_path / "split")], capsys)
+    assert code == 0
+    log_rows = pd.read_parquet(tmp_path / "log" / "per_user.parquet")
+    split_rows = pd.read_parquet(tmp_path / "split" / "per_user.parquet")
+    assert len(log_rows) == 2 * len(split_rows) and log_rows["timestamp"].is_monotonic_increasing
+    tests = log_rows[log_rows["timestamp"] >= 1000].set_index("user_id")
+    split_rows = split_rows.set_index("user_id").loc[tests.index]
+    for column in ("target", "history_length", "a_rank", "b_rank"):
+        assert tests[column].tolist() == split_rows[column].tolist(), column
+    for column in ("a_items", "b_items"):
+        assert tests[column].map(list).tolist() == split_rows[column].map(list).tolist(), column
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def other_data_checkpoint(tiny_checkpoint, tmp_path_factory, tiny_prepared) -> Path:
+    """The tiny model saved as trained on another data folder (another data hash)."""
+    from genrec_spec.recsys.data import load_prepared
+
+    root = tmp_path_factory.mktemp("other")
+    data = load_prepared(tiny_prepared(root / "data", seed=1))
+    model, _ = load_model_and_data(tiny_checkpoint)
+    manifest = {"data": {"path": str(data.path), "data_hash": data.data_hash}}
+    save_checkpoint(root / "ckpt", model, manifest)
+    return root / "ckpt"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"--ckpt": "missing"}, "has no manifest.json"),
+        ({"--ckpt-b": "OTHER"}, "an A/B replay compares models of the same data"),
+        ({"--a": "decoder=beam,beam_width"}, "cannot parse 'beam_width'; write decoder=NAME["),
+        ({"--a": "beam_width=20"}, "names no decoder"),
+        ({"--b": "decoder=greedy"}, "valid decoders: beam, spec_beam, heads, rpg, nezha"),
+        ({"--b": "decoder=heads,beam_width=5"}, "takes no option 'beam_width'; its options"),
+        ({"--out": "FILE/out"}, "cannot create the output folder"),
+        ({"--split": None, "--log": "NOCOLUMN"}, "lacks column(s) ['timestamp']"),
+        ({"--split": None, "--log": "UNKNOWN"}, "the log names 1 items the data does not know"),
+        ({"--bootstrap": "0"}, "--bootstrap must be >= 1"),
+        ({"--k": "100"}, "--k 100 exceeds the catalogue (40 items)"),
+    ],
+)
+def test_bad_input_is_one_clear_line_and_writes_nothing(
+    tiny_checkpoint, other_data_checkpoint, tmp_path, capsys, change, message
+):
+    (tmp_path / "FILE").write_text("a file, not a folder")
+    pd.DataFrame({"user_id": ["u0"], "item_id": ["i1"]}).to_csv(tmp_path / "NOCOLUMN.csv")
+    unknown = pd.DataFrame({"user_id": ["u0", "u1"], "timestamp": [1, 2], "item_id": ["i1", "x"]})
+    unknown.to_csv(tmp_path / "UNKNOWN.csv", index=False)
+    paths = {
+        "missing": str(tmp_path / "missing"),
+        "OTHER": str(other_data_checkpoint),
+        "FILE/out": str(tmp_path / "FILE" / "out"),
+        "NOCOLUMN": str(tmp_path / "NOCOLUMN.csv"),
+        "UNKNOWN": str(tmp_path / "UNKNOWN.csv"),
+    }
+    args = {"--ckpt": str(tiny_checkpoint), "--a": "decoder=beam", "--b": "decoder=spec_beam"}
+    args |= {"--split": "test", "--out": str(tmp_path / "out"), "--bootstrap": "50"}
+    args |= {flag: paths.get(value, value) for flag, value in change.items()}
+    argv = [word for flag, value in args.items() if value is not None for word in (flag, value)]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, _, err = _replay(argv, capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and message in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -1,0 +1,40 @@
+"""/v1/generate with the real SmolLM2: plain and speculative answers agree (greedy decoding is
+lossless), the LLM loads in the background (readyz), limits are enforced, metrics count it."""
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+
+@pytest.mark.slow
+def test_generate_with_smollm2(start_service):
+    with start_service(llm="smollm2", max_new_tokens=8, timeout_s=120) as url:
+        deadline = time.monotonic() + 300
+        while (ready := httpx.get(f"{url}/readyz")).status_code != 200:
+            assert ready.json()["components"]["llm"] == "loading", ready.text
+            assert time.monotonic() < deadline, "SmolLM2 did not load"
+            time.sleep(0.5)
+        prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"
+        bodies = [
+            {"prompt": prompt, "max_new_tokens": 8, "method": method}
+            for method in ("plain", "ngram", "lookahead")
+        ]
+
+        async def together():
+            async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+                return await asyncio.gather(*(client.post("/v1/generate", json=b) for b in bodies))
+
+        answers = [r.json() for r in asyncio.run(together())]
+        too_long = httpx.post(f"{url}/v1/generate", json={"prompt": "hi", "max_new_tokens": 9})
+        metrics = httpx.get(f"{url}/metrics").text
+    assert all("method" in a for a in answers), answers
+    assert [a["method"] for a in answers] == ["none", "ngram", "lookahead"]
+    assert answers[0]["text"] and answers[0]["tokens"] <= 8
+    assert answers[1]["text"] == answers[0]["text"] == answers[2]["text"]
+    assert answers[0]["stats"]["mean_accepted_length"] == 1.0
+    assert too_long.status_code == 400 and "limit of 8" in too_long.json()["detail"]
+    assert 'genrec_spec_batch_size_count{kind="generate"} 3.0' in metrics
+    assert 'genrec_spec_mean_accepted_length{kind="generate",method="none"} 1.0' in metrics
+    assert 'genrec_spec_target_passes_total{kind="generate",method="ngram"}' in metrics
