@@ -46,8 +46,9 @@ from genrec_spec.greedy_check import compare_greedy
 from genrec_spec.types import DecodeStats, SamplingParams
 
 OURS = ("none", "draft", "ngram", "trie", "lookahead")
+TRAINED = ("medusa",)  # load their weights from the cache (`genrec-spec train-drafter`)
 HF = ("hf", "hf-lookup")
-METHODS = OURS + HF
+METHODS = OURS + HF  # the default set: runs without trained weights
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class BenchLLMConfig:
     split: str = "bench"  # prompts held out from drafter training (genrec_spec.prompts)
     n: int = 10
     max_new_tokens: int = 128
-    methods: tuple[str, ...] = METHODS  # "none" is always run: it is the baseline
+    methods: tuple[str, ...] = METHODS  # "none" is always run: it is the baseline; TRAINED on ask
     batch_sizes: tuple[int, ...] = (1,)
     temperatures: tuple[float, ...] = (0.0,)
     repeats: int = 1  # one pass is ~5-8 minutes at the defaults; raise it for tighter medians
@@ -204,7 +205,7 @@ def make_runners(
 
     runners = {}
     for method in settings.methods:
-        if method in OURS:
+        if method in OURS + TRAINED:
             proposer = make_proposer(method, model, settings.k, settings.draft_layers)
             runners[method] = ours(model, proposer, eos)
         else:
@@ -361,7 +362,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, help=f"prompts (default {c.n}; --quick {c.quick_n})")
     parser.add_argument("--max-new-tokens", type=int, help=f"default {c.max_new_tokens}")
     parser.add_argument(
-        "--methods", type=_list(str), default=c.methods, help=f"of {','.join(METHODS)}"
+        "--methods",
+        type=_list(str),
+        default=c.methods,
+        help=f"of {','.join(METHODS + TRAINED)} (default {','.join(c.methods)})",
     )
     parser.add_argument("--batch-sizes", type=_list(int), help="e.g. 1,8 (default 1)")
     parser.add_argument("--temperatures", type=_list(float), help="e.g. 0,0.8 (default 0)")
@@ -387,7 +391,7 @@ def settings_from(args: argparse.Namespace) -> BenchLLMConfig:
     def pick(value, quick, default):
         return value if value is not None else quick if q else default
 
-    unknown = [m for m in args.methods if m not in METHODS]
+    unknown = [m for m in args.methods if m not in METHODS + TRAINED]
     settings = replace(
         c,
         prompts=args.prompts,
@@ -405,7 +409,7 @@ def settings_from(args: argparse.Namespace) -> BenchLLMConfig:
         draft_layers=args.draft_layers,
     )
     if unknown:
-        raise ValueError(f"unknown methods {unknown}; choose from {','.join(METHODS)}")
+        raise ValueError(f"unknown methods {unknown}; choose from {','.join(METHODS + TRAINED)}")
     counts = (settings.n, settings.max_new_tokens, settings.repeats, settings.threads, settings.k)
     if not settings.batch_sizes or min(counts + settings.batch_sizes) < 1:
         raise ValueError("--n, --max-new-tokens, --repeats, --threads, --k, --batch-sizes: >= 1")

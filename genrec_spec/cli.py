@@ -42,6 +42,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "load-test a running service: p50/p99 latency and requests/s per concurrency",
     ),
     "generate": ("genrec_spec.generate_cli", "LLM text generation with a speculative method"),
+    "train-drafter": (
+        "genrec_spec.drafters.train_cli",
+        "train an LLM drafter (Medusa heads) on the target's own continuations",
+    ),
     "bench": (
         "genrec_spec.bench",
         "benchmarks: kernel | llm | recsys, ratios against a same-run baseline",

@@ -2,9 +2,10 @@
 with a speculative method, and print the text and the decoding statistics.
 
 Methods: none (plain decoding), draft (a layer-skipped copy of the target drafts a tree),
-ngram (prompt lookup), trie (multi-branch n-gram trie), lookahead (Jacobi + n-gram pool).
-All are lossless: the text is what plain decoding gives (greedy) or is distributed as it
-(sampling). Example:
+ngram (prompt lookup), trie (multi-branch n-gram trie), lookahead (Jacobi + n-gram pool),
+and the trained drafters, loaded from --drafter (made by `genrec-spec train-drafter`):
+medusa (Medusa heads on the target's last hidden state, a static tree). All are lossless:
+the text is what plain decoding gives (greedy) or is distributed as it (sampling). Example:
 
     genrec-spec generate --method lookahead --prompt "def fib(n):" --max-new-tokens 64
 """
@@ -16,11 +17,18 @@ import json
 from pathlib import Path
 
 METHODS = ("none", "draft", "ngram", "trie", "lookahead")
+TRAINED_METHODS = ("medusa",)  # need a drafter folder (--drafter)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=["smollm2"], default="smollm2")
-    parser.add_argument("--method", choices=METHODS, default="none")
+    parser.add_argument("--method", choices=METHODS + TRAINED_METHODS, default="none")
+    parser.add_argument(
+        "--drafter",
+        type=Path,
+        default=None,
+        help="trained drafter folder for medusa (default $GENREC_SPEC_CACHE/drafters/METHOD)",
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     source.add_argument(
@@ -67,8 +75,17 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def make_proposer(method: str, model: object, k: int = 4, draft_layers: int = 10):
-    """The proposer for a method name (None for plain decoding); model is the native Llama."""
+def make_proposer(
+    method: str,
+    model: object,
+    k: int = 4,
+    draft_layers: int = 10,
+    drafter: Path | None = None,
+    model_name: str = "smollm2",
+):
+    """The proposer for a method name (None for plain decoding); model is the native Llama.
+    Trained methods load their weights from ``drafter`` (default: the cache's
+    ``drafters/<method>`` folder) and say which command trains them when it is missing."""
     from genrec_spec.proposers import (
         DraftModelProposer,
         LookaheadProposer,
@@ -79,6 +96,13 @@ def make_proposer(method: str, model: object, k: int = 4, draft_layers: int = 10
 
     if method == "none":
         return None
+    if method == "medusa":
+        from genrec_spec.drafters.checkpoint import default_folder
+        from genrec_spec.drafters.medusa import load_medusa
+        from genrec_spec.proposers.medusa import MedusaProposer
+
+        heads, manifest = load_medusa(drafter or default_folder(method), model, model_name)
+        return MedusaProposer(heads, manifest["target"]["hidden_layer"])
     if method == "draft":
         return DraftModelProposer(
             layer_skip_copy(model, draft_layers),
@@ -112,7 +136,9 @@ def run(args: argparse.Namespace) -> int:
             )
             for p in prompts
         ]
-    proposer = make_proposer(args.method, model, args.k, args.draft_layers)
+    proposer = make_proposer(
+        args.method, model, args.k, args.draft_layers, args.drafter, args.model
+    )
     generator = torch.Generator().manual_seed(args.seed)
     results, batches = [], []
     for start in range(0, len(prompts), args.batch_size):

@@ -2,11 +2,13 @@
 
 from genrec_spec.proposers.draft_model import DraftModelProposer, layer_skip_copy
 from genrec_spec.proposers.lookahead import LookaheadProposer
+from genrec_spec.proposers.medusa import MedusaProposer
 from genrec_spec.proposers.ngram import NgramTrie, PromptLookup, TrieProposer
 
 __all__ = [
     "DraftModelProposer",
     "LookaheadProposer",
+    "MedusaProposer",
     "NgramTrie",
     "PromptLookup",
     "TrieProposer",

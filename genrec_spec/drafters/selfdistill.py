@@ -1,0 +1,170 @@
+"""Self-distillation data for trained drafters: the target's own greedy continuations of the
+train-split prompts, with its last hidden state at every generated position.
+
+Layout (ragged, one row per prompt): row r holds positions ``offsets[r] .. offsets[r + 1] - 1``.
+``tokens[j]`` is the token the target generated at position j and ``hidden[j]`` the target's
+final-normed hidden state (its LM head's input, hidden layer ``n_layers``) at the position
+before it, so ``LM_head(hidden[j])`` argmaxes to ``tokens[j]``: the row's first entry sits on
+the prompt's last token. A drafter predicting k tokens further learns
+``hidden[j] -> tokens[j + k]`` within a row.
+
+Continuations come from the project's ``generate`` (plain greedy, batched, stopping at eos),
+and the hidden states from the same decode steps (a recorder in the proposer's seat reads
+``cache.hidden`` after every step; no second forward). The result is cached as one file,
+``<cache>/drafters/selfdistill/<key>.safetensors``, the key hashing the target's fingerprint,
+the prompt token ids and the settings; it is written under a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+from tqdm import tqdm
+
+from genrec_spec.decode import generate
+from genrec_spec.drafters.checkpoint import target_info, write_atomically
+from genrec_spec.tree import root_only
+from genrec_spec.types import Acceptance, DecodeState, DraftTree
+
+VERSION = 1  # bumped when the data layout or its generation changes
+
+
+@dataclass(frozen=True)
+class SelfDistillConfig:
+    """Which prompts the target continues, and how."""
+
+    sources: tuple[str, ...] = ("humaneval", "fortunes")  # corpora of genrec_spec.prompts
+    n: int = 64  # prompts drawn from each source's train split
+    max_new_tokens: int = 128  # continuation length (shorter where the target emits eos)
+    batch_size: int = 8  # rows per generate() call
+    seed: int = 0  # which train prompts are drawn
+
+
+@dataclass(frozen=True)
+class SelfDistillData:
+    hidden: Tensor  # [S, D] float32, the state before tokens[j]
+    tokens: Tensor  # [S] int64, the target's greedy token
+    offsets: Tensor  # [R + 1] int64, row r is [offsets[r], offsets[r + 1])
+    key: str  # the cache key (names the data in drafter manifests)
+
+    @property
+    def rows(self) -> int:
+        return len(self.offsets) - 1
+
+
+def train_prompts(tokenizer: Any, config: SelfDistillConfig) -> list[list[int]]:
+    """Token ids of ``config.n`` train-split prompts of each source (chat sources wrapped in the
+    tokenizer's chat template), as the benchmark tokenizes its bench-split prompts."""
+    from genrec_spec.prompts import load_prompts
+
+    texts = [
+        text
+        for source in config.sources
+        for text in load_prompts(source, config.n, config.seed, "train", tokenizer)
+    ]
+    return [tokenizer(text)["input_ids"] for text in texts]
+
+
+class _HiddenRecorder:
+    """A proposer that never drafts (k = 0), so decoding stays plain: after every step it keeps
+    the target's hidden state at each row's root, the state the step's token came from."""
+
+    k, draft_cost = 0, 0.0
+
+    def __init__(self, layer: int) -> None:
+        self.hidden_layers = (layer,)
+
+    def begin(self, state: DecodeState) -> None:
+        self.hidden: list[Tensor] = []  # per step [B, D]
+        self.emitted: list[Tensor] = []  # per step [B] bool, rows that emitted a token
+
+    def propose(self, state: DecodeState, budget: int) -> DraftTree:
+        return root_only(state.roots)  # (never asked: k = 0 keeps the budget at 0)
+
+    def observe(self, state: DecodeState, acceptance: Acceptance) -> None:
+        self.hidden.append(state.cache.hidden[self.hidden_layers[0]][:, 0])
+        self.emitted.append(state.counts > 0)
+
+
+def distill(
+    model: Any,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    batch_size: int,
+    eos_token_id: int | None = None,
+    progress: bool = True,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Continue every prompt greedily with the native Llama ``model``; returns hidden [S, D],
+    tokens [S] and offsets [R + 1] in the layout of the module docstring."""
+    recorder = _HiddenRecorder(model.config.n_layers)
+    hidden_rows: list[Tensor] = [torch.empty(0)] * len(prompts)  # per row [G, D]
+    token_rows: list[Tensor] = [torch.empty(0)] * len(prompts)  # per row [G]
+    # Batches of similar lengths: a batch's prefill costs its longest prompt on every row.
+    order = sorted(range(len(prompts)), key=lambda r: len(prompts[r]))
+    bar = tqdm(total=len(prompts), desc="self-distill", unit="prompt", disable=not progress)
+    for start in range(0, len(prompts), batch_size):
+        rows = order[start : start + batch_size]
+        out = generate(
+            model,
+            [prompts[r] for r in rows],
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos_token_id,
+            proposer=recorder,
+        )
+        hidden = torch.stack(recorder.hidden, dim=1).float()  # [B, steps, D]
+        emitted = torch.stack(recorder.emitted, dim=1)  # [B, steps]
+        for b, (row, continuation) in enumerate(zip(rows, out.tolist(), strict=True)):
+            hidden_rows[row] = hidden[b, emitted[b]]
+            token_rows[row] = torch.tensor(continuation, dtype=torch.long)
+        bar.update(len(rows))
+    bar.close()
+    sizes = torch.tensor([0] + [len(row) for row in token_rows])
+    return torch.cat(hidden_rows), torch.cat(token_rows), sizes.cumsum(0)
+
+
+def data_key(
+    model: Any, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None
+) -> str:
+    """What the data depends on: the target, the prompt ids and the generation settings."""
+    settings = {
+        "version": VERSION,
+        "target": target_info(model)["fingerprint"],
+        "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+        "max_new_tokens": max_new_tokens,
+        "eos_token_id": eos_token_id,
+    }
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def load_or_distill(
+    model: Any,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    batch_size: int,
+    eos_token_id: int | None = None,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+) -> SelfDistillData:
+    """The cached data for these prompts and settings, generated first when missing.
+    ``cache_dir`` None means ``$GENREC_SPEC_CACHE`` or ``~/.cache/genrec_spec``."""
+    from genrec_spec.models.smollm2 import cache_dir as default_cache_dir
+
+    key = data_key(model, prompts, max_new_tokens, eos_token_id)
+    path = (
+        Path(cache_dir or default_cache_dir()) / "drafters" / "selfdistill" / f"{key}.safetensors"
+    )
+    if not path.is_file():
+        hidden, tokens, offsets = distill(
+            model, prompts, max_new_tokens, batch_size, eos_token_id, progress
+        )
+        tensors = {"hidden": hidden, "tokens": tokens, "offsets": offsets}
+        write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata={"key": key}))
+    tensors = load_file(str(path))
+    return SelfDistillData(tensors["hidden"], tensors["tokens"], tensors["offsets"], key)

@@ -1,0 +1,151 @@
+"""Tiny random native Llama targets and distribution statistics for the drafter tests, as
+fixtures (the suite imports test files in importlib mode, where test modules cannot import
+each other; the statistics mirror tests/core's)."""
+
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from genrec_spec.models.llama import Llama, LlamaConfig
+from genrec_spec.sampling import probabilities
+
+
+def tiny_llama(vocab: int, seed: int, dim: int = 32, scale: float = 3.0) -> Llama:
+    """A random native Llama with weights scaled by ``scale`` (so next-token distributions are
+    peaked, not near uniform); global RNG untouched."""
+    config = LlamaConfig(
+        vocab_size=vocab,
+        dim=dim,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=2 * dim,
+        rope_theta=500.0,
+        max_seq_len=96,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Llama(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale)
+    return model
+
+
+class ChainLM:
+    """The model as a cache-free causal callable ids [B, T] -> logits [B, T, V]."""
+
+    def __init__(self, model: Llama) -> None:
+        self.model, self.vocab = model, model.config.vocab_size
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, self.model.new_cache(*ids.shape))
+
+
+def exact_distribution(lm, prompt: list[int], length: int, sampling) -> torch.Tensor:
+    """P(first `length` generated tokens) for every sequence, by enumeration: [V**length]."""
+    grid = torch.cartesian_prod(*[torch.arange(lm.vocab)] * length).view(-1, length)
+    seqs = torch.cat([torch.tensor(prompt).expand(len(grid), -1), grid], dim=1)
+    logits = lm(seqs)[:, len(prompt) - 1 : -1]  # [V**L, L, V]
+    p = probabilities(logits, sampling).gather(2, grid[:, :, None]).squeeze(2)
+    return p.double().prod(1)
+
+
+def histogram(rows: list[list[int]], vocab: int, length: int) -> torch.Tensor:
+    """Counts of each generated sequence (first `length` tokens): [V**length]."""
+    seqs = torch.tensor([row[:length] for row in rows])
+    index = sum(seqs[:, j] * vocab ** (length - 1 - j) for j in range(length))
+    return torch.bincount(index, minlength=vocab**length).double()
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Pearson chi-square p-value, cells expected below min_expected pooled; p = 0 for a sample
+    outside the support."""
+    if bool((counts[probs == 0] > 0).any()):
+        return 0.0
+    expected = probs * counts.sum()
+    small = expected < min_expected
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = torch.tensor(float(len(obs) - 1))
+    return float(torch.special.gammaincc(dof / 2, stat / 2))
+
+
+def total_variation(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    return float(0.5 * (counts / counts.sum() - probs).abs().sum())
+
+
+def tv_noise(probs: torch.Tensor, n: int) -> float:
+    """Expected total variation of n exact samples from probs (normal approximation)."""
+    return float(0.5 * (2 / torch.pi) ** 0.5 * (probs * (1 - probs) / n).sqrt().sum())
+
+
+@contextmanager
+def single_thread():
+    """Tiny tensors: a second thread only adds wake-up latency on these 2-core machines (and
+    costs 30x when other jobs load them)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="session")
+def kit() -> SimpleNamespace:
+    return SimpleNamespace(
+        tiny_llama=tiny_llama,
+        ChainLM=ChainLM,
+        exact_distribution=exact_distribution,
+        histogram=histogram,
+        chi_square_p=chi_square_p,
+        total_variation=total_variation,
+        tv_noise=tv_noise,
+    )
+
+
+GREEDY_PROMPTS = [[5, 9, 2, 33, 7, 1, 8], [4], [12, 3, 3, 40, 22]]  # B = 3, uneven, one of 1
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory) -> SimpleNamespace:
+    """Medusa heads trained briefly on a tiny target's own continuations (a target at weight
+    scale 1, whose greedy text falls into loops that heads can learn), saved to a folder."""
+    from genrec_spec.drafters.medusa import MedusaConfig, train_medusa
+    from genrec_spec.drafters.selfdistill import load_or_distill
+
+    with single_thread():  # session fixtures run before the module's one_thread
+        model = tiny_llama(61, seed=0, scale=1.0)
+        gen = torch.Generator().manual_seed(1)
+        prompts = [
+            torch.randint(
+                0, 61, (int(torch.randint(1, 8, (1,), generator=gen)),), generator=gen
+            ).tolist()
+            for _ in range(24)
+        ]
+        cache = tmp_path_factory.mktemp("cache")
+        data = load_or_distill(
+            model, prompts + GREEDY_PROMPTS, 40, 9, cache_dir=cache, progress=False
+        )
+        folder = tmp_path_factory.mktemp("drafter") / "medusa"
+        config = MedusaConfig(steps=150, batch_positions=128, held_out=0.2)
+        manifest = train_medusa(model, data, config, folder, {"command": "test"}, progress=False)
+    return SimpleNamespace(
+        model=model,
+        data=data,
+        folder=folder,
+        manifest=manifest,
+        config=config,
+        greedy_prompts=GREEDY_PROMPTS,  # also among the training prompts: drafts get accepted
+    )
