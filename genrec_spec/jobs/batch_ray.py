@@ -10,9 +10,12 @@ which writes the shards (`batch.write_results`): one writer keeps exactly-once s
 output folder need not be visible to the workers. The checkpoint folder must be, at the same
 path on every node; an actor checks the model hash it loads against the driver's.
 
-A cluster address that does not answer is one clear error before anything is written:
-``ray.init(address=...)`` can wait a long time, so the address's port is first tried with a
-socket connect bounded by ``ray_timeout_s``.
+A cluster address that does not answer, or where something other than Ray listens, is one clear
+error before anything is written: ``ray.init(address=...)`` retries for minutes on either
+(more than two against a port that accepts and closes). So the address is first probed within
+``ray_timeout_s``: it must accept a connection and answer the HTTP/2 connection preface with a
+SETTINGS frame, as Ray's GCS and Ray Client servers (both gRPC) do. A server that closes the
+connection, sends anything else or stays silent is refused.
 """
 
 from __future__ import annotations
@@ -32,11 +35,17 @@ from genrec_spec.recsys.types import Recommendations
 
 
 class RayAddressError(BatchInputError):
-    """A --ray-address that is malformed or where no Ray cluster answers."""
+    """A --ray-address that is malformed, where nothing answers, or where something else does."""
+
+
+# What an HTTP/2 client sends first: the connection preface, then a SETTINGS frame (9-byte
+# header: length 0, type 4, no flags, stream 0).
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 
 
 def check_ray_address(address: str | None, timeout_s: float) -> None:
-    """Raise unless `address` is None, "auto" or HOST:PORT (ray:// too) accepting connections."""
+    """Raise unless `address` is None, "auto" or HOST:PORT (ray:// too) where a gRPC server, as
+    Ray's are, answers (module docstring)."""
     if address is None or address == "auto":  # Ray then starts here / finds its own cluster
         return
     host, sep, port = address.removeprefix("ray://").rpartition(":")
@@ -46,12 +55,28 @@ def check_ray_address(address: str | None, timeout_s: float) -> None:
             "10.0.0.5:6379) or ray://HOST:10001"
         )
     try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as exc:
+        conn = socket.create_connection((host, int(port)), timeout=timeout_s)
+    except OSError as exc:  # refused, unreachable or timed out
         raise RayAddressError(
             f"no Ray cluster answers at {address} ({exc}); start one there with "
             "`ray start --head`, or leave out --ray-address to run Ray on this machine"
         ) from None
+    with conn:
+        try:
+            conn.sendall(HTTP2_PREFACE)
+            with conn.makefile("rb") as reply:
+                header = reply.read(9)  # the server's first frame header
+            answer = f"it answered {header!r}" if len(header) == 9 else "it closed the connection"
+        except OSError as exc:  # reset, or silent until the timeout
+            header, answer = b"", str(exc)
+    length, kind, flags, stream = int.from_bytes(header[:3]), header[3:4], header[4:5], header[5:]
+    if len(header) < 9 or kind != b"\x04" or flags != b"\x00" or any(stream) or length % 6:
+        raise RayAddressError(
+            f"--ray-address {address} accepts connections but is not a Ray cluster (Ray's gRPC "
+            f"servers answer with an HTTP/2 SETTINGS frame; here: {answer}); pass the head "
+            "node's GCS address (port 6379 unless `ray start --port` chose another) or "
+            "ray://HOST:10001"
+        )
 
 
 class RayChunkDecoder:

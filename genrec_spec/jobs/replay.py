@@ -12,14 +12,18 @@ whether the two lists are identical (same items, same order). Per batch: wall ti
 sequential target passes of each arm. Timing is fair to both arms: the first batch is decoded
 once per arm untimed (warm-up), and the arm that goes first alternates from batch to batch.
 
-Statistics (`compare`): for every metric a paired bootstrap over events (the same resampled
-events for both arms; percentile interval at `confidence`, a seeded `torch.Generator`) gives
-each arm's mean and the difference B - A; latency is bootstrapped over batches (the unit that
-was timed) for ms per event and B's speedup A time / B time. A difference is significant when its
-interval excludes 0.
+Statistics (`compare`): for every metric a paired cluster bootstrap over users (the same
+resampled users for both arms; percentile interval at `confidence`, a seeded `torch.Generator`)
+gives each arm's mean over events and the difference B - A. Users, not events, are resampled
+because a log holds several events of one user and they are correlated (the same history, the
+same taste): resampling events would treat them as independent and give intervals that are too
+narrow. Each resample's mean is the ratio of its users' summed metric to their summed event
+count; on a split (one event per user) users and events are the same thing. Latency is
+bootstrapped over batches (the unit that was timed) for ms per event and B's speedup A time /
+B time. A difference is significant when its interval excludes 0.
 
-Shape letters: E events, M history items, K list length, NB batches, R bootstrap resamples,
-S statistics bootstrapped together.
+Shape letters: E events, U users, M history items, K list length, NB batches, R bootstrap
+resamples, S statistics bootstrapped together.
 """
 
 from __future__ import annotations
@@ -191,7 +195,7 @@ def overlap_at_k(
 
 
 def bootstrap_means(
-    values: Tensor,  # [S, U] float64, U paired units (events or batches)
+    values: Tensor,  # [S, U] float64, U paired units (users or batches)
     resamples: int,
     generator: torch.Generator,
 ) -> Tensor:  # [S, R] mean of each row over R resamples
@@ -218,15 +222,32 @@ def interval(
     return low, high
 
 
+def user_index(user_ids: list[str]) -> Tensor:  # [E] int64
+    """Each event's user as 0, 1, ... in order of first appearance: with one event per user this
+    is 0..E-1, so the cluster bootstrap draws exactly what an event bootstrap would."""
+    first: dict[str, int] = {}
+    return torch.tensor([first.setdefault(u, len(first)) for u in user_ids], dtype=torch.long)
+
+
 def metric_differences(
     a: Tensor,  # [S, E] float64 per-event metrics of arm A
     b: Tensor,  # [S, E] float64 the same metrics of arm B
     names: list[str],  # [S]
     config: ReplayConfig,
     generator: torch.Generator,
+    users: Tensor | None = None,  # [E] int64 `user_index` of each event; None: one user each
 ) -> dict[str, dict]:
-    """Each metric's means and intervals for A, B and B - A, from one paired resampling."""
-    replicates = bootstrap_means(torch.cat([a, b, b - a]), config.bootstrap, generator)
+    """Each metric's means and intervals for A, B and B - A, from one paired resampling of users
+    (module docstring): per-user sums and event counts are resampled together, and each
+    replicate is a ratio of resampled sums, so users with more events weigh more, as in the
+    mean over events."""
+    rows = torch.cat([a, b, b - a])  # [3S, E]
+    if users is None:
+        users = torch.arange(rows.shape[1])
+    sums = rows.new_zeros(len(rows), int(users.max()) + 1).index_add_(1, users, rows)  # [3S, U]
+    counts = torch.bincount(users).to(rows.dtype)  # [U] events of each user
+    replicates = bootstrap_means(torch.cat([sums, counts[None]]), config.bootstrap, generator)
+    replicates = replicates[:-1] / replicates[-1]  # [3S, R]
     low, high = (x.view(3, len(names)) for x in interval(replicates, config.confidence))
     out = {}
     for i, name in enumerate(names):
@@ -292,7 +313,8 @@ def compare(
     names = metric_names(config.k)
     a = torch.stack([per_event[f"a_{n}"] for n in names])  # [S, E]
     b = torch.stack([per_event[f"b_{n}"] for n in names])  # [S, E]
-    differences = metric_differences(a, b, names, config, generator)
+    users = user_index(events.histories.user_ids)
+    differences = metric_differences(a, b, names, config, generator, users)
     summary = {
         "replay": {
             "source": events.source,
@@ -348,8 +370,8 @@ def verdict(summary: dict, per_user: bool) -> list[str]:
     unit = "users" if per_user else "events"
     pct = round(100 * r["confidence"])
     lines = [
-        f"replay of {r['events']} events ({r['source']}), K={r['k']}, {pct}% paired bootstrap "
-        f"intervals ({r['bootstrap']} resamples)",
+        f"replay of {r['events']} events of {r['users']} users ({r['source']}), K={r['k']}, "
+        f"{pct}% paired bootstrap intervals over users ({r['bootstrap']} resamples)",
         f"  A = {arm_text(arms['A'])}",
         f"  B = {arm_text(arms['B'])}",
     ]

@@ -12,6 +12,7 @@ a log file of user_id, timestamp, item_id, where every event is predicted from t
 history plus their earlier log events; all in time order (`genrec_spec.jobs.replay_events`).
 
 Both arms decode the same batches; the statistics are paired bootstrap intervals of B - A
+that resample users, so a user's several log events count as one correlated unit
 (`genrec_spec.jobs.replay`). --out receives, atomically (nothing on failure): report.html
 (self-contained, plots embedded), metrics.json and per_user.parquet (one row per event). The
 verdict is printed.

@@ -222,7 +222,7 @@ def render_html(result: ReplayResult, command: str) -> str:
         "<h1>Offline A/B replay</h1>",
         f"<p>A = {html.escape(arm_text(arms['A']))}<br>B = {html.escape(arm_text(arms['B']))}"
         f"<br>{r['events']} events of {r['users']} users ({html.escape(r['source'])}), "
-        f"top-{r['k']} lists, {r['bootstrap']} paired bootstrap resamples</p>",
+        f"top-{r['k']} lists, {r['bootstrap']} paired bootstrap resamples of users</p>",
         "<h2>Verdict</h2>",
         f"<pre>{html.escape(chr(10).join(s['verdict']))}</pre>",
         "<h2>Ranking quality</h2>",

@@ -14,7 +14,10 @@ of any status over the level's wall time). A few warm-up requests go first, unco
 
 Only loopback URLs are accepted (127.0.0.0/8, ::1, localhost): this tool loads one's own
 service, never someone else's. The client runs on the same machine as the service and shares its
-CPU: on a small machine its numbers are a lower bound of the service's capacity.
+CPU: on a small machine its numbers are a lower bound of the service's capacity. A level has at
+most ``MAX_CONCURRENCY`` (1024) clients: each holds its own connection (a file descriptor on both
+sides) and all are opened before the level starts, and far past the service's --max-queue (256
+by default) a level would measure only 503s.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from genrec_spec.serve.serve_cli import API_KEY_ENV, is_loopback
+
+MAX_CONCURRENCY = 1024  # most clients of one level (module docstring)
 
 
 @dataclass(frozen=True)
@@ -179,20 +184,28 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _positive_ints(text: str) -> tuple[int, ...]:
+def _concurrency_levels(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give one or more counts >= 1")
+    if not values or min(values) < 1 or max(values) > MAX_CONCURRENCY:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give one or more counts from 1 to {MAX_CONCURRENCY} (the most clients "
+            "one level may open)"
+        )
     return values
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     c = LoadtestConfig()
     parser.add_argument("--url", required=True, help="the service, e.g. http://127.0.0.1:8080")
-    parser.add_argument("--concurrency", type=_positive_ints, default=c.concurrency)
+    parser.add_argument(
+        "--concurrency",
+        type=_concurrency_levels,
+        default=c.concurrency,
+        help=f"clients of each level, e.g. 1,8,64 (at most {MAX_CONCURRENCY})",
+    )
     parser.add_argument("--seconds", type=float, default=c.seconds, help="per level")
     parser.add_argument("--max-requests", type=int, default=c.max_requests, help="per level")
     parser.add_argument("--decoder", default=c.decoder, help="beam, heads, rpg, nezha, spec_beam")

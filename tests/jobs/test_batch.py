@@ -1,13 +1,16 @@
 """The batch candidate-generation job: rows, plan, exactly-once resume after SIGKILL, refusal of
 other arguments, bad input through the CLI, and the Ray engine against the local one."""
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +20,7 @@ import torch
 
 from genrec_spec.cli import main
 from genrec_spec.jobs.batch import BatchConfig, known_histories, plan_shards, run_batch
+from genrec_spec.jobs.batch_ray import RayAddressError, check_ray_address
 from genrec_spec.jobs.batch_store import MANIFEST, BatchOutputError, open_store, shard_file
 from genrec_spec.recsys.evaluate import load_model_and_data
 from genrec_spec.recsys.recommend import recommend
@@ -161,6 +165,62 @@ def test_unreachable_ray_address_fails_before_writing(tiny_checkpoint, tmp_path,
     assert main(args) == 2
     assert "no Ray cluster answers at 127.0.0.1" in capsys.readouterr().err
     assert time.perf_counter() - start < 30 and not out.exists()
+
+
+@contextlib.contextmanager
+def loopback_server(reply: bytes | None) -> Iterator[str]:
+    """HOST:PORT of a 127.0.0.1 listener that answers each connection with `reply` and closes it
+    (b"": accept and close), or with None holds it open in silence."""
+    stop, held = threading.Event(), []
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(0.05)
+
+        def serve() -> None:
+            while not stop.is_set():
+                try:
+                    conn, _ = server.accept()
+                except TimeoutError:
+                    continue
+                if reply is None:
+                    held.append(conn)
+                    continue
+                with conn:
+                    conn.sendall(reply)
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        try:
+            yield f"127.0.0.1:{server.getsockname()[1]}"
+        finally:
+            stop.set()
+            thread.join(5)
+            for conn in held:
+                conn.close()
+
+
+def test_a_listening_address_that_is_not_ray_fails_before_writing(
+    tiny_checkpoint, tmp_path, capsys
+):
+    # A gRPC server's first frame: SETTINGS (type 4) holding MAX_CONCURRENT_STREAMS = 100.
+    settings = bytes([0, 0, 6, 4, 0, 0, 0, 0, 0]) + bytes([0, 3, 0, 0, 0, 100])
+    with loopback_server(settings) as address:
+        check_ray_address(address, 2.0)  # passes as a Ray GCS would
+    for reply in (None, b"", b"HTTP/1.1 400 Bad Request\r\n\r\n", b"\x00" * 9, settings[:5]):
+        with loopback_server(reply) as address:
+            with pytest.raises(RayAddressError, match="accepts connections but is not a Ray"):
+                check_ray_address(address, 0.5)
+    # Through the CLI: exit code 2, one message, no output folder, no Ray started.
+    for reply in (b"", b"garbage, not HTTP/2\n" * 20):
+        out = tmp_path / "out"
+        with loopback_server(reply) as address:
+            args = ["batch", "--ckpt", str(tiny_checkpoint), "--users", "all", "--out", str(out)]
+            args += ["--engine", "ray", "--ray-address", address, "--no-progress"]
+            start = time.perf_counter()
+            assert main(args) == 2
+        err = capsys.readouterr().err
+        assert f"--ray-address {address} accepts connections but is not a Ray cluster" in err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert time.perf_counter() - start < 30 and not out.exists()
 
 
 def test_output_folder_guards(tiny_checkpoint, tmp_path):

@@ -63,6 +63,61 @@ def test_bootstrap_interval_matches_the_normal_theory_interval_and_stays_paired(
     assert high[2] - low[2] < 0.5 * (high[1] - low[1])
 
 
+def test_user_bootstrap_widens_intervals_for_correlated_events_of_one_user():
+    rng = np.random.default_rng(2)
+    true_diff, repeats, users, per_user = 0.25, 200, 100, 10
+    # 200 samples of 1000 log events: 10 per user, each user's events scattered through the log.
+    event_user = rng.permutation(np.repeat(np.arange(users), per_user))  # [E]
+    user_ids = [f"u{u}" for u in event_user]
+    # B - A = true + a user effect shared by all the user's events (sd 1) + event noise (sd 0.3).
+    effect = rng.normal(0.0, 1.0, (repeats, users))[:, event_user]  # [S, E]
+    a = torch.tensor(rng.normal(1.0, 1.0, effect.shape))
+    b = a + true_diff + torch.tensor(effect + rng.normal(0.0, 0.3, effect.shape))
+    names = [f"sample{i}" for i in range(repeats)]
+    config = rp.ReplayConfig(bootstrap=1000)
+    diffs = {
+        "user": rp.metric_differences(
+            a, b, names, config, torch.Generator().manual_seed(0), rp.user_index(user_ids)
+        ),
+        "event": rp.metric_differences(a, b, names, config, torch.Generator().manual_seed(0)),
+    }
+    coverage = {
+        unit: sum(d["low"] <= true_diff <= d["high"] for d in by.values()) / repeats
+        for unit, by in diffs.items()
+    }
+    assert 0.9 <= coverage["user"] <= 0.99, coverage
+    assert coverage["event"] < 0.7, coverage  # ~3x too narrow: misses the truth most times
+    width = {
+        unit: np.median([d["high"] - d["low"] for d in by.values()]) for unit, by in diffs.items()
+    }
+    assert width["user"] > 2 * width["event"], width
+    for name in names:  # the point estimate is the mean over events either way
+        assert diffs["user"][name]["diff"] == pytest.approx(diffs["event"][name]["diff"])
+
+
+def test_user_bootstrap_with_one_event_per_user_is_the_event_bootstrap():
+    rng = np.random.default_rng(3)
+    a = torch.tensor(rng.normal(0.0, 1.0, (2, 300)))
+    b = a + 0.1 + torch.tensor(rng.normal(0.0, 0.3, (2, 300)))
+    users = rp.user_index([f"u{u}" for u in rng.permutation(300)])  # a split: 300 distinct users
+    assert users.tolist() == list(range(300))
+    config = rp.ReplayConfig(bootstrap=500)
+    d = rp.metric_differences(a, b, ["m0", "m1"], config, torch.Generator().manual_seed(0), users)
+    # The plain event bootstrap: resample events, same seed, same draws.
+    rows = torch.cat([a, b, b - a])
+    low, high = rp.interval(
+        rp.bootstrap_means(rows, config.bootstrap, torch.Generator().manual_seed(0)), 0.95
+    )
+    got_low = torch.tensor(
+        [d[m][k] for k in ("a_low", "b_low", "low") for m in ("m0", "m1")], dtype=torch.float64
+    )
+    got_high = torch.tensor(
+        [d[m][k] for k in ("a_high", "b_high", "high") for m in ("m0", "m1")], dtype=torch.float64
+    )
+    torch.testing.assert_close(got_low, low)
+    torch.testing.assert_close(got_high, high)
+
+
 def test_identical_arms_give_zero_difference_and_full_overlap():
     lists = torch.tensor([[3, 1, 2], [0, 4, -1], [5, 6, 7]])  # [E=3, K=3], one padded row
     metrics = rp.arm_metrics(lists, torch.tensor([1, 9, 7]))
@@ -262,6 +317,19 @@ def test_log_of_valid_and_test_items_replays_both_splits(tiny_checkpoint, tmp_pa
         assert tests[column].tolist() == split_rows[column].tolist(), column
     for column in ("a_items", "b_items"):
         assert tests[column].map(list).tolist() == split_rows[column].map(list).tolist(), column
+    # The log's intervals resample users (two events each), not events.
+    metrics = json.loads((tmp_path / "log" / "metrics.json").read_text())
+    a, b = (
+        torch.tensor(log_rows[[f"{side}_{m}" for m in ("hit", "ndcg", "rr")]].to_numpy().T)
+        for side in "ab"
+    )
+    names, config = rp.metric_names(10), rp.ReplayConfig(bootstrap=200)
+    users = rp.user_index(log_rows["user_id"].tolist())
+    assert int(users.max()) + 1 == len(split_rows) and "intervals over users" in printed
+    by_user = rp.metric_differences(a, b, names, config, torch.Generator().manual_seed(0), users)
+    for name in names:
+        assert metrics["differences"][name]["low"] == pytest.approx(by_user[name]["low"])
+        assert metrics["differences"][name]["high"] == pytest.approx(by_user[name]["high"])
 
 
 # --- bad input -----------------------------------------------------------------------------------

@@ -53,6 +53,18 @@ def test_loadtest_refuses_other_hosts(url, capsys):
     assert "loadtest" in capsys.readouterr().err
 
 
+def test_loadtest_concurrency_is_capped(capsys):
+    cap = loadtest.MAX_CONCURRENCY
+    assert cap == 1024
+    assert loadtest._concurrency_levels(f"1,{cap}") == (1, cap)
+    for levels in (f"1,{cap + 1}", "0", "100000"):  # refused while parsing: no client is made
+        with pytest.raises(SystemExit) as exit_:
+            main(["loadtest", "--url", "http://127.0.0.1:9", "--concurrency", levels])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert f"give one or more counts from 1 to {cap}" in err and levels in err, err
+
+
 def test_loadtest_accepts_loopback_urls():
     for url in (
         "http://127.0.0.1:8080/",
@@ -65,11 +77,24 @@ def test_loadtest_accepts_loopback_urls():
     assert loadtest.percentile([float(i) for i in range(1, 101)], 99) == 99.0
 
 
-def test_serve_bad_checkpoint_is_a_clear_error(tmp_path, capsys):
+def test_serve_bad_checkpoint_or_data_is_a_clear_error(
+    tiny_checkpoint, tiny_prepared, tmp_path, capsys, monkeypatch
+):
+    def no_server(*args, **kwargs):
+        raise AssertionError("the server was started")
+
+    monkeypatch.setattr("uvicorn.run", no_server)  # each case must fail before serving
     assert main(["serve", "--ckpt", str(tmp_path / "missing")]) == 2
     assert "has no" in capsys.readouterr().err
     assert main(["serve", "--ckpt", str(tmp_path), "--max-batch", "0"]) == 2
     assert "max_batch=0" in capsys.readouterr().err
+    # --data of another prepared folder: its item indices would name other items.
+    other = tiny_prepared(tmp_path / "other_data", seed=1)
+    assert main(["serve", "--ckpt", str(tiny_checkpoint), "--data", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"checkpoint {tiny_checkpoint} was trained on data " in err
+    assert f"{other} holds data " in err and "pass --data with the folder it was trained" in err
 
 
 def test_serve_command_in_a_subprocess(tiny_checkpoint):
