@@ -46,7 +46,8 @@ from genrec_spec.greedy_check import compare_greedy
 from genrec_spec.types import DecodeStats, SamplingParams
 
 OURS = ("none", "draft", "ngram", "trie", "lookahead")
-TRAINED = ("medusa",)  # load their weights from the cache (`genrec-spec train-drafter`)
+# Trained drafters: they load their weights from the cache (`genrec-spec train-drafter`).
+TRAINED = ("medusa", "eagle", "eagle2")
 HF = ("hf", "hf-lookup")
 METHODS = OURS + HF  # the default set: runs without trained weights
 

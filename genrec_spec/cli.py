@@ -44,7 +44,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("genrec_spec.generate_cli", "LLM text generation with a speculative method"),
     "train-drafter": (
         "genrec_spec.drafters.train_cli",
-        "train an LLM drafter (Medusa heads) on the target's own continuations",
+        "train an LLM drafter (Medusa heads, EAGLE) on the target's own continuations",
     ),
     "bench": (
         "genrec_spec.bench",

@@ -4,7 +4,9 @@ with a speculative method, and print the text and the decoding statistics.
 Methods: none (plain decoding), draft (a layer-skipped copy of the target drafts a tree),
 ngram (prompt lookup), trie (multi-branch n-gram trie), lookahead (Jacobi + n-gram pool),
 and the trained drafters, loaded from --drafter (made by `genrec-spec train-drafter`):
-medusa (Medusa heads on the target's last hidden state, a static tree). All are lossless:
+medusa (Medusa heads on the target's last hidden state, a static tree), eagle (EAGLE-1: a
+one-layer feature drafter, a static tree) and eagle2 (EAGLE-2: the same drafter, a dynamic
+tree). All are lossless:
 the text is what plain decoding gives (greedy) or is distributed as it (sampling). Example:
 
     genrec-spec generate --method lookahead --prompt "def fib(n):" --max-new-tokens 64
@@ -17,7 +19,7 @@ import json
 from pathlib import Path
 
 METHODS = ("none", "draft", "ngram", "trie", "lookahead")
-TRAINED_METHODS = ("medusa",)  # need a drafter folder (--drafter)
+TRAINED_METHODS = ("medusa", "eagle", "eagle2")  # need a drafter folder (--drafter)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--drafter",
         type=Path,
         default=None,
-        help="trained drafter folder for medusa (default $GENREC_SPEC_CACHE/drafters/METHOD)",
+        help="trained drafter folder for medusa, eagle, eagle2 (default "
+        "$GENREC_SPEC_CACHE/drafters/METHOD; eagle2 reads the eagle drafter)",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
@@ -96,13 +99,8 @@ def make_proposer(
 
     if method == "none":
         return None
-    if method == "medusa":
-        from genrec_spec.drafters.checkpoint import default_folder
-        from genrec_spec.drafters.medusa import load_medusa
-        from genrec_spec.proposers.medusa import MedusaProposer
-
-        heads, manifest = load_medusa(drafter or default_folder(method), model, model_name)
-        return MedusaProposer(heads, manifest["target"]["hidden_layer"])
+    if method in TRAINED_METHODS:
+        return _trained_proposer(method, model, drafter, model_name)
     if method == "draft":
         return DraftModelProposer(
             layer_skip_copy(model, draft_layers),
@@ -114,6 +112,27 @@ def make_proposer(
     if method == "trie":
         return TrieProposer(k=k)
     return LookaheadProposer()
+
+
+def _trained_proposer(method: str, model: object, drafter: Path | None, model_name: str):
+    from genrec_spec.drafters.checkpoint import default_folder, drafter_kind
+
+    folder = drafter or default_folder(drafter_kind(method))
+    if method == "medusa":
+        from genrec_spec.drafters.medusa import load_medusa
+        from genrec_spec.proposers.medusa import MedusaProposer
+
+        heads, manifest = load_medusa(folder, model, model_name)
+        return MedusaProposer(heads, manifest["target"]["hidden_layer"])
+    from genrec_spec.drafters.eagle import load_eagle
+    from genrec_spec.proposers.eagle import Eagle2Proposer, EagleProposer
+
+    feature_drafter, manifest = load_eagle(folder, model, model_name)
+    layer = manifest["target"]["hidden_layer"]
+    if method == "eagle2":
+        return Eagle2Proposer(feature_drafter, layer)
+    ranks = (manifest["held_out"] or {}).get("ranks")  # shapes the static tree
+    return EagleProposer(feature_drafter, layer, rank_acceptance=ranks)
 
 
 def run(args: argparse.Namespace) -> int:

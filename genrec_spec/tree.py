@@ -8,6 +8,10 @@ All helpers are loop-free over the batch; only ``topology`` reads values (to val
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -101,6 +105,56 @@ def static_tree(choices: list[tuple[int, ...]]) -> tuple[Tensor, Tensor, Tensor]
     return torch.tensor(parents), torch.tensor(ranks), torch.tensor(depth)
 
 
+@dataclass(frozen=True)
+class StaticLevel:
+    """One draft level of a static tree (``static_tree``'s breadth-first order, where each depth
+    is contiguous): the frontier nodes [frontier, scored) get children, the new nodes
+    [scored, end)."""
+
+    frontier: int
+    scored: int
+    end: int
+    width: int  # candidates drawn per frontier node (the largest child rank + 1)
+    pick: Tensor  # [end - scored] index of each new node's candidate in [F * width]
+    parent: Tensor  # [end - scored] parent node of each new node
+
+
+def static_levels(parents: Tensor, ranks: Tensor, depth: Tensor) -> list[StaticLevel]:
+    """The levels that grow a static tree (parents, ranks, depth [N] from ``static_tree``) one
+    draft forward at a time."""
+    levels = []
+    for level in range(1, int(depth.max()) + 1):
+        frontier, scored = int((depth < level - 1).sum()), int((depth < level).sum())
+        new = torch.arange(scored, int((depth <= level).sum()))
+        width = int(ranks[new].max()) + 1
+        pick = (parents[new] - frontier) * width + ranks[new]
+        levels.append(StaticLevel(frontier, scored, scored + len(new), width, pick, parents[new]))
+    return levels
+
+
+def top_m_tree(
+    roots: Tensor,  # [B]
+    tokens: Tensor,  # [B, C] candidate tokens, every parent before its children
+    scores: Tensor,  # [B, C] float, strictly lower than the parent's score
+    parents: Tensor,  # [B, C] int64 candidate index of the parent, -1 = child of the root
+    m: int,  # draft nodes kept per row
+) -> DraftTree:  # N = 1 + min(m, C) nodes, in candidate order
+    """EAGLE-2's rerank: keep the m candidates with the highest scores (cumulative draft
+    log-probabilities) of each row. Since scores fall strictly from parent to child, the kept
+    set holds every kept node's parent; kept in candidate order, parents come before children."""
+    batch, count = tokens.shape
+    m = min(m, count)
+    kept = scores.topk(m, dim=1).indices.sort(dim=1).values  # [B, m] candidate indices
+    node = torch.zeros_like(tokens)  # [B, C] node index of each kept candidate
+    node.scatter_(1, kept, torch.arange(1, m + 1, device=tokens.device).expand(batch, m))
+    parent = parents.gather(1, kept)  # [B, m] candidate index, -1 = the root
+    node_parents = torch.where(parent < 0, 0, node.gather(1, parent.clamp_min(0)))
+    return DraftTree(
+        tokens=torch.cat([roots[:, None], tokens.gather(1, kept)], dim=1),
+        parents=torch.cat([torch.full_like(roots[:, None], -1), node_parents], dim=1),
+    )
+
+
 def widths_to_choices(widths: tuple[int, ...]) -> list[tuple[int, ...]]:
     """Choices of the tree where every node at depth d has widths[d] children."""
     level: list[tuple[int, ...]] = [()]
@@ -108,6 +162,26 @@ def widths_to_choices(widths: tuple[int, ...]) -> list[tuple[int, ...]]:
     for width in widths:
         level = [path + (rank,) for path in level for rank in range(width)]
         choices += level
+    return choices
+
+
+def likely_choices(
+    rank_acceptance: Sequence[float], nodes: int, max_depth: int
+) -> list[tuple[int, ...]]:
+    """Static-tree choices: the ``nodes`` rank paths most likely accepted when a node's r-th
+    ranked child is accepted with probability ``rank_acceptance[r]`` at any depth (a drafter
+    whose accuracy holds with depth, as EAGLE's roughly does), at most ``max_depth`` deep. Found
+    best first, so every path comes after its prefix; ties go to the smaller ranks."""
+    ranks = [(r, p) for r, p in enumerate(rank_acceptance) if p > 0]
+    heap = [(-p, (r,)) for r, p in ranks]
+    heapq.heapify(heap)
+    choices: list[tuple[int, ...]] = []
+    while heap and len(choices) < nodes:
+        minus_p, path = heapq.heappop(heap)
+        choices.append(path)
+        if len(path) < max_depth:
+            for r, p in ranks:
+                heapq.heappush(heap, (minus_p * p, path + (r,)))
     return choices
 
 

@@ -75,6 +75,28 @@ def apply_rope(
     return (x32 * cos + x32.roll(x.shape[-1] // 2, dims=-1) * sin).to(x.dtype)
 
 
+def begin_tree_pass(
+    cache: StaticKVCache,
+    n: int,  # N tree nodes per row
+    parents: torch.Tensor | None,  # [B, N] int64, -1 = child of the committed root; None: a chain
+    rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [max_seq_len, D] fp32 from rope_tables
+) -> tuple[TreePlan, torch.Tensor, torch.Tensor]:  # plan; cos, sin [B, N, 1, D] fp32
+    """What every layer of one forward pass shares: the tree's bookkeeping (validation, masks,
+    depths), room for the pass's pending K/V in the cache, and the RoPE rows at each node's
+    position ``cache.lengths[b] + depth(i)``. The cache's padding is finite (see StaticKVCache),
+    so attention may read it under its mask."""
+    if parents is None:
+        batch = cache.batch_size
+        parents = torch.arange(-1, n - 1, device=cache.lengths.device).expand(batch, n)
+    plan = prepare_tree(
+        parents, cache.lengths, cache.max_len, dtype=cache.dtype, finite_padding=True
+    )
+    cache.begin_pass(n)  # raises before any layer runs if a row has no room for n tokens
+    positions = cache.lengths[:, None] + plan.depths  # [B, N] < cache.max_len <= max_seq_len
+    cos, sin = rope
+    return plan, cos[positions][:, :, None], sin[positions][:, :, None]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -249,19 +271,7 @@ class Llama(nn.Module):
         ready as training inputs for draft heads.
         """
         self._check_forward(tokens, cache, parents, hidden_layers)
-        batch, n = tokens.shape
-        if parents is None:
-            parents = torch.arange(-1, n - 1, device=tokens.device).expand(batch, n)
-        # The tree's bookkeeping (validation, masks, depths), once for all layers. The cache's
-        # padding is finite (see StaticKVCache), so attention may read it under its mask.
-        plan = prepare_tree(
-            parents, cache.lengths, cache.max_len, dtype=cache.dtype, finite_padding=True
-        )
-        cache.begin_pass(n)  # raises before any layer runs if a row has no room for n tokens
-        cos, sin = self._rope(tokens.device)
-        positions = cache.lengths[:, None] + plan.depths  # [B, N] < cache.max_len <= max_seq_len
-        cos, sin = cos[positions][:, :, None], sin[positions][:, :, None]  # [B, N, 1, D]
-
+        plan, cos, sin = begin_tree_pass(cache, tokens.shape[1], parents, self._rope(tokens.device))
         x = self.tok_embeddings(tokens)
         hidden = {0: x} if 0 in hidden_layers else {}
         for i, layer in enumerate(self.layers, start=1):

@@ -83,6 +83,16 @@ def save_drafter(
     return manifest
 
 
+# Decoding methods that read another method's drafter: EAGLE-2 differs from EAGLE-1 only in the
+# tree it drafts (dynamic, not static), so it decodes with the EAGLE drafter's weights.
+SHARED_DRAFTERS = {"eagle2": "eagle"}
+
+
+def drafter_kind(method: str) -> str:
+    """The kind of drafter a decoding method (or ``train-drafter --kind``) loads or trains."""
+    return SHARED_DRAFTERS.get(method, method)
+
+
 def default_folder(kind: str) -> Path:
     """Where ``train-drafter`` saves and ``generate`` looks without a folder given:
     ``$GENREC_SPEC_CACHE/drafters/<kind>`` (or under ``~/.cache/genrec_spec``)."""

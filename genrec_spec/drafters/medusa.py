@@ -2,32 +2,25 @@
 
 Head k (k = 1..K) learns ``hidden[j] -> tokens[j + k]`` within a row of the data (see
 ``selfdistill``: the target's own greedy continuations), with cross-entropy through the target's
-frozen LM head; only the residual blocks train (AdamW, warm-up then cosine decay). A share of
-the rows (whole prompts) is held out; the manifest reports each head's top-1 accuracy there
-and the chain acceptance per depth k (heads 1..k all right: how often a one-path tree of top
-tokens is accepted to depth k under greedy decoding).
+frozen LM head; only the residual blocks train (``training.fit``: AdamW, warm-up then cosine
+decay). A share of the rows (whole prompts) is held out; the manifest reports each head's top-1
+accuracy there and the chain acceptance per depth k (heads 1..k all right: how often a one-path
+tree of top tokens is accepted to depth k under greedy decoding).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from tqdm import tqdm
 
-from genrec_spec.drafters.checkpoint import (
-    DrafterError,
-    load_drafter,
-    output_weight,
-    save_drafter,
-    target_info,
-)
+from genrec_spec.drafters.checkpoint import DrafterError, load_drafter, output_weight, save_drafter
 from genrec_spec.drafters.selfdistill import SelfDistillData
+from genrec_spec.drafters.training import drafter_manifest, fit, held_out_rows
 from genrec_spec.models.medusa_heads import MedusaHeads
 
 KIND = "medusa"
@@ -65,13 +58,8 @@ def split_positions(
     held_out: float,
     seed: int,
 ) -> tuple[Tensor, Tensor]:  # [P_train], [P_held] int64 positions
-    """Positions of the training rows and of the held-out rows, split by whole rows (at least
-    one row each when there are two rows or more; all rows train when there is one)."""
-    rows = len(offsets) - 1
-    order = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
-    count = min(max(1, round(held_out * rows)), rows - 1) if held_out > 0 else 0
-    held = torch.zeros(rows, dtype=torch.bool)
-    held[order[:count]] = True
+    """Positions of the training rows and of the held-out rows (``training.held_out_rows``)."""
+    held = held_out_rows(len(offsets) - 1, held_out, seed)
     per_position = torch.repeat_interleave(held, offsets.diff())  # [S]
     return (~per_position).nonzero().squeeze(1), per_position.nonzero().squeeze(1)
 
@@ -154,37 +142,25 @@ def train_medusa(
             "the self-distillation data has no training position with a label for head 1",
             "generate more or longer continuations (--n, --max-new-tokens >= 2)",
         )
-    optimizer = torch.optim.AdamW(heads.parameters(), config.lr, weight_decay=config.weight_decay)
-
-    def schedule(step: int) -> float:
-        decay = 0.5 * (1 + math.cos(math.pi * step / config.steps))
-        return min(1.0, (step + 1) / max(config.warmup, 1)) * decay
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     generator = torch.Generator().manual_seed(config.seed)
-    running, bar = None, tqdm(range(config.steps), desc="medusa", disable=not progress)
-    for step in bar:
+
+    def step() -> float:
         pick = train[torch.randint(len(train), (config.batch_positions,), generator=generator)]
-        optimizer.zero_grad(set_to_none=True)
-        loss = float(_loss_backward(heads, data.hidden[pick], labels[pick]))
-        optimizer.step()
-        scheduler.step()
-        running = loss if running is None else 0.9 * running + 0.1 * loss
-        bar.set_postfix(loss=f"{running:.3f}")
-        if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
-            bar.write(f"step {step + 1}/{config.steps} loss {running:.4f}")
+        return float(_loss_backward(heads, data.hidden[pick], labels[pick]))
+
+    train_loss = fit(
+        heads.parameters(),
+        step,
+        steps=config.steps,
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        warmup=config.warmup,
+        log_every=config.log_every,
+        desc=KIND,
+        progress=progress,
+    )
     held_out = evaluate(heads, data.hidden[held], labels[held]) if len(held) else None
-    info = target_info(model)
-    manifest = {
-        "kind": KIND,
-        "target": {**info, "hidden_layer": model.config.n_layers},
-        "data": {"key": data.key, "rows": data.rows, "positions": len(data.tokens)},
-        "config": asdict(config),
-        "steps": config.steps,
-        "train_loss": running,
-        "held_out": held_out,
-        **(extra_manifest or {}),
-    }
+    manifest = drafter_manifest(KIND, model, data, config, train_loss, held_out, extra_manifest)
     return save_drafter(out, dict(heads.state_dict()), manifest)
 
 

@@ -13,12 +13,19 @@ and the hidden states from the same decode steps (a recorder in the proposer's s
 ``cache.hidden`` after every step; no second forward). The result is cached as one file,
 ``<cache>/drafters/selfdistill/<key>.safetensors``, the key hashing the target's fingerprint,
 the prompt token ids and the settings; it is written under a temporary name and renamed.
+
+Drafters that attend to the context (EAGLE) also read the prompts' own pairs in the same layout,
+teacher-forced: ``hidden[j]`` is the target's state at prompt position t = 0 .. L - 2 and
+``tokens[j]`` the prompt token at t + 1 (not the target's choice), so a row's prompt pairs
+followed by its continuation pairs are one sequence. One prefill per batch of prompts, cached
+as ``prompts-<key>.safetensors`` (key: target fingerprint and prompt ids).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,6 +150,45 @@ def data_key(
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:20]
 
 
+def prompt_pairs(
+    model: Any, prompts: list[list[int]], batch_size: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The prompts' teacher-forced pairs (module docstring): hidden [P, D] float32, tokens [P]
+    and offsets [R + 1]; a one-token prompt has none."""
+    layer = model.config.n_layers
+    hidden_rows, token_rows = [], []
+    for start in range(0, len(prompts), batch_size):
+        rows = prompts[start : start + batch_size]
+        width = max(len(row) for row in rows)
+        ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])  # [B, T]
+        _, hidden = model(ids, model.new_cache(len(rows), width), hidden_layers=(layer,))
+        for b, row in enumerate(rows):
+            hidden_rows.append(hidden[layer][b, : len(row) - 1].float())
+            token_rows.append(torch.tensor(row[1:], dtype=torch.long))
+    sizes = torch.tensor([0] + [len(row) for row in token_rows])
+    return torch.cat(hidden_rows), torch.cat(token_rows), sizes.cumsum(0)
+
+
+def _load_or_build(
+    path: Path, key: str, build: Callable[[], tuple[Tensor, Tensor, Tensor]]
+) -> SelfDistillData:
+    """The data cached at ``path``, built (``build() -> (hidden, tokens, offsets)``) and written
+    atomically first when missing."""
+    if not path.is_file():
+        hidden, tokens, offsets = build()
+        tensors = {"hidden": hidden, "tokens": tokens, "offsets": offsets}
+        write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata={"key": key}))
+    tensors = load_file(str(path))
+    return SelfDistillData(tensors["hidden"], tensors["tokens"], tensors["offsets"], key)
+
+
+def _folder(cache_dir: str | Path | None) -> Path:
+    """``cache_dir`` None means ``$GENREC_SPEC_CACHE`` or ``~/.cache/genrec_spec``."""
+    from genrec_spec.models.smollm2 import cache_dir as default_cache_dir
+
+    return Path(cache_dir or default_cache_dir()) / "drafters" / "selfdistill"
+
+
 def load_or_distill(
     model: Any,
     prompts: list[list[int]],
@@ -152,19 +198,28 @@ def load_or_distill(
     cache_dir: str | Path | None = None,
     progress: bool = True,
 ) -> SelfDistillData:
-    """The cached data for these prompts and settings, generated first when missing.
-    ``cache_dir`` None means ``$GENREC_SPEC_CACHE`` or ``~/.cache/genrec_spec``."""
-    from genrec_spec.models.smollm2 import cache_dir as default_cache_dir
-
+    """The cached data for these prompts and settings, generated first when missing."""
     key = data_key(model, prompts, max_new_tokens, eos_token_id)
-    path = (
-        Path(cache_dir or default_cache_dir()) / "drafters" / "selfdistill" / f"{key}.safetensors"
+    return _load_or_build(
+        _folder(cache_dir) / f"{key}.safetensors",
+        key,
+        lambda: distill(model, prompts, max_new_tokens, batch_size, eos_token_id, progress),
     )
-    if not path.is_file():
-        hidden, tokens, offsets = distill(
-            model, prompts, max_new_tokens, batch_size, eos_token_id, progress
-        )
-        tensors = {"hidden": hidden, "tokens": tokens, "offsets": offsets}
-        write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata={"key": key}))
-    tensors = load_file(str(path))
-    return SelfDistillData(tensors["hidden"], tensors["tokens"], tensors["offsets"], key)
+
+
+def load_or_prefill(
+    model: Any, prompts: list[list[int]], batch_size: int, cache_dir: str | Path | None = None
+) -> SelfDistillData:
+    """The prompts' cached teacher-forced pairs (``prompt_pairs``), computed first when
+    missing; rows in the order of ``prompts``, as in ``load_or_distill``."""
+    settings = {
+        "version": VERSION,
+        "target": target_info(model)["fingerprint"],
+        "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+    }
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:20]
+    return _load_or_build(
+        _folder(cache_dir) / f"prompts-{key}.safetensors",
+        key,
+        lambda: prompt_pairs(model, prompts, batch_size),
+    )

@@ -10,6 +10,10 @@ for it). Then decode with it:
 
     genrec-spec train-drafter --model smollm2 --kind medusa
     genrec-spec generate --method medusa --prompt "def fib(n):"
+
+Kinds: medusa (heads on the last hidden state), eagle (a one-layer feature drafter; it also reads
+the prompts' hidden states, one cached prefill). eagle2 decodes with the eagle drafter (only its
+tree differs), so `--kind eagle2` trains that same drafter into the eagle folder.
 """
 
 from __future__ import annotations
@@ -19,21 +23,24 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from genrec_spec.drafters.checkpoint import drafter_kind
+from genrec_spec.drafters.eagle import EagleConfig
 from genrec_spec.drafters.medusa import MedusaConfig
 from genrec_spec.drafters.selfdistill import SelfDistillConfig
 
-KINDS = ("medusa",)
+KINDS = ("medusa", "eagle", "eagle2")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    data, medusa = SelfDistillConfig(), MedusaConfig()
+    data, medusa, eagle = SelfDistillConfig(), MedusaConfig(), EagleConfig()
     parser.add_argument("--model", choices=["smollm2"], default="smollm2")
     parser.add_argument("--kind", choices=KINDS, required=True)
     parser.add_argument(
         "--out",
         type=Path,
         default=None,
-        help="folder for weights + manifest (default $GENREC_SPEC_CACHE/drafters/KIND)",
+        help="folder for weights + manifest (default $GENREC_SPEC_CACHE/drafters/KIND; "
+        "eagle2: the eagle folder)",
     )
     parser.add_argument(
         "--prompts",
@@ -43,10 +50,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=data.n, help="prompts per corpus")
     parser.add_argument("--max-new-tokens", type=int, default=data.max_new_tokens)
     parser.add_argument("--batch-size", type=int, default=data.batch_size, help="generation")
-    parser.add_argument("--steps", type=int, default=medusa.steps)
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"optimiser steps (default: medusa {medusa.steps}, eagle {eagle.steps})",
+    )
+    parser.add_argument(
+        "--lr", type=float, default=None, help=f"AdamW peak (medusa {medusa.lr}, eagle {eagle.lr})"
+    )
     parser.add_argument("--heads", type=int, default=medusa.num_heads, help="Medusa heads K")
-    parser.add_argument("--batch-positions", type=int, default=medusa.batch_positions)
-    parser.add_argument("--lr", type=float, default=medusa.lr)
+    parser.add_argument(
+        "--batch-positions", type=int, default=medusa.batch_positions, help="medusa: per step"
+    )
+    parser.add_argument(
+        "--batch-rows", type=int, default=eagle.batch_rows, help="eagle: sequences per step"
+    )
+    parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=eagle.draft_vocab,
+        help="eagle: tokens its LM head keeps, most frequent first (0 = all)",
+    )
     parser.add_argument(
         "--seed", type=int, default=data.seed, help="prompt draw, batches, held-out rows"
     )
@@ -59,13 +84,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def command_line(args: argparse.Namespace) -> str:
+def drafter_config(args: argparse.Namespace) -> MedusaConfig | EagleConfig:
+    """The kind's training settings: its defaults, overridden by the flags given."""
+    tuned = {
+        name: value for name, value in (("steps", args.steps), ("lr", args.lr)) if value is not None
+    }
+    if drafter_kind(args.kind) == "medusa":
+        return MedusaConfig(
+            num_heads=args.heads, batch_positions=args.batch_positions, seed=args.seed, **tuned
+        )
+    return EagleConfig(
+        batch_rows=args.batch_rows, draft_vocab=args.draft_vocab, seed=args.seed, **tuned
+    )
+
+
+def command_line(args: argparse.Namespace, config: MedusaConfig | EagleConfig) -> str:
     """The full command that rebuilds this drafter (every setting spelled out)."""
+    if isinstance(config, MedusaConfig):
+        specific = f"--heads {config.num_heads} --batch-positions {config.batch_positions}"
+    else:
+        specific = f"--batch-rows {config.batch_rows} --draft-vocab {config.draft_vocab}"
     return (
         f"genrec-spec train-drafter --model {args.model} --kind {args.kind} --out {args.out} "
         f"--prompts {args.prompts} --n {args.n} --max-new-tokens {args.max_new_tokens} "
-        f"--batch-size {args.batch_size} --steps {args.steps} --heads {args.heads} "
-        f"--batch-positions {args.batch_positions} --lr {args.lr} --seed {args.seed}"
+        f"--batch-size {args.batch_size} --steps {config.steps} --lr {config.lr} {specific} "
+        f"--seed {args.seed}"
     )
 
 
@@ -73,11 +116,15 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from genrec_spec.drafters.checkpoint import default_folder
+    from genrec_spec.drafters.eagle import train_eagle
     from genrec_spec.drafters.medusa import train_medusa
-    from genrec_spec.drafters.selfdistill import load_or_distill, train_prompts
+    from genrec_spec.drafters.selfdistill import load_or_distill, load_or_prefill, train_prompts
     from genrec_spec.models.smollm2 import load_smollm2
 
-    args.out = args.out or default_folder(args.kind)
+    kind = drafter_kind(args.kind)
+    if kind != args.kind:
+        print(f"{args.kind} decodes with the {kind} drafter: training that one")
+    args.out = args.out or default_folder(kind)
     torch.set_num_threads(args.threads)
     sources = tuple(s for s in args.prompts.split(",") if s)
     data_config = SelfDistillConfig(
@@ -94,14 +141,17 @@ def run(args: argparse.Namespace) -> int:
         args.cache_dir,
     )
     print(f"self-distillation data {data.key}: {data.rows} rows, {len(data.tokens)} positions")
-    config = MedusaConfig(
-        num_heads=args.heads,
-        steps=args.steps,
-        batch_positions=args.batch_positions,
-        lr=args.lr,
-        seed=args.seed,
-    )
-    extra = {"model": args.model, "selfdistill": asdict(data_config), "command": command_line(args)}
-    manifest = train_medusa(model, data, config, args.out, extra)
+    config = drafter_config(args)
+    extra = {
+        "model": args.model,
+        "selfdistill": asdict(data_config),
+        "command": command_line(args, config),
+    }
+    if isinstance(config, MedusaConfig):
+        manifest = train_medusa(model, data, config, args.out, extra)
+    else:
+        context = load_or_prefill(model, prompts, data_config.batch_size, args.cache_dir)
+        print(f"prompt pairs {context.key}: {len(context.tokens)} positions")
+        manifest = train_eagle(model, data, context, config, args.out, extra)
     print(json.dumps({"out": str(args.out), "held_out": manifest["held_out"]}, indent=2))
     return 0

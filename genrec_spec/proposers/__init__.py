@@ -1,12 +1,15 @@
 """Proposers: one drafter per module, each producing a DraftTree."""
 
 from genrec_spec.proposers.draft_model import DraftModelProposer, layer_skip_copy
+from genrec_spec.proposers.eagle import Eagle2Proposer, EagleProposer
 from genrec_spec.proposers.lookahead import LookaheadProposer
 from genrec_spec.proposers.medusa import MedusaProposer
 from genrec_spec.proposers.ngram import NgramTrie, PromptLookup, TrieProposer
 
 __all__ = [
     "DraftModelProposer",
+    "Eagle2Proposer",
+    "EagleProposer",
     "LookaheadProposer",
     "MedusaProposer",
     "NgramTrie",

@@ -18,42 +18,15 @@ so one batched forward serves all rows. Finished rows commit nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from genrec_spec.sampling import probabilities, sample, sample_without_replacement
 from genrec_spec.targets import as_target
-from genrec_spec.tree import prepend_chain, static_tree, widths_to_choices
+from genrec_spec.tree import prepend_chain, static_levels, static_tree, widths_to_choices
 from genrec_spec.types import Acceptance, DecodeInputError, DecodeState, DraftTree
 
 CHILDREN = ("sample", "iid", "top")
-
-
-@dataclass(frozen=True)
-class _Level:
-    """One draft forward: it scores nodes [0, scored) and gives children to the frontier
-    nodes [frontier, scored); the new nodes are [scored, end)."""
-
-    frontier: int
-    scored: int
-    end: int
-    width: int  # candidates drawn per frontier node (the largest child rank + 1)
-    pick: Tensor  # [end - scored] index of each new node's candidate in [F * width]
-    parent: Tensor  # [end - scored] parent node of each new node
-
-
-def _levels(parents: Tensor, ranks: Tensor, depth: Tensor) -> list[_Level]:
-    """The draft forwards that build a static tree (BFS order: each level is contiguous)."""
-    levels = []
-    for level in range(1, int(depth.max()) + 1):
-        frontier, scored = int((depth < level - 1).sum()), int((depth < level).sum())
-        new = torch.arange(scored, int((depth <= level).sum()))
-        width = int(ranks[new].max()) + 1
-        pick = (parents[new] - frontier) * width + ranks[new]
-        levels.append(_Level(frontier, scored, scored + len(new), width, pick, parents[new]))
-    return levels
 
 
 class DraftModelProposer:
@@ -82,7 +55,7 @@ class DraftModelProposer:
         self.hidden_layers: tuple[int, ...] = ()
         choices = choices or widths_to_choices((width,) + (1,) * (k - 1))
         self.parents, ranks, depth = static_tree(choices)  # [N] each
-        self.levels = _levels(self.parents, ranks, depth)
+        self.levels = static_levels(self.parents, ranks, depth)
         self.k = len(self.levels)
 
     def begin(self, state: DecodeState) -> None:

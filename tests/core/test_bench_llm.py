@@ -126,12 +126,12 @@ def test_settings_and_bad_input():
     assert quick.n == 3 and quick.max_new_tokens == c.quick_max_new_tokens
     assert quick.batch_sizes == c.quick_batch_sizes and quick.temperatures == (0.0, 0.8)
     assert quick.methods == ("none", "ngram", "hf")  # the baseline first
-    trained = settings_from(parse(["--methods", "medusa"]))
-    assert trained.methods == ("none", "medusa")  # trained drafters run when asked for
+    trained = settings_from(parse(["--methods", "medusa,eagle,eagle2"]))
+    assert trained.methods == ("none", "medusa", "eagle", "eagle2")  # run when asked for
     default = settings_from(parse(["--batch-sizes", "1,8", "--temperatures", "0,0.8"]))
     assert default.n == c.n and default.batch_sizes == (1, 8) and default.temperatures == (0, 0.8)
     with pytest.raises(ValueError, match="unknown methods"):
-        settings_from(parse(["--methods", "none,eagle"]))
+        settings_from(parse(["--methods", "none,bogus"]))
     with pytest.raises(ValueError, match=">= 1"):
         settings_from(parse(["--batch-sizes", "0,8"]))
     with pytest.raises(ValueError, match="temperatures"):

@@ -119,10 +119,10 @@ GREEDY_PROMPTS = [[5, 9, 2, 33, 7, 1, 8], [4], [12, 3, 3, 40, 22]]  # B = 3, une
 
 
 @pytest.fixture(scope="session")
-def trained(tmp_path_factory) -> SimpleNamespace:
-    """Medusa heads trained briefly on a tiny target's own continuations (a target at weight
-    scale 1, whose greedy text falls into loops that heads can learn), saved to a folder."""
-    from genrec_spec.drafters.medusa import MedusaConfig, train_medusa
+def distilled(tmp_path_factory) -> SimpleNamespace:
+    """A tiny target at weight scale 1 (whose greedy text falls into loops that drafters can
+    learn) and its self-distillation data on random prompts plus GREEDY_PROMPTS (so drafts on
+    those get accepted), cached in a temporary folder."""
     from genrec_spec.drafters.selfdistill import load_or_distill
 
     with single_thread():  # session fixtures run before the module's one_thread
@@ -133,11 +133,19 @@ def trained(tmp_path_factory) -> SimpleNamespace:
                 0, 61, (int(torch.randint(1, 8, (1,), generator=gen)),), generator=gen
             ).tolist()
             for _ in range(24)
-        ]
+        ] + GREEDY_PROMPTS
         cache = tmp_path_factory.mktemp("cache")
-        data = load_or_distill(
-            model, prompts + GREEDY_PROMPTS, 40, 9, cache_dir=cache, progress=False
-        )
+        data = load_or_distill(model, prompts, 40, 9, cache_dir=cache, progress=False)
+    return SimpleNamespace(model=model, prompts=prompts, data=data, cache=cache)
+
+
+@pytest.fixture(scope="session")
+def trained(distilled, tmp_path_factory) -> SimpleNamespace:
+    """Medusa heads trained briefly on the tiny target's own continuations, saved to a folder."""
+    from genrec_spec.drafters.medusa import MedusaConfig, train_medusa
+
+    model, data = distilled.model, distilled.data
+    with single_thread():
         folder = tmp_path_factory.mktemp("drafter") / "medusa"
         config = MedusaConfig(steps=150, batch_positions=128, held_out=0.2)
         manifest = train_medusa(model, data, config, folder, {"command": "test"}, progress=False)
@@ -148,4 +156,31 @@ def trained(tmp_path_factory) -> SimpleNamespace:
         manifest=manifest,
         config=config,
         greedy_prompts=GREEDY_PROMPTS,  # also among the training prompts: drafts get accepted
+    )
+
+
+@pytest.fixture(scope="session")
+def trained_eagle(distilled, tmp_path_factory) -> SimpleNamespace:
+    """An EAGLE feature drafter trained briefly on the same data (with the prompts' pairs)."""
+    from genrec_spec.drafters.eagle import EagleConfig, train_eagle
+    from genrec_spec.drafters.selfdistill import load_or_prefill
+
+    model, data = distilled.model, distilled.data
+    with single_thread():
+        context = load_or_prefill(model, distilled.prompts, 9, cache_dir=distilled.cache)
+        folder = tmp_path_factory.mktemp("drafter") / "eagle"
+        config = EagleConfig(steps=150, held_out=0.2, eval_depth=4)
+        manifest = train_eagle(
+            model, data, context, config, folder, {"command": "test"}, progress=False
+        )
+    return SimpleNamespace(
+        model=model,
+        data=data,
+        context=context,
+        prompts=distilled.prompts,
+        cache=distilled.cache,
+        folder=folder,
+        manifest=manifest,
+        config=config,
+        greedy_prompts=GREEDY_PROMPTS,
     )
