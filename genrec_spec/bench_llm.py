@@ -5,7 +5,15 @@ times plain decoding (``none``) and every speculative method of the core (``draf
 layer-skipped copy of the target, ``ngram``: prompt lookup, ``trie``: multi-branch n-gram trie,
 ``lookahead``), and what a user would pick instead: Hugging Face ``generate`` on the same
 weights, plain (``hf``) and with prompt lookup (``hf-lookup``; batch 1 only, as HF's assisted
-generation does not batch), for every batch size and temperature asked for.
+generation does not batch), for every batch size and temperature asked for. On request also the
+trained drafters (``medusa``, ``eagle``, ``eagle2``, ``layerskip``: the target's first layers
+plus a trained exit head, ``distilled``: the draft model of ``train-drafter --kind draft``) and
+two more HF options, batch 1 only: early exit (``hf-early-exit``: the target's first
+``--draft-layers`` layers and its LM head draft, ``assistant_early_exit``; Llama supports it,
+as its forward runs the first ``config.num_hidden_layers`` layers, which HF's early-exit
+candidate generator lowers while drafting; off by default, as it ran at ~0.2x of plain decoding
+on SmolLM2) and our distilled draft as ``assistant_model`` (``hf-assist``). HF's assisted
+generation keeps its own defaults (up to 20 draft tokens, stopping below 0.4 draft confidence).
 
 Columns:
   tok/s    generated tokens / wall seconds over all prompts (median over repeats)
@@ -47,9 +55,14 @@ from genrec_spec.types import DecodeStats, SamplingParams
 
 OURS = ("none", "draft", "ngram", "trie", "lookahead")
 # Trained drafters: they load their weights from the cache (`genrec-spec train-drafter`).
-TRAINED = ("medusa", "eagle", "eagle2")
+TRAINED = ("medusa", "eagle", "eagle2", "distilled", "layerskip")
 HF = ("hf", "hf-lookup")
+# On request: HF's early exit (slow here) and its generate with our trained draft model
+# (`train-drafter --kind draft`) as its assistant.
+HF_ON_ASK = ("hf-early-exit", "hf-assist")
+HF_BATCH_1 = ("hf-lookup", "hf-early-exit", "hf-assist")  # HF's assisted generation
 METHODS = OURS + HF  # the default set: runs without trained weights
+ALL_METHODS = METHODS + TRAINED + HF_ON_ASK
 
 
 @dataclass(frozen=True)
@@ -60,14 +73,14 @@ class BenchLLMConfig:
     split: str = "bench"  # prompts held out from drafter training (genrec_spec.prompts)
     n: int = 10
     max_new_tokens: int = 128
-    methods: tuple[str, ...] = METHODS  # "none" is always run: it is the baseline; TRAINED on ask
+    methods: tuple[str, ...] = METHODS  # "none" is always run (the baseline); ALL_METHODS on ask
     batch_sizes: tuple[int, ...] = (1,)
     temperatures: tuple[float, ...] = (0.0,)
     repeats: int = 1  # one pass is ~5-8 minutes at the defaults; raise it for tighter medians
     threads: int = 1  # torch CPU threads: one is fastest for one small model on 2 cores
     seed: int = 0  # prompt draw and sampling
-    k: int = 4  # draft depth of draft, ngram and trie (the generate CLI's default)
-    draft_layers: int = 10  # layers of the target the draft method keeps
+    k: int = 4  # draft depth of draft, ngram, trie and distilled (the generate CLI's default)
+    draft_layers: int = 10  # layers of the target the draft method keeps (and HF's early exit)
     hf_lookup_tokens: int = 10  # HF's prompt_lookup_num_tokens
     warmup_tokens: int = 4  # untimed tokens each method decodes first (first-call costs)
     # --quick: a smoke test of every method, batch size > 1 and sampling in about a minute.
@@ -157,8 +170,9 @@ def ours(model: object, proposer: object, eos: int | None) -> Runner:
     return run
 
 
-def hugging_face(hf_model: object, eos: int | None, lookup_tokens: int | None) -> Runner:
-    """transformers' generate on left-padded prompts, with prompt lookup when lookup_tokens."""
+def hugging_face(hf_model: object, eos: int | None, assistance: dict) -> Runner:
+    """transformers' generate on left-padded prompts, with ``assistance``: generate's options of
+    assisted generation (``hf_assistance``), none for plain decoding."""
     pad = 0 if eos is None else eos
 
     def run(rows: list[list[int]], sampling: SamplingParams, seed: int, new: int) -> Run:
@@ -166,8 +180,7 @@ def hugging_face(hf_model: object, eos: int | None, lookup_tokens: int | None) -
         options = {"do_sample": False}
         if not sampling.greedy:  # top_k=0: HF's default of 50 would change the distribution
             options = {"do_sample": True, "temperature": sampling.temperature, "top_k": 0}
-        if lookup_tokens:
-            options["prompt_lookup_num_tokens"] = lookup_tokens
+        options.update(assistance)
         torch.manual_seed(seed)  # HF samples from the global generator
         start = time.perf_counter()
         with torch.inference_mode():
@@ -210,9 +223,26 @@ def make_runners(
             proposer = make_proposer(method, model, settings.k, settings.draft_layers)
             runners[method] = ours(model, proposer, eos)
         else:
-            lookup = settings.hf_lookup_tokens if method == "hf-lookup" else None
-            runners[method] = hugging_face(hf_model, eos, lookup)
+            runners[method] = hugging_face(hf_model, eos, hf_assistance(method, model, settings))
     return runners
+
+
+def hf_assistance(method: str, model: object, settings: BenchLLMConfig) -> dict:
+    """generate's options for a Hugging Face method: prompt lookup, early exit (the target's
+    own first draft_layers layers draft, as in our draft method), or our trained draft model as
+    the assistant (a transformers model sharing its weights); none for plain ``hf``."""
+    if method == "hf-lookup":
+        return {"prompt_lookup_num_tokens": settings.hf_lookup_tokens}
+    if method == "hf-early-exit":
+        return {"assistant_early_exit": settings.draft_layers}
+    if method == "hf-assist":
+        from genrec_spec.drafters.checkpoint import default_folder, drafter_kind
+        from genrec_spec.drafters.distill import load_distilled
+        from genrec_spec.models.llama_loading import to_hf
+
+        draft, _ = load_distilled(default_folder(drafter_kind("distilled")), model)
+        return {"assistant_model": to_hf(draft)}
+    return {}
 
 
 # --- the benchmark -----------------------------------------------------------------------------
@@ -237,8 +267,8 @@ def benchmark(
     rows = []
     for batch_size in settings.batch_sizes:
         batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-        # HF's prompt lookup (assisted generation) runs batch 1 only.
-        methods = {m: r for m, r in runners.items() if batch_size == 1 or m != "hf-lookup"}
+        # HF's assisted generation runs batch 1 only.
+        methods = {m: r for m, r in runners.items() if batch_size == 1 or m not in HF_BATCH_1}
         for temperature in settings.temperatures:
             sampling = SamplingParams(temperature)
             tallies = time_methods(methods, batches, sampling, settings)
@@ -301,7 +331,7 @@ def _rows(
 ) -> list[Row]:
     speed = {m: [t.tokens_per_s for t in ts] for m, ts in tallies.items()}
     median = {m: statistics.median(s) for m, s in speed.items()}
-    hf_best = max((median[m] for m in median if m in HF), default=None)
+    hf_best = max((median[m] for m in median if m in HF + HF_ON_ASK), default=None)
     rows = []
     for method, repeats in tallies.items():
         # Acceptance counts summed over every repeat.
@@ -326,8 +356,9 @@ def _rows(
 
 
 def format_table(rows: list[Row]) -> str:
+    width = max([len("method")] + [len(r.method) for r in rows])
     lines = [
-        f"{'method':<10} {'B':>2} {'T':>4} {'tok/s':>7} {'speedup':>8} {'vs-hf':>6} "
+        f"{'method':<{width}} {'B':>2} {'T':>4} {'tok/s':>7} {'speedup':>8} {'vs-hf':>6} "
         f"{'acc-len':>7} {'exact':>7}  accept per draft position"
     ]
     for r in rows:
@@ -335,7 +366,7 @@ def format_table(rows: list[Row]) -> str:
         length = "-" if r.accepted_length is None else f"{r.accepted_length:.2f}"
         accept = " ".join(f"{a:.2f}" for a in r.acceptance) or "-"
         lines.append(
-            f"{r.method:<10} {r.batch_size:>2} {r.temperature:>4g} {r.tokens_per_s:>7.2f} "
+            f"{r.method:<{width}} {r.batch_size:>2} {r.temperature:>4g} {r.tokens_per_s:>7.2f} "
             f"{r.speedup:>7.2f}x {vs_hf:>6} {length:>7} {r.exact:>7}  {accept}"
         )
     return "\n".join(lines)
@@ -366,15 +397,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--methods",
         type=_list(str),
         default=c.methods,
-        help=f"of {','.join(METHODS + TRAINED)} (default {','.join(c.methods)})",
+        help=f"of {','.join(ALL_METHODS)} (default {','.join(c.methods)})",
     )
     parser.add_argument("--batch-sizes", type=_list(int), help="e.g. 1,8 (default 1)")
     parser.add_argument("--temperatures", type=_list(float), help="e.g. 0,0.8 (default 0)")
     parser.add_argument("--repeats", type=int, default=c.repeats)
     parser.add_argument("--threads", type=int, default=c.threads, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=c.seed)
-    parser.add_argument("--k", type=int, default=c.k, help="draft depth (draft, ngram, trie)")
-    parser.add_argument("--draft-layers", type=int, default=c.draft_layers)
+    parser.add_argument(
+        "--k", type=int, default=c.k, help="draft depth (draft, ngram, trie, distilled)"
+    )
+    parser.add_argument(
+        "--draft-layers",
+        type=int,
+        default=c.draft_layers,
+        help="target layers the draft method keeps and hf-early-exit exits after",
+    )
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     parser.add_argument(
         "--quick",
@@ -392,7 +430,7 @@ def settings_from(args: argparse.Namespace) -> BenchLLMConfig:
     def pick(value, quick, default):
         return value if value is not None else quick if q else default
 
-    unknown = [m for m in args.methods if m not in METHODS + TRAINED]
+    unknown = [m for m in args.methods if m not in ALL_METHODS]
     settings = replace(
         c,
         prompts=args.prompts,
@@ -410,7 +448,7 @@ def settings_from(args: argparse.Namespace) -> BenchLLMConfig:
         draft_layers=args.draft_layers,
     )
     if unknown:
-        raise ValueError(f"unknown methods {unknown}; choose from {','.join(METHODS + TRAINED)}")
+        raise ValueError(f"unknown methods {unknown}; choose from {','.join(ALL_METHODS)}")
     counts = (settings.n, settings.max_new_tokens, settings.repeats, settings.threads, settings.k)
     if not settings.batch_sizes or min(counts + settings.batch_sizes) < 1:
         raise ValueError("--n, --max-new-tokens, --repeats, --threads, --k, --batch-sizes: >= 1")
@@ -429,7 +467,7 @@ def run(args: argparse.Namespace) -> int:
     texts = load_prompts(settings.prompts, settings.n, settings.seed, settings.split, tokenizer)
     prompts = [tokenizer(text)["input_ids"] for text in texts]
     hf_model = None
-    if any(m in HF for m in settings.methods):
+    if any(m in HF + HF_ON_ASK for m in settings.methods):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging
 

@@ -5,8 +5,11 @@ Methods: none (plain decoding), draft (a layer-skipped copy of the target drafts
 ngram (prompt lookup), trie (multi-branch n-gram trie), lookahead (Jacobi + n-gram pool),
 and the trained drafters, loaded from --drafter (made by `genrec-spec train-drafter`):
 medusa (Medusa heads on the target's last hidden state, a static tree), eagle (EAGLE-1: a
-one-layer feature drafter, a static tree) and eagle2 (EAGLE-2: the same drafter, a dynamic
-tree). All are lossless:
+one-layer feature drafter, a static tree), eagle2 (EAGLE-2: the same drafter, a dynamic
+tree), distilled (a small draft model: a few trained layers between the target's own
+embeddings and LM head, drafting a chain of --k tokens) and layerskip (self-speculation: the
+target's first layers plus a trained exit head draft a chain of --k tokens on the target's own
+KV cache). All are lossless:
 the text is what plain decoding gives (greedy) or is distributed as it (sampling). Example:
 
     genrec-spec generate --method lookahead --prompt "def fib(n):" --max-new-tokens 64
@@ -19,7 +22,8 @@ import json
 from pathlib import Path
 
 METHODS = ("none", "draft", "ngram", "trie", "lookahead")
-TRAINED_METHODS = ("medusa", "eagle", "eagle2")  # need a drafter folder (--drafter)
+# Need a drafter folder (--drafter).
+TRAINED_METHODS = ("medusa", "eagle", "eagle2", "distilled", "layerskip")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--drafter",
         type=Path,
         default=None,
-        help="trained drafter folder for medusa, eagle, eagle2 (default "
-        "$GENREC_SPEC_CACHE/drafters/METHOD; eagle2 reads the eagle drafter)",
+        help="trained drafter folder for medusa, eagle, eagle2, distilled, layerskip (default "
+        "$GENREC_SPEC_CACHE/drafters/METHOD; eagle2 reads the eagle drafter, distilled the draft "
+        "one)",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
@@ -50,7 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--k", type=int, default=4, help="draft depth (draft, ngram, trie)")
+    parser.add_argument(
+        "--k", type=int, default=4, help="draft depth (draft, ngram, trie, distilled, layerskip)"
+    )
     parser.add_argument(
         "--draft-layers", type=int, default=10, help="layers of the target the draft method keeps"
     )
@@ -100,7 +107,7 @@ def make_proposer(
     if method == "none":
         return None
     if method in TRAINED_METHODS:
-        return _trained_proposer(method, model, drafter, model_name)
+        return _trained_proposer(method, model, drafter, model_name, k)
     if method == "draft":
         return DraftModelProposer(
             layer_skip_copy(model, draft_layers),
@@ -114,7 +121,9 @@ def make_proposer(
     return LookaheadProposer()
 
 
-def _trained_proposer(method: str, model: object, drafter: Path | None, model_name: str):
+def _trained_proposer(
+    method: str, model: object, drafter: Path | None, model_name: str, k: int = 4
+):
     from genrec_spec.drafters.checkpoint import default_folder, drafter_kind
 
     folder = drafter or default_folder(drafter_kind(method))
@@ -124,6 +133,18 @@ def _trained_proposer(method: str, model: object, drafter: Path | None, model_na
 
         heads, manifest = load_medusa(folder, model, model_name)
         return MedusaProposer(heads, manifest["target"]["hidden_layer"])
+    if method == "distilled":
+        from genrec_spec.drafters.distill import load_distilled, relative_cost
+        from genrec_spec.proposers import DraftModelProposer
+
+        draft, _ = load_distilled(folder, model, model_name)
+        return DraftModelProposer(draft, k=k, draft_cost=relative_cost(draft, model))
+    if method == "layerskip":
+        from genrec_spec.drafters.layerskip import load_layerskip
+        from genrec_spec.proposers.layerskip import LayerSkipProposer
+
+        early_exit, _ = load_layerskip(folder, model, model_name)
+        return LayerSkipProposer(early_exit, k=k)
     from genrec_spec.drafters.eagle import load_eagle
     from genrec_spec.proposers.eagle import Eagle2Proposer, EagleProposer
 

@@ -271,19 +271,42 @@ class Llama(nn.Module):
         ready as training inputs for draft heads.
         """
         self._check_forward(tokens, cache, parents, hidden_layers)
-        plan, cos, sin = begin_tree_pass(cache, tokens.shape[1], parents, self._rope(tokens.device))
-        x = self.tok_embeddings(tokens)
-        hidden = {0: x} if 0 in hidden_layers else {}
-        for i, layer in enumerate(self.layers, start=1):
-            x = layer(x, cos, sin, cache, plan)
-            if i in hidden_layers:
-                hidden[i] = x
+        x, hidden = self._layers(tokens, cache, parents, self.config.n_layers, hidden_layers)
         x = self.norm(x)
         if self.config.n_layers in hidden_layers:
             hidden[self.config.n_layers] = x
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         logits = F.linear(x, weight).float()
         return (logits, hidden) if hidden_layers else logits
+
+    @torch.no_grad()
+    def forward_layers(
+        self,
+        tokens: torch.Tensor,  # [B, N] int64
+        cache: StaticKVCache,
+        parents: torch.Tensor | None = None,  # [B, N] int64, -1 = child of the committed root
+        *,
+        n_layers: int,
+    ) -> torch.Tensor:  # [B, N, dim] hidden layer n_layers (not normed)
+        """The first ``n_layers`` layers of ``forward`` alone (early exit): only their K/V become
+        pending in ``cache``, the other layers' slots are left as they are. So a pass may run on
+        the target's own cache, whose committed K/V of those layers are exactly what the
+        truncated model would have computed (self-speculative drafting, ``models.exit_head``)."""
+        self._check_forward(tokens, cache, parents, (n_layers,))
+        return self._layers(tokens, cache, parents, n_layers, ())[0]
+
+    def _layers(
+        self, tokens, cache, parents, n_layers: int, hidden_layers: tuple[int, ...]
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # [B, N, dim], {l: [B, N, dim]}
+        """Embed and run the first n_layers layers over one tree pass; collects hidden_layers."""
+        plan, cos, sin = begin_tree_pass(cache, tokens.shape[1], parents, self._rope(tokens.device))
+        x = self.tok_embeddings(tokens)
+        hidden = {0: x} if 0 in hidden_layers else {}
+        for i, layer in enumerate(self.layers[:n_layers], start=1):
+            x = layer(x, cos, sin, cache, plan)
+            if i in hidden_layers:
+                hidden[i] = x
+        return x, hidden
 
     def _check_forward(self, tokens, cache, parents, hidden_layers) -> None:
         """Shapes and options only: reading tensor values would cost a host sync per step."""

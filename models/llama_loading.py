@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from genrec_spec.models.llama import LlamaConfig, LlamaError
+from genrec_spec.models.llama import Llama, LlamaConfig, LlamaError
 
 # Per-layer parameter names: ours -> (GGUF "blk.{i}." suffix, HF "model.layers.{i}." suffix).
 LAYER_NAMES = {
@@ -153,3 +153,34 @@ def read_hf(folder: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     # A tied checkpoint may still store lm_head (a copy of the embeddings): ignore it.
     ignore = {"lm_head.weight"} if config.tie_embeddings else set()
     return config, _rename(tensors, _our_names(config, 1), str(folder), ignore)
+
+
+def to_hf(model: Llama):  # -> transformers.LlamaForCausalLM
+    """The native model as a transformers ``LlamaForCausalLM`` holding the same weight tensors
+    (no copy), for transformers' own generate (e.g. as its ``assistant_model``)."""
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    c = model.config
+    hf_config = HFLlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.dim,
+        intermediate_size=c.hidden_dim,
+        num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads,
+        num_key_value_heads=c.n_kv_heads,
+        head_dim=c.head_dim,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        rms_norm_eps=c.norm_eps,
+        max_position_embeddings=c.max_seq_len,
+        tie_word_embeddings=c.tie_embeddings,
+    )
+    hf_names = {ours: theirs for theirs, ours in _our_names(c, 1).items()}
+    state = {hf_names[name]: weight for name, weight in model.state_dict().items()}
+    if c.tie_embeddings:  # transformers lists the tied head under its own name too
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    dtype = model.tok_embeddings.weight.dtype
+    hf = LlamaForCausalLM(hf_config).to(dtype)
+    hf.load_state_dict(state, assign=True)
+    hf.tie_weights()
+    return hf.eval()

@@ -73,19 +73,22 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
 def save_drafter(
     folder: Path, tensors: dict[str, Tensor], manifest: dict[str, Any]
 ) -> dict[str, Any]:
-    """Write the weights, then the manifest with the folder format added; returns the latter."""
+    """Write the weights, then the manifest with the folder format added; returns the latter as
+    written (JSON types: a tuple comes back as a list, as load_drafter reads it)."""
     folder = Path(folder)
     weights = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
     write_atomically(folder / WEIGHTS, lambda tmp: save_file(weights, str(tmp)))
     manifest = {"format": FORMAT, **manifest}
     text = json.dumps(manifest, indent=2) + "\n"
     write_atomically(folder / MANIFEST, lambda tmp: tmp.write_text(text))
-    return manifest
+    return json.loads(text)
 
 
 # Decoding methods that read another method's drafter: EAGLE-2 differs from EAGLE-1 only in the
-# tree it drafts (dynamic, not static), so it decodes with the EAGLE drafter's weights.
-SHARED_DRAFTERS = {"eagle2": "eagle"}
+# tree it drafts (dynamic, not static), so it decodes with the EAGLE drafter's weights. The
+# distilled method decodes with the trained draft model, kind "draft" (the method name "draft" is
+# the untrained layer-skipped copy).
+SHARED_DRAFTERS = {"eagle2": "eagle", "distilled": "draft"}
 
 
 def drafter_kind(method: str) -> str:

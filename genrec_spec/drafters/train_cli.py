@@ -13,7 +13,11 @@ for it). Then decode with it:
 
 Kinds: medusa (heads on the last hidden state), eagle (a one-layer feature drafter; it also reads
 the prompts' hidden states, one cached prefill). eagle2 decodes with the eagle drafter (only its
-tree differs), so `--kind eagle2` trains that same drafter into the eagle folder.
+tree differs), so `--kind eagle2` trains that same drafter into the eagle folder. draft: a small
+draft model (a few target layers, trained, between the target's own embeddings and LM head; it
+also reads the prompts' hidden states) for `generate --method distilled` and, as a transformers
+model, `bench llm --methods hf-assist` (`--kind distilled` trains it too). layerskip: an exit
+head after the target's first --layers layers (self-speculation; the layers stay the target's).
 """
 
 from __future__ import annotations
@@ -24,15 +28,19 @@ from dataclasses import asdict
 from pathlib import Path
 
 from genrec_spec.drafters.checkpoint import drafter_kind
+from genrec_spec.drafters.distill import DistillConfig
 from genrec_spec.drafters.eagle import EagleConfig
+from genrec_spec.drafters.layerskip import LayerSkipConfig
 from genrec_spec.drafters.medusa import MedusaConfig
 from genrec_spec.drafters.selfdistill import SelfDistillConfig
 
-KINDS = ("medusa", "eagle", "eagle2")
+KINDS = ("medusa", "eagle", "eagle2", "draft", "distilled", "layerskip")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     data, medusa, eagle = SelfDistillConfig(), MedusaConfig(), EagleConfig()
+    distilled = DistillConfig()
+    layerskip = LayerSkipConfig()
     parser.add_argument("--model", choices=["smollm2"], default="smollm2")
     parser.add_argument("--kind", choices=KINDS, required=True)
     parser.add_argument(
@@ -54,23 +62,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--steps",
         type=int,
         default=None,
-        help=f"optimiser steps (default: medusa {medusa.steps}, eagle {eagle.steps})",
+        help=f"optimiser steps (default: medusa {medusa.steps}, eagle {eagle.steps}, "
+        f"draft {distilled.steps}, layerskip {layerskip.steps})",
     )
     parser.add_argument(
-        "--lr", type=float, default=None, help=f"AdamW peak (medusa {medusa.lr}, eagle {eagle.lr})"
+        "--lr",
+        type=float,
+        default=None,
+        help=f"AdamW peak (medusa {medusa.lr}, eagle {eagle.lr}, draft {distilled.lr}, "
+        f"layerskip {layerskip.lr})",
     )
     parser.add_argument("--heads", type=int, default=medusa.num_heads, help="Medusa heads K")
     parser.add_argument(
-        "--batch-positions", type=int, default=medusa.batch_positions, help="medusa: per step"
+        "--batch-positions",
+        type=int,
+        default=medusa.batch_positions,
+        help="medusa, layerskip: positions per step",
     )
     parser.add_argument(
-        "--batch-rows", type=int, default=eagle.batch_rows, help="eagle: sequences per step"
+        "--layers",
+        type=int,
+        default=layerskip.n_layers,
+        help="layerskip: the target's first layers the draft keeps",
+    )
+    parser.add_argument(
+        "--batch-rows",
+        type=int,
+        default=None,
+        help=f"sequences per step (eagle {eagle.batch_rows}, draft {distilled.batch_rows})",
+    )
+    parser.add_argument(
+        "--init-layers",
+        type=layer_list,
+        default=distilled.layers,
+        help="draft: the target layers its layers start from, comma-separated (default "
+        + ",".join(map(str, distilled.layers))
+        + ")",
     )
     parser.add_argument(
         "--draft-vocab",
         type=int,
         default=eagle.draft_vocab,
-        help="eagle: tokens its LM head keeps, most frequent first (0 = all)",
+        help="eagle, layerskip: tokens the draft's LM head keeps, most frequent first (0 = all)",
     )
     parser.add_argument(
         "--seed", type=int, default=data.seed, help="prompt draw, batches, held-out rows"
@@ -84,24 +117,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def drafter_config(args: argparse.Namespace) -> MedusaConfig | EagleConfig:
+def layer_list(text: str) -> tuple[int, ...]:
+    return tuple(int(i) for i in text.split(",") if i.strip())
+
+
+def drafter_config(
+    args: argparse.Namespace,
+) -> MedusaConfig | EagleConfig | DistillConfig | LayerSkipConfig:
     """The kind's training settings: its defaults, overridden by the flags given."""
     tuned = {
         name: value for name, value in (("steps", args.steps), ("lr", args.lr)) if value is not None
     }
+    rows = {} if args.batch_rows is None else {"batch_rows": args.batch_rows}
     if drafter_kind(args.kind) == "medusa":
         return MedusaConfig(
             num_heads=args.heads, batch_positions=args.batch_positions, seed=args.seed, **tuned
         )
-    return EagleConfig(
-        batch_rows=args.batch_rows, draft_vocab=args.draft_vocab, seed=args.seed, **tuned
-    )
+    if args.kind == "layerskip":
+        return LayerSkipConfig(
+            n_layers=args.layers,
+            batch_positions=args.batch_positions,
+            draft_vocab=args.draft_vocab,
+            seed=args.seed,
+            **tuned,
+        )
+    if drafter_kind(args.kind) == "draft":
+        return DistillConfig(layers=args.init_layers, seed=args.seed, **rows, **tuned)
+    return EagleConfig(draft_vocab=args.draft_vocab, seed=args.seed, **rows, **tuned)
 
 
-def command_line(args: argparse.Namespace, config: MedusaConfig | EagleConfig) -> str:
+def command_line(
+    args: argparse.Namespace, config: MedusaConfig | EagleConfig | DistillConfig | LayerSkipConfig
+) -> str:
     """The full command that rebuilds this drafter (every setting spelled out)."""
     if isinstance(config, MedusaConfig):
         specific = f"--heads {config.num_heads} --batch-positions {config.batch_positions}"
+    elif isinstance(config, LayerSkipConfig):
+        specific = (
+            f"--layers {config.n_layers} --batch-positions {config.batch_positions} "
+            f"--draft-vocab {config.draft_vocab}"
+        )
+    elif isinstance(config, DistillConfig):
+        layers = ",".join(map(str, config.layers))
+        specific = f"--batch-rows {config.batch_rows} --init-layers {layers}"
     else:
         specific = f"--batch-rows {config.batch_rows} --draft-vocab {config.draft_vocab}"
     return (
@@ -116,7 +174,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from genrec_spec.drafters.checkpoint import default_folder
+    from genrec_spec.drafters.distill import train_distilled
     from genrec_spec.drafters.eagle import train_eagle
+    from genrec_spec.drafters.layerskip import train_layerskip
     from genrec_spec.drafters.medusa import train_medusa
     from genrec_spec.drafters.selfdistill import load_or_distill, load_or_prefill, train_prompts
     from genrec_spec.models.smollm2 import load_smollm2
@@ -149,9 +209,14 @@ def run(args: argparse.Namespace) -> int:
     }
     if isinstance(config, MedusaConfig):
         manifest = train_medusa(model, data, config, args.out, extra)
+    elif isinstance(config, LayerSkipConfig):
+        manifest = train_layerskip(model, prompts, data, config, args.out, extra)
     else:
         context = load_or_prefill(model, prompts, data_config.batch_size, args.cache_dir)
         print(f"prompt pairs {context.key}: {len(context.tokens)} positions")
-        manifest = train_eagle(model, data, context, config, args.out, extra)
+        if isinstance(config, DistillConfig):
+            manifest = train_distilled(model, data, context, prompts, config, args.out, extra)
+        else:
+            manifest = train_eagle(model, data, context, config, args.out, extra)
     print(json.dumps({"out": str(args.out), "held_out": manifest["held_out"]}, indent=2))
     return 0

@@ -2,6 +2,7 @@
 
 from genrec_spec.proposers.draft_model import DraftModelProposer, layer_skip_copy
 from genrec_spec.proposers.eagle import Eagle2Proposer, EagleProposer
+from genrec_spec.proposers.layerskip import LayerSkipProposer
 from genrec_spec.proposers.lookahead import LookaheadProposer
 from genrec_spec.proposers.medusa import MedusaProposer
 from genrec_spec.proposers.ngram import NgramTrie, PromptLookup, TrieProposer
@@ -10,6 +11,7 @@ __all__ = [
     "DraftModelProposer",
     "Eagle2Proposer",
     "EagleProposer",
+    "LayerSkipProposer",
     "LookaheadProposer",
     "MedusaProposer",
     "NgramTrie",

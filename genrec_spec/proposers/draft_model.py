@@ -24,7 +24,13 @@ from torch import Tensor
 from genrec_spec.sampling import probabilities, sample, sample_without_replacement
 from genrec_spec.targets import as_target
 from genrec_spec.tree import prepend_chain, static_levels, static_tree, widths_to_choices
-from genrec_spec.types import Acceptance, DecodeInputError, DecodeState, DraftTree
+from genrec_spec.types import (
+    Acceptance,
+    DecodeInputError,
+    DecodeState,
+    DraftTree,
+    SamplingParams,
+)
 
 CHILDREN = ("sample", "iid", "top")
 
@@ -84,6 +90,10 @@ class DraftModelProposer:
         deterministic = self.children == "top" or state.sampling.greedy
         q_all = None if deterministic else torch.zeros(batch, n, state.vocab_size, device=device)
         lead = self.lead.shape[1]
+        # Greedy's processed distribution is one-hot, which would leave every node a single
+        # valid child: greedy trees take the draft's w most likely tokens by its own
+        # distribution instead (they are drafted deterministically either way).
+        shaping = SamplingParams(1.0) if state.sampling.greedy else state.sampling
         for level in levels:
             known = DraftTree(
                 tokens[:, : level.scored],
@@ -92,7 +102,7 @@ class DraftModelProposer:
             )
             logits = self.draft.score_tree(self.cache, prepend_chain(self.lead, known))
             q = probabilities(
-                logits[:, lead + level.frontier : lead + level.scored], state.sampling
+                logits[:, lead + level.frontier : lead + level.scored], shaping
             )  # [B, F, V]
             candidates, conditional, ok = self._children(
                 q.flatten(0, 1), level.width, deterministic, state.generator

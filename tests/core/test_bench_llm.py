@@ -12,7 +12,7 @@ from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
 from genrec_spec import CallableTarget
-from genrec_spec.bench_llm import METHODS, BenchLLMConfig, benchmark, format_table
+from genrec_spec.bench_llm import HF_BATCH_1, METHODS, BenchLLMConfig, benchmark, format_table
 from genrec_spec.greedy_check import compare_greedy, first_divergence
 from genrec_spec.models.llama import Llama
 
@@ -87,9 +87,13 @@ def test_benchmark_on_tiny_models(tiny_pair):
     lines = []
     rows = benchmark(native, hf, prompts, settings, eos=None, log=lines.append)
     assert len(lines) == 2 * 2 * 2  # one line per (B, T, repeat)
-    # Every method at every (B, T), but HF's prompt lookup only at batch 1.
+    # Every method at every (B, T), but HF's assisted generation only at batch 1.
     assert [(r.method, r.batch_size, r.temperature) for r in rows] == [
-        (m, b, t) for b in (1, 2) for t in (0.0, 0.8) for m in METHODS if b == 1 or m != "hf-lookup"
+        (m, b, t)
+        for b in (1, 2)
+        for t in (0.0, 0.8)
+        for m in METHODS
+        if b == 1 or m not in HF_BATCH_1
     ]
     for row in rows:
         assert row.tokens_per_s > 0 and len(row.tokens_per_s_repeats) == 2
@@ -110,6 +114,56 @@ def test_benchmark_on_tiny_models(tiny_pair):
     assert all(method in table for method in METHODS)
 
 
+@pytest.fixture(scope="module")
+def draft_cache(tiny_pair, tmp_path_factory):
+    """A cache folder holding a one-layer draft model trained briefly for the tiny target, where
+    the benchmark's distilled and hf-assist methods look for it (drafters/draft)."""
+    from genrec_spec.drafters.distill import DistillConfig, train_distilled
+    from genrec_spec.drafters.selfdistill import load_or_distill, load_or_prefill
+
+    native, _ = tiny_pair
+    cache = tmp_path_factory.mktemp("cache")
+    prompts = [[5, 9, 2, 33, 7, 5, 9, 2, 8], [4, 60], [12, 3, 3, 40, 22, 3], [7, 7, 1]]
+    data = load_or_distill(native, prompts, 12, 4, cache_dir=cache, progress=False)
+    context = load_or_prefill(native, prompts, 4, cache_dir=cache)
+    config = DistillConfig(layers=(1,), steps=20, batch_rows=2, held_out=0.25)
+    train_distilled(native, data, context, prompts, config, cache / "drafters" / "draft", {}, False)
+    return cache
+
+
+def test_benchmark_on_request_methods(tiny_pair, draft_cache, monkeypatch):
+    """Our distilled draft, in our decoder and as HF generate's assistant_model, and HF's early
+    exit (both batch 1 only), greedy and sampled: greedy, all reproduce plain decoding; the HF
+    ones count as HF options for vs-hf."""
+    native, hf = tiny_pair
+    monkeypatch.setenv("GENREC_SPEC_CACHE", str(draft_cache))
+    prompts = [[5, 9, 2, 33, 7, 5, 9, 2, 8], [4, 60], [12, 3, 3, 40, 22, 3]]
+    methods = ("none", "distilled", "hf-assist", "hf-early-exit")
+    settings = BenchLLMConfig(
+        methods=methods,
+        max_new_tokens=6,
+        batch_sizes=(1, 2),
+        temperatures=(0.0, 0.8),
+        k=3,
+        draft_layers=1,  # HF's early exit after 1 of the 2 layers
+        warmup_tokens=2,
+    )
+    rows = benchmark(native, hf, prompts, settings, eos=None)
+    assert [(r.method, r.batch_size, r.temperature) for r in rows] == [
+        (m, b, t)
+        for b in (1, 2)
+        for t in (0.0, 0.8)
+        for m in methods
+        if b == 1 or m not in HF_BATCH_1
+    ]
+    for row in rows:
+        if row.temperature == 0.0:
+            assert row.exact == ("ref" if row.method == "none" else "yes"), row
+        assert (row.vs_hf is None) == (row.batch_size == 2)  # no HF option ran at B = 2
+        if row.method == "distilled":
+            assert row.accepted_length >= 1.0 and len(row.acceptance) == 3
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     from genrec_spec import bench_llm
 
@@ -126,8 +180,9 @@ def test_settings_and_bad_input():
     assert quick.n == 3 and quick.max_new_tokens == c.quick_max_new_tokens
     assert quick.batch_sizes == c.quick_batch_sizes and quick.temperatures == (0.0, 0.8)
     assert quick.methods == ("none", "ngram", "hf")  # the baseline first
-    trained = settings_from(parse(["--methods", "medusa,eagle,eagle2"]))
-    assert trained.methods == ("none", "medusa", "eagle", "eagle2")  # run when asked for
+    trained = settings_from(parse(["--methods", "medusa,eagle,eagle2,distilled,hf-assist"]))
+    # run when asked for
+    assert trained.methods == ("none", "medusa", "eagle", "eagle2", "distilled", "hf-assist")
     default = settings_from(parse(["--batch-sizes", "1,8", "--temperatures", "0,0.8"]))
     assert default.n == c.n and default.batch_sizes == (1, 8) and default.temperatures == (0, 0.8)
     with pytest.raises(ValueError, match="unknown methods"):
@@ -154,7 +209,7 @@ def test_bench_llm_cli_on_smollm2(smollm2_model, monkeypatch, tmp_path, capsys):
     printed = capsys.readouterr().out
     report = json.loads(out.read_text())
     rows = report["rows"]
-    assert [row["method"] for row in rows] == [m for m in METHODS if m != "hf-lookup"]
+    assert [row["method"] for row in rows] == [m for m in METHODS if m not in HF_BATCH_1]
     for row in rows:
         assert row["exact"] == "ref" or row["exact"].startswith(("yes", "tie@")), row
         assert row["method"] in printed

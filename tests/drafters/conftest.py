@@ -184,3 +184,35 @@ def trained_eagle(distilled, tmp_path_factory) -> SimpleNamespace:
         config=config,
         greedy_prompts=GREEDY_PROMPTS,
     )
+
+
+@pytest.fixture(scope="session")
+def trained_layerskip(distilled, tmp_path_factory) -> SimpleNamespace:
+    """An exit head after layer 1 of the tiny target's 2, trained briefly on the same data."""
+    from genrec_spec.drafters.layerskip import LayerSkipConfig, train_layerskip
+
+    model, data = distilled.model, distilled.data
+    with single_thread():
+        folder = tmp_path_factory.mktemp("drafter") / "layerskip"
+        config = LayerSkipConfig(
+            n_layers=1,
+            hidden_dim=64,
+            steps=200,
+            batch_positions=128,
+            top_k=61,
+            draft_vocab=0,
+            held_out=0.2,
+            eval_depth=4,
+        )
+        manifest = train_layerskip(
+            model, distilled.prompts, data, config, folder, {"command": "test"}, progress=False
+        )
+    return SimpleNamespace(
+        model=model,
+        data=data,
+        prompts=distilled.prompts,
+        folder=folder,
+        manifest=manifest,
+        config=config,
+        greedy_prompts=GREEDY_PROMPTS,
+    )

@@ -1,0 +1,132 @@
+"""Layer-skip drafting is lossless: greedy output equals plain greedy decoding token for token
+at batch 3 with uneven prompts, and rejection sampling reproduces the target's exact
+distribution (temperature, top-k and top-p, chain and tree, a draft vocabulary smaller than the
+target's). Drafting on the target's own cache drafts exactly what the same early exit drafts
+with a cache of its own."""
+
+import pytest
+import torch
+
+from genrec_spec import CallableTarget, ControllerConfig, SamplingParams, generate
+from genrec_spec.drafters.layerskip import load_layerskip
+from genrec_spec.models.exit_head import EarlyExit, ExitHead
+from genrec_spec.proposers import DraftModelProposer, LayerSkipProposer, layer_skip_copy
+from genrec_spec.targets import NativeTarget
+from genrec_spec.types import DecodeInputError
+
+FIXED = ControllerConfig(adaptive=False)
+
+
+@pytest.fixture(scope="module")
+def draft(trained_layerskip):
+    return load_layerskip(trained_layerskip.folder, trained_layerskip.model)[0]
+
+
+def plain_exit(model, n_layers: int = 1, vocab_ids=None) -> EarlyExit:
+    """The untrained exit head: the target's final norm and LM head right after layer n."""
+    head = ExitHead(model.config, model.norm.weight, model.output.weight, 16, vocab_ids)
+    return EarlyExit(model, head, n_layers)
+
+
+def test_untrained_head_is_plain_early_exit(kit):
+    """Before training the draft scores as the target's first layer with its norm and LM head
+    (``layer_skip_copy``), and a draft vocabulary masks the other tokens out."""
+    model = kit.tiny_llama(61, seed=0)
+    ids = torch.tensor([[5, 9, 2, 33], [4, 1, 7, 7]])  # B = 2
+    expected = layer_skip_copy(model, 1)(ids, model.new_cache(2, 4))
+    torch.testing.assert_close(plain_exit(model)(ids, model.new_cache(2, 4)), expected)
+    kept = torch.arange(0, 61, 3)
+    masked = plain_exit(model, vocab_ids=kept)(ids, model.new_cache(2, 4))
+    torch.testing.assert_close(masked[..., kept], expected[..., kept])
+    assert masked.isinf().sum() == 2 * 4 * (61 - len(kept))
+
+
+@pytest.mark.parametrize("width", [1, 2], ids=["chain", "tree"])
+@pytest.mark.parametrize("controller", [FIXED, None], ids=["full-depth", "adaptive"])
+def test_greedy_equals_plain(trained_layerskip, draft, width, controller):
+    model = trained_layerskip.model
+    prompts = trained_layerskip.greedy_prompts  # B = 3, lengths 7, 1, 5
+    plain = generate(model, prompts, max_new_tokens=30).tolist()
+    proposer = LayerSkipProposer(draft, k=4, width=width)
+    out = generate(model, prompts, max_new_tokens=30, proposer=proposer, controller=controller)
+    assert out.tolist() == plain
+    if controller is FIXED:  # drafts were accepted, deep ones too: the check has teeth
+        assert out.stats.mean_accepted_length > 2.0
+        assert out.stats.accepted_per_position[3] > 0
+
+
+def test_shared_cache_drafts_as_an_own_cache(trained_layerskip, draft):
+    """The same early exit as a separate draft model (its own cache, kept in step by
+    DraftModelProposer) makes the same drafts at every step: equal acceptance counts."""
+    model = trained_layerskip.model
+    prompts = trained_layerskip.greedy_prompts
+    shared = LayerSkipProposer(draft, k=4, width=2)
+    own = DraftModelProposer(NativeTarget(draft), k=4, width=2)
+    a = generate(model, prompts, max_new_tokens=30, proposer=shared, controller=FIXED)
+    b = generate(model, prompts, max_new_tokens=30, proposer=own, controller=FIXED)
+    assert a.tolist() == b.tolist()
+    assert a.stats.accepted_per_position == b.stats.accepted_per_position
+    assert a.stats.drafted_per_position == b.stats.drafted_per_position
+
+
+def test_greedy_tree_takes_the_draft_top_w(trained_layerskip, draft):
+    """Under greedy decoding a root of width 3 gets the draft's 3 most likely tokens, all valid
+    (the one-hot greedy distribution alone would leave one)."""
+    model, prompts = trained_layerskip.model, trained_layerskip.greedy_prompts
+    proposer = LayerSkipProposer(draft, k=2, width=3)
+    trees = []
+    original = proposer.propose
+    proposer.propose = lambda state, budget: trees.append(original(state, budget)) or trees[-1]
+    generate(model, prompts, max_new_tokens=4, proposer=proposer, controller=FIXED)
+    for b, prompt in enumerate(prompts):
+        logits = draft(torch.tensor([prompt]), model.new_cache(1, len(prompt)))[0, -1]  # [V]
+        assert trees[0].tokens[b, 1:4].tolist() == logits.topk(3).indices.tolist()
+    assert trees[0].valid[:, :4].all()
+
+
+VOCAB, LENGTH, ROWS = 8, 3, 6000
+EXACT_PROMPTS = [[1, 2, 3, 1, 2], [5, 4], [6]]
+
+
+@pytest.mark.parametrize(
+    "sampling, width",
+    [(SamplingParams(0.8), 1), (SamplingParams(1.0, top_k=6, top_p=0.9), 2)],
+    ids=["chain-t0.8", "tree-topk-topp"],
+)
+def test_rejection_sampling_is_exact(kit, sampling, width):
+    """The histogram of the first 3 generated tokens over 6000 rows per prompt against the
+    enumerated target distribution (512 sequences) on a vocabulary of 8. The head has random
+    weights and drafts from 6 of the 8 tokens only; drafts are accepted at every depth."""
+    model = kit.tiny_llama(VOCAB, seed=0, scale=1.5)
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        head = ExitHead(model.config, model.norm.weight, model.output.weight, 16, torch.arange(6))
+        torch.nn.init.normal_(head.feed_forward.w2.weight, std=0.3)
+    proposer = LayerSkipProposer(EarlyExit(model, head, 1), k=3, width=width)
+    out = generate(
+        model,
+        [p for p in EXACT_PROMPTS for _ in range(ROWS)],
+        proposer=proposer,
+        sampling=sampling,
+        max_new_tokens=LENGTH + 1,
+        generator=torch.Generator().manual_seed(0),
+        controller=FIXED,
+    )
+    assert all(a > 0 for a in out.stats.accepted_per_position)
+    rows = out.tolist()
+    for i, prompt in enumerate(EXACT_PROMPTS):
+        counts = kit.histogram(rows[i * ROWS : (i + 1) * ROWS], VOCAB, LENGTH)
+        probs = kit.exact_distribution(kit.ChainLM(model), prompt, LENGTH, sampling)
+        p_value = kit.chi_square_p(counts, probs)
+        tv, noise = kit.total_variation(counts, probs), kit.tv_noise(probs, ROWS)
+        assert p_value > 1e-3 and tv < 1.5 * noise, (prompt, p_value, tv, noise)
+
+
+def test_needs_the_native_target(kit):
+    """The draft runs on the target's cache: another kind of target is refused clearly."""
+    model = kit.tiny_llama(61, seed=0)
+    proposer = LayerSkipProposer(plain_exit(model))
+    with pytest.raises(DecodeInputError, match="runs on the target's own KV cache"):
+        generate(CallableTarget(kit.ChainLM(model)), [[1, 2]], proposer=proposer)
+    with pytest.raises(ValueError, match="keeps 1 .. 1 of the target's 2 layers"):
+        plain_exit(model, n_layers=2)
