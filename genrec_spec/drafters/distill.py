@@ -247,11 +247,7 @@ def train_distilled(
     train_loss = fit(
         [p for p in draft.parameters() if p.requires_grad],
         step,
-        steps=config.steps,
-        lr=config.lr,
-        weight_decay=config.weight_decay,
-        warmup=config.warmup,
-        log_every=config.log_every,
+        config,
         desc=KIND,
         progress=progress,
     )

@@ -255,17 +255,7 @@ def train_eagle(
         loss.backward()
         return float(loss.detach())
 
-    train_loss = fit(
-        drafter.parameters(),
-        step,
-        steps=config.steps,
-        lr=config.lr,
-        weight_decay=config.weight_decay,
-        warmup=config.warmup,
-        log_every=config.log_every,
-        desc=KIND,
-        progress=progress,
-    )
+    train_loss = fit(drafter.parameters(), step, config, desc=KIND, progress=progress)
     held_rows = [r for r in range(data.rows) if held[r] and sequences.learnable(r)]
     drafter.eval()
     held_out = (

@@ -211,17 +211,7 @@ def train_layerskip(
         loss.backward()
         return float(loss.detach())
 
-    train_loss = fit(
-        head.parameters(),
-        step,
-        steps=config.steps,
-        lr=config.lr,
-        weight_decay=config.weight_decay,
-        warmup=config.warmup,
-        log_every=config.log_every,
-        desc=KIND,
-        progress=progress,
-    )
+    train_loss = fit(head.parameters(), step, config, desc=KIND, progress=progress)
     held_out = None
     if len(held):
         plain = ExitHead(model.config, final_norm, lm_head, config.hidden_dim)  # untrained

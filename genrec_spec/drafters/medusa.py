@@ -148,17 +148,7 @@ def train_medusa(
         pick = train[torch.randint(len(train), (config.batch_positions,), generator=generator)]
         return float(_loss_backward(heads, data.hidden[pick], labels[pick]))
 
-    train_loss = fit(
-        heads.parameters(),
-        step,
-        steps=config.steps,
-        lr=config.lr,
-        weight_decay=config.weight_decay,
-        warmup=config.warmup,
-        log_every=config.log_every,
-        desc=KIND,
-        progress=progress,
-    )
+    train_loss = fit(heads.parameters(), step, config, desc=KIND, progress=progress)
     held_out = evaluate(heads, data.hidden[held], labels[held]) if len(held) else None
     manifest = drafter_manifest(KIND, model, data, config, train_loss, held_out, extra_manifest)
     return save_drafter(out, dict(heads.state_dict()), manifest)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -27,27 +27,35 @@ def held_out_rows(rows: int, held_out: float, seed: int) -> Tensor:  # [R] bool
     return held
 
 
+class Schedule(Protocol):
+    """The optimisation settings every drafter's config carries."""
+
+    steps: int  # optimiser steps
+    lr: float  # AdamW peak learning rate
+    weight_decay: float
+    warmup: int  # linear warm-up steps, then cosine decay to 0
+    log_every: int  # print the running loss every this many steps
+
+
 def fit(
     parameters: Iterable[torch.nn.Parameter],
     step: Callable[[], float],
+    schedule: Schedule,
     *,
-    steps: int,
-    lr: float,
-    weight_decay: float,
-    warmup: int,
-    log_every: int,
     desc: str,
     progress: bool = True,
 ) -> float | None:
-    """Run ``steps`` optimiser steps; ``step()`` draws its batch, accumulates the gradient of its
-    loss and returns the loss. Returns the running loss (exponential average, 0.9) at the end."""
-    optimizer = torch.optim.AdamW(parameters, lr, weight_decay=weight_decay)
+    """Run ``schedule.steps`` optimiser steps; ``step()`` draws its batch, accumulates the
+    gradient of its loss and returns the loss. Returns the running loss (exponential average,
+    0.9) at the end."""
+    steps, warmup, log_every = schedule.steps, schedule.warmup, schedule.log_every
+    optimizer = torch.optim.AdamW(parameters, schedule.lr, weight_decay=schedule.weight_decay)
 
-    def schedule(index: int) -> float:
+    def factor(index: int) -> float:
         decay = 0.5 * (1 + math.cos(math.pi * index / steps))
         return min(1.0, (index + 1) / max(warmup, 1)) * decay
 
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     running, bar = None, tqdm(range(steps), desc=desc, disable=not progress)
     for index in bar:
         optimizer.zero_grad(set_to_none=True)

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from genrec_spec import ControllerConfig, generate
 from genrec_spec.models.llama import Llama, LlamaConfig
 from genrec_spec.sampling import probabilities
 
@@ -84,6 +85,48 @@ def tv_noise(probs: torch.Tensor, n: int) -> float:
     return float(0.5 * (2 / torch.pi) ** 0.5 * (probs * (1 - probs) / n).sqrt().sum())
 
 
+# The exact-distribution check every drafter passes: the first LENGTH generated tokens of ROWS
+# rows per prompt, on a vocabulary of VOCAB, against the enumerated distribution (512 sequences).
+EXACT_VOCAB, EXACT_LENGTH, EXACT_ROWS = 8, 3, 6000
+EXACT_PROMPTS = [[1, 2, 3, 1, 2], [5, 4], [6]]
+
+
+def exact_target() -> Llama:
+    """The target of the exact-distribution checks: flat enough that drafts get accepted."""
+    return tiny_llama(EXACT_VOCAB, seed=0, scale=1.5)
+
+
+def exactness(
+    model: Llama, proposer, sampling, acceptance=None
+) -> list[tuple[list[int], float, float, float]]:  # per prompt: prompt, p-value, TV, TV noise
+    """Sample with ``proposer`` at full depth every step, check drafts were accepted at every
+    depth (else the check has no teeth), and compare each prompt's histogram with the exact
+    distribution; the caller asserts on the statistics (lossless: p-value and TV both fine)."""
+    out = generate(
+        model,
+        [p for p in EXACT_PROMPTS for _ in range(EXACT_ROWS)],
+        proposer=proposer,
+        sampling=sampling,
+        max_new_tokens=EXACT_LENGTH + 1,
+        generator=torch.Generator().manual_seed(0),
+        controller=ControllerConfig(adaptive=False),
+        acceptance=acceptance,
+    )
+    assert all(a > 0 for a in out.stats.accepted_per_position)
+    rows, stats = out.tolist(), []
+    for i, prompt in enumerate(EXACT_PROMPTS):
+        counts = histogram(rows[i * EXACT_ROWS : (i + 1) * EXACT_ROWS], EXACT_VOCAB, EXACT_LENGTH)
+        probs = exact_distribution(ChainLM(model), prompt, EXACT_LENGTH, sampling)
+        p_value = chi_square_p(counts, probs)
+        stats.append((prompt, p_value, total_variation(counts, probs), tv_noise(probs, EXACT_ROWS)))
+    return stats
+
+
+def assert_exact(model: Llama, proposer, sampling) -> None:
+    for prompt, p_value, tv, noise in exactness(model, proposer, sampling):
+        assert p_value > 1e-3 and tv < 1.5 * noise, (prompt, p_value, tv, noise)
+
+
 @contextmanager
 def single_thread():
     """Tiny tensors: a second thread only adds wake-up latency on these 2-core machines (and
@@ -112,6 +155,11 @@ def kit() -> SimpleNamespace:
         chi_square_p=chi_square_p,
         total_variation=total_variation,
         tv_noise=tv_noise,
+        exact_target=exact_target,
+        exactness=exactness,
+        assert_exact=assert_exact,
+        EXACT_VOCAB=EXACT_VOCAB,
+        EXACT_LENGTH=EXACT_LENGTH,
     )
 
 

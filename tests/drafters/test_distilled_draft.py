@@ -113,39 +113,19 @@ def test_greedy_equals_plain(trained_draft):
     assert out.stats.mean_accepted_length > 1.5  # drafts were accepted: the check has teeth
 
 
-VOCAB, LENGTH, ROWS = 8, 3, 6000
-EXACT_PROMPTS = [[1, 2, 3, 1, 2], [5, 4], [6]]
-
-
 def test_rejection_sampling_is_exact(kit, tmp_path):
     """Temperature 0.8 on a vocabulary of 8: a draft trained briefly and loaded back drafts
     3-deep chains (accepted at every depth); the histogram of the first 3 generated tokens over
     6000 rows per prompt matches the enumerated target distribution (512 sequences)."""
-    model = kit.tiny_llama(VOCAB, seed=0, scale=1.5)
+    model = kit.exact_target()
     prompts = [[1, 2, 3], [5, 4, 4, 1], [6], [7, 0, 2], [3, 3]]
     data = load_or_distill(model, prompts, 12, 5, cache_dir=tmp_path, progress=False)
     context = load_or_prefill(model, prompts, 5, cache_dir=tmp_path)
     config = DistillConfig(layers=(1,), steps=10, batch_rows=2, held_out=0.2)
     train_distilled(model, data, context, prompts, config, tmp_path / "draft", progress=False)
-    proposer = make_proposer("distilled", model, k=LENGTH, drafter=tmp_path / "draft")
+    proposer = make_proposer("distilled", model, k=kit.EXACT_LENGTH, drafter=tmp_path / "draft")
     sampling = SamplingParams(0.8)
-    out = generate(
-        model,
-        [p for p in EXACT_PROMPTS for _ in range(ROWS)],
-        proposer=proposer,
-        sampling=sampling,
-        max_new_tokens=LENGTH + 1,
-        generator=torch.Generator().manual_seed(0),
-        controller=FIXED,
-    )
-    assert all(a > 0 for a in out.stats.accepted_per_position)
-    rows = out.tolist()
-    for i, prompt in enumerate(EXACT_PROMPTS):
-        counts = kit.histogram(rows[i * ROWS : (i + 1) * ROWS], VOCAB, LENGTH)
-        probs = kit.exact_distribution(kit.ChainLM(model), prompt, LENGTH, sampling)
-        p_value = kit.chi_square_p(counts, probs)
-        tv, noise = kit.total_variation(counts, probs), kit.tv_noise(probs, ROWS)
-        assert p_value > 1e-3 and tv < 1.5 * noise, (prompt, p_value, tv, noise)
+    kit.assert_exact(model, proposer, sampling)
 
 
 def test_missing_draft_and_other_target(trained_draft, kit, tmp_path):

@@ -88,17 +88,13 @@ def test_drafter_cache_follows_the_accepted_path(trained_eagle, drafter):
     assert uneven > 0 and checked > 10  # rows did keep different path lengths in one step
 
 
-VOCAB, LENGTH, ROWS = 8, 3, 6000
-EXACT_PROMPTS = [[1, 2, 3, 1, 2], [5, 4], [6]]
-
-
 @pytest.mark.parametrize("method", ["eagle", "eagle2"])
 def test_rejection_sampling_is_exact(kit, method):
     """Temperature 0.8 on a vocabulary of 8: the histogram of the first 3 generated tokens over
     6000 rows per prompt against the enumerated target distribution (512 sequences). A drafter
     with random weights makes drafts that are sometimes accepted, at every depth of the tree;
     EAGLE-2's trees differ from row to row."""
-    model = kit.tiny_llama(VOCAB, seed=0, scale=1.5)
+    model = kit.exact_target()
     with torch.random.fork_rng():
         torch.manual_seed(3)
         random_drafter = EagleDrafter(
@@ -109,23 +105,7 @@ def test_rejection_sampling_is_exact(kit, method):
         "eagle2": Eagle2Proposer(random_drafter, 2, depth=3, top_k=2, tree_nodes=8),
     }[method]
     sampling = SamplingParams(0.8)
-    out = generate(
-        model,
-        [p for p in EXACT_PROMPTS for _ in range(ROWS)],
-        proposer=proposer,
-        sampling=sampling,
-        max_new_tokens=LENGTH + 1,
-        generator=torch.Generator().manual_seed(0),
-        controller=FIXED,
-    )
-    assert all(a > 0 for a in out.stats.accepted_per_position)
-    rows = out.tolist()
-    for i, prompt in enumerate(EXACT_PROMPTS):
-        counts = kit.histogram(rows[i * ROWS : (i + 1) * ROWS], VOCAB, LENGTH)
-        probs = kit.exact_distribution(kit.ChainLM(model), prompt, LENGTH, sampling)
-        p_value = kit.chi_square_p(counts, probs)
-        tv, noise = kit.total_variation(counts, probs), kit.tv_noise(probs, ROWS)
-        assert p_value > 1e-3 and tv < 1.5 * noise, (prompt, p_value, tv, noise)
+    kit.assert_exact(model, proposer, sampling)
 
 
 def test_draft_vocabulary_restricts_drafts(kit):

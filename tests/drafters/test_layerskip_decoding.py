@@ -84,10 +84,6 @@ def test_greedy_tree_takes_the_draft_top_w(trained_layerskip, draft):
     assert trees[0].valid[:, :4].all()
 
 
-VOCAB, LENGTH, ROWS = 8, 3, 6000
-EXACT_PROMPTS = [[1, 2, 3, 1, 2], [5, 4], [6]]
-
-
 @pytest.mark.parametrize(
     "sampling, width",
     [(SamplingParams(0.8), 1), (SamplingParams(1.0, top_k=6, top_p=0.9), 2)],
@@ -97,29 +93,13 @@ def test_rejection_sampling_is_exact(kit, sampling, width):
     """The histogram of the first 3 generated tokens over 6000 rows per prompt against the
     enumerated target distribution (512 sequences) on a vocabulary of 8. The head has random
     weights and drafts from 6 of the 8 tokens only; drafts are accepted at every depth."""
-    model = kit.tiny_llama(VOCAB, seed=0, scale=1.5)
+    model = kit.exact_target()
     with torch.random.fork_rng():
         torch.manual_seed(3)
         head = ExitHead(model.config, model.norm.weight, model.output.weight, 16, torch.arange(6))
         torch.nn.init.normal_(head.feed_forward.w2.weight, std=0.3)
     proposer = LayerSkipProposer(EarlyExit(model, head, 1), k=3, width=width)
-    out = generate(
-        model,
-        [p for p in EXACT_PROMPTS for _ in range(ROWS)],
-        proposer=proposer,
-        sampling=sampling,
-        max_new_tokens=LENGTH + 1,
-        generator=torch.Generator().manual_seed(0),
-        controller=FIXED,
-    )
-    assert all(a > 0 for a in out.stats.accepted_per_position)
-    rows = out.tolist()
-    for i, prompt in enumerate(EXACT_PROMPTS):
-        counts = kit.histogram(rows[i * ROWS : (i + 1) * ROWS], VOCAB, LENGTH)
-        probs = kit.exact_distribution(kit.ChainLM(model), prompt, LENGTH, sampling)
-        p_value = kit.chi_square_p(counts, probs)
-        tv, noise = kit.total_variation(counts, probs), kit.tv_noise(probs, ROWS)
-        assert p_value > 1e-3 and tv < 1.5 * noise, (prompt, p_value, tv, noise)
+    kit.assert_exact(model, proposer, sampling)
 
 
 def test_needs_the_native_target(kit):

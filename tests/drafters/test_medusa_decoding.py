@@ -109,8 +109,6 @@ def test_heads_read_the_last_kept_node(trained, heads):
     assert uneven > 0  # rows did keep different path lengths in the same step
 
 
-VOCAB, LENGTH, ROWS = 8, 3, 6000
-EXACT_PROMPTS = [[1, 2, 3, 1, 2], [5, 4], [6]]
 CHOICES = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]  # siblings at depths 1 and 2
 
 
@@ -119,7 +117,7 @@ def test_rejection_sampling_is_exact(kit, rule):
     """Temperature 0.8 on a vocabulary of 8: the histogram of the first 3 generated tokens over
     6000 rows per prompt against the enumerated target distribution (512 sequences). Heads with
     random weights make drafts that are sometimes accepted, at every depth of the tree."""
-    model = kit.tiny_llama(VOCAB, seed=0, scale=1.5)
+    model = kit.exact_target()
     heads = MedusaHeads(model.output.weight, num_heads=3)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -127,23 +125,8 @@ def test_rejection_sampling_is_exact(kit, rule):
         heads.bias.normal_(0, 0.3, generator=gen)
     proposer = MedusaProposer(heads, model.config.n_layers, choices=CHOICES)
     sampling = SamplingParams(0.8)
-    out = generate(
-        model,
-        [p for p in EXACT_PROMPTS for _ in range(ROWS)],
-        proposer=proposer,
-        sampling=sampling,
-        max_new_tokens=LENGTH + 1,
-        generator=torch.Generator().manual_seed(0),
-        controller=FIXED,
-        acceptance=TypicalAcceptance() if rule == "typical" else None,
-    )
-    assert all(a > 0 for a in out.stats.accepted_per_position)
-    rows = out.tolist()
-    for i, prompt in enumerate(EXACT_PROMPTS):
-        counts = kit.histogram(rows[i * ROWS : (i + 1) * ROWS], VOCAB, LENGTH)
-        probs = kit.exact_distribution(kit.ChainLM(model), prompt, LENGTH, sampling)
-        p_value = kit.chi_square_p(counts, probs)
-        tv, noise = kit.total_variation(counts, probs), kit.tv_noise(probs, ROWS)
+    acceptance = TypicalAcceptance() if rule == "typical" else None
+    for prompt, p_value, tv, noise in kit.exactness(model, proposer, sampling, acceptance):
         if rule == "rejection":
             assert p_value > 1e-3 and tv < 1.5 * noise, (prompt, p_value, tv, noise)
         else:  # the lossy rule: the test has the power to see it
