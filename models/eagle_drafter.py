@@ -35,6 +35,7 @@ from genrec_spec.models.llama import (
     LlamaError,
     TransformerBlock,
     begin_tree_pass,
+    linear,
     rope_tables,
 )
 
@@ -106,7 +107,7 @@ class EagleDrafter(nn.Module):
         return self.block(x, cos, sin, cache, plan)
 
     def logits(self, features: Tensor) -> Tensor:  # [..., D] -> [..., V'] over the draft vocab
-        return F.linear(features, self.draft_head)
+        return linear(features, self.draft_head)
 
     def top_tokens(
         self,

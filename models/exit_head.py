@@ -26,11 +26,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from genrec_spec.models.kv_cache import StaticKVCache
-from genrec_spec.models.llama import FeedForward, Llama, LlamaConfig, RMSNorm
+from genrec_spec.models.llama import FeedForward, Llama, LlamaConfig, RMSNorm, linear
 
 
 class ExitHead(nn.Module):
@@ -65,7 +64,7 @@ class ExitHead(nn.Module):
 
     def forward(self, hidden: Tensor) -> Tensor:  # [..., D] hidden layer n -> [..., V'] logits
         x = hidden + self.feed_forward(self.norm_in(hidden))
-        return F.linear(self.norm_out(x), self.draft_head)
+        return linear(self.norm_out(x), self.draft_head)
 
     def full_logits(self, hidden: Tensor) -> Tensor:  # [..., D] -> [..., V] fp32
         """Logits over the whole vocabulary, -inf outside the draft vocabulary: what samplers

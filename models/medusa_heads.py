@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from genrec_spec.models.llama import linear
+
 
 class MedusaHeads(nn.Module):
     def __init__(
@@ -52,4 +54,4 @@ class MedusaHeads(nn.Module):
         depth: int | None = None,  # heads 1..depth run (all K when None)
     ) -> Tensor:  # [B, N, depth, V] logits; [..., k - 1, :] predicts the token k + 1 ahead
         """Every head's next-token logits through the target's LM head."""
-        return F.linear(self.features(hidden, depth), self.lm_head)
+        return linear(self.features(hidden, depth), self.lm_head)

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from genrec_spec.models.llama import Llama, LlamaConfig, LlamaError
+from genrec_spec.models.llama import Llama, LlamaConfig, LlamaError, linear
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -174,3 +174,14 @@ def test_config_is_frozen(llama_kit):
     with pytest.raises(AttributeError):
         llama_kit.TINY.dim = 8
     assert isinstance(llama_kit.TINY, LlamaConfig) and llama_kit.TINY.head_dim == 8
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (3, 1), (1, 3), (2, 2), (1, 5)])
+def test_linear_pads_two_or_three_rows_without_changing_them(shape):
+    """The row padding that avoids MKL's slow 2-3-row path returns F.linear's rows and shape."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, 24, generator=gen)  # [B, N, in]
+    weight = torch.randn(40, 24, generator=gen)  # [out, in]
+    out = linear(x, weight)
+    assert out.shape == (*shape, 40)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight))
