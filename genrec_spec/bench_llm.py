@@ -6,9 +6,9 @@ layer-skipped copy of the target, ``ngram``: prompt lookup, ``trie``: multi-bran
 ``lookahead``), and what a user would pick instead: Hugging Face ``generate`` on the same
 weights, plain (``hf``) and with prompt lookup (``hf-lookup``; batch 1 only, as HF's assisted
 generation does not batch), for every batch size and temperature asked for. On request also the
-trained drafters (``medusa``, ``eagle``, ``eagle2``, ``layerskip``: the target's first layers
-plus a trained exit head, ``distilled``: the draft model of ``train-drafter --kind draft``) and
-two more HF options, batch 1 only: early exit (``hf-early-exit``: the target's first
+trained drafters (``medusa``, ``eagle``, ``eagle2``, ``eagle3``, ``layerskip``: the target's
+first layers plus a trained exit head, ``distilled``: the draft model of ``train-drafter --kind
+draft``) and two more HF options, batch 1 only: early exit (``hf-early-exit``: the target's first
 ``--draft-layers`` layers and its LM head draft, ``assistant_early_exit``; Llama supports it,
 as its forward runs the first ``config.num_hidden_layers`` layers, which HF's early-exit
 candidate generator lowers while drafting; off by default, as it ran at ~0.2x of plain decoding
@@ -55,7 +55,7 @@ from genrec_spec.types import DecodeStats, SamplingParams
 
 OURS = ("none", "draft", "ngram", "trie", "lookahead")
 # Trained drafters: they load their weights from the cache (`genrec-spec train-drafter`).
-TRAINED = ("medusa", "eagle", "eagle2", "distilled", "layerskip")
+TRAINED = ("medusa", "eagle", "eagle2", "eagle3", "distilled", "layerskip")
 HF = ("hf", "hf-lookup")
 # On request: HF's early exit (slow here) and its generate with our trained draft model
 # (`train-drafter --kind draft`) as its assistant.

@@ -6,10 +6,11 @@ ngram (prompt lookup), trie (multi-branch n-gram trie), lookahead (Jacobi + n-gr
 and the trained drafters, loaded from --drafter (made by `genrec-spec train-drafter`):
 medusa (Medusa heads on the target's last hidden state, a static tree), eagle (EAGLE-1: a
 one-layer feature drafter, a static tree), eagle2 (EAGLE-2: the same drafter, a dynamic
-tree), distilled (a small draft model: a few trained layers between the target's own
-embeddings and LM head, drafting a chain of --k tokens) and layerskip (self-speculation: the
-target's first layers plus a trained exit head draft a chain of --k tokens on the target's own
-KV cache). All are lossless:
+tree), eagle3 (EAGLE-3: the drafter on fused low/mid/high layer features, trained with
+training-time test, EAGLE-2's dynamic tree), distilled (a small draft model: a few trained
+layers between the target's own embeddings and LM head, drafting a chain of --k tokens) and
+layerskip (self-speculation: the target's first layers plus a trained exit head draft a chain
+of --k tokens on the target's own KV cache). All are lossless:
 the text is what plain decoding gives (greedy) or is distributed as it (sampling). Example:
 
     genrec-spec generate --method lookahead --prompt "def fib(n):" --max-new-tokens 64
@@ -23,7 +24,7 @@ from pathlib import Path
 
 METHODS = ("none", "draft", "ngram", "trie", "lookahead")
 # Need a drafter folder (--drafter).
-TRAINED_METHODS = ("medusa", "eagle", "eagle2", "distilled", "layerskip")
+TRAINED_METHODS = ("medusa", "eagle", "eagle2", "eagle3", "distilled", "layerskip")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,9 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--drafter",
         type=Path,
         default=None,
-        help="trained drafter folder for medusa, eagle, eagle2, distilled, layerskip (default "
-        "$GENREC_SPEC_CACHE/drafters/METHOD; eagle2 reads the eagle drafter, distilled the draft "
-        "one)",
+        help="trained drafter folder for medusa, eagle, eagle2, eagle3, distilled, layerskip "
+        "(default $GENREC_SPEC_CACHE/drafters/METHOD; eagle2 reads the eagle drafter, distilled "
+        "the draft one)",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
@@ -148,9 +149,9 @@ def _trained_proposer(
     from genrec_spec.drafters.eagle import load_eagle
     from genrec_spec.proposers.eagle import Eagle2Proposer, EagleProposer
 
-    feature_drafter, manifest = load_eagle(folder, model, model_name)
-    layer = manifest["target"]["hidden_layer"]
-    if method == "eagle2":
+    feature_drafter, manifest = load_eagle(folder, model, model_name, drafter_kind(method))
+    layer = manifest["target"]["hidden_layer"]  # EAGLE-3: the layers it fuses
+    if method in ("eagle2", "eagle3"):
         return Eagle2Proposer(feature_drafter, layer)
     ranks = (manifest["held_out"] or {}).get("ranks")  # shapes the static tree
     return EagleProposer(feature_drafter, layer, rank_acceptance=ranks)

@@ -15,6 +15,15 @@ buffers: checkpoints hold the fc layer, the block and the draft vocabulary). The
 own: a forward leaves its K/V pending and the caller commits the pairs it keeps, exactly as the
 target's cache works. While drafting, a pair's feature may be the drafter's own prediction.
 
+EAGLE-3 (Li et al., 2025) reads several target layers instead of one: with ``fused`` = k > 1 an
+input fusion ``fuse`` maps the concatenated features of k layers (low, mid, high) [.., k D] to
+one feature [.., D], the f_t above: a linear layer, then an RMSNorm, as EAGLE-3 normalises the
+fused state (the fused layers' residual streams are not normalised: SmolLM2's layers 2 / 15 /
+28 have median norms 75 / 178 / 611 and outliers up to 22,000, against 49 for the final-normed
+state; unnormalised, the untrained drafter's loss started at 23 instead of ~10). The drafter's
+outputs live in that fused space: while drafting (and in training-time test) a predicted
+feature is fed back as is, unfused.
+
 Draft vocabulary: ``vocab_ids`` restricts the drafter's LM head to a subset of tokens (the most
 frequent ones): on a CPU the LM head costs more than the decoder layer (SmolLM2: 28M of ~32M
 multiply-adds per position at V = 49,152), and tokens outside the subset are simply never
@@ -33,6 +42,7 @@ from genrec_spec.models.kv_cache import StaticKVCache
 from genrec_spec.models.llama import (
     LlamaConfig,
     LlamaError,
+    RMSNorm,
     TransformerBlock,
     begin_tree_pass,
     linear,
@@ -49,11 +59,18 @@ class EagleDrafter(nn.Module):
         embedding: Tensor,  # [V, D] the target's token embeddings (by reference, frozen)
         lm_head: Tensor,  # [V, D] the target's output projection (by reference, frozen)
         vocab_ids: Tensor | None = None,  # [V'] int64 ascending: the draft vocabulary; None = all
+        fused: int = 1,  # target layers whose features it reads (EAGLE-3: 3)
     ) -> None:
         super().__init__()
         self.config = replace(config, n_layers=1)
         dim, vocab = config.dim, config.vocab_size
         dtype = lm_head.dtype
+        # One layer needs no fusion: Identity keeps EAGLE-1's state dict (and checkpoints) as is.
+        self.fuse = (
+            nn.Sequential(nn.Linear(fused * dim, dim), RMSNorm(dim, config.norm_eps)).to(dtype)
+            if fused > 1
+            else nn.Identity()
+        )
         self.fc = nn.Linear(2 * dim, dim, dtype=dtype)
         self.block = TransformerBlock(self.config, layer=0).to(dtype)
         ids = torch.arange(vocab, device=lm_head.device) if vocab_ids is None else vocab_ids

@@ -28,6 +28,7 @@ only (a dynamic tree).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,11 +122,18 @@ def losses(
 ) -> tuple[Tensor, Tensor]:  # feature loss [], token loss [] (means over the learnt pairs)
     predicted = out[:, :-1][mask]  # [P, D]
     feature_loss = F.smooth_l1_loss(predicted, features[:, 1:][mask])
-    labels = drafter.vocab_index[tokens[:, 1:][mask]]  # [P], IGNORE outside the draft vocabulary
-    token_loss = F.cross_entropy(
+    return feature_loss, token_loss(drafter, predicted, tokens[:, 1:][mask])
+
+
+def token_loss(
+    drafter: EagleDrafter,
+    predicted: Tensor,  # [P, D] predicted features
+    targets: Tensor,  # [P] int64 the tokens they should draft
+) -> Tensor:  # [] cross-entropy over the draft vocabulary, mean over targets inside it
+    labels = drafter.vocab_index[targets]  # [P], IGNORE outside the draft vocabulary
+    return F.cross_entropy(
         drafter.logits(predicted), labels, ignore_index=IGNORE, reduction="sum"
     ) / (labels != IGNORE).sum().clamp_min(1)
-    return feature_loss, token_loss
 
 
 @torch.no_grad()
@@ -156,12 +164,8 @@ def evaluate(
         weight += learnt
         covered += int((drafter.vocab_index[tokens[start:]] != IGNORE).sum())
         total += length - start
-        for first in range(max(start - 1, 0), length - 1, chunk):
-            index = torch.arange(first, min(first + chunk, length - 1))  # [S] pair i predicts i + 1
-            ranked += _rank_counts(drafter, out[0, index], tokens[index + 1])
-            right, count = _rollout(drafter, cache, out[0, index], tokens, index, depth)
-            hits += right
-            counts += count
+        right, count, rank = acceptance_counts(drafter, cache, out[0], tokens, start, depth, chunk)
+        hits, counts, ranked = hits + right, counts + count, ranked + rank
     return {
         "loss": (feature_sum + ce_weight * token_sum) / max(weight, 1),
         "feature_loss": feature_sum / max(weight, 1),
@@ -172,6 +176,27 @@ def evaluate(
         "vocab_coverage": covered / max(total, 1),
         "positions": int(counts[0]),
     }
+
+
+def acceptance_counts(
+    drafter: EagleDrafter,
+    cache: Any,  # one row's cache holding all its T real pairs
+    out: Tensor,  # [T, D] the drafter's outputs over them
+    tokens: Tensor,  # [T] int64 the row's tokens
+    start: int,  # the row's first continuation pair
+    depth: int,
+    chunk: int,
+) -> tuple[Tensor, Tensor, Tensor]:  # chains right [depth], counted [depth], ranks [RANKS]
+    """One row's chain acceptance and rank counts from every continuation position."""
+    hits, counts, ranked = torch.zeros(depth), torch.zeros(depth), torch.zeros(RANKS)
+    length = len(tokens)
+    for first in range(max(start - 1, 0), length - 1, chunk):
+        index = torch.arange(first, min(first + chunk, length - 1))  # [S] pair i predicts i + 1
+        ranked += _rank_counts(drafter, out[index], tokens[index + 1])
+        right, count = _rollout(drafter, cache, out[index], tokens, index, depth)
+        hits += right
+        counts += count
+    return hits, counts, ranked
 
 
 def _rank_counts(
@@ -225,65 +250,107 @@ def train_eagle(
     """Train a feature drafter for the native Llama ``model`` on continuations ``data`` with
     their prompts' pairs ``context`` (``selfdistill.load_or_prefill``), save it (weights +
     manifest) to ``out`` and return the manifest. ``extra_manifest`` adds entries."""
-    sequences = Sequences(data, context)
-    held = held_out_rows(data.rows, config.held_out, config.seed).tolist()
-    train = [r for r in range(data.rows) if not held[r] and sequences.learnable(r)]
-    if not train:
-        raise DrafterError(
-            "the self-distillation data has no training row with a pair to learn",
-            "generate more or longer continuations (--n, --max-new-tokens >= 2)",
-        )
-    text = torch.cat([sequences.row(r)[1] for r in train])  # the training rows' tokens
-    vocab_ids = draft_vocabulary(text, model.config.vocab_size, config.draft_vocab)
-    with torch.random.fork_rng():
-        torch.manual_seed(config.seed)
-        drafter = EagleDrafter(
-            model.config,
-            model.tok_embeddings.weight.float(),
-            output_weight(model).float(),
-            vocab_ids,
-        )
-    generator = torch.Generator().manual_seed(config.seed)
+    job = FeatureTraining(model, Sequences(data, context), config)
+    drafter, generator = job.drafter, job.generator
 
     def step() -> float:
-        pick = torch.randint(len(train), (config.batch_rows,), generator=generator).tolist()
-        features, tokens, mask = sequences.batch([train[i] for i in pick])
+        features, tokens, mask = job.batch()
         noise = (torch.rand(features.shape, generator=generator) - 0.5) * config.noise
         out = drafter(features + noise, tokens, drafter.new_cache(*tokens.shape))  # [R, T, D]
-        feature_loss, token_loss = losses(drafter, out, features, tokens, mask)
-        loss = feature_loss + config.ce_weight * token_loss
+        feature_loss, next_token_loss = losses(drafter, out, features, tokens, mask)
+        loss = feature_loss + config.ce_weight * next_token_loss
         loss.backward()
         return float(loss.detach())
 
-    train_loss = fit(drafter.parameters(), step, config, desc=KIND, progress=progress)
-    held_rows = [r for r in range(data.rows) if held[r] and sequences.learnable(r)]
-    drafter.eval()
-    held_out = (
-        evaluate(drafter, sequences, held_rows, config.eval_depth, config.ce_weight)
-        if held_rows
-        else None
-    )
-    extra = {
+    def held_out(rows: list[int]) -> dict[str, Any]:
+        return evaluate(drafter, job.sequences, rows, config.eval_depth, config.ce_weight)
+
+    return job.fit_and_save(KIND, step, held_out, out, extra_manifest, progress)
+
+
+class FeatureTraining:
+    """A feature drafter (EAGLE, EAGLE-3) in training for the native Llama ``model`` on
+    ``sequences``: the rows with a pair to learn, split by ``config.held_out``, and a fresh
+    drafter whose draft vocabulary is the training rows' most frequent tokens
+    (``config.draft_vocab``)."""
+
+    def __init__(self, model: Any, sequences: Sequences, config: Any, fused: int = 1) -> None:
+        self.model, self.sequences, self.config = model, sequences, config
+        rows = sequences.data.rows
+        held = held_out_rows(rows, config.held_out, config.seed).tolist()
+        self.train = [r for r in range(rows) if not held[r] and sequences.learnable(r)]
+        self.held = [r for r in range(rows) if held[r] and sequences.learnable(r)]
+        if not self.train:
+            raise DrafterError(
+                "the self-distillation data has no training row with a pair to learn",
+                "generate more or longer continuations (--n, --max-new-tokens >= 2)",
+            )
+        text = torch.cat([sequences.row(r)[1] for r in self.train])  # the training rows' tokens
+        vocab_ids = draft_vocabulary(text, model.config.vocab_size, config.draft_vocab)
+        with torch.random.fork_rng():
+            torch.manual_seed(config.seed)
+            self.drafter = EagleDrafter(
+                model.config,
+                model.tok_embeddings.weight.float(),
+                output_weight(model).float(),
+                vocab_ids,
+                fused,
+            )
+        self.generator = torch.Generator().manual_seed(config.seed)  # batch draws (and noise)
+
+    def batch(self) -> tuple[Tensor, Tensor, Tensor]:  # features, tokens, mask (Sequences.batch)
+        """``config.batch_rows`` training rows drawn at random."""
+        draw = torch.randint(len(self.train), (self.config.batch_rows,), generator=self.generator)
+        return self.sequences.batch([self.train[i] for i in draw.tolist()])
+
+    def fit_and_save(
+        self,
+        kind: str,
+        step: Callable[[], float],  # one batch's loss, backpropagated (``training.fit``)
+        held_out: Callable[[list[int]], dict[str, Any]],  # held-out metrics of rows
+        out: Path,
+        extra_manifest: dict[str, Any] | None,
+        progress: bool,
+        hidden_layer: list[int] | None = None,  # EAGLE-3: the fused layers
+    ) -> dict[str, Any]:
+        """Train the drafter with ``step``, measure it on the held-out rows, save it (weights +
+        manifest) to ``out`` and return the manifest."""
+        drafter, config, sequences = self.drafter, self.config, self.sequences
+        train_loss = fit(drafter.parameters(), step, config, desc=kind, progress=progress)
+        drafter.eval()
+        measured = held_out(self.held) if self.held else None
+        extra = extras(drafter, sequences.context, extra_manifest)
+        manifest = drafter_manifest(
+            kind, self.model, sequences.data, config, train_loss, measured, extra, hidden_layer
+        )
+        return save_drafter(out, dict(drafter.state_dict()), manifest)
+
+
+def extras(
+    drafter: EagleDrafter, context: SelfDistillData, extra_manifest: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A feature drafter's manifest entries beyond ``drafter_manifest``'s."""
+    return {
         "context": {"key": context.key, "positions": len(context.tokens)},
         "draft_vocab": len(drafter.vocab_ids),
         **(extra_manifest or {}),
     }
-    manifest = drafter_manifest(KIND, model, data, config, train_loss, held_out, extra)
-    return save_drafter(out, dict(drafter.state_dict()), manifest)
 
 
 def load_eagle(
-    folder: Path, model: Any, model_name: str = "smollm2"
+    folder: Path, model: Any, model_name: str = "smollm2", kind: str = KIND
 ) -> tuple[EagleDrafter, dict[str, Any]]:
-    """The drafter saved by ``train_eagle`` for ``model``, in the model's dtype, and the
-    manifest."""
-    tensors, manifest = load_drafter(folder, KIND, model, model_name)
+    """The drafter saved by ``train_eagle`` (or, kind "eagle3", ``eagle3.train_eagle3``) for
+    ``model``, in the model's dtype, and the manifest."""
+    tensors, manifest = load_drafter(folder, kind, model, model_name)
     lm_head = output_weight(model)
     ids = tensors["vocab_ids"].to(lm_head.device)
     full = len(ids) == model.config.vocab_size
+    fuse = tensors.get("fuse.0.weight")  # [D, k D], EAGLE-3's only
+    fused = 1 if fuse is None else fuse.shape[1] // model.config.dim
     with torch.device("meta"):  # parameters come from the checkpoint: no random initialisation
         drafter = EagleDrafter(
-            model.config, model.tok_embeddings.weight, lm_head, None if full else ids
+            model.config, model.tok_embeddings.weight, lm_head, None if full else ids, fused
         )
     weights = {
         name: t.to(lm_head.device, lm_head.dtype if t.is_floating_point() else t.dtype)

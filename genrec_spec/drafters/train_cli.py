@@ -13,7 +13,9 @@ for it). Then decode with it:
 
 Kinds: medusa (heads on the last hidden state), eagle (a one-layer feature drafter; it also reads
 the prompts' hidden states, one cached prefill). eagle2 decodes with the eagle drafter (only its
-tree differs), so `--kind eagle2` trains that same drafter into the eagle folder. draft: a small
+tree differs), so `--kind eagle2` trains that same drafter into the eagle folder. eagle3: the
+EAGLE-3 drafter (the feature drafter on a fusion of the target's low, mid and high layers,
+trained with training-time test; one target forward per row recomputes those layers). draft: a small
 draft model (a few target layers, trained, between the target's own embeddings and LM head; it
 also reads the prompts' hidden states) for `generate --method distilled` and, as a transformers
 model, `bench llm --methods hf-assist` (`--kind distilled` trains it too). layerskip: an exit
@@ -30,11 +32,12 @@ from pathlib import Path
 from genrec_spec.drafters.checkpoint import drafter_kind
 from genrec_spec.drafters.distill import DistillConfig
 from genrec_spec.drafters.eagle import EagleConfig
+from genrec_spec.drafters.eagle3 import Eagle3Config
 from genrec_spec.drafters.layerskip import LayerSkipConfig
 from genrec_spec.drafters.medusa import MedusaConfig
 from genrec_spec.drafters.selfdistill import SelfDistillConfig
 
-KINDS = ("medusa", "eagle", "eagle2", "draft", "distilled", "layerskip")
+KINDS = ("medusa", "eagle", "eagle2", "eagle3", "draft", "distilled", "layerskip")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,7 +92,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-rows",
         type=int,
         default=None,
-        help=f"sequences per step (eagle {eagle.batch_rows}, draft {distilled.batch_rows})",
+        help=f"sequences per step (eagle, eagle3 {eagle.batch_rows}, draft {distilled.batch_rows})",
+    )
+    parser.add_argument(
+        "--unroll",
+        type=int,
+        default=Eagle3Config().unroll,
+        help="eagle3: training-time-test steps (the drafter fed its own features)",
     )
     parser.add_argument(
         "--init-layers",
@@ -103,7 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft-vocab",
         type=int,
         default=eagle.draft_vocab,
-        help="eagle, layerskip: tokens the draft's LM head keeps, most frequent first (0 = all)",
+        help="eagle, eagle3, layerskip: tokens the draft's LM head keeps, most frequent first "
+        "(0 = all)",
     )
     parser.add_argument(
         "--seed", type=int, default=data.seed, help="prompt draw, batches, held-out rows"
@@ -123,7 +133,7 @@ def layer_list(text: str) -> tuple[int, ...]:
 
 def drafter_config(
     args: argparse.Namespace,
-) -> MedusaConfig | EagleConfig | DistillConfig | LayerSkipConfig:
+) -> MedusaConfig | EagleConfig | Eagle3Config | DistillConfig | LayerSkipConfig:
     """The kind's training settings: its defaults, overridden by the flags given."""
     tuned = {
         name: value for name, value in (("steps", args.steps), ("lr", args.lr)) if value is not None
@@ -143,11 +153,16 @@ def drafter_config(
         )
     if drafter_kind(args.kind) == "draft":
         return DistillConfig(layers=args.init_layers, seed=args.seed, **rows, **tuned)
+    if args.kind == "eagle3":
+        return Eagle3Config(
+            unroll=args.unroll, draft_vocab=args.draft_vocab, seed=args.seed, **rows, **tuned
+        )
     return EagleConfig(draft_vocab=args.draft_vocab, seed=args.seed, **rows, **tuned)
 
 
 def command_line(
-    args: argparse.Namespace, config: MedusaConfig | EagleConfig | DistillConfig | LayerSkipConfig
+    args: argparse.Namespace,
+    config: MedusaConfig | EagleConfig | Eagle3Config | DistillConfig | LayerSkipConfig,
 ) -> str:
     """The full command that rebuilds this drafter (every setting spelled out)."""
     if isinstance(config, MedusaConfig):
@@ -160,6 +175,11 @@ def command_line(
     elif isinstance(config, DistillConfig):
         layers = ",".join(map(str, config.layers))
         specific = f"--batch-rows {config.batch_rows} --init-layers {layers}"
+    elif isinstance(config, Eagle3Config):
+        specific = (
+            f"--batch-rows {config.batch_rows} --unroll {config.unroll} "
+            f"--draft-vocab {config.draft_vocab}"
+        )
     else:
         specific = f"--batch-rows {config.batch_rows} --draft-vocab {config.draft_vocab}"
     return (
@@ -176,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
     from genrec_spec.drafters.checkpoint import default_folder
     from genrec_spec.drafters.distill import train_distilled
     from genrec_spec.drafters.eagle import train_eagle
+    from genrec_spec.drafters.eagle3 import train_eagle3
     from genrec_spec.drafters.layerskip import train_layerskip
     from genrec_spec.drafters.medusa import train_medusa
     from genrec_spec.drafters.selfdistill import load_or_distill, load_or_prefill, train_prompts
@@ -216,6 +237,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"prompt pairs {context.key}: {len(context.tokens)} positions")
         if isinstance(config, DistillConfig):
             manifest = train_distilled(model, data, context, prompts, config, args.out, extra)
+        elif isinstance(config, Eagle3Config):
+            manifest = train_eagle3(model, data, context, prompts, config, args.out, extra)
         else:
             manifest = train_eagle(model, data, context, config, args.out, extra)
     print(json.dumps({"out": str(args.out), "held_out": manifest["held_out"]}, indent=2))

@@ -77,12 +77,15 @@ def drafter_manifest(
     train_loss: float | None,
     held_out: dict[str, Any] | None,
     extra: dict[str, Any] | None = None,
+    hidden_layer: int | list[int] | None = None,
 ) -> dict[str, Any]:
     """The manifest of a drafter trained on ``data`` for the native Llama ``model``, reading its
-    final-normed hidden state (layer ``n_layers``)."""
+    hidden state ``hidden_layer`` (default its final-normed one, layer ``n_layers``; EAGLE-3:
+    the list of layers it fuses)."""
+    layer = model.config.n_layers if hidden_layer is None else hidden_layer
     return {
         "kind": kind,
-        "target": {**target_info(model), "hidden_layer": model.config.n_layers},
+        "target": {**target_info(model), "hidden_layer": layer},
         "data": {"key": data.key, "rows": data.rows, "positions": len(data.tokens)},
         "config": asdict(config),
         "steps": config.steps,

@@ -4,7 +4,8 @@ dynamic one.
 
 Keeping the drafter in step with the target. The drafter's KV cache holds only pairs
 (f_t, x_{t+1}) whose feature is the target's own (hidden layer ``hidden_layer``, the LM head's
-input); pairs with predicted features (the draft tree) are never committed.
+input; EAGLE-3: the fusion of the layers ``hidden_layer`` = (low, mid, high)); pairs with
+predicted features (the draft tree) are never committed.
 - ``begin``: the prompt's pairs t = 0 .. L - 2 come from the prefill's hidden states; one pass,
   committed row by row (rows have their own prompt lengths).
 - ``observe``: after a step, row b emitted counts[b] tokens: the accepted nodes a_1 .. a_n and
@@ -55,10 +56,19 @@ class _FeatureDrafting:
     k: int  # deepest draft
     max_pass: int  # most nodes one drafting pass runs over
 
-    def __init__(self, drafter: EagleDrafter, hidden_layer: int, draft_cost: float) -> None:
+    def __init__(
+        self, drafter: EagleDrafter, hidden_layer: int | tuple[int, ...], draft_cost: float
+    ) -> None:
         self.drafter = drafter
-        self.hidden_layers = (hidden_layer,)
+        # EAGLE-3's drafter reads several layers (low, mid, high), fused in this order.
+        self.hidden_layers = (
+            (hidden_layer,) if isinstance(hidden_layer, int) else tuple(hidden_layer)
+        )
         self.draft_cost = draft_cost
+
+    def _features(self, hidden: dict[int, Tensor]) -> Tensor:  # [B, N, D] the f_t (fused)
+        """The drafter's input features from the target's hidden states ([B, N, D] each)."""
+        return self.drafter.fuse(torch.cat([hidden[i] for i in self.hidden_layers], dim=-1))
 
     def _check_width(self, width: int) -> None:
         vocab = len(self.drafter.vocab_ids)
@@ -77,13 +87,13 @@ class _FeatureDrafting:
         self.root_feature = self.drafter.fc.weight.new_zeros(batch, config.dim)  # [B, D]
         self.ready = torch.zeros(batch, dtype=torch.bool, device=device)  # [B] has a feature
         # [B, W, D]: the prompt minus its root; absent when every prompt is a single token
-        hidden = state.cache.hidden.get(self.hidden_layers[0])
-        if hidden is not None:
-            width = hidden.shape[1]
-            self._advance(hidden, state.tokens[:, 1 : width + 1], state.prompt_lengths - 1)
+        if self.hidden_layers[0] in state.cache.hidden:
+            features = self._features(state.cache.hidden)
+            width = features.shape[1]
+            self._advance(features, state.tokens[:, 1 : width + 1], state.prompt_lengths - 1)
 
     def observe(self, state: DecodeState, acceptance: Acceptance) -> None:
-        hidden = state.cache.hidden[self.hidden_layers[0]]  # [B, N, D] of the scored tree
+        hidden = self._features(state.cache.hidden)  # [B, N, D] of the scored tree
         width = min(hidden.shape[1], self.k + 1)  # tokens a row emitted, at most
         path = acceptance.path[:, :width]  # [B, M] root, a_1 .. a_n
         features = hidden.gather(1, path[:, :, None].expand(-1, -1, hidden.shape[2]))
@@ -186,7 +196,7 @@ class Eagle2Proposer(_FeatureDrafting):
     def __init__(
         self,
         drafter: EagleDrafter,
-        hidden_layer: int,
+        hidden_layer: int | tuple[int, ...],
         depth: int = 6,
         top_k: int = 4,
         tree_nodes: int = 12,
@@ -195,7 +205,8 @@ class Eagle2Proposer(_FeatureDrafting):
         """EAGLE-2. depth: the deepest draft level (depth - 1 drafter passes a step); top_k:
         nodes expanded per level and children per expanded node; tree_nodes: draft nodes kept
         after the rerank (the tree scores 1 + tree_nodes tokens; EAGLE-2 keeps 60 on a GPU, a
-        CPU target pays for each); draft_cost as for ``EagleProposer``."""
+        CPU target pays for each); draft_cost as for ``EagleProposer``. With an EAGLE-3
+        drafter (``fused`` layers), hidden_layer is the tuple of the layers it fuses."""
         if depth < 1 or top_k < 1 or tree_nodes < 1:
             raise DecodeInputError(
                 f"depth={depth}, top_k={top_k}, tree_nodes={tree_nodes}",

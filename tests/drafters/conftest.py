@@ -24,7 +24,7 @@ def tiny_llama(vocab: int, seed: int, dim: int = 32, scale: float = 3.0) -> Llam
         n_kv_heads=2,
         hidden_dim=2 * dim,
         rope_theta=500.0,
-        max_seq_len=96,
+        max_seq_len=160,  # EAGLE-3's training-time test scores 3 steps of 46 pairs at once
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -89,6 +89,7 @@ def tv_noise(probs: torch.Tensor, n: int) -> float:
 # rows per prompt, on a vocabulary of VOCAB, against the enumerated distribution (512 sequences).
 EXACT_VOCAB, EXACT_LENGTH, EXACT_ROWS = 8, 3, 6000
 EXACT_PROMPTS = [[1, 2, 3, 1, 2], [5, 4], [6]]
+GREEDY_PROMPTS = [[5, 9, 2, 33, 7, 1, 8], [4], [12, 3, 3, 40, 22]]  # B = 3, uneven, one of 1
 
 
 def exact_target() -> Llama:
@@ -127,6 +128,28 @@ def assert_exact(model: Llama, proposer, sampling) -> None:
         assert p_value > 1e-3 and tv < 1.5 * noise, (prompt, p_value, tv, noise)
 
 
+def assert_greedy(
+    model: Llama,
+    proposer,
+    controller: ControllerConfig | None,
+    min_accepted: float = 1.5,
+    deep: int | None = 2,
+):  # the proposer's generate output
+    """``proposer`` decodes GREEDY_PROMPTS (B = 3, lengths 7, 1, 5) to plain greedy decoding's
+    tokens. At full depth (``controller`` not adaptive) drafts were accepted, ``min_accepted``
+    tokens a step and some at draft position ``deep``, so the check has teeth (the adaptive
+    controller may stop drafting at low acceptance)."""
+    plain = generate(model, GREEDY_PROMPTS, max_new_tokens=30).tolist()
+    out = generate(
+        model, GREEDY_PROMPTS, max_new_tokens=30, proposer=proposer, controller=controller
+    )
+    assert out.tolist() == plain
+    if controller is not None and not controller.adaptive:
+        assert out.stats.mean_accepted_length > min_accepted
+        assert deep is None or out.stats.accepted_per_position[deep] > 0
+    return out
+
+
 @contextmanager
 def single_thread():
     """Tiny tensors: a second thread only adds wake-up latency on these 2-core machines (and
@@ -158,12 +181,10 @@ def kit() -> SimpleNamespace:
         exact_target=exact_target,
         exactness=exactness,
         assert_exact=assert_exact,
+        assert_greedy=assert_greedy,
         EXACT_VOCAB=EXACT_VOCAB,
         EXACT_LENGTH=EXACT_LENGTH,
     )
-
-
-GREEDY_PROMPTS = [[5, 9, 2, 33, 7, 1, 8], [4], [12, 3, 3, 40, 22]]  # B = 3, uneven, one of 1
 
 
 @pytest.fixture(scope="session")
@@ -227,6 +248,33 @@ def trained_eagle(distilled, tmp_path_factory) -> SimpleNamespace:
         context=context,
         prompts=distilled.prompts,
         cache=distilled.cache,
+        folder=folder,
+        manifest=manifest,
+        config=config,
+        greedy_prompts=GREEDY_PROMPTS,
+    )
+
+
+@pytest.fixture(scope="session")
+def trained_eagle3(distilled, tmp_path_factory) -> SimpleNamespace:
+    """An EAGLE-3 drafter (the tiny target's layers 0, 1, 2 fused) trained briefly on the same
+    data with a 3-step training-time test."""
+    from genrec_spec.drafters.eagle3 import Eagle3Config, train_eagle3
+    from genrec_spec.drafters.selfdistill import load_or_prefill
+
+    model, data, prompts = distilled.model, distilled.data, distilled.prompts
+    with single_thread():
+        context = load_or_prefill(model, prompts, 9, cache_dir=distilled.cache)
+        folder = tmp_path_factory.mktemp("drafter") / "eagle3"
+        config = Eagle3Config(steps=150, held_out=0.2, eval_depth=4)
+        manifest = train_eagle3(
+            model, data, context, prompts, config, folder, {"command": "test"}, progress=False
+        )
+    return SimpleNamespace(
+        model=model,
+        data=data,
+        context=context,
+        prompts=prompts,
         folder=folder,
         manifest=manifest,
         config=config,

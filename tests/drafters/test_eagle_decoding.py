@@ -34,16 +34,9 @@ def proposers(drafter, layer):
 
 @pytest.mark.parametrize("method", ["eagle", "eagle2"])
 @pytest.mark.parametrize("controller", [FIXED, None], ids=["full-depth", "adaptive"])
-def test_greedy_equals_plain(trained_eagle, drafter, method, controller):
+def test_greedy_equals_plain(trained_eagle, drafter, method, controller, kit):
     model = trained_eagle.model
-    prompts = trained_eagle.greedy_prompts  # B = 3, lengths 7, 1, 5
-    plain = generate(model, prompts, max_new_tokens=30).tolist()
-    proposer = proposers(drafter, model.config.n_layers)[method]
-    out = generate(model, prompts, max_new_tokens=30, proposer=proposer, controller=controller)
-    assert out.tolist() == plain
-    if controller is FIXED:  # drafts were accepted, deep ones too: the check has teeth
-        assert out.stats.mean_accepted_length > 1.5
-        assert out.stats.accepted_per_position[2] > 0
+    kit.assert_greedy(model, proposers(drafter, model.config.n_layers)[method], controller)
 
 
 class Recording(Eagle2Proposer):

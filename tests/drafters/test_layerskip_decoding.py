@@ -43,16 +43,9 @@ def test_untrained_head_is_plain_early_exit(kit):
 
 @pytest.mark.parametrize("width", [1, 2], ids=["chain", "tree"])
 @pytest.mark.parametrize("controller", [FIXED, None], ids=["full-depth", "adaptive"])
-def test_greedy_equals_plain(trained_layerskip, draft, width, controller):
-    model = trained_layerskip.model
-    prompts = trained_layerskip.greedy_prompts  # B = 3, lengths 7, 1, 5
-    plain = generate(model, prompts, max_new_tokens=30).tolist()
+def test_greedy_equals_plain(trained_layerskip, draft, width, controller, kit):
     proposer = LayerSkipProposer(draft, k=4, width=width)
-    out = generate(model, prompts, max_new_tokens=30, proposer=proposer, controller=controller)
-    assert out.tolist() == plain
-    if controller is FIXED:  # drafts were accepted, deep ones too: the check has teeth
-        assert out.stats.mean_accepted_length > 2.0
-        assert out.stats.accepted_per_position[3] > 0
+    kit.assert_greedy(trained_layerskip.model, proposer, controller, min_accepted=2.0, deep=3)
 
 
 def test_shared_cache_drafts_as_an_own_cache(trained_layerskip, draft):

@@ -1,0 +1,207 @@
+"""Training EAGLE-3's drafter (Li et al., 2025): EAGLE's one-layer feature drafter reading a
+fusion of the target's low, mid and high layers, trained with training-time test.
+
+Features: EAGLE's sequences (``eagle.Sequences``: a row's prompt pairs, then its continuation
+pairs) with each pair's feature the concatenation of the target's hidden layers ``layers`` at
+that position [T, k D]. The self-distillation cache holds the final layer only, so one
+teacher-forced target forward per row (its prompt then its continuation, the target's own
+greedy text) recomputes them when training starts: the cached files stay as they are.
+
+Training-time test. At step 0 the drafter runs over the real pairs (a chain): its output at
+pair i is its feature of position i + 1 and drafts token x_{i+2}. At step j > 0 it runs, from
+every start i, on its own step j - 1 output at that start paired with the true next token, as
+when drafting: node (j, i) feeds (its predicted feature of position i + j, x_{i+j+1}), attends
+to the real pairs 0 .. i and its own earlier steps from i (a tree hung under node (0, i): that
+branch is what a draft chain sees), and drafts x_{i+j+2}. The loss is the mean over the
+``unroll`` steps of the cross-entropy on the target's tokens at the continuation positions;
+there is no feature regression (EAGLE-3 drops it) and no input noise (the drafter meets its
+own imprecise features instead). Step j's pass reruns steps 0 .. j - 1's nodes (the drafter's
+cache holds one pending pass), with their inputs from the earlier passes.
+
+Held-out rows: the per-step losses and EAGLE's chain acceptance and rank shares
+(``eagle.acceptance_counts``). Decoding uses EAGLE-2's dynamic tree with the fused features
+(``Eagle2Proposer`` given the layers; ``generate --method eagle3``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+
+from genrec_spec.drafters.checkpoint import DrafterError
+from genrec_spec.drafters.eagle import (
+    RANKS,
+    FeatureTraining,
+    Sequences,
+    acceptance_counts,
+    token_loss,
+)
+from genrec_spec.drafters.selfdistill import SelfDistillData
+from genrec_spec.models.eagle_drafter import EagleDrafter
+
+KIND = "eagle3"
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """Defaults of EAGLE-3 drafter training."""
+
+    steps: int = 240  # optimiser steps (~30 min on 2 cores: ~2 min of features, ~6.5 s a step)
+    batch_rows: int = 8  # sequences (prompt + continuation pairs) per step
+    lr: float = 1e-3  # AdamW peak learning rate
+    weight_decay: float = 0.0
+    warmup: int = 20  # linear warm-up steps, then cosine decay to 0
+    unroll: int = 3  # training-time test: drafter steps from every position
+    # Rows keep their last max_pairs pairs (the continuation and the prompt's end): a step's
+    # pass scores up to unroll x pairs nodes per row, and the CPU attention is differentiable on
+    # its dense path only (batch_rows x nodes^2 <= 2^24 mask elements, kernels.tree_plan).
+    max_pairs: int = 384
+    draft_vocab: int = 8192  # tokens the drafter's LM head keeps (most frequent); 0 = all
+    held_out: float = 0.1  # share of rows (prompts) kept out of training for the manifest
+    eval_depth: int = 5  # chain acceptance reported for depths 1 .. eval_depth
+    seed: int = 0  # initialisation, batch draws and held-out rows
+    log_every: int = 50  # print the running loss every this many steps
+
+
+def fused_layers(n_layers: int) -> tuple[int, ...]:
+    """Low, mid and high hidden layers: 2, 15 and 28 of SmolLM2's 30 (0 = the embeddings,
+    ``n_layers`` the final-normed state)."""
+    return tuple(round(share * n_layers) for share in (1 / 15, 1 / 2, 14 / 15))
+
+
+class LayerSequences(Sequences):
+    """``Sequences`` whose features are the target's ``layers`` concatenated (module
+    docstring)."""
+
+    def __init__(
+        self,
+        model: Any,
+        data: SelfDistillData,
+        context: SelfDistillData,
+        prompts: list[list[int]],
+        layers: tuple[int, ...],
+        max_pairs: int,  # rows keep their last max_pairs pairs (Eagle3Config)
+        batch_size: int = 4,  # rows per target forward (its logits are [B, T, V])
+    ) -> None:
+        super().__init__(data, context)
+        self.max_pairs = max_pairs
+        if [len(p) - 1 for p in prompts] != context.offsets.diff().tolist():
+            raise DrafterError(
+                "the prompts do not match the prompt pairs",
+                "pass the prompts the pairs were built from (selfdistill.load_or_prefill)",
+            )
+        self.layers: list[Tensor] = []  # per row [T, k D]
+        for first in range(0, data.rows, batch_size):
+            rows = range(first, min(first + batch_size, data.rows))
+            # Pair t's feature is the state at position t, whose next token is the pair's.
+            texts = [
+                torch.cat([torch.tensor(prompts[r][:1]), Sequences.row(self, r)[1][:-1]])
+                for r in rows
+            ]  # [T] each
+            ids = pad_sequence(texts, batch_first=True)  # [B, T]
+            with torch.no_grad():
+                _, hidden = model(ids, model.new_cache(*ids.shape), hidden_layers=layers)
+            fused = torch.cat([hidden[i] for i in layers], dim=-1).float()  # [B, T, k D]
+            self.layers += [fused[b, : len(text)] for b, text in enumerate(texts)]
+
+    def row(self, r: int) -> tuple[Tensor, Tensor, int]:  # [T, k D], [T] int64, prompt pairs
+        _, tokens, start = super().row(r)
+        cut = max(len(tokens) - self.max_pairs, 0)  # prompt pairs dropped from the front
+        return self.layers[r][cut:], tokens[cut:], max(start - cut, 0)
+
+
+def unrolled_losses(
+    drafter: EagleDrafter,
+    features: Tensor,  # [R, T, k D] the target's layers at each pair
+    tokens: Tensor,  # [R, T] int64
+    mask: Tensor,  # [R, T - 1] bool: pair i learns pair i + 1
+    unroll: int,
+) -> list[Tensor]:  # token loss [] per training-time-test step
+    """The training-time test of the module docstring."""
+    rows, length = tokens.shape
+    inputs = drafter.fuse(features)  # [R, N, D] the nodes' input features, N grows by step
+    node_tokens = tokens  # [R, N]
+    parents = torch.arange(-1, length - 1).expand(rows, length)  # [R, N] step 0: a chain
+    losses = []
+    for j in range(min(unroll, length - 1)):
+        nodes = inputs.shape[1]
+        out = drafter(inputs, node_tokens, drafter.new_cache(rows, nodes), parents)
+        out = out[:, nodes - (length - j) :]  # [R, T - j, D] step j: start i drafts x_{i+j+2}
+        learnt = mask[:, j:]  # [R, T - 1 - j]
+        losses.append(token_loss(drafter, out[:, :-1][learnt], tokens[:, j + 1 :][learnt]))
+        # Step j + 1 from starts 0 .. T - 2 - j: own feature, true token, under node (j, i).
+        starts = torch.arange(length - 1 - j)
+        inputs = torch.cat([inputs, out[:, :-1]], dim=1)
+        node_tokens = torch.cat([node_tokens, tokens[:, j + 1 :]], dim=1)
+        parents = torch.cat([parents, (nodes - (length - j) + starts).expand(rows, -1)], dim=1)
+    return losses
+
+
+@torch.no_grad()
+def evaluate(
+    drafter: EagleDrafter,
+    sequences: LayerSequences,
+    rows: list[int],
+    depth: int,
+    unroll: int,
+    chunk: int = 32,  # start positions rolled out at a time
+) -> dict[str, Any]:
+    """Held-out loss per training-time-test step, chain acceptance per depth 1..``depth`` and
+    rank shares (as ``eagle.evaluate``)."""
+    hits, counts, ranked = torch.zeros(depth), torch.zeros(depth), torch.zeros(RANKS)
+    step_sums, weight = torch.zeros(unroll), 0
+    for r in rows:
+        features, tokens, start = sequences.row(r)
+        batch = sequences.batch([r])
+        learnt = int(batch[2].sum())
+        step_losses = torch.stack(unrolled_losses(drafter, *batch, unroll))
+        step_sums[: len(step_losses)] += step_losses * learnt
+        weight += learnt
+        length = len(tokens)
+        cache = drafter.new_cache(1, length + depth)
+        out = drafter(drafter.fuse(features[None]), tokens[None], cache)  # [1, T, D]
+        cache.commit(torch.arange(length)[None], torch.tensor([length]))
+        right, count, rank = acceptance_counts(drafter, cache, out[0], tokens, start, depth, chunk)
+        hits, counts, ranked = hits + right, counts + count, ranked + rank
+    step_losses = (step_sums / max(weight, 1)).tolist()
+    return {
+        "loss": sum(step_losses) / unroll,
+        "step_losses": step_losses,
+        "chain": (hits / counts.clamp_min(1)).tolist(),
+        "top1": float(hits[0] / counts[0].clamp_min(1)),
+        "ranks": (ranked / counts[0].clamp_min(1)).tolist(),
+        "positions": int(counts[0]),
+    }
+
+
+def train_eagle3(
+    model: Any,
+    data: SelfDistillData,
+    context: SelfDistillData,
+    prompts: list[list[int]],
+    config: Eagle3Config,
+    out: Path,
+    extra_manifest: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train an EAGLE-3 drafter for the native Llama ``model`` on continuations ``data`` with
+    their prompts' pairs ``context`` and the ``prompts`` themselves, save it (weights +
+    manifest) to ``out`` and return the manifest. ``extra_manifest`` adds entries."""
+    layers = fused_layers(model.config.n_layers)
+    sequences = LayerSequences(model, data, context, prompts, layers, config.max_pairs)
+    job = FeatureTraining(model, sequences, config, fused=len(layers))
+
+    def step() -> float:
+        loss = torch.stack(unrolled_losses(job.drafter, *job.batch(), config.unroll)).mean()
+        loss.backward()
+        return float(loss.detach())
+
+    def held_out(rows: list[int]) -> dict[str, Any]:
+        return evaluate(job.drafter, sequences, rows, config.eval_depth, config.unroll)
+
+    return job.fit_and_save(KIND, step, held_out, out, extra_manifest, progress, list(layers))
