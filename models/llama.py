@@ -97,18 +97,28 @@ def begin_tree_pass(
     return plan, cos[positions][:, :, None], sin[positions][:, :, None]
 
 
+# At most this many rows take the weight-major product on a CPU (``linear``).
+WEIGHT_MAJOR_ROWS = 5
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-    """``F.linear`` with 2 or 3 rows on a CPU padded to 4: oneDNN/MKL's sgemm takes a slow path
-    at 2-3 rows (measured at one thread: SmolLM2's LM head 9.7 / 22.6 / 35.3 / 16.8 ms at
-    1 / 2 / 3 / 4 rows, its 30 layers' feed-forward matrices 12.8 / 18.8 / 21.3 / 15.6 ms), and
-    2- or 3-node trees (1-2 draft tokens) are what speculation on a CPU mostly verifies. The
-    padding rows are zeros and are dropped; the real rows differ only by the other kernel's
-    float rounding."""
+    """``F.linear``; on a CPU with at most WEIGHT_MAJOR_ROWS rows, the same product taken weight
+    major, ``(weight @ x^T)^T`` with ``x`` contiguous, and a single row padded to two. MKL's
+    sgemm is slow at a few rows in ``x @ weight^T``'s orientation (and a single row is a GEMV,
+    ~11 GB/s here) but streams the weights near memory bandwidth in the other one at two rows.
+    SmolLM2's whole forward at one thread, 1 / 2 / 3 / 4 / 5 / 6 / 8 tokens: 55 / 87 / 108 / 75
+    / 92 / 85 / 86 ms with ``F.linear``, 42 / 42 / 60 / 63 / 77 / 90 / 86 ms this way (padding 2-3
+    rows to 4 instead, the earlier fix, gave ~75 ms for 2-4). Passes over 1-5 tokens (plain
+    decoding, small draft trees) are what a CPU target mostly runs. The padding row is zeros and
+    is dropped; rows differ from ``F.linear``'s only by float rounding."""
     rows = x.numel() // x.shape[-1]
-    if x.device.type != "cpu" or rows not in (2, 3):
+    if x.device.type != "cpu" or rows > WEIGHT_MAJOR_ROWS:
         return F.linear(x, weight)
-    padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, 4 - rows))  # [4, in]
-    return F.linear(padded, weight)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+    flat = x.reshape(rows, x.shape[-1]).contiguous()  # [rows, in]
+    if rows == 1:
+        flat = F.pad(flat, (0, 0, 0, 1))  # [2, in]
+    out = (weight @ flat.T).T[:rows].contiguous()  # [rows, out]
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class Linear(nn.Linear):

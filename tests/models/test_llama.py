@@ -176,12 +176,21 @@ def test_config_is_frozen(llama_kit):
     assert isinstance(llama_kit.TINY, LlamaConfig) and llama_kit.TINY.head_dim == 8
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (3, 1), (1, 3), (2, 2), (1, 5)])
-def test_linear_pads_two_or_three_rows_without_changing_them(shape):
-    """The row padding that avoids MKL's slow 2-3-row path returns F.linear's rows and shape."""
+@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (3, 1), (1, 3), (2, 2), (1, 5), (2, 4), (1, 9)])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "transposed-view"])
+def test_linear_matches_f_linear(shape, strided):
+    """The weight-major product for few rows (a single row padded) and F.linear for more return
+    F.linear's rows and shape, from a contiguous input or a transposed view; gradients too."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, 24, generator=gen)  # [B, N, in]
-    weight = torch.randn(40, 24, generator=gen)  # [out, in]
+    if strided:  # the same values, laid out as a transposed view
+        x = x.reshape(-1, 24).T.contiguous().T.reshape(*shape, 24)
+    x.requires_grad_(True)
+    weight = torch.randn(40, 24, generator=gen, requires_grad=True)  # [out, in]
     out = linear(x, weight)
-    assert out.shape == (*shape, 40)
-    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight))
+    assert out.shape == (*shape, 40) and out.is_contiguous()
+    expected = torch.nn.functional.linear(x, weight)
+    torch.testing.assert_close(out, expected)
+    grads = torch.autograd.grad(out.square().sum(), (x, weight))
+    reference = torch.autograd.grad(expected.square().sum(), (x, weight))
+    torch.testing.assert_close(grads, reference, rtol=1e-5, atol=1e-4)  # summation order
