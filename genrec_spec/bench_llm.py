@@ -6,10 +6,11 @@ layer-skipped copy of the target, ``ngram``: prompt lookup, ``trie``: multi-bran
 ``lookahead``), and what a user would pick instead: Hugging Face ``generate`` on the same
 weights, plain (``hf``) and with prompt lookup (``hf-lookup``; batch 1 only, as HF's assisted
 generation does not batch), for every batch size and temperature asked for. On request also the
-trained drafters (``medusa``, ``eagle``, ``eagle2``, ``eagle3``, ``layerskip``: the target's
-first layers plus a trained exit head, ``distilled``: the draft model of ``train-drafter --kind
-draft``) and two more HF options, batch 1 only: early exit (``hf-early-exit``: the target's first
-``--draft-layers`` layers and its LM head draft, ``assistant_early_exit``; Llama supports it,
+trained drafters (``medusa``, ``eagle``, ``eagle2``, ``eagle3``, ``mtp``: DeepSeek-V3-style
+MTP modules, ``layerskip``: the target's first layers plus a trained exit head, ``distilled``:
+the draft model of ``train-drafter --kind draft``) and two more HF options, batch 1 only:
+early exit (``hf-early-exit``: the target's first ``--draft-layers`` layers and its LM head
+draft, ``assistant_early_exit``; Llama supports it,
 as its forward runs the first ``config.num_hidden_layers`` layers, which HF's early-exit
 candidate generator lowers while drafting; off by default, as it ran at ~0.2x of plain decoding
 on SmolLM2) and our distilled draft as ``assistant_model`` (``hf-assist``). HF's assisted
@@ -32,6 +33,14 @@ first decodes a few tokens untimed (warm-up). Batches of B > 1 hold prompts of u
 come from the held-out ``bench`` split (``genrec_spec.prompts``). Example (the headline row):
 
     genrec-spec bench llm --prompts humaneval --n 10 --max-new-tokens 128
+
+``--model gemma3`` benchmarks Gemma-3-270M (a transformers model, 262,144-token vocabulary) as
+the target instead: our plain decoding of it (``none``, through ``HFTarget``), cross-tokenizer
+drafting by SmolLM2-135M (``cross``), and Hugging Face ``generate`` on the same model object,
+plain (``hf``) and with its universal assisted generation (``hf-uag``: SmolLM2 as
+``assistant_model`` with both tokenizers; batch 1 only); the model-free methods on request:
+
+    genrec-spec bench llm --model gemma3 --n 6 --max-new-tokens 96
 """
 
 from __future__ import annotations
@@ -55,20 +64,32 @@ from genrec_spec.types import DecodeStats, SamplingParams
 
 OURS = ("none", "draft", "ngram", "trie", "lookahead")
 # Trained drafters: they load their weights from the cache (`genrec-spec train-drafter`).
-TRAINED = ("medusa", "eagle", "eagle2", "eagle3", "distilled", "layerskip")
+TRAINED = ("medusa", "eagle", "eagle2", "eagle3", "mtp", "distilled", "layerskip")
 HF = ("hf", "hf-lookup")
 # On request: HF's early exit (slow here) and its generate with our trained draft model
 # (`train-drafter --kind draft`) as its assistant.
 HF_ON_ASK = ("hf-early-exit", "hf-assist")
-HF_BATCH_1 = ("hf-lookup", "hf-early-exit", "hf-assist")  # HF's assisted generation
+# Cross-tokenizer drafting, for the Gemma-3 target (--model gemma3): ours and HF's universal
+# assisted generation, both with SmolLM2 as the draft.
+CROSS = ("cross",)
+HF_CROSS = ("hf-uag",)
+HF_BATCH_1 = ("hf-lookup", "hf-early-exit", "hf-assist", "hf-uag")  # HF's assisted generation
 METHODS = OURS + HF  # the default set: runs without trained weights
-ALL_METHODS = METHODS + TRAINED + HF_ON_ASK
+ALL_METHODS = METHODS + TRAINED + HF_ON_ASK + CROSS + HF_CROSS
+GEMMA3_METHODS = ("none", "cross", "hf", "hf-uag")
+MODEL_NAMES = {
+    "smollm2": "SmolLM2-135M-Instruct",
+    "gemma3": "Gemma-3-270M",
+}  # --model gemma3's default set
+# What the Gemma-3 target can run: no native model, so no trained drafter, draft or early exit.
+GEMMA3_ALLOWED = ("none", "ngram", "trie", "lookahead", "hf", "hf-lookup") + CROSS + HF_CROSS
 
 
 @dataclass(frozen=True)
 class BenchLLMConfig:
     """Defaults of ``genrec-spec bench llm`` (the headline run: ~5-8 minutes here)."""
 
+    model: str = "smollm2"  # the target: "smollm2" (native) or "gemma3" (transformers)
     prompts: str = "humaneval"  # "humaneval", "fortunes" or a prompts file
     split: str = "bench"  # prompts held out from drafter training (genrec_spec.prompts)
     n: int = 10
@@ -213,24 +234,52 @@ def _cut_at_eos(row: list[int], eos: int | None) -> list[int]:
 
 
 def make_runners(
-    model: object, hf_model: object | None, settings: BenchLLMConfig, eos: int | None
+    model: object,
+    hf_model: object | None,
+    settings: BenchLLMConfig,
+    eos: int | None,
+    tokenizer: object = None,
 ) -> dict[str, Runner]:
+    """tokenizer: the target's (cross and hf-uag translate through text)."""
     from genrec_spec.generate_cli import make_proposer
 
     runners = {}
     for method in settings.methods:
-        if method in OURS + TRAINED:
-            proposer = make_proposer(method, model, settings.k, settings.draft_layers)
+        if method in OURS + TRAINED + CROSS:
+            proposer = make_proposer(
+                method,
+                model,
+                settings.k,
+                settings.draft_layers,
+                model_name=settings.model,
+                target_tokenizer=tokenizer,
+            )
             runners[method] = ours(model, proposer, eos)
         else:
-            runners[method] = hugging_face(hf_model, eos, hf_assistance(method, model, settings))
+            assistance = hf_assistance(method, model, settings, tokenizer)
+            runners[method] = hugging_face(hf_model, eos, assistance)
     return runners
 
 
-def hf_assistance(method: str, model: object, settings: BenchLLMConfig) -> dict:
+def hf_assistance(
+    method: str, model: object, settings: BenchLLMConfig, tokenizer: object = None
+) -> dict:
     """generate's options for a Hugging Face method: prompt lookup, early exit (the target's
-    own first draft_layers layers draft, as in our draft method), or our trained draft model as
-    the assistant (a transformers model sharing its weights); none for plain ``hf``."""
+    own first draft_layers layers draft, as in our draft method), our trained draft model as
+    the assistant (a transformers model sharing its weights), or SmolLM2 as the assistant of
+    another tokenizer's target (universal assisted generation: ``tokenizer`` is the target's);
+    none for plain ``hf``."""
+    if method == "hf-uag":
+        from transformers import AutoModelForCausalLM
+
+        from genrec_spec.models.smollm2 import load_smollm2_tokenizer, smollm2_hf_dir
+
+        assistant = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir(), dtype=torch.float32)
+        return {
+            "assistant_model": assistant.eval(),
+            "tokenizer": tokenizer,
+            "assistant_tokenizer": load_smollm2_tokenizer(),
+        }
     if method == "hf-lookup":
         return {"prompt_lookup_num_tokens": settings.hf_lookup_tokens}
     if method == "hf-early-exit":
@@ -255,15 +304,17 @@ def benchmark(
     settings: BenchLLMConfig,
     eos: int | None = None,
     log: Callable[[str], None] = lambda line: None,
+    tokenizer: object = None,
 ) -> list[Row]:
     """Every (batch size, temperature) of settings: every method on the same prompts (token
     ids per prompt), timed round-robin; one Row per method that supports the batch size.
 
-    model: the native Llama; hf_model: the same weights as a transformers model (needed only
-    for the hf methods); log: receives one progress line per repeat."""
+    model: the target (the native Llama for SmolLM2); hf_model: the same weights as a
+    transformers model (needed only for the hf methods; Gemma-3 is one already); log: receives
+    one progress line per repeat; tokenizer: the target's (needed by cross and hf-uag)."""
     if "none" not in settings.methods:
         raise ValueError("methods must include 'none': plain decoding is the baseline")
-    runners = make_runners(model, hf_model, settings, eos)
+    runners = make_runners(model, hf_model, settings, eos, tokenizer)
     rows = []
     for batch_size in settings.batch_sizes:
         batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
@@ -331,7 +382,7 @@ def _rows(
 ) -> list[Row]:
     speed = {m: [t.tokens_per_s for t in ts] for m, ts in tallies.items()}
     median = {m: statistics.median(s) for m, s in speed.items()}
-    hf_best = max((median[m] for m in median if m in HF + HF_ON_ASK), default=None)
+    hf_best = max((median[m] for m in median if m in HF + HF_ON_ASK + HF_CROSS), default=None)
     rows = []
     for method, repeats in tallies.items():
         # Acceptance counts summed over every repeat.
@@ -388,6 +439,13 @@ def _list(kind: type) -> Callable[[str], tuple]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     c = BenchLLMConfig()
     parser.add_argument(
+        "--model",
+        choices=("smollm2", "gemma3"),
+        default=c.model,
+        help="the target: SmolLM2-135M-Instruct, or Gemma-3-270M with cross-tokenizer drafting "
+        f"(default methods {','.join(GEMMA3_METHODS)})",
+    )
+    parser.add_argument(
         "--prompts", default=c.prompts, help="humaneval, fortunes or a prompts file"
     )
     parser.add_argument("--split", default=c.split, choices=["bench", "train", "all"])
@@ -396,8 +454,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--methods",
         type=_list(str),
-        default=c.methods,
-        help=f"of {','.join(ALL_METHODS)} (default {','.join(c.methods)})",
+        default=None,
+        help=f"of {','.join(ALL_METHODS)} (default {','.join(c.methods)}; --model gemma3: "
+        f"{','.join(GEMMA3_METHODS)})",
     )
     parser.add_argument("--batch-sizes", type=_list(int), help="e.g. 1,8 (default 1)")
     parser.add_argument("--temperatures", type=_list(float), help="e.g. 0,0.8 (default 0)")
@@ -430,15 +489,22 @@ def settings_from(args: argparse.Namespace) -> BenchLLMConfig:
     def pick(value, quick, default):
         return value if value is not None else quick if q else default
 
-    unknown = [m for m in args.methods if m not in ALL_METHODS]
+    methods = args.methods or (GEMMA3_METHODS if args.model == "gemma3" else c.methods)
+    unknown = [m for m in methods if m not in ALL_METHODS]
+    allowed = (
+        GEMMA3_ALLOWED
+        if args.model == "gemma3"
+        else tuple(m for m in ALL_METHODS if m not in CROSS + HF_CROSS)
+    )
     settings = replace(
         c,
+        model=args.model,
         prompts=args.prompts,
         split=args.split,
         n=pick(args.n, c.quick_n, c.n),
         max_new_tokens=pick(args.max_new_tokens, c.quick_max_new_tokens, c.max_new_tokens),
         # plain decoding first: it is every speedup's denominator
-        methods=("none",) + tuple(dict.fromkeys(m for m in args.methods if m != "none")),
+        methods=("none",) + tuple(dict.fromkeys(m for m in methods if m != "none")),
         batch_sizes=pick(args.batch_sizes, c.quick_batch_sizes, c.batch_sizes),
         temperatures=pick(args.temperatures, c.quick_temperatures, c.temperatures),
         repeats=args.repeats,
@@ -449,6 +515,10 @@ def settings_from(args: argparse.Namespace) -> BenchLLMConfig:
     )
     if unknown:
         raise ValueError(f"unknown methods {unknown}; choose from {','.join(ALL_METHODS)}")
+    if any(m not in allowed for m in methods):
+        raise ValueError(
+            f"--model {args.model} runs only {','.join(allowed)} (cross and hf-uag: --model gemma3)"
+        )
     counts = (settings.n, settings.max_new_tokens, settings.repeats, settings.threads, settings.k)
     if not settings.batch_sizes or min(counts + settings.batch_sizes) < 1:
         raise ValueError("--n, --max-new-tokens, --repeats, --threads, --k, --batch-sizes: >= 1")
@@ -458,20 +528,26 @@ def settings_from(args: argparse.Namespace) -> BenchLLMConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from genrec_spec.models.smollm2 import load_smollm2, smollm2_hf_dir
+    from transformers.utils import logging
+
+    from genrec_spec.generate_cli import load_target
+    from genrec_spec.models.smollm2 import smollm2_hf_dir
     from genrec_spec.prompts import load_prompts
 
     settings = settings_from(args)
     torch.set_num_threads(settings.threads)
-    model, tokenizer = load_smollm2()
-    texts = load_prompts(settings.prompts, settings.n, settings.seed, settings.split, tokenizer)
+    logging.set_verbosity_error()  # generate's notes on generation flags
+    model, tokenizer = load_target(settings.model)
+    # A base model (Gemma-3-270M) has no chat template: chat sources come as plain text.
+    chat = None if getattr(tokenizer, "chat_template", None) else False
+    texts = load_prompts(
+        settings.prompts, settings.n, settings.seed, settings.split, tokenizer, chat=chat
+    )
     prompts = [tokenizer(text)["input_ids"] for text in texts]
-    hf_model = None
-    if any(m in HF + HF_ON_ASK for m in settings.methods):
+    hf_model = model if settings.model == "gemma3" else None  # Gemma-3 is a transformers model
+    if hf_model is None and any(m in HF + HF_ON_ASK for m in settings.methods):
         from transformers import AutoModelForCausalLM
-        from transformers.utils import logging
 
-        logging.set_verbosity_error()  # generate's notes on generation flags
         hf_model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir(), dtype=torch.float32)
         hf_model.eval()
     load_before = os.getloadavg()[0]
@@ -483,11 +559,12 @@ def run(args: argparse.Namespace) -> int:
         settings,
         tokenizer.eos_token_id,
         log=lambda line: print(line, file=sys.stderr, flush=True),
+        tokenizer=tokenizer,
     )
     load_after = os.getloadavg()[0]
     lengths = [len(p) for p in prompts]
     print(
-        f"SmolLM2-135M-Instruct on cpu, {settings.threads} thread(s): {settings.prompts} "
+        f"{MODEL_NAMES[settings.model]} on cpu, {settings.threads} thread(s): {settings.prompts} "
         f"({settings.split} split) n={len(prompts)}, prompt tokens {min(lengths)}-{max(lengths)}, "
         f"max_new_tokens={settings.max_new_tokens}, median of {settings.repeats} repeat(s); "
         f"{time.perf_counter() - started:.0f} s, load average {load_before:.2f} -> "

@@ -7,13 +7,20 @@ and the trained drafters, loaded from --drafter (made by `genrec-spec train-draf
 medusa (Medusa heads on the target's last hidden state, a static tree), eagle (EAGLE-1: a
 one-layer feature drafter, a static tree), eagle2 (EAGLE-2: the same drafter, a dynamic
 tree), eagle3 (EAGLE-3: the drafter on fused low/mid/high layer features, trained with
-training-time test, EAGLE-2's dynamic tree), distilled (a small draft model: a few trained
-layers between the target's own embeddings and LM head, drafting a chain of --k tokens) and
-layerskip (self-speculation: the target's first layers plus a trained exit head draft a chain
-of --k tokens on the target's own KV cache). All are lossless:
+training-time test, EAGLE-2's dynamic tree), mtp (DeepSeek-V3-style sequential
+multi-token-prediction modules, one per depth, drafting a short chain), distilled (a small
+draft model: a few trained layers between the target's own embeddings and LM head, drafting
+a chain of --k tokens) and layerskip (self-speculation: the target's first layers plus a
+trained exit head draft a chain of --k tokens on the target's own KV cache). All are lossless:
 the text is what plain decoding gives (greedy) or is distributed as it (sampling). Example:
 
     genrec-spec generate --method lookahead --prompt "def fib(n):" --max-new-tokens 64
+
+``--model gemma3`` decodes with Gemma-3-270M instead (a transformers model, vocabulary 262,144),
+with the model-free methods (none, ngram, trie, lookahead) or cross (cross-tokenizer drafting:
+SmolLM2-135M drafts through text, ``genrec_spec.proposers.cross_tokenizer``):
+
+    genrec-spec generate --model gemma3 --method cross --prompt "def fib(n):"
 """
 
 from __future__ import annotations
@@ -24,17 +31,29 @@ from pathlib import Path
 
 METHODS = ("none", "draft", "ngram", "trie", "lookahead")
 # Need a drafter folder (--drafter).
-TRAINED_METHODS = ("medusa", "eagle", "eagle2", "eagle3", "distilled", "layerskip")
+TRAINED_METHODS = ("medusa", "eagle", "eagle2", "eagle3", "mtp", "distilled", "layerskip")
+# Cross-tokenizer drafting: SmolLM2 drafts for a target with another tokenizer (--model gemma3).
+CROSS_METHODS = ("cross",)
+MODELS = ("smollm2", "gemma3")
+MODEL_FREE = ("none", "ngram", "trie", "lookahead")  # need nothing of the target model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", choices=["smollm2"], default="smollm2")
-    parser.add_argument("--method", choices=METHODS + TRAINED_METHODS, default="none")
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="smollm2",
+        help="target: SmolLM2-135M-Instruct (native) or Gemma-3-270M (transformers; methods "
+        f"{', '.join(MODEL_FREE + CROSS_METHODS)})",
+    )
+    parser.add_argument(
+        "--method", choices=METHODS + TRAINED_METHODS + CROSS_METHODS, default="none"
+    )
     parser.add_argument(
         "--drafter",
         type=Path,
         default=None,
-        help="trained drafter folder for medusa, eagle, eagle2, eagle3, distilled, layerskip "
+        help="trained drafter folder for medusa, eagle, eagle2, eagle3, mtp, distilled, layerskip "
         "(default $GENREC_SPEC_CACHE/drafters/METHOD; eagle2 reads the eagle drafter, distilled "
         "the draft one)",
     )
@@ -93,10 +112,12 @@ def make_proposer(
     draft_layers: int = 10,
     drafter: Path | None = None,
     model_name: str = "smollm2",
+    target_tokenizer: object = None,
 ):
-    """The proposer for a method name (None for plain decoding); model is the native Llama.
-    Trained methods load their weights from ``drafter`` (default: the cache's
-    ``drafters/<method>`` folder) and say which command trains them when it is missing."""
+    """The proposer for a method name (None for plain decoding); model is the target (the
+    native Llama for SmolLM2). Trained methods load their weights from ``drafter`` (default:
+    the cache's ``drafters/<method>`` folder) and say which command trains them when it is
+    missing; cross needs the target's tokenizer."""
     from genrec_spec.proposers import (
         DraftModelProposer,
         LookaheadProposer,
@@ -105,8 +126,11 @@ def make_proposer(
         layer_skip_copy,
     )
 
+    check_method(model_name, method)
     if method == "none":
         return None
+    if method == "cross":
+        return cross_tokenizer_proposer(model, target_tokenizer, k)
     if method in TRAINED_METHODS:
         return _trained_proposer(method, model, drafter, model_name, k)
     if method == "draft":
@@ -120,6 +144,53 @@ def make_proposer(
     if method == "trie":
         return TrieProposer(k=k)
     return LookaheadProposer()
+
+
+def check_method(model_name: str, method: str) -> None:
+    """Refuse a method the target cannot run, saying which ones it can."""
+    from genrec_spec.types import DecodeInputError
+
+    allowed = {"smollm2": METHODS + TRAINED_METHODS, "gemma3": MODEL_FREE + CROSS_METHODS}[
+        model_name
+    ]
+    if method not in allowed:
+        raise DecodeInputError(
+            f"--method {method} does not run on --model {model_name}",
+            f"pick one of {', '.join(allowed)}"
+            + (" (cross drafts for --model gemma3)" if method == "cross" else ""),
+        )
+
+
+def cross_tokenizer_proposer(target: object, target_tokenizer: object, k: int = 4):
+    """SmolLM2-135M (native) drafting for ``target`` through text; draft_cost is the ratio of
+    the two models' parameter counts (a CPU step reads every weight once)."""
+    from genrec_spec.models.smollm2 import load_smollm2
+    from genrec_spec.proposers import CrossTokenizerProposer
+    from genrec_spec.types import DecodeInputError
+
+    if target_tokenizer is None:
+        raise DecodeInputError(
+            "cross-tokenizer drafting needs the target's tokenizer",
+            "pass target_tokenizer= (e.g. load_gemma3()[1])",
+        )
+    draft, draft_tokenizer = load_smollm2()
+    cost = _parameters(draft) / _parameters(target)
+    return CrossTokenizerProposer(draft, draft_tokenizer, target_tokenizer, k=k, draft_cost=cost)
+
+
+def _parameters(model: object) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def load_target(model_name: str) -> tuple[object, object]:
+    """The target model and its tokenizer by ``--model`` name."""
+    if model_name == "gemma3":
+        from genrec_spec.models.gemma3 import load_gemma3
+
+        return load_gemma3()
+    from genrec_spec.models import smollm2  # looked up at call time (tests replace it)
+
+    return smollm2.load_smollm2()
 
 
 def _trained_proposer(
@@ -146,6 +217,12 @@ def _trained_proposer(
 
         early_exit, _ = load_layerskip(folder, model, model_name)
         return LayerSkipProposer(early_exit, k=k)
+    if method == "mtp":
+        from genrec_spec.drafters.mtp import load_mtp
+        from genrec_spec.proposers.mtp import MTPProposer
+
+        modules, manifest = load_mtp(folder, model, model_name)
+        return MTPProposer(modules, manifest["target"]["hidden_layer"])
     from genrec_spec.drafters.eagle import load_eagle
     from genrec_spec.proposers.eagle import Eagle2Proposer, EagleProposer
 
@@ -161,15 +238,15 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from genrec_spec.decode import generate
-    from genrec_spec.models.smollm2 import load_smollm2
     from genrec_spec.types import DecodeInputError, SamplingParams
 
     if args.batch_size < 1:
         raise DecodeInputError(f"--batch-size {args.batch_size}", "use --batch-size >= 1")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     prompts = read_prompts(args)
+    check_method(args.model, args.method)
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_smollm2()
+    model, tokenizer = load_target(args.model)
     if args.chat:
         prompts = [
             tokenizer.apply_chat_template(
@@ -178,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
             for p in prompts
         ]
     proposer = make_proposer(
-        args.method, model, args.k, args.draft_layers, args.drafter, args.model
+        args.method, model, args.k, args.draft_layers, args.drafter, args.model, tokenizer
     )
     generator = torch.Generator().manual_seed(args.seed)
     results, batches = [], []

@@ -16,6 +16,7 @@ Adapters: ``CallableTarget`` (any causal ids -> logits callable; no cache), ``HF
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -115,11 +116,13 @@ class HFCache:
 
     past: Any  # transformers DynamicCache
     slot_valid: Tensor  # [B, S] bool
+    slot_position: Tensor  # [B, S] int64 position id of each slot (for sliding-window layers)
     root_position: Tensor  # [B] position of the next root
     pending: Tensor  # [B, P] tokens, left-padded
     pending_valid: Tensor  # [B, P] bool
     hidden_layers: tuple[int, ...] = ()
     scored: int = 0  # slots the last uncommitted pass appended (pending + tree)
+    scored_position: Tensor | None = None  # [B, scored] int64 their position ids
     tree: DraftTree | None = None
     hidden: dict[int, Tensor] = field(default_factory=dict)
 
@@ -129,32 +132,57 @@ class HFTarget:
     attention mask (every node sees the row's cached tokens, the pending tokens and its own
     ancestors) and explicit position ids; commit crops the cache back to the root's slot and
     re-feeds the accepted nodes as a prefix of the next pass (simple and correct; the
-    recomputation costs at most the draft depth in tokens)."""
+    recomputation costs at most the draft depth in tokens).
+
+    Models with sliding-window layers (``config.layer_types`` naming "sliding_attention": Gemma-2
+    and -3, Qwen-2...) get one mask per layer type, since a 4D mask reaches every layer as is:
+    the sliding layers' mask also hides keys ``sliding_window`` or more positions back."""
 
     def __init__(self, model: Any, max_length: int | None = None) -> None:
         self.model = model.eval()
         self.device = model.device
-        self.vocab_size = int(model.config.vocab_size)
-        self.max_length = max_length or int(
-            getattr(model.config, "max_position_embeddings", 1 << 20)
-        )
+        config = model.config
+        self.vocab_size = int(config.vocab_size)
+        self.max_length = max_length or int(getattr(config, "max_position_embeddings", 1 << 20))
+        sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ())
+        self.sliding_window = getattr(config, "sliding_window", None) if sliding else None
+        self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
-    def _forward(self, cache: HFCache, tokens: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
-        # tokens [B, Q], positions [B, Q], mask [B, Q, S + Q] bool (True = attend)
+    def _forward(
+        self, cache: HFCache, tokens: Tensor, positions: Tensor, mask: Tensor, logits: bool = True
+    ) -> Tensor | None:
+        # tokens [B, Q], positions [B, Q], mask [B, Q, S + Q] bool (True = attend) -> logits
+        # [B, Q, V]; logits=False (prefill) skips the LM head where the model allows it
         dtype = self.model.dtype
-        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-        additive = additive.masked_fill(~mask, torch.finfo(dtype).min)[:, None]
+
+        def additive(allowed: Tensor) -> Tensor:  # [B, Q, S + Q] bool -> [B, 1, Q, S + Q]
+            zeros = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            return zeros.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+
+        attention_mask = additive(mask)
+        if self.sliding_window is not None:
+            keys = torch.cat([cache.slot_position, positions], dim=1)  # [B, S + Q]
+            near = positions[:, :, None] - keys[:, None, :] < self.sliding_window
+            attention_mask = {
+                "full_attention": attention_mask,
+                "sliding_attention": additive(mask & near),
+            }
+        # transformers' causal LMs take logits_to_keep (1: the last position's only), which
+        # spares a prefill the LM head over every prompt token (Gemma-3's 262k-vocabulary
+        # head costs more than its 18 layers).
+        keep = {} if logits or not self.keeps_logits else {"logits_to_keep": 1}
         out = self.model(
             input_ids=tokens,
             position_ids=positions,
-            attention_mask=additive,
+            attention_mask=attention_mask,
             past_key_values=cache.past,
             use_cache=True,
             output_hidden_states=bool(cache.hidden_layers),
+            **keep,
         )
         cache.past = out.past_key_values
         cache.hidden = {layer: out.hidden_states[layer] for layer in cache.hidden_layers}
-        return out.logits
+        return out.logits if logits else None
 
     def prefill(
         self, tokens: Tensor, lengths: Tensor, capacity: int, hidden_layers: Sequence[int] = ()
@@ -166,6 +194,7 @@ class HFTarget:
         cache = HFCache(
             past=DynamicCache(),
             slot_valid=torch.zeros(batch, 0, dtype=torch.bool, device=device),
+            slot_position=tokens.new_zeros(batch, 0),
             root_position=lengths - 1,
             pending=tokens.new_zeros(batch, 0),
             pending_valid=torch.zeros(batch, 0, dtype=torch.bool, device=device),
@@ -179,8 +208,8 @@ class HFTarget:
             # Padding queries attend to themselves only, so no softmax row is empty.
             mask = (causal & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)
             positions = torch.arange(width, device=device).expand(batch, width)
-            self._forward(cache, prompt, positions, mask)
-            cache.slot_valid = real
+            self._forward(cache, prompt, positions, mask, logits=False)
+            cache.slot_valid, cache.slot_position = real, positions
         return cache
 
     def score_tree(self, cache: HFCache, tree: DraftTree) -> Tensor:
@@ -208,7 +237,7 @@ class HFTarget:
         new |= torch.eye(q, dtype=torch.bool, device=device)  # padding queries see themselves
         logits = self._forward(cache, tokens, positions, mask)
         cache.hidden = {layer: h[:, num_pending:] for layer, h in cache.hidden.items()}
-        cache.tree, cache.scored = tree, q
+        cache.tree, cache.scored, cache.scored_position = tree, q, positions
         return logits[:, num_pending:]
 
     def commit(self, cache: HFCache, nodes: Tensor, counts: Tensor) -> None:
@@ -217,6 +246,10 @@ class HFTarget:
         cache.scored = 0
         cache.slot_valid = torch.cat(
             [cache.slot_valid, cache.pending_valid, (counts > 0)[:, None]], dim=1
+        )
+        kept = cache.pending.shape[1] + 1  # the pending slots and the root's
+        cache.slot_position = torch.cat(
+            [cache.slot_position, cache.scored_position[:, :kept]], dim=1
         )
         # The kept nodes after the root become the next pending prefix, left-padded to the
         # longest kept path (the loop trims nodes to it).

@@ -52,27 +52,22 @@ from genrec_spec.models.llama import (
 IGNORE = -100  # vocab_index of a token outside the draft vocabulary
 
 
-class EagleDrafter(nn.Module):
+class FeatureDrafter(nn.Module):
+    """What the feature drafters share (EAGLE's one layer, ``mtp_drafter``'s MTP modules): the
+    target's token embedding and LM head, shared and frozen (the head restricted to the draft
+    vocabulary), RoPE tables at the target's widths, one-layer KV caches, and one decoder-layer
+    pass over (feature, token) pairs."""
+
     def __init__(
         self,
         config: LlamaConfig,  # the target's (widths, RoPE, norm eps, max_seq_len)
         embedding: Tensor,  # [V, D] the target's token embeddings (by reference, frozen)
         lm_head: Tensor,  # [V, D] the target's output projection (by reference, frozen)
         vocab_ids: Tensor | None = None,  # [V'] int64 ascending: the draft vocabulary; None = all
-        fused: int = 1,  # target layers whose features it reads (EAGLE-3: 3)
     ) -> None:
         super().__init__()
         self.config = replace(config, n_layers=1)
-        dim, vocab = config.dim, config.vocab_size
-        dtype = lm_head.dtype
-        # One layer needs no fusion: Identity keeps EAGLE-1's state dict (and checkpoints) as is.
-        self.fuse = (
-            nn.Sequential(nn.Linear(fused * dim, dim), RMSNorm(dim, config.norm_eps)).to(dtype)
-            if fused > 1
-            else nn.Identity()
-        )
-        self.fc = nn.Linear(2 * dim, dim, dtype=dtype)
-        self.block = TransformerBlock(self.config, layer=0).to(dtype)
+        vocab = config.vocab_size
         ids = torch.arange(vocab, device=lm_head.device) if vocab_ids is None else vocab_ids
         self.register_buffer("vocab_ids", ids.long(), persistent=True)  # [V']
         index = torch.full((vocab,), IGNORE, dtype=torch.long, device=lm_head.device)
@@ -93,15 +88,14 @@ class EagleDrafter(nn.Module):
                 f"max_len {max_len} exceeds the target's max_seq_len {self.config.max_seq_len}; "
                 "ask for a shorter cache"
             )
-        weight = self.fc.weight
         return StaticKVCache(
             1,
             batch_size,
             self.config.n_kv_heads,
             max_len,
             self.config.head_dim,
-            dtype=weight.dtype,
-            device=weight.device,
+            dtype=self.draft_head.dtype,
+            device=self.draft_head.device,
         )
 
     def _rope(self, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -109,19 +103,24 @@ class EagleDrafter(nn.Module):
             self._rope_cos, self._rope_sin = rope_tables(self.config, device)
         return self._rope_cos, self._rope_sin
 
-    def forward(
+    def layer_pass(
         self,
-        features: Tensor,  # [B, N, D] f_t of each pair (the target's, or a predicted one)
-        tokens: Tensor,  # [B, N] int64 x_{t+1} of each pair
+        fc: nn.Module,  # [.., 2 D] -> [.., D]: the pair's projection
+        block: TransformerBlock,  # the decoder layer (layer 0 of a one-layer cache)
+        features: Tensor,  # [B, N, D] each pair's feature (as the projection reads it)
+        embedded: Tensor,  # [B, N, D] each pair's token embedding (as the projection reads it)
         cache: StaticKVCache,  # from new_cache; its committed pairs precede these
-        parents: Tensor | None = None,  # [B, N] int64 tree of the pairs, -1 = after the cache
-    ) -> Tensor:  # [B, N, D] predicted features f_{t+1}
+        parents: Tensor | None,  # [B, N] int64 tree of the pairs, -1 = after the cache
+    ) -> Tensor:  # [B, N, D] the layer's outputs
         """One pass over N pairs per row (a chain when ``parents`` is None), leaving their K/V
         pending in ``cache`` (commit the ones to keep). Differentiable: training runs it over
         whole sequences with a fresh cache."""
-        plan, cos, sin = begin_tree_pass(cache, tokens.shape[1], parents, self._rope(tokens.device))
-        x = self.fc(torch.cat([features, F.embedding(tokens, self.embedding)], dim=-1))
-        return self.block(x, cos, sin, cache, plan)
+        rope = self._rope(features.device)
+        plan, cos, sin = begin_tree_pass(cache, features.shape[1], parents, rope)
+        return block(fc(torch.cat([features, embedded], dim=-1)), cos, sin, cache, plan)
+
+    def embed(self, tokens: Tensor) -> Tensor:  # [..] int64 -> [.., D] the target's embeddings
+        return F.embedding(tokens, self.embedding)
 
     def logits(self, features: Tensor) -> Tensor:  # [..., D] -> [..., V'] over the draft vocab
         return linear(features, self.draft_head)
@@ -135,3 +134,34 @@ class EagleDrafter(nn.Module):
         log_probs = self.logits(features).float().log_softmax(-1)
         top = log_probs.topk(width, dim=-1)
         return top.values, self.vocab_ids[top.indices]
+
+
+class EagleDrafter(FeatureDrafter):
+    def __init__(
+        self,
+        config: LlamaConfig,  # the target's (widths, RoPE, norm eps, max_seq_len)
+        embedding: Tensor,  # [V, D] the target's token embeddings (by reference, frozen)
+        lm_head: Tensor,  # [V, D] the target's output projection (by reference, frozen)
+        vocab_ids: Tensor | None = None,  # [V'] int64 ascending: the draft vocabulary; None = all
+        fused: int = 1,  # target layers whose features it reads (EAGLE-3: 3)
+    ) -> None:
+        super().__init__(config, embedding, lm_head, vocab_ids)
+        dim, dtype = config.dim, lm_head.dtype
+        # One layer needs no fusion: Identity keeps EAGLE-1's state dict (and checkpoints) as is.
+        self.fuse = (
+            nn.Sequential(nn.Linear(fused * dim, dim), RMSNorm(dim, config.norm_eps)).to(dtype)
+            if fused > 1
+            else nn.Identity()
+        )
+        self.fc = nn.Linear(2 * dim, dim, dtype=dtype)
+        self.block = TransformerBlock(self.config, layer=0).to(dtype)
+
+    def forward(
+        self,
+        features: Tensor,  # [B, N, D] f_t of each pair (the target's, or a predicted one)
+        tokens: Tensor,  # [B, N] int64 x_{t+1} of each pair
+        cache: StaticKVCache,  # from new_cache; its committed pairs precede these
+        parents: Tensor | None = None,  # [B, N] int64 tree of the pairs, -1 = after the cache
+    ) -> Tensor:  # [B, N, D] predicted features f_{t+1}
+        """``layer_pass`` over the pairs (f_t, x_{t+1})."""
+        return self.layer_pass(self.fc, self.block, features, self.embed(tokens), cache, parents)

@@ -41,7 +41,7 @@ def smollm2_gguf_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
 
 
-def _cached(name: str, build: Callable[[Path], None]) -> Path:
+def cached_folder(name: str, build: Callable[[Path], None]) -> Path:
     """``cache_dir() / name``, built once by ``build(tmp_folder)`` and renamed into place, so an
     interrupted or concurrent build never leaves a half-written folder behind."""
     target = cache_dir() / name
@@ -70,34 +70,37 @@ def load_smollm2_tokenizer():
     def build(folder: Path) -> None:
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
 
-    return AutoTokenizer.from_pretrained(_cached(TOKENIZER_DIR_NAME, build))
+    return AutoTokenizer.from_pretrained(cached_folder(TOKENIZER_DIR_NAME, build))
 
 
-def smollm2_hf_dir() -> Path:
-    """A Hugging Face folder (config.json, model.safetensors, tokenizer) of SmolLM2, converted
-    from the GGUF by transformers' own reader (not ours), so it can serve as a reference.
+def hf_model_from_gguf(gguf: Path):  # -> a transformers causal LM, fp32
+    """A transformers model converted from a GGUF file by transformers' own reader (not ours),
+    so it can serve as a reference.
 
     Built without ``from_pretrained(gguf_file=...)``, which insists on the accelerate package:
     the same converter (``load_gguf_checkpoint``) fills a model made from the GGUF's config."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    gguf = smollm2_gguf_path()
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+    tensors = {k: torch.as_tensor(v) for k, v in tensors.items()}
+    result = model.load_state_dict(tensors, strict=False)  # lm_head is tied, not stored
+    if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
+        raise LlamaError(f"transformers' GGUF conversion did not fit its model: {result}")
+    return model
+
+
+def smollm2_hf_dir() -> Path:
+    """A Hugging Face folder (config.json, model.safetensors, tokenizer) of SmolLM2, converted
+    from the GGUF by ``hf_model_from_gguf``."""
 
     def build(folder: Path) -> None:
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)[
-            "tensors"
-        ]
-        tensors = {k: torch.as_tensor(v) for k, v in tensors.items()}
-        result = model.load_state_dict(tensors, strict=False)  # lm_head is tied, not stored
-        if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
-            raise LlamaError(f"transformers' GGUF conversion did not fit its model: {result}")
-        model.save_pretrained(folder)
+        hf_model_from_gguf(smollm2_gguf_path()).save_pretrained(folder)
         load_smollm2_tokenizer().save_pretrained(folder)
 
-    return _cached(HF_DIR_NAME, build)
+    return cached_folder(HF_DIR_NAME, build)
 
 
 def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[Llama, object]:

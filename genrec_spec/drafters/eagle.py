@@ -36,12 +36,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn import Module
 from torch.nn.utils.rnn import pad_sequence
 
 from genrec_spec.drafters.checkpoint import DrafterError, load_drafter, output_weight, save_drafter
 from genrec_spec.drafters.selfdistill import SelfDistillData
 from genrec_spec.drafters.training import drafter_manifest, fit, held_out_rows
-from genrec_spec.models.eagle_drafter import IGNORE, EagleDrafter
+from genrec_spec.models.eagle_drafter import IGNORE, EagleDrafter, FeatureDrafter
 
 KIND = "eagle"
 RANKS = 8  # the held-out rank statistics cover the drafter's first RANKS choices
@@ -126,7 +127,7 @@ def losses(
 
 
 def token_loss(
-    drafter: EagleDrafter,
+    drafter: FeatureDrafter,
     predicted: Tensor,  # [P, D] predicted features
     targets: Tensor,  # [P] int64 the tokens they should draft
 ) -> Tensor:  # [] cross-entropy over the draft vocabulary, mean over targets inside it
@@ -192,15 +193,15 @@ def acceptance_counts(
     length = len(tokens)
     for first in range(max(start - 1, 0), length - 1, chunk):
         index = torch.arange(first, min(first + chunk, length - 1))  # [S] pair i predicts i + 1
-        ranked += _rank_counts(drafter, out[index], tokens[index + 1])
+        ranked += rank_counts(drafter, out[index], tokens[index + 1])
         right, count = _rollout(drafter, cache, out[index], tokens, index, depth)
         hits += right
         counts += count
     return hits, counts, ranked
 
 
-def _rank_counts(
-    drafter: EagleDrafter,
+def rank_counts(
+    drafter: FeatureDrafter,
     features: Tensor,  # [S, D] predicted features
     labels: Tensor,  # [S] int64 the true next tokens
 ) -> Tensor:  # [RANKS] how often the label is the drafter's r-th choice
@@ -272,10 +273,10 @@ class FeatureTraining:
     """A feature drafter (EAGLE, EAGLE-3) in training for the native Llama ``model`` on
     ``sequences``: the rows with a pair to learn, split by ``config.held_out``, and a fresh
     drafter whose draft vocabulary is the training rows' most frequent tokens
-    (``config.draft_vocab``)."""
+    (``config.draft_vocab``; ``new_drafter`` builds it)."""
 
     def __init__(self, model: Any, sequences: Sequences, config: Any, fused: int = 1) -> None:
-        self.model, self.sequences, self.config = model, sequences, config
+        self.model, self.sequences, self.config, self.fused = model, sequences, config, fused
         rows = sequences.data.rows
         held = held_out_rows(rows, config.held_out, config.seed).tolist()
         self.train = [r for r in range(rows) if not held[r] and sequences.learnable(r)]
@@ -289,14 +290,19 @@ class FeatureTraining:
         vocab_ids = draft_vocabulary(text, model.config.vocab_size, config.draft_vocab)
         with torch.random.fork_rng():
             torch.manual_seed(config.seed)
-            self.drafter = EagleDrafter(
-                model.config,
-                model.tok_embeddings.weight.float(),
-                output_weight(model).float(),
-                vocab_ids,
-                fused,
-            )
+            self.drafter = self.new_drafter(vocab_ids)
         self.generator = torch.Generator().manual_seed(config.seed)  # batch draws (and noise)
+
+    def new_drafter(self, vocab_ids: Tensor | None) -> FeatureDrafter:  # vocab_ids [V'] or None
+        """A freshly initialised drafter in fp32 with the draft vocabulary ``vocab_ids``."""
+        model = self.model
+        return EagleDrafter(
+            model.config,
+            model.tok_embeddings.weight.float(),
+            output_weight(model).float(),
+            vocab_ids,
+            self.fused,
+        )
 
     def batch(self) -> tuple[Tensor, Tensor, Tensor]:  # features, tokens, mask (Sequences.batch)
         """``config.batch_rows`` training rows drawn at random."""
@@ -342,16 +348,34 @@ def load_eagle(
 ) -> tuple[EagleDrafter, dict[str, Any]]:
     """The drafter saved by ``train_eagle`` (or, kind "eagle3", ``eagle3.train_eagle3``) for
     ``model``, in the model's dtype, and the manifest."""
+
+    def build(vocab_ids: Tensor | None, tensors: dict[str, Tensor], _: dict) -> EagleDrafter:
+        fuse = tensors.get("fuse.0.weight")  # [D, k D], EAGLE-3's only
+        fused = 1 if fuse is None else fuse.shape[1] // model.config.dim
+        return EagleDrafter(
+            model.config, model.tok_embeddings.weight, output_weight(model), vocab_ids, fused
+        )
+
+    return load_feature_drafter(folder, kind, model, model_name, build)
+
+
+def load_feature_drafter(
+    folder: Path,
+    kind: str,
+    model: Any,
+    model_name: str,
+    build: Callable[[Tensor | None, dict[str, Tensor], dict[str, Any]], Module],
+) -> tuple[Any, dict[str, Any]]:
+    """A feature drafter saved for ``model`` (``checkpoint.load_drafter``), in the model's dtype
+    and eval mode, and its manifest. ``build(vocab_ids, tensors, manifest)`` makes the drafter
+    (on the meta device: its parameters come from the checkpoint) with the saved draft
+    vocabulary [V'] (None when it is the whole vocabulary)."""
     tensors, manifest = load_drafter(folder, kind, model, model_name)
     lm_head = output_weight(model)
     ids = tensors["vocab_ids"].to(lm_head.device)
     full = len(ids) == model.config.vocab_size
-    fuse = tensors.get("fuse.0.weight")  # [D, k D], EAGLE-3's only
-    fused = 1 if fuse is None else fuse.shape[1] // model.config.dim
-    with torch.device("meta"):  # parameters come from the checkpoint: no random initialisation
-        drafter = EagleDrafter(
-            model.config, model.tok_embeddings.weight, lm_head, None if full else ids, fused
-        )
+    with torch.device("meta"):
+        drafter = build(None if full else ids, tensors, manifest)
     weights = {
         name: t.to(lm_head.device, lm_head.dtype if t.is_floating_point() else t.dtype)
         for name, t in tensors.items()

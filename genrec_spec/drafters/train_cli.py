@@ -20,6 +20,9 @@ draft model (a few target layers, trained, between the target's own embeddings a
 also reads the prompts' hidden states) for `generate --method distilled` and, as a transformers
 model, `bench llm --methods hf-assist` (`--kind distilled` trains it too). layerskip: an exit
 head after the target's first --layers layers (self-speculation; the layers stay the target's).
+mtp: DeepSeek-V3-style sequential multi-token-prediction modules, one per draft depth (--depths),
+trained teacher-forced on the target's features and continuations (it also reads the prompts'
+hidden states).
 """
 
 from __future__ import annotations
@@ -35,15 +38,16 @@ from genrec_spec.drafters.eagle import EagleConfig
 from genrec_spec.drafters.eagle3 import Eagle3Config
 from genrec_spec.drafters.layerskip import LayerSkipConfig
 from genrec_spec.drafters.medusa import MedusaConfig
+from genrec_spec.drafters.mtp import MTPConfig
 from genrec_spec.drafters.selfdistill import SelfDistillConfig
 
-KINDS = ("medusa", "eagle", "eagle2", "eagle3", "draft", "distilled", "layerskip")
+KINDS = ("medusa", "eagle", "eagle2", "eagle3", "mtp", "draft", "distilled", "layerskip")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     data, medusa, eagle = SelfDistillConfig(), MedusaConfig(), EagleConfig()
     distilled = DistillConfig()
-    layerskip = LayerSkipConfig()
+    layerskip, mtp = LayerSkipConfig(), MTPConfig()
     parser.add_argument("--model", choices=["smollm2"], default="smollm2")
     parser.add_argument("--kind", choices=KINDS, required=True)
     parser.add_argument(
@@ -66,14 +70,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help=f"optimiser steps (default: medusa {medusa.steps}, eagle {eagle.steps}, "
-        f"draft {distilled.steps}, layerskip {layerskip.steps})",
+        f"mtp {mtp.steps}, draft {distilled.steps}, layerskip {layerskip.steps})",
     )
     parser.add_argument(
         "--lr",
         type=float,
         default=None,
-        help=f"AdamW peak (medusa {medusa.lr}, eagle {eagle.lr}, draft {distilled.lr}, "
-        f"layerskip {layerskip.lr})",
+        help=f"AdamW peak (medusa {medusa.lr}, eagle {eagle.lr}, mtp {mtp.lr}, "
+        f"draft {distilled.lr}, layerskip {layerskip.lr})",
     )
     parser.add_argument("--heads", type=int, default=medusa.num_heads, help="Medusa heads K")
     parser.add_argument(
@@ -92,13 +96,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-rows",
         type=int,
         default=None,
-        help=f"sequences per step (eagle, eagle3 {eagle.batch_rows}, draft {distilled.batch_rows})",
+        help=f"sequences per step (eagle, eagle3, mtp {eagle.batch_rows}, "
+        f"draft {distilled.batch_rows})",
     )
     parser.add_argument(
         "--unroll",
         type=int,
         default=Eagle3Config().unroll,
         help="eagle3: training-time-test steps (the drafter fed its own features)",
+    )
+    parser.add_argument(
+        "--depths",
+        type=int,
+        default=mtp.depths,
+        help="mtp: sequential modules, one per draft depth",
     )
     parser.add_argument(
         "--init-layers",
@@ -112,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft-vocab",
         type=int,
         default=eagle.draft_vocab,
-        help="eagle, eagle3, layerskip: tokens the draft's LM head keeps, most frequent first "
+        help="eagle, eagle3, mtp, layerskip: tokens the draft's LM head keeps, most frequent first "
         "(0 = all)",
     )
     parser.add_argument(
@@ -133,7 +144,7 @@ def layer_list(text: str) -> tuple[int, ...]:
 
 def drafter_config(
     args: argparse.Namespace,
-) -> MedusaConfig | EagleConfig | Eagle3Config | DistillConfig | LayerSkipConfig:
+) -> MedusaConfig | EagleConfig | Eagle3Config | MTPConfig | DistillConfig | LayerSkipConfig:
     """The kind's training settings: its defaults, overridden by the flags given."""
     tuned = {
         name: value for name, value in (("steps", args.steps), ("lr", args.lr)) if value is not None
@@ -157,12 +168,16 @@ def drafter_config(
         return Eagle3Config(
             unroll=args.unroll, draft_vocab=args.draft_vocab, seed=args.seed, **rows, **tuned
         )
+    if args.kind == "mtp":
+        return MTPConfig(
+            depths=args.depths, draft_vocab=args.draft_vocab, seed=args.seed, **rows, **tuned
+        )
     return EagleConfig(draft_vocab=args.draft_vocab, seed=args.seed, **rows, **tuned)
 
 
 def command_line(
     args: argparse.Namespace,
-    config: MedusaConfig | EagleConfig | Eagle3Config | DistillConfig | LayerSkipConfig,
+    config: MedusaConfig | EagleConfig | Eagle3Config | MTPConfig | DistillConfig | LayerSkipConfig,
 ) -> str:
     """The full command that rebuilds this drafter (every setting spelled out)."""
     if isinstance(config, MedusaConfig):
@@ -178,6 +193,11 @@ def command_line(
     elif isinstance(config, Eagle3Config):
         specific = (
             f"--batch-rows {config.batch_rows} --unroll {config.unroll} "
+            f"--draft-vocab {config.draft_vocab}"
+        )
+    elif isinstance(config, MTPConfig):
+        specific = (
+            f"--batch-rows {config.batch_rows} --depths {config.depths} "
             f"--draft-vocab {config.draft_vocab}"
         )
     else:
@@ -199,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
     from genrec_spec.drafters.eagle3 import train_eagle3
     from genrec_spec.drafters.layerskip import train_layerskip
     from genrec_spec.drafters.medusa import train_medusa
+    from genrec_spec.drafters.mtp import train_mtp
     from genrec_spec.drafters.selfdistill import load_or_distill, load_or_prefill, train_prompts
     from genrec_spec.models.smollm2 import load_smollm2
 
@@ -239,6 +260,8 @@ def run(args: argparse.Namespace) -> int:
             manifest = train_distilled(model, data, context, prompts, config, args.out, extra)
         elif isinstance(config, Eagle3Config):
             manifest = train_eagle3(model, data, context, prompts, config, args.out, extra)
+        elif isinstance(config, MTPConfig):
+            manifest = train_mtp(model, data, context, config, args.out, extra)
         else:
             manifest = train_eagle(model, data, context, config, args.out, extra)
     print(json.dumps({"out": str(args.out), "held_out": manifest["held_out"]}, indent=2))

@@ -93,11 +93,18 @@ class _FeatureDrafting:
             self._advance(features, state.tokens[:, 1 : width + 1], state.prompt_lengths - 1)
 
     def observe(self, state: DecodeState, acceptance: Acceptance) -> None:
+        self._advance(*self._kept_pairs(state, acceptance), state.counts)
+
+    def _kept_pairs(
+        self, state: DecodeState, acceptance: Acceptance
+    ) -> tuple[Tensor, Tensor]:  # features [B, M, D], tokens [B, M] int64
+        """The step's new pairs: the target's features along each row's kept path (root,
+        a_1 .. a_n) and the tokens emitted after them (a_1 .. a_n, y)."""
         hidden = self._features(state.cache.hidden)  # [B, N, D] of the scored tree
         width = min(hidden.shape[1], self.k + 1)  # tokens a row emitted, at most
         path = acceptance.path[:, :width]  # [B, M] root, a_1 .. a_n
         features = hidden.gather(1, path[:, :, None].expand(-1, -1, hidden.shape[2]))
-        self._advance(features, acceptance.tokens[:, :width], state.counts)
+        return features, acceptance.tokens[:, :width]
 
     def _advance(
         self,

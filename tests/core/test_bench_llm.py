@@ -214,3 +214,18 @@ def test_bench_llm_cli_on_smollm2(smollm2_model, monkeypatch, tmp_path, capsys):
         assert row["exact"] == "ref" or row["exact"].startswith(("yes", "tie@")), row
         assert row["method"] in printed
     assert report["settings"]["n"] == 2 and len(report["load_average"]) == 2
+
+
+def test_settings_for_the_gemma3_target():
+    """--model gemma3: cross-tokenizer drafting and HF's universal assisted generation by
+    default; methods that need the native SmolLM2 are refused, as cross is on SmolLM2."""
+    from genrec_spec.bench_llm import GEMMA3_METHODS, settings_from
+
+    gemma = settings_from(parse(["--model", "gemma3"]))
+    assert gemma.model == "gemma3" and gemma.methods == GEMMA3_METHODS
+    picked = settings_from(parse(["--model", "gemma3", "--methods", "ngram,cross"]))
+    assert picked.methods == ("none", "ngram", "cross")
+    with pytest.raises(ValueError, match="--model gemma3 runs only"):
+        settings_from(parse(["--model", "gemma3", "--methods", "none,eagle"]))
+    with pytest.raises(ValueError, match="cross and hf-uag: --model gemma3"):
+        settings_from(parse(["--methods", "none,hf-uag"]))

@@ -106,3 +106,41 @@ def test_native_cache_grows_for_big_trees():
         want = reference.score_tree(reference.prefill(PROMPTS, LENGTHS, 0), wide)
     assert cache.kv.max_len > before
     assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_hf_target_applies_a_sliding_window():
+    """Gemma-3's sliding-window layers (window 4 here): greedy decoding through HFTarget, plain
+    and speculative (pending re-fed tokens, B = 3 uneven), equals a cache-free loop over the
+    model's own forward, which applies the window itself."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from genrec_spec import generate
+    from genrec_spec.proposers import PromptLookup
+
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)  # peaked distributions: no argmax ties
+    prompts = [[5, 9, 2, 33, 7, 1, 8, 4, 4, 3], [4, 7], [12, 3, 3, 40, 22]]
+    plain = generate(model, prompts, max_new_tokens=12).tolist()
+    for prompt, generated in zip(prompts, plain, strict=True):
+        sequence = list(prompt)
+        for token in generated:
+            with torch.no_grad():
+                assert int(model(torch.tensor([sequence])).logits[0, -1].argmax()) == token
+            sequence.append(token)
+    out = generate(model, prompts, max_new_tokens=12, proposer=PromptLookup(k=3))
+    assert out.tolist() == plain and out.stats.accepted_per_position[0] > 0

@@ -2,6 +2,7 @@
 fixtures (the suite imports test files in importlib mode, where test modules cannot import
 each other; the statistics mirror tests/core's)."""
 
+import argparse
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -150,6 +151,17 @@ def assert_greedy(
     return out
 
 
+def train_cli_settings(argv: list[str]) -> tuple[object, str]:
+    """``train-drafter``'s config for the arguments ``argv`` and the command line it records."""
+    from genrec_spec.drafters import train_cli
+
+    parser = argparse.ArgumentParser()
+    train_cli.add_arguments(parser)
+    args = parser.parse_args(argv)
+    config = train_cli.drafter_config(args)
+    return config, train_cli.command_line(args, config)
+
+
 @contextmanager
 def single_thread():
     """Tiny tensors: a second thread only adds wake-up latency on these 2-core machines (and
@@ -182,6 +194,7 @@ def kit() -> SimpleNamespace:
         exactness=exactness,
         assert_exact=assert_exact,
         assert_greedy=assert_greedy,
+        train_cli=train_cli_settings,
         EXACT_VOCAB=EXACT_VOCAB,
         EXACT_LENGTH=EXACT_LENGTH,
     )
@@ -228,20 +241,16 @@ def trained(distilled, tmp_path_factory) -> SimpleNamespace:
     )
 
 
-@pytest.fixture(scope="session")
-def trained_eagle(distilled, tmp_path_factory) -> SimpleNamespace:
-    """An EAGLE feature drafter trained briefly on the same data (with the prompts' pairs)."""
-    from genrec_spec.drafters.eagle import EagleConfig, train_eagle
+def train_on_pairs(distilled, tmp_path_factory, kind: str, train, config) -> SimpleNamespace:
+    """A drafter trained by ``train`` (``train_eagle``'s signature: it reads the prompts' pairs
+    too) briefly on the tiny target's data with ``config``, saved to a folder."""
     from genrec_spec.drafters.selfdistill import load_or_prefill
 
     model, data = distilled.model, distilled.data
     with single_thread():
         context = load_or_prefill(model, distilled.prompts, 9, cache_dir=distilled.cache)
-        folder = tmp_path_factory.mktemp("drafter") / "eagle"
-        config = EagleConfig(steps=150, held_out=0.2, eval_depth=4)
-        manifest = train_eagle(
-            model, data, context, config, folder, {"command": "test"}, progress=False
-        )
+        folder = tmp_path_factory.mktemp("drafter") / kind
+        manifest = train(model, data, context, config, folder, {"command": "test"}, progress=False)
     return SimpleNamespace(
         model=model,
         data=data,
@@ -253,6 +262,15 @@ def trained_eagle(distilled, tmp_path_factory) -> SimpleNamespace:
         config=config,
         greedy_prompts=GREEDY_PROMPTS,
     )
+
+
+@pytest.fixture(scope="session")
+def trained_eagle(distilled, tmp_path_factory) -> SimpleNamespace:
+    """An EAGLE feature drafter trained briefly on the same data (with the prompts' pairs)."""
+    from genrec_spec.drafters.eagle import EagleConfig, train_eagle
+
+    config = EagleConfig(steps=150, held_out=0.2, eval_depth=4)
+    return train_on_pairs(distilled, tmp_path_factory, "eagle", train_eagle, config)
 
 
 @pytest.fixture(scope="session")
@@ -280,6 +298,15 @@ def trained_eagle3(distilled, tmp_path_factory) -> SimpleNamespace:
         config=config,
         greedy_prompts=GREEDY_PROMPTS,
     )
+
+
+@pytest.fixture(scope="session")
+def trained_mtp(distilled, tmp_path_factory) -> SimpleNamespace:
+    """Three MTP modules trained briefly on the same data (with the prompts' pairs)."""
+    from genrec_spec.drafters.mtp import MTPConfig, train_mtp
+
+    config = MTPConfig(steps=150, depths=3, held_out=0.2)
+    return train_on_pairs(distilled, tmp_path_factory, "mtp", train_mtp, config)
 
 
 @pytest.fixture(scope="session")
