@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from genrec_spec.controller import ControllerConfig, measure_pass_cost
 from genrec_spec.decode import generate, pack_prompts
 from genrec_spec.greedy_check import compare_greedy
 from genrec_spec.types import DecodeStats, SamplingParams
@@ -103,6 +104,10 @@ class BenchLLMConfig:
     k: int = 4  # draft depth of draft, ngram, trie and distilled (the generate CLI's default)
     draft_layers: int = 10  # layers of the target the draft method keeps (and HF's early exit)
     hf_lookup_tokens: int = 10  # HF's prompt_lookup_num_tokens
+    # The speculation controller's cost model: "measured" times the target's forward over 1-16
+    # tokens once before the run (controller.measure_pass_cost; on a CPU 2 tokens cost what 1
+    # does and 3 cost 1.4x, far from the linear default); "linear": ControllerConfig's default.
+    pass_cost: str = "measured"
     warmup_tokens: int = 4  # untimed tokens each method decodes first (first-call costs)
     # --quick: a smoke test of every method, batch size > 1 and sampling in about a minute.
     quick_n: int = 2
@@ -170,7 +175,9 @@ class Row:
 Runner = Callable[[list[list[int]], SamplingParams, int, int], Run]  # rows, sampling, seed, tokens
 
 
-def ours(model: object, proposer: object, eos: int | None) -> Runner:
+def ours(
+    model: object, proposer: object, eos: int | None, controller: ControllerConfig | None = None
+) -> Runner:
     """Our generate() with a proposer (None: plain decoding) on right-padded prompts."""
 
     def run(rows: list[list[int]], sampling: SamplingParams, seed: int, new: int) -> Run:
@@ -185,6 +192,7 @@ def ours(model: object, proposer: object, eos: int | None) -> Runner:
             max_new_tokens=new,
             generator=torch.Generator().manual_seed(seed),
             eos_token_id=eos,
+            controller=controller,
         )
         return Run(out.tolist(), time.perf_counter() - start, out.stats)
 
@@ -243,6 +251,9 @@ def make_runners(
     """tokenizer: the target's (cross and hf-uag translate through text)."""
     from genrec_spec.generate_cli import make_proposer
 
+    controller = None
+    if settings.pass_cost == "measured":
+        controller = ControllerConfig(pass_cost=measure_pass_cost(model))
     runners = {}
     for method in settings.methods:
         if method in OURS + TRAINED + CROSS:
@@ -254,7 +265,7 @@ def make_runners(
                 model_name=settings.model,
                 target_tokenizer=tokenizer,
             )
-            runners[method] = ours(model, proposer, eos)
+            runners[method] = ours(model, proposer, eos, controller)
         else:
             assistance = hf_assistance(method, model, settings, tokenizer)
             runners[method] = hugging_face(hf_model, eos, assistance)
@@ -472,6 +483,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=c.draft_layers,
         help="target layers the draft method keeps and hf-early-exit exits after",
     )
+    parser.add_argument(
+        "--pass-cost",
+        choices=("measured", "linear"),
+        default=c.pass_cost,
+        help="speculation controller's cost of scoring n tokens: timed once before the run, or "
+        "the linear default model",
+    )
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     parser.add_argument(
         "--quick",
@@ -512,6 +530,7 @@ def settings_from(args: argparse.Namespace) -> BenchLLMConfig:
         seed=args.seed,
         k=args.k,
         draft_layers=args.draft_layers,
+        pass_cost=args.pass_cost,
     )
     if unknown:
         raise ValueError(f"unknown methods {unknown}; choose from {','.join(ALL_METHODS)}")

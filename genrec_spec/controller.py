@@ -6,9 +6,12 @@ The model (deterministic, so seeded runs stay reproducible; no wall-clock timing
   m = reach * k is the depth the drafter actually reaches (an n-gram drafter often finds
   shorter continuations, or none);
 - cost of a step relative to a plain decoding step: the target forward grows with the tokens it
-  scores, (1 + c * B * (1 + n_k)) / (1 + c * B), where c = ``token_cost`` is the cost of one
-  more token relative to the forward's fixed cost, B the batch size and n_k the tree's nodes
-  below the root; plus ``draft_cost * k`` for drafters that run a model once per draft level.
+  scores, cost(B * (1 + n_k)) / cost(B), with B the batch size and n_k the tree's nodes below
+  the root; plus ``draft_cost * k`` for drafters that run a model once per draft level. cost(n)
+  is ``pass_cost``, a measured table (``measure_pass_cost``: on a CPU it is far from linear,
+  e.g. SmolLM2 at one thread scores 2 tokens as fast as 1 and 3 at 1.4x), or else the linear
+  model 1 + c * n with c = ``token_cost``, the cost of one more token relative to the forward's
+  fixed cost.
 The first step drafts at full depth to measure; then each step drafts to the depth
 k <= proposer.k with the best modelled speedup, or not at all when no depth beats
 ``min_speedup``; so speculation switches itself off for large batches
@@ -23,7 +26,15 @@ started from a prior worth ``prior_weight`` pseudo-observations.
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from genrec_spec.targets import as_target
+from genrec_spec.types import DecodeInputError, DraftTree
 
 
 @dataclass(frozen=True)
@@ -32,6 +43,9 @@ class ControllerConfig:
     # Cost of one more scored token / fixed cost of a forward. 0.1 fits a small model on CPU
     # (8 tokens cost ~2x one, 64 ~5x); on a GPU it is nearer 0.01.
     token_cost: float = 0.1
+    # Measured cost of a forward over n = 1, 2, ... scored tokens (all rows) relative to one
+    # (``measure_pass_cost``); extended past its end at its average slope. Empty: token_cost.
+    pass_cost: tuple[float, ...] = ()
     smoothing: float = 0.8  # decay per step of the acceptance counts (weight of the past)
     prior_acceptance: float = 0.6  # acceptance assumed before any evidence ...
     prior_weight: float = 2.0  # ... worth this many accepted-or-rejected draft tokens
@@ -65,11 +79,24 @@ class SpeculationController:
 
     def speedup(self, k: int) -> float:
         """Modelled tokens per unit cost at draft depth k, relative to plain decoding."""
-        c, batch, a = self.config.token_cost, self.batch_size, self.acceptance
+        batch, a = self.batch_size, self.acceptance
         depth = self.reach * k
         tokens = depth + 1 if a >= 1 else (1 - a ** (depth + 1)) / (1 - a)
-        forward = (1 + c * batch * (1 + self.nodes_per_level * k)) / (1 + c * batch)
+        forward = self.pass_cost(batch * (1 + self.nodes_per_level * k)) / self.pass_cost(batch)
         return tokens / (forward + self.draft_cost * k)
+
+    def pass_cost(self, scored: float) -> float:
+        """Modelled cost of a forward over ``scored`` tokens, in the units of ``pass_cost`` (a
+        one-token forward = 1) or of the linear model."""
+        table = self.config.pass_cost
+        if not table:
+            return 1 + self.config.token_cost * scored
+        if scored <= len(table):  # between measured sizes: interpolate
+            low = max(int(scored), 1)
+            high = min(low + 1, len(table))
+            return table[low - 1] + (scored - low) * (table[high - 1] - table[low - 1])
+        slope = (table[-1] - table[0]) / max(len(table) - 1, 1)
+        return table[-1] + (scored - len(table)) * slope
 
     def budget(self) -> int:
         if self.k_max == 0 or not self.config.adaptive or not self.measured:
@@ -101,3 +128,36 @@ class SpeculationController:
         self.rejected = keep * self.rejected + rejected
         self.nodes_per_level = keep * self.nodes_per_level + (1 - keep) * (num_nodes - 1) / budget
         self.reach = keep * self.reach + (1 - keep) * drafted / (rows * budget)
+
+
+@torch.no_grad()
+def measure_pass_cost(
+    model: Any, max_tokens: int = 16, context: int = 128, repeats: int = 5
+) -> tuple[float, ...]:  # cost of a forward over n = 1 .. max_tokens tokens / over 1
+    """Time ``model``'s forward (any target ``generate`` takes) over a chain of n = 1 ..
+    ``max_tokens`` nodes after a ``context``-token prompt, one row; medians of ``repeats`` after
+    a warm-up, relative to n = 1. For ``ControllerConfig.pass_cost``; run with the threads and
+    load decoding will see."""
+    target = as_target(model)
+    grown = max_tokens * (repeats + 2)  # each pass commits its root; the last adds max_tokens
+    context = min(context, target.max_length - grown)  # a short model keeps a shorter prompt
+    if context < 1:
+        raise DecodeInputError(
+            f"a target of max length {target.max_length} cannot time {max_tokens} tokens",
+            "pass a smaller max_tokens or repeats",
+        )
+    prompt = torch.ones(1, context, dtype=torch.long)  # the content does not change the time
+    capacity = context + grown
+    cache = target.prefill(prompt, torch.tensor([context]), capacity)
+    root = torch.zeros(1, 1, dtype=torch.long)
+    medians = []
+    for n in range(1, max_tokens + 1):
+        tree = DraftTree(torch.ones(1, n, dtype=torch.long), torch.arange(-1, n - 1)[None])
+        samples = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            target.score_tree(cache, tree)
+            samples.append(time.perf_counter() - start)
+            target.commit(cache, root, torch.ones(1, dtype=torch.long))  # keep the root only
+        medians.append(statistics.median(samples[1:]))
+    return tuple(t / medians[0] for t in medians)

@@ -42,6 +42,18 @@ def test_controller_adapts_and_switches_off():
     assert feed(fixed, 3, 0.0) == [6, 6, 6]
 
 
+def test_measured_pass_cost_shapes_the_depth():
+    """A CPU-like table (2 tokens cost what 1 does, 3 cost 1.4x): interpolated between sizes,
+    extended at its average slope; with acceptance 0.6 the controller drafts 1 token, where the
+    linear model drafts deeper."""
+    table = (1.0, 1.0, 1.4, 1.5, 1.8)
+    measured = SpeculationController(ControllerConfig(pass_cost=table), 6, 0.0, 1)
+    assert measured.pass_cost(2) == 1.0 and measured.pass_cost(2.5) == pytest.approx(1.2)
+    assert measured.pass_cost(7) == pytest.approx(1.8 + 2 * 0.2)
+    assert feed(measured, 10, 0.6)[-1] == 1
+    assert feed(SpeculationController(ControllerConfig(), 6, 0.0, 1), 10, 0.6)[-1] > 1
+
+
 def test_generate_turns_speculation_off_for_large_batches(tiny):
     """Text that repeats (a Markov model's own greedy cycle in the prompt) makes prompt lookup
     nearly always right: on for 2 rows, yet off for 512 rows."""

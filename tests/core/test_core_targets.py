@@ -7,6 +7,7 @@ from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
 from genrec_spec import CallableTarget, DraftTree, HFTarget, NativeTarget
+from genrec_spec.controller import measure_pass_cost
 from genrec_spec.models.llama import Llama, LlamaConfig
 
 VOCAB = 50
@@ -51,6 +52,14 @@ def models():
             lambda ids: native(ids, native.new_cache(ids.shape[0], ids.shape[1])),
         ),
     }
+
+
+@pytest.mark.parametrize("name", ["hf", "native", "callable"])
+def test_measure_pass_cost_times_every_target(name):
+    """controller.measure_pass_cost runs on each adapter: a cost per size, 1 for one token."""
+    target, fn = models()["native" if name == "callable" else name]
+    cost = measure_pass_cost(CallableTarget(fn) if name == "callable" else target, 4, 8, 2)
+    assert len(cost) == 4 and cost[0] == 1.0 and all(c > 0 for c in cost)
 
 
 @pytest.mark.parametrize("name", ["hf", "native"])
