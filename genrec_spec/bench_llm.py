@@ -60,30 +60,33 @@ from torch import Tensor
 
 from genrec_spec.controller import ControllerConfig, measure_pass_cost
 from genrec_spec.decode import generate, pack_prompts
+from genrec_spec.generate_cli import (
+    CROSS_METHODS,
+    MODEL_FREE,
+    TRAINED_METHODS,
+    load_target,
+    make_proposer,
+)
+from genrec_spec.generate_cli import METHODS as METHODS_OF_GENERATE
 from genrec_spec.greedy_check import compare_greedy
 from genrec_spec.types import DecodeStats, SamplingParams
 
-OURS = ("none", "draft", "ngram", "trie", "lookahead")
-# Trained drafters: they load their weights from the cache (`genrec-spec train-drafter`).
-TRAINED = ("medusa", "eagle", "eagle2", "eagle3", "mtp", "distilled", "layerskip")
+# Ours: model-free and draft-model methods, the trained drafters (their weights come from the
+# cache: `genrec-spec train-drafter`) and cross-tokenizer drafting (the Gemma-3 target only).
+OURS, TRAINED, CROSS = METHODS_OF_GENERATE, TRAINED_METHODS, CROSS_METHODS
 HF = ("hf", "hf-lookup")
 # On request: HF's early exit (slow here) and its generate with our trained draft model
 # (`train-drafter --kind draft`) as its assistant.
 HF_ON_ASK = ("hf-early-exit", "hf-assist")
-# Cross-tokenizer drafting, for the Gemma-3 target (--model gemma3): ours and HF's universal
-# assisted generation, both with SmolLM2 as the draft.
-CROSS = ("cross",)
+# HF's universal assisted generation with SmolLM2 drafting, for the Gemma-3 target.
 HF_CROSS = ("hf-uag",)
 HF_BATCH_1 = ("hf-lookup", "hf-early-exit", "hf-assist", "hf-uag")  # HF's assisted generation
 METHODS = OURS + HF  # the default set: runs without trained weights
 ALL_METHODS = METHODS + TRAINED + HF_ON_ASK + CROSS + HF_CROSS
-GEMMA3_METHODS = ("none", "cross", "hf", "hf-uag")
-MODEL_NAMES = {
-    "smollm2": "SmolLM2-135M-Instruct",
-    "gemma3": "Gemma-3-270M",
-}  # --model gemma3's default set
+GEMMA3_METHODS = ("none", "cross", "hf", "hf-uag")  # --model gemma3's default set
+MODEL_NAMES = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma-3-270M"}
 # What the Gemma-3 target can run: no native model, so no trained drafter, draft or early exit.
-GEMMA3_ALLOWED = ("none", "ngram", "trie", "lookahead", "hf", "hf-lookup") + CROSS + HF_CROSS
+GEMMA3_ALLOWED = MODEL_FREE + HF + CROSS + HF_CROSS
 
 
 @dataclass(frozen=True)
@@ -249,8 +252,6 @@ def make_runners(
     tokenizer: object = None,
 ) -> dict[str, Runner]:
     """tokenizer: the target's (cross and hf-uag translate through text)."""
-    from genrec_spec.generate_cli import make_proposer
-
     controller = None
     if settings.pass_cost == "measured":
         controller = ControllerConfig(pass_cost=measure_pass_cost(model))
@@ -549,7 +550,6 @@ def settings_from(args: argparse.Namespace) -> BenchLLMConfig:
 def run(args: argparse.Namespace) -> int:
     from transformers.utils import logging
 
-    from genrec_spec.generate_cli import load_target
     from genrec_spec.models.smollm2 import smollm2_hf_dir
     from genrec_spec.prompts import load_prompts
 

@@ -285,27 +285,18 @@ class NativeTarget:
 
     def _forward(self, cache: NativeCache, tokens: Tensor, parents: Tensor | None) -> Tensor:
         # tokens [B, N], parents [B, N] or None (a chain) -> logits [B, N, V]
-        if cache.length_bound + tokens.shape[1] > cache.kv.max_len:
-            self._grow(cache, cache.length_bound + tokens.shape[1])
+        needed = cache.length_bound + tokens.shape[1]
+        if needed > cache.kv.max_len:  # twice as long, capped at the model's limit
+            cache.kv.grow(min(max(needed, 2 * cache.kv.max_len), self.max_length))
         out = self.model(tokens, cache.kv, parents, hidden_layers=cache.hidden_layers)
         logits, cache.hidden = out if cache.hidden_layers else (out, {})
         return logits
-
-    def _grow(self, cache: NativeCache, needed: int) -> None:
-        """Move the committed K/V into a cache twice as long (capped at the model's limit)."""
-        kv = cache.kv
-        size = min(max(needed, 2 * kv.max_len), self.max_length)
-        bigger = self.model.new_cache(kv.batch_size, size)
-        bigger.k[:, :, :, : kv.max_len] = kv.k
-        bigger.v[:, :, :, : kv.max_len] = kv.v
-        bigger.lengths = kv.lengths
-        cache.kv = bigger
 
     def prefill(
         self, tokens: Tensor, lengths: Tensor, capacity: int, hidden_layers: Sequence[int] = ()
     ) -> NativeCache:
         batch, width = tokens.shape[0], tokens.shape[1] - 1
-        # Room for the committed tokens plus a modest tree; _grow handles bigger trees.
+        # Room for the committed tokens plus a modest tree; _forward grows it for bigger trees.
         size = min(capacity + 64, self.max_length)
         cache = NativeCache(
             kv=self.model.new_cache(batch, size),

@@ -164,6 +164,17 @@ class StaticKVCache:
         self.v = self.v.index_select(1, batch_idx)
         self._lengths = self._lengths.index_select(0, batch_idx)
 
+    def grow(self, max_len: int) -> None:
+        """Reallocate to ``max_len`` positions per row (never shrinks), keeping the committed
+        K/V and lengths; drops pending entries."""
+        extra = max_len - self.max_len
+        if extra <= 0:
+            return
+        n_layers, batch, heads, _, head_dim = self.k.shape
+        pad = self.k.new_zeros(n_layers, batch, heads, extra, head_dim)  # finite padding
+        self.k, self.v = torch.cat([self.k, pad], dim=3), torch.cat([self.v, pad], dim=3)
+        self.pending = None
+
     def truncate(self, lengths: torch.Tensor) -> None:  # lengths: [B] int64
         """Roll rows back to ``lengths`` committed tokens (never forward); drops pending
         entries, whose positions were relative to the old lengths."""

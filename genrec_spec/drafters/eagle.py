@@ -67,19 +67,29 @@ class EagleConfig:
 
 
 class Sequences:
-    """Each row's pairs (prompt then continuation) as one sequence; loss positions."""
+    """Each row's pairs (prompt then continuation) as one sequence; loss positions. With
+    ``max_pairs``, rows keep their last max_pairs pairs (prompt pairs go first), which bounds a
+    training step's cost."""
 
-    def __init__(self, data: SelfDistillData, context: SelfDistillData) -> None:
+    def __init__(
+        self, data: SelfDistillData, context: SelfDistillData, max_pairs: int | None = None
+    ) -> None:
         if context.rows != data.rows:
             raise DrafterError(
                 f"{context.rows} rows of prompt pairs for {data.rows} rows of continuations",
                 "build both from the same prompts (selfdistill.load_or_prefill)",
             )
-        self.data, self.context = data, context
+        self.data, self.context, self.max_pairs = data, context, max_pairs
         self.prompt = context.offsets.tolist()
         self.continuation = data.offsets.tolist()
 
     def row(self, r: int) -> tuple[Tensor, Tensor, int]:  # [T, D], [T] int64, prompt pairs
+        features, tokens, start = self.pairs(r)
+        cut = max(len(tokens) - (self.max_pairs or len(tokens)), 0)  # pairs dropped in front
+        return features[cut:], tokens[cut:], max(start - cut, 0)
+
+    def pairs(self, r: int) -> tuple[Tensor, Tensor, int]:  # [T, D], [T] int64, prompt pairs
+        """Row r's pairs, all of them."""
         prompt = slice(self.prompt[r], self.prompt[r + 1])
         continuation = slice(self.continuation[r], self.continuation[r + 1])
         features = torch.cat([self.context.hidden[prompt], self.data.hidden[continuation]])

@@ -88,8 +88,7 @@ class LayerSequences(Sequences):
         max_pairs: int,  # rows keep their last max_pairs pairs (Eagle3Config)
         batch_size: int = 4,  # rows per target forward (its logits are [B, T, V])
     ) -> None:
-        super().__init__(data, context)
-        self.max_pairs = max_pairs
+        super().__init__(data, context, max_pairs)
         if [len(p) - 1 for p in prompts] != context.offsets.diff().tolist():
             raise DrafterError(
                 "the prompts do not match the prompt pairs",
@@ -100,7 +99,7 @@ class LayerSequences(Sequences):
             rows = range(first, min(first + batch_size, data.rows))
             # Pair t's feature is the state at position t, whose next token is the pair's.
             texts = [
-                torch.cat([torch.tensor(prompts[r][:1]), Sequences.row(self, r)[1][:-1]])
+                torch.cat([torch.tensor(prompts[r][:1]), Sequences.pairs(self, r)[1][:-1]])
                 for r in rows
             ]  # [T] each
             ids = pad_sequence(texts, batch_first=True)  # [B, T]
@@ -109,10 +108,9 @@ class LayerSequences(Sequences):
             fused = torch.cat([hidden[i] for i in layers], dim=-1).float()  # [B, T, k D]
             self.layers += [fused[b, : len(text)] for b, text in enumerate(texts)]
 
-    def row(self, r: int) -> tuple[Tensor, Tensor, int]:  # [T, k D], [T] int64, prompt pairs
-        _, tokens, start = super().row(r)
-        cut = max(len(tokens) - self.max_pairs, 0)  # prompt pairs dropped from the front
-        return self.layers[r][cut:], tokens[cut:], max(start - cut, 0)
+    def pairs(self, r: int) -> tuple[Tensor, Tensor, int]:  # [T, k D], [T] int64, prompt pairs
+        _, tokens, start = super().pairs(r)
+        return self.layers[r], tokens, start
 
 
 def unrolled_losses(

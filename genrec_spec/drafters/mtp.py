@@ -3,7 +3,7 @@ data, and loading them back.
 
 Data: EAGLE's sequences (``eagle.Sequences``): a row's prompt pairs, then its continuation pairs,
 pair i = (f_i, x_{i+1}) with f_i the target's final-normed feature; rows keep their last
-``max_pairs`` pairs (the continuation and the prompt's end), which bounds a step's cost.
+``max_pairs`` pairs (the continuation and the prompt's end; ``Sequences``).
 
 Teacher forcing (DeepSeek-V3's training): module k at position i reads the previous depth's
 state h^{k-1}_i and the true token x_{i+k}, and learns x_{i+k+1}, the target's own greedy token,
@@ -64,20 +64,6 @@ class MTPConfig:
     held_out: float = 0.1  # share of rows (prompts) kept out of training for the manifest
     seed: int = 0  # initialisation, batch draws and held-out rows
     log_every: int = 50  # print the running loss every this many steps
-
-
-class RecentSequences(Sequences):
-    """``Sequences`` whose rows keep their last ``max_pairs`` pairs: prompt pairs are dropped
-    from the front, continuation pairs only past max_pairs."""
-
-    def __init__(self, data: SelfDistillData, context: SelfDistillData, max_pairs: int) -> None:
-        super().__init__(data, context)
-        self.max_pairs = max_pairs
-
-    def row(self, r: int) -> tuple[Tensor, Tensor, int]:  # [T, D], [T] int64, prompt pairs
-        features, tokens, start = super().row(r)
-        cut = max(len(tokens) - self.max_pairs, 0)
-        return features[cut:], tokens[cut:], max(start - cut, 0)
 
 
 class MTPTraining(FeatureTraining):
@@ -156,7 +142,7 @@ def train_mtp(
     """Train MTP modules for the native Llama ``model`` on continuations ``data`` with their
     prompts' pairs ``context`` (``selfdistill.load_or_prefill``), save them (weights +
     manifest) to ``out`` and return the manifest. ``extra_manifest`` adds entries."""
-    job = MTPTraining(model, RecentSequences(data, context, config.max_pairs), config)
+    job = MTPTraining(model, Sequences(data, context, config.max_pairs), config)
 
     def step() -> float:
         loss = torch.stack(depth_losses(job.drafter, *job.batch())).mean()

@@ -228,15 +228,8 @@ class CrossTokenizerProposer:
 
     def _reserve(self, length: int) -> None:
         """Grow the draft's cache (doubling) so every row can hold ``length`` tokens."""
-        cache = self.cache
-        if length <= cache.max_len:
-            return
-        size = min(max(length, 2 * cache.max_len), self._max_len())
-        bigger = self.draft.new_cache(cache.batch_size, size)
-        bigger.k[:, :, :, : cache.max_len] = cache.k
-        bigger.v[:, :, :, : cache.max_len] = cache.v
-        bigger.lengths = cache.lengths
-        self.cache = bigger
+        if length > self.cache.max_len:
+            self.cache.grow(min(max(length, 2 * self.cache.max_len), self._max_len()))
 
     def observe(self, state: DecodeState, acceptance: Acceptance) -> None:
         """Nothing to do: the next ``propose`` aligns the draft with whatever was committed."""

@@ -68,6 +68,8 @@ class _FeatureDrafting:
 
     def _features(self, hidden: dict[int, Tensor]) -> Tensor:  # [B, N, D] the f_t (fused)
         """The drafter's input features from the target's hidden states ([B, N, D] each)."""
+        if len(self.hidden_layers) == 1:  # EAGLE-1/2: the layer itself (fuse is the identity)
+            return hidden[self.hidden_layers[0]]
         return self.drafter.fuse(torch.cat([hidden[i] for i in self.hidden_layers], dim=-1))
 
     def _check_width(self, width: int) -> None:

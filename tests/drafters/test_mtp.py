@@ -8,7 +8,7 @@ import torch
 from genrec_spec import ControllerConfig, SamplingParams, generate
 from genrec_spec.drafters.checkpoint import DrafterError
 from genrec_spec.drafters.eagle import Sequences, token_loss
-from genrec_spec.drafters.mtp import MTPConfig, RecentSequences, depth_losses, evaluate, load_mtp
+from genrec_spec.drafters.mtp import MTPConfig, depth_losses, evaluate, load_mtp
 from genrec_spec.generate_cli import make_proposer
 from genrec_spec.models.mtp_drafter import MTPDrafter
 from genrec_spec.proposers import MTPProposer, MTPTreeProposer
@@ -75,7 +75,7 @@ def test_training_lowers_every_depth_and_round_trips(trained_mtp, drafter):
     """Every depth's loss falls well below fresh modules' on the training rows and top-1 rises;
     the manifest holds per-depth statistics; loading gives the saved weights."""
     t = trained_mtp
-    sequences = RecentSequences(t.data, t.context, t.config.max_pairs)
+    sequences = Sequences(t.data, t.context, t.config.max_pairs)
     rows = list(range(0, t.data.rows, 3))
     before = evaluate(random_drafter(t.model, seed=t.config.seed), sequences, rows)
     after = evaluate(drafter, sequences, rows)
