@@ -150,14 +150,19 @@ def measure_pass_cost(
     capacity = context + grown
     cache = target.prefill(prompt, torch.tensor([context]), capacity)
     root = torch.zeros(1, 1, dtype=torch.long)
-    medians = []
-    for n in range(1, max_tokens + 1):
-        tree = DraftTree(torch.ones(1, n, dtype=torch.long), torch.arange(-1, n - 1)[None])
-        samples = []
-        for _ in range(repeats + 1):
+    trees = [
+        DraftTree(torch.ones(1, n, dtype=torch.long), torch.arange(-1, n - 1)[None])
+        for n in range(1, max_tokens + 1)
+    ]
+    samples: list[list[float]] = [[] for _ in trees]
+    # Round-robin over the sizes, first round discarded as warm-up, so a slow spell of a
+    # noisy machine lands on every size alike instead of skewing one size's median.
+    for round_ in range(repeats + 1):
+        for tree, times in zip(trees, samples):
             start = time.perf_counter()
             target.score_tree(cache, tree)
-            samples.append(time.perf_counter() - start)
+            if round_:
+                times.append(time.perf_counter() - start)
             target.commit(cache, root, torch.ones(1, dtype=torch.long))  # keep the root only
-        medians.append(statistics.median(samples[1:]))
+    medians = [statistics.median(times) for times in samples]
     return tuple(t / medians[0] for t in medians)
