@@ -158,7 +158,7 @@ def measure_pass_cost(
     # Round-robin over the sizes, first round discarded as warm-up, so a slow spell of a
     # noisy machine lands on every size alike instead of skewing one size's median.
     for round_ in range(repeats + 1):
-        for tree, times in zip(trees, samples):
+        for tree, times in zip(trees, samples, strict=True):
             start = time.perf_counter()
             target.score_tree(cache, tree)
             if round_:
