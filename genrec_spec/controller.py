@@ -9,7 +9,8 @@ The model (deterministic, so seeded runs stay reproducible; no wall-clock timing
   scores, cost(B * (1 + n_k)) / cost(B), with B the batch size and n_k the tree's nodes below
   the root; plus ``draft_cost * k`` for drafters that run a model once per draft level. cost(n)
   is ``pass_cost``, a measured table (``measure_pass_cost``: on a CPU it is far from linear,
-  e.g. SmolLM2 at one thread scores 2 tokens as fast as 1 and 3 at 1.4x), or else the linear
+  e.g. SmolLM2 at one thread scores 2 tokens as fast as 1 and 3 at 1.4x; ``cached_pass_cost``
+  keeps it per model shape and machine), or else the linear
   model 1 + c * n with c = ``token_cost``, the cost of one more token relative to the forward's
   fixed cost.
 The first step drafts at full depth to measure; then each step drafts to the depth
@@ -26,9 +27,14 @@ started from a prior worth ``prior_weight`` pseudo-observations.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -166,3 +172,55 @@ def measure_pass_cost(
             target.commit(cache, root, torch.ones(1, dtype=torch.long))  # keep the root only
     medians = [statistics.median(times) for times in samples]
     return tuple(t / medians[0] for t in medians)
+
+
+def cached_pass_cost(model: Any, folder: Path | None = None) -> tuple[float, ...]:
+    """``measure_pass_cost(model)``, timed once per model shape and machine and kept in
+    ``folder`` (default ``$GENREC_SPEC_CACHE/pass_cost``): the table depends on the weights'
+    shapes, the thread count, the CPU or GPU and the torch build, not on the weights' values,
+    so those make the key. A cache file that cannot be read is timed again and replaced."""
+    if folder is None:
+        from genrec_spec.models.smollm2 import cache_dir
+
+        folder = cache_dir() / "pass_cost"
+    file = Path(folder) / f"{_machine_key(model)}.json"
+    try:
+        table = tuple(float(c) for c in json.loads(file.read_text())["pass_cost"])
+        if table and table[0] == 1.0:
+            return table
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # absent or unreadable: measure
+    table = measure_pass_cost(model)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    partial = file.with_name(f"{file.name}.{os.getpid()}.tmp")  # complete files only
+    partial.write_text(json.dumps({"pass_cost": table, "measured": time.time()}))
+    partial.replace(file)
+    return table
+
+
+def _machine_key(model: Any) -> str:
+    """A digest of what a forward's timing depends on (see ``cached_pass_cost``)."""
+    if not isinstance(model, torch.nn.Module):
+        raise DecodeInputError(
+            f"cached_pass_cost keys its cache on a torch module's weight shapes, got "
+            f"{type(model).__name__}",
+            "pass the model itself, or time a wrapped target with measure_pass_cost",
+        )
+    parameters = list(model.parameters())
+    device = parameters[0].device if parameters else torch.device("cpu")
+    processor = platform.processor() or platform.machine()
+    if device.type == "cuda":
+        processor = torch.cuda.get_device_name(device)
+    elif Path("/proc/cpuinfo").is_file():  # platform.processor() is often just "x86_64"
+        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line]
+        processor = names[0] if names else processor
+    what = [
+        type(model).__qualname__,
+        [(tuple(p.shape), str(p.dtype)) for p in parameters],
+        torch.get_num_threads(),
+        device.type,
+        processor,
+        torch.__version__,
+    ]
+    return hashlib.sha256(repr(what).encode()).hexdigest()[:20]

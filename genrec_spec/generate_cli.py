@@ -87,6 +87,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="torch CPU threads (1 is fastest for one small model)",
     )
+    parser.add_argument(
+        "--pass-cost",
+        choices=("measured", "linear"),
+        default="measured",
+        help="speculation controller's cost of scoring n tokens: the target's forward timed once "
+        "per machine and thread count (cached under $GENREC_SPEC_CACHE/pass_cost), or the "
+        "linear default model",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -237,6 +245,7 @@ def _trained_proposer(
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from genrec_spec.controller import ControllerConfig, cached_pass_cost
     from genrec_spec.decode import generate
     from genrec_spec.types import DecodeInputError, SamplingParams
 
@@ -257,6 +266,9 @@ def run(args: argparse.Namespace) -> int:
     proposer = make_proposer(
         args.method, model, args.k, args.draft_layers, args.drafter, args.model, tokenizer
     )
+    controller = None
+    if proposer is not None and args.pass_cost == "measured":
+        controller = ControllerConfig(pass_cost=cached_pass_cost(model))
     generator = torch.Generator().manual_seed(args.seed)
     results, batches = [], []
     for start in range(0, len(prompts), args.batch_size):
@@ -270,6 +282,7 @@ def run(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             generator=generator,
             eos_token_id=tokenizer.eos_token_id,
+            controller=controller,
         )
         batches.append(out.stats.as_dict())
         for prompt, tokens in zip(chunk, out.tolist(), strict=True):

@@ -64,8 +64,9 @@ def test_smollm2_speculative_greedy_equals_plain(smollm2, name):
     assert out.stats.mean_accepted_length > 1.0  # drafts were accepted on real text
 
 
-def test_generate_cli(smollm2_model, monkeypatch, capsys):
-    """`genrec-spec generate` options end to end: lookahead prints plain decoding's text."""
+def test_generate_cli(smollm2_model, monkeypatch, capsys, tmp_path):
+    """`genrec-spec generate` options end to end: lookahead prints plain decoding's text, its
+    controller drafting against the target's pass cost, timed once into the cache."""
     import argparse
     import json
 
@@ -73,6 +74,7 @@ def test_generate_cli(smollm2_model, monkeypatch, capsys):
     from genrec_spec.models import smollm2
 
     monkeypatch.setattr(smollm2, "load_smollm2", lambda: smollm2_model)
+    monkeypatch.setenv("GENREC_SPEC_CACHE", str(tmp_path))
     texts = {}
     for method in ("none", "lookahead"):
         parser = argparse.ArgumentParser()
@@ -97,3 +99,4 @@ def test_generate_cli(smollm2_model, monkeypatch, capsys):
         texts[method] = [r["text"] for r in report["results"]]
         assert report["summary"]["generated_tokens"] == 24
     assert texts["none"] == texts["lookahead"]
+    assert len(list((tmp_path / "pass_cost").glob("*.json"))) == 1

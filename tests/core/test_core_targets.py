@@ -6,9 +6,10 @@ import torch
 from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
-from genrec_spec import CallableTarget, DraftTree, HFTarget, NativeTarget
-from genrec_spec.controller import measure_pass_cost
+from genrec_spec import CallableTarget, DraftTree, HFTarget, NativeTarget, controller
+from genrec_spec.controller import cached_pass_cost, measure_pass_cost
 from genrec_spec.models.llama import Llama, LlamaConfig
+from genrec_spec.types import DecodeInputError
 
 VOCAB = 50
 PROMPTS = torch.tensor([[3, 7, 9, 11, 2], [5, 8, 0, 0, 0], [1, 2, 3, 4, 0]])
@@ -21,9 +22,9 @@ TREE = DraftTree(
 )
 
 
-def models():
+def tiny_llama() -> Llama:
     torch.manual_seed(0)
-    native = Llama(
+    return Llama(
         LlamaConfig(
             vocab_size=VOCAB,
             dim=32,
@@ -34,6 +35,10 @@ def models():
             max_seq_len=128,
         )
     ).eval()
+
+
+def models():
+    native = tiny_llama()
     hf = LlamaForCausalLM(
         HFLlamaConfig(
             vocab_size=VOCAB,
@@ -60,6 +65,34 @@ def test_measure_pass_cost_times_every_target(name):
     target, fn = models()["native" if name == "callable" else name]
     cost = measure_pass_cost(CallableTarget(fn) if name == "callable" else target, 4, 8, 2)
     assert len(cost) == 4 and cost[0] == 1.0 and all(c > 0 for c in cost)
+
+
+def test_cached_pass_cost_times_once_per_machine_key(tmp_path, monkeypatch):
+    """The table is timed on the first call, read back after; an unreadable file is timed
+    again; another thread count is another key; a wrapped target is refused."""
+    timed = []
+
+    def counting(model):
+        timed.append(1)
+        return measure_pass_cost(model, 4, 8, 2)
+
+    monkeypatch.setattr(controller, "measure_pass_cost", counting)
+    model = tiny_llama()
+    first = cached_pass_cost(model, tmp_path)
+    assert cached_pass_cost(model, tmp_path) == first and len(timed) == 1
+    (file,) = tmp_path.iterdir()
+    file.write_text("{not json")
+    assert len(cached_pass_cost(model, tmp_path)) == 4 and len(timed) == 2
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        cached_pass_cost(model, tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(timed) == 3 and len(list(tmp_path.glob("*.json"))) == 2
+    assert not list(tmp_path.glob("*.tmp"))
+    with pytest.raises(DecodeInputError, match="torch module"):
+        cached_pass_cost(NativeTarget(model), tmp_path)
 
 
 @pytest.mark.parametrize("name", ["hf", "native"])
