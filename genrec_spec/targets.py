@@ -115,14 +115,14 @@ class HFCache:
     root) wait in ``pending``, left-padded, and are fed again before the next tree."""
 
     past: Any  # transformers DynamicCache
-    slot_valid: Tensor  # [B, S] bool
-    slot_position: Tensor  # [B, S] int64 position id of each slot (for sliding-window layers)
+    # [B, S] bool. A row's valid slots hold its positions 0, 1, 2, ... in order (root_position =
+    # its valid slots + its pending tokens), so a slot's position is their running count.
+    slot_valid: Tensor
     root_position: Tensor  # [B] position of the next root
     pending: Tensor  # [B, P] tokens, left-padded
     pending_valid: Tensor  # [B, P] bool
     hidden_layers: tuple[int, ...] = ()
     scored: int = 0  # slots the last uncommitted pass appended (pending + tree)
-    scored_position: Tensor | None = None  # [B, scored] int64 their position ids
     tree: DraftTree | None = None
     hidden: dict[int, Tensor] = field(default_factory=dict)
 
@@ -161,7 +161,8 @@ class HFTarget:
 
         attention_mask = additive(mask)
         if self.sliding_window is not None:
-            keys = torch.cat([cache.slot_position, positions], dim=1)  # [B, S + Q]
+            cached = cache.slot_valid.long().cumsum(1) - 1  # [B, S] (invalid slots: masked)
+            keys = torch.cat([cached, positions], dim=1)  # [B, S + Q]
             near = positions[:, :, None] - keys[:, None, :] < self.sliding_window
             attention_mask = {
                 "full_attention": attention_mask,
@@ -194,7 +195,6 @@ class HFTarget:
         cache = HFCache(
             past=DynamicCache(),
             slot_valid=torch.zeros(batch, 0, dtype=torch.bool, device=device),
-            slot_position=tokens.new_zeros(batch, 0),
             root_position=lengths - 1,
             pending=tokens.new_zeros(batch, 0),
             pending_valid=torch.zeros(batch, 0, dtype=torch.bool, device=device),
@@ -209,7 +209,7 @@ class HFTarget:
             mask = (causal & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)
             positions = torch.arange(width, device=device).expand(batch, width)
             self._forward(cache, prompt, positions, mask, logits=False)
-            cache.slot_valid, cache.slot_position = real, positions
+            cache.slot_valid = real
         return cache
 
     def score_tree(self, cache: HFCache, tree: DraftTree) -> Tensor:
@@ -237,7 +237,7 @@ class HFTarget:
         new |= torch.eye(q, dtype=torch.bool, device=device)  # padding queries see themselves
         logits = self._forward(cache, tokens, positions, mask)
         cache.hidden = {layer: h[:, num_pending:] for layer, h in cache.hidden.items()}
-        cache.tree, cache.scored, cache.scored_position = tree, q, positions
+        cache.tree, cache.scored = tree, q
         return logits[:, num_pending:]
 
     def commit(self, cache: HFCache, nodes: Tensor, counts: Tensor) -> None:
@@ -246,10 +246,6 @@ class HFTarget:
         cache.scored = 0
         cache.slot_valid = torch.cat(
             [cache.slot_valid, cache.pending_valid, (counts > 0)[:, None]], dim=1
-        )
-        kept = cache.pending.shape[1] + 1  # the pending slots and the root's
-        cache.slot_position = torch.cat(
-            [cache.slot_position, cache.scored_position[:, :kept]], dim=1
         )
         # The kept nodes after the root become the next pending prefix, left-padded to the
         # longest kept path (the loop trims nodes to it).
