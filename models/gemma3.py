@@ -66,7 +66,8 @@ def load_gemma3(dtype: torch.dtype = torch.float32) -> tuple[object, object]:
     """Gemma-3-270M as a transformers causal LM (eval mode) and its tokenizer.
 
     Its LM head (tied to the 262,144 x 640 embedding) becomes a ``VocabHead``: same weights,
-    same math, 2-3x faster when scoring 2-8 tokens at once (a draft being verified)."""
+    same math, 2-3x faster when scoring 2-5 tokens at once (a draft being verified; more rows
+    take ``F.linear``, see ``linear``)."""
     from transformers import AutoModelForCausalLM
 
     folder = gemma3_hf_dir()
@@ -80,7 +81,8 @@ class VocabHead(nn.Module):
 
     Measured at one CPU thread, 262,144 x 640 fp32 weights (671 MB, read once per product):
     ``F.linear`` takes 85 / 150 / 155 / 170 / 190 ms for 1 / 2 / 3 / 4 / 5 rows, ``(W @ h^T)^T``
-    72 / 53 / 76 / 73 / 97 ms. The results differ by float rounding only (~1e-5 relative)."""
+    72 / 53 / 76 / 73 / 97 ms (``linear`` pads one row to two: ~53 ms). The results differ by
+    float rounding only (~1e-5 relative)."""
 
     def __init__(self, weight: torch.Tensor) -> None:  # [V, D], shared with the embedding
         super().__init__()

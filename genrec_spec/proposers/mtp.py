@@ -76,9 +76,6 @@ class _ModuleDrafting:
                 f"use a tree at most {self.drafter.depths} deep",
             )
 
-    def _features(self, hidden: dict[int, Tensor]) -> Tensor:  # [B, N, D] the target's f
-        return hidden[self.hidden_layers[0]]
-
     def begin(self, state: DecodeState) -> None:
         batch, config = state.batch_size, self.drafter.config
         room = min(state.tokens.shape[1] + max(self.max_pass, self.k + 1), config.max_seq_len)
