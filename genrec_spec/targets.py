@@ -281,9 +281,7 @@ class NativeTarget:
 
     def _forward(self, cache: NativeCache, tokens: Tensor, parents: Tensor | None) -> Tensor:
         # tokens [B, N], parents [B, N] or None (a chain) -> logits [B, N, V]
-        needed = cache.length_bound + tokens.shape[1]
-        if needed > cache.kv.max_len:  # twice as long, capped at the model's limit
-            cache.kv.grow(min(max(needed, 2 * cache.kv.max_len), self.max_length))
+        cache.kv.reserve(cache.length_bound + tokens.shape[1], self.max_length)
         out = self.model(tokens, cache.kv, parents, hidden_layers=cache.hidden_layers)
         logits, cache.hidden = out if cache.hidden_layers else (out, {})
         return logits

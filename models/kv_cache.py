@@ -164,12 +164,14 @@ class StaticKVCache:
         self.v = self.v.index_select(1, batch_idx)
         self._lengths = self._lengths.index_select(0, batch_idx)
 
-    def grow(self, max_len: int) -> None:
-        """Reallocate to ``max_len`` positions per row (never shrinks), keeping the committed
-        K/V and lengths; drops pending entries."""
-        extra = max_len - self.max_len
-        if extra <= 0:
+    def reserve(self, needed: int, limit: int) -> None:
+        """Make room for ``needed`` positions per row: when short, reallocate to twice the size
+        (at least ``needed``, at most ``limit``: the model's), so a growing sequence copies its
+        K/V a logarithmic number of times. Keeps the committed K/V and lengths; drops pending
+        entries."""
+        if needed <= self.max_len:
             return
+        extra = min(max(needed, 2 * self.max_len), limit) - self.max_len
         n_layers, batch, heads, _, head_dim = self.k.shape
         pad = self.k.new_zeros(n_layers, batch, heads, extra, head_dim)  # finite padding
         self.k, self.v = torch.cat([self.k, pad], dim=3), torch.cat([self.v, pad], dim=3)

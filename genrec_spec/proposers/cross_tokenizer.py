@@ -150,7 +150,7 @@ class CrossTokenizerProposer:
                 f"more than the target model's {state.vocab_size}",
                 "pass the target model's own tokenizer as target_tokenizer",
             )
-        # Room for about as many draft tokens as target tokens; _reserve doubles it when needed.
+        # Room for about as many draft tokens as target tokens; _draft grows it when needed.
         size = min(state.tokens.shape[1] + 16, self._max_len())
         self.cache = self.draft.new_cache(state.batch_size, size)
         self.cached: list[list[int]] = [[] for _ in range(state.batch_size)]  # [B] fed ids
@@ -201,7 +201,8 @@ class CrossTokenizerProposer:
         if not any(feed):
             return [[] for _ in contexts]
         width = max(len(f) for f in feed)
-        self._reserve(max(keep) + width + n)  # the pass's pending slots follow the longest row
+        # The pass's pending slots follow the longest row.
+        self.cache.reserve(max(keep) + width + n, self._max_len())
         self.cache.truncate(torch.tensor(keep, device=device))
         ids = torch.tensor([f + [0] * (width - len(f)) for f in feed], device=device)
         counts = torch.tensor([len(f) for f in feed], device=device)
@@ -225,11 +226,6 @@ class CrossTokenizerProposer:
             self.cached[b] = context + drafted[b][:-1]  # the last drafted token was not fed
             out.append(drafted[b])
         return out
-
-    def _reserve(self, length: int) -> None:
-        """Grow the draft's cache (doubling) so every row can hold ``length`` tokens."""
-        if length > self.cache.max_len:
-            self.cache.grow(min(max(length, 2 * self.cache.max_len), self._max_len()))
 
     def observe(self, state: DecodeState, acceptance: Acceptance) -> None:
         """Nothing to do: the next ``propose`` aligns the draft with whatever was committed."""
