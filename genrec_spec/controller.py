@@ -1,6 +1,9 @@
 """How deep to draft each step, and when not to speculate at all.
 
-The model (deterministic, so seeded runs stay reproducible; no wall-clock timing):
+The model (deterministic, so seeded runs stay reproducible; no wall-clock timing while decoding;
+a measured ``pass_cost`` table makes the depths, and so which random draws a sampled run makes,
+depend on the machine the table was timed on: ``cached_pass_cost`` times it once per machine,
+so seeded runs there repeat):
 - tokens per row per step with draft depth k and per-token acceptance a: 1 + a + ... + a^m
   (geometric: the path survives each further draft token with probability a), where
   m = reach * k is the depth the drafter actually reaches (an n-gram drafter often finds

@@ -51,7 +51,9 @@ KIND = "eagle3"
 class Eagle3Config:
     """Defaults of EAGLE-3 drafter training."""
 
-    steps: int = 200  # optimiser steps (~28 min on 2 cores: ~2.5 min of features, ~7.4 s a step)
+    # Optimiser steps. 200 measured 31 min 16 s with another training on the second core (~3 min
+    # of features, 8.5 s a step); ~7.4 s a step on a quiet machine, so ~28 min there.
+    steps: int = 200
     batch_rows: int = 8  # sequences (prompt + continuation pairs) per step
     lr: float = 1e-3  # AdamW peak learning rate
     weight_decay: float = 0.0
