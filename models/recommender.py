@@ -297,14 +297,18 @@ class SemanticIdRecommender(nn.Module):
     # KeyedJaggedTensor: the KJT's bookkeeping and `_embed`'s per-level node loop took ~0.5 ms of
     # a ~1.4 ms batch-1 history pass (ML-100K model, 1 thread). Same tables, same sums.
 
-    def _embed_history(self, values: Tensor, offsets: Tensor) -> Tensor:
-        """values [M], offsets [B+1] (rows <= max_len) -> history tokens [B, T, D]."""
+    def _item_sums(self, values: Tensor) -> Tensor:
+        """values [M] -> [M, D]: each item's code embeddings summed (+ its item embedding)."""
         tables = self.embeddings.embeddings
         codes = self.item_codes[values]  # [M, L]
         item_sum = sum(tables[f"t_code_{lv}"](codes[:, lv]) for lv in range(self.num_levels))
         if self.config.item_embedding:
-            item_sum = item_sum + tables["t_item"](values)  # [M, D]
-        return self.embed_drop(self._history_tokens(item_sum, offsets))
+            item_sum = item_sum + tables["t_item"](values)
+        return item_sum
+
+    def _embed_history(self, values: Tensor, offsets: Tensor) -> Tensor:
+        """values [M], offsets [B+1] (rows <= max_len) -> history tokens [B, T, D]."""
+        return self.embed_drop(self._history_tokens(self._item_sums(values), offsets))
 
     def _embed_nodes(self, codes: Tensor, levels: Tensor) -> Tensor:
         """codes, levels [B, N] -> code tokens [B, N, D]: the code's row of its level's table
@@ -390,18 +394,89 @@ class SemanticIdRecommender(nn.Module):
         keep = torch.cat([lengths[:, None] - 1, node_positions], dim=1)  # [B, 1 + N]
         for layer, block in enumerate(self.blocks):
             x = block(x, attend, keep if layer == len(self.blocks) - 1 else None)
-        last = self.norm(x[:, 0])  # [B, D]
-        state = HistoryState(
-            keys=torch.stack(keys),
-            values=torch.stack(vals),
-            lengths=lengths,
-            hidden=last,
-            level0_log_probs=self.code_heads[0](last).log_softmax(dim=-1),
-            truncated=truncated,
-        )
+        state = self._state(torch.stack(keys), torch.stack(vals), lengths, x[:, 0], truncated)
         if not nodes:
             return state, x.new_zeros(batch, 0, max(self.codebook_sizes[1:]))
         return state, self._next_level_log_probs(self.norm(x[:, 1:]), levels)
+
+    @torch.no_grad()
+    def extend_history(
+        self,
+        state: HistoryState,  # B encoded histories, none cut to max_len
+        values: Tensor,  # [M] int64 items appended to the B rows, oldest first within a row
+        offsets: Tensor,  # [B+1] int64, at least one item per row
+    ) -> HistoryState:
+        """The state of each history with items appended, running only the new tokens: each
+        attends over its row's cached keys and values and the new tokens up to itself (causal,
+        as in `encode_history`), so the result equals `encode_history` of the whole histories up
+        to float rounding. Positions are absolute, so the window must not slide: an extended row
+        must stay within max_len items (`encode_history` cuts longer ones to the recent end)."""
+        self._check_history(values, offsets)
+        added = offsets[1:] - offsets[:-1]  # [B]
+        old = state.lengths  # [B] cached tokens per row, BOS included
+        if added.numel() != old.numel() or bool((added < 1).any()):
+            raise RecommenderInputError(
+                f"extend_history appends at least one item to each of the state's {old.numel()} "
+                f"rows; got item counts {added.tolist()[:8]}"
+            )
+        if bool(state.truncated.any()) or int((old + added).max()) > self.config.max_len + 1:
+            raise RecommenderInputError(
+                f"an extended history would exceed max_len = {self.config.max_len} items (or "
+                "was cut already): its window slides, so encode it afresh with encode_history"
+            )
+        batch, width, cached = old.numel(), int(added.max()), state.keys.shape[3]
+        step = torch.arange(width, device=values.device)  # [n] index of a new token
+        real = step < added[:, None]  # [B, n]
+        x = self.positions(torch.where(real, old[:, None] + step, 0))  # [B, n, D]
+        x[real] += self._item_sums(values)
+        x = self.embed_drop(x)
+        cached_seen = torch.arange(cached, device=values.device) < old[:, None]  # [B, T0]
+        # As in encode_history, the last block computes the last new token's output only.
+        every, last = step.expand(batch, -1), (added - 1)[:, None]  # [B, n], [B, 1]
+        keys, vals = [], []
+        for layer, block in enumerate(self.blocks):
+            query = last if layer == len(self.blocks) - 1 else every  # [B, n'] new tokens out
+
+            def attend(q: Tensor, k: Tensor, v: Tensor, layer=layer, query=query) -> Tensor:
+                """q [B, H, n', Dh] of the new tokens `query` over [cached | new] keys."""
+                keys.append(k)
+                vals.append(v)
+                # Cached key j is seen when it is a real token of the row; new key i' when
+                # i' <= the query's own index.
+                seen = torch.cat(
+                    [cached_seen[:, None].expand(-1, query.shape[1], -1), step <= query[..., None]],
+                    dim=2,
+                )  # [B, n', T0 + n]
+                k_all = torch.cat([state.keys[layer], k], dim=2)  # [B, H, T0 + n, Dh]
+                v_all = torch.cat([state.values[layer], v], dim=2)
+                return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=seen[:, None])
+
+            x = block(x, attend, None if query is every else query)
+        rows, index = real.nonzero(as_tuple=True)  # [P] each new token's row and index
+        place = old[rows] + index  # [P] its slot in the row
+
+        def appended(cache: Tensor, new: list[Tensor]) -> Tensor:  # [layers, B, H, T, Dh]
+            out = cache.new_zeros(
+                *cache.shape[:3], max(cached, int(place.max()) + 1), cache.shape[4]
+            )
+            out[..., :cached, :] = cache
+            out[:, rows, :, place] = torch.stack(new)[:, rows, :, index]
+            return out
+
+        return self._state(
+            appended(state.keys, keys),
+            appended(state.values, vals),
+            old + added,
+            x[:, 0],
+            state.truncated,
+        )
+
+    def _state(self, keys, vals, lengths, last: Tensor, truncated) -> HistoryState:
+        """The HistoryState of per-layer keys/values and the last history token's block output
+        `last` [B, D] (final norm, level-0 head)."""
+        hidden = self.norm(last)  # [B, D]
+        level0 = self.code_heads[0](hidden).log_softmax(dim=-1)
+        return HistoryState(keys, vals, lengths, hidden, level0, truncated)
 
     @torch.no_grad()
     def score_tree(

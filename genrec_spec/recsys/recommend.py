@@ -19,6 +19,11 @@ Bad input and edge cases:
 - an unknown decoder or an option the decoder does not take: `RecommendInputError` listing the
   valid names.
 
+Across calls: `history_cache` (a `recsys.history_cache.HistoryCache` of this model) keeps the
+encoded histories, so a repeated history skips its history pass and a history that grew by a
+few items since its last call encodes only those (what an online service wants; same lists up
+to float rounding).
+
 Excluding items (e.g. those a user has already seen): `exclude` holds one item-index list per
 user. The decoder is asked for `fetch_size(k, ...)` items, k plus the row's count of distinct
 excluded items rounded up to a power of two (capped at the catalogue), the excluded ones are
@@ -40,6 +45,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from genrec_spec.recsys.history_cache import CachedRecommender, HistoryCache
 from genrec_spec.recsys.types import Recommendations
 
 # name -> "module:function", every function with the signature of `recsys.types`.
@@ -134,11 +140,18 @@ def recommend(
     k: int = 10,
     decoder: str = "beam",
     exclude: Sequence[Sequence[int]] | None = None,  # [B] item-index lists to leave out
+    history_cache: HistoryCache | None = None,  # serves the history passes across calls
     **options,
 ) -> Recommendations:  # items [B, K], scores [B, K], stats
     """The top-k items of every history by the named decoder, without each row's `exclude`
     items when given (module docstring)."""
     decode = get_decoder(decoder)
+    if history_cache is not None:
+        if history_cache.model is not model:
+            raise RecommendInputError(
+                "history_cache holds another model's histories; make one HistoryCache per model"
+            )
+        model = CachedRecommender(history_cache)
     if not 1 <= k <= model.num_items:
         raise RecommendInputError(
             f"k must lie in 1..{model.num_items} (the catalogue size), got {k}"

@@ -128,7 +128,8 @@ def build_item_graph(model, config: RpgConfig) -> ItemGraph:
 class WeightCache:
     """One value per model, `build(model, options)`, rebuilt when the long-ID heads' output layer
     changes in place (optimiser steps and load_state_dict bump its versions) or `key(options)`
-    differs; weakly keyed, so it goes when the model goes."""
+    differs; weakly keyed by the heads module, so it goes when the model goes (and a model seen
+    through a `history_cache.CachedRecommender` shares its value)."""
 
     def __init__(self, build, key=lambda options: options) -> None:
         self._build, self._key = build, key
@@ -137,10 +138,10 @@ class WeightCache:
     def get(self, model, options=None):
         out = model.long_id_heads.out
         key = (out.weight._version, out.weight.data_ptr(), out.bias._version, self._key(options))
-        cached = self._values.get(model)
+        cached = self._values.get(model.long_id_heads)
         if cached is None or cached[0] != key:
             cached = (key, self._build(model, options))
-            self._values[model] = cached
+            self._values[model.long_id_heads] = cached
         return cached[1]
 
 

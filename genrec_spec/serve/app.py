@@ -121,6 +121,9 @@ def create_app(
         answers, stats = retriever.run(key, queries)
         passes = stats.get("target_passes", 0)
         metrics.model_call("recommend", key.decoder, passes, retriever.model.num_levels, passes)
+        for how in ("exact", "extended", "missed"):
+            if f"history_{how}" in stats:
+                metrics.history_rows.labels(how).inc(stats[f"history_{how}"])
         return answers
 
     def run_generate(key, queries: list[GenerateQuery]) -> list[dict]:

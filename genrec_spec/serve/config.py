@@ -21,6 +21,7 @@ class ServeConfig:
     max_new_tokens: int = 256  # the most tokens one /v1/generate request may ask for
     retry_after_s: int = 1  # the Retry-After header of an overload 503
     threads: int = 1  # torch CPU threads of the model worker (1 is fastest for small models)
+    history_cache_mb: int = 256  # encoded user histories kept across requests (0: off)
 
     def __post_init__(self) -> None:
         checks = {
@@ -33,6 +34,7 @@ class ServeConfig:
             "max_new_tokens": self.max_new_tokens >= 1,
             "retry_after_s": self.retry_after_s >= 1,
             "threads": self.threads >= 1,
+            "history_cache_mb": self.history_cache_mb >= 0,
             "port": 0 <= self.port <= 65535,
         }
         bad = [name for name, ok in checks.items() if not ok]

@@ -13,7 +13,9 @@ one process, e.g. tests, do not share counts).
 - ``genrec_spec_errors_total{kind}``: refused or failed requests by kind (bad_request,
   invalid_request, unauthorized, not_found, too_large, overloaded, timeout, unavailable,
   internal);
-- ``genrec_spec_queue_waiting{kind}``: requests waiting for the model now.
+- ``genrec_spec_queue_waiting{kind}``: requests waiting for the model now;
+- ``genrec_spec_history_rows_total{how}``: recommendation histories by how the history cache
+  served them (exact: no history pass, extended: only the new items encoded, missed).
 """
 
 from __future__ import annotations
@@ -62,6 +64,12 @@ class ServiceMetrics:
         )
         self.waiting = Gauge(
             "genrec_spec_queue_waiting", "requests waiting for the model", ["kind"], registry=r
+        )
+        self.history_rows = Counter(
+            "genrec_spec_history_rows",
+            "histories by how the cache served them",
+            ["how"],
+            registry=r,
         )
         # Running sums behind the mean accepted length: (accepted units, steps) per label pair.
         self._accepted: dict[tuple[str, str], tuple[float, float]] = {}

@@ -9,6 +9,10 @@ rounding, as batched matrix products sum in another order).
 A user id stands for everything the data holds of the user: the test split's history plus its
 held-out item, oldest first (as ``genrec-spec recommend --user``). ``exclude_seen`` leaves the
 items of that history out of the list (`recsys.recommend`'s `exclude`).
+
+With a history cache (`genrec-spec serve --history-cache-mb`, on by default) the encoded
+histories stay between requests: a user asking again, or with a few new items at the end of
+their history, skips (most of) the history pass (`recsys.history_cache`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.recsys.evaluate import decoder_options, load_model_and_data
+from genrec_spec.recsys.history_cache import HistoryCache
 from genrec_spec.recsys.recommend import DECODERS, fetch_size, get_decoder, recommend
 from genrec_spec.serve.schemas import RecommendRequest
 
@@ -86,8 +91,12 @@ def check_option(
 class Retriever:
     """A loaded recommender checkpoint, its data and the lookups requests need."""
 
-    def __init__(self, model, data, max_k: int) -> None:
+    def __init__(self, model, data, max_k: int, history_cache_bytes: int = 0) -> None:
         self.model, self.data = model, data
+        # Encoded histories across requests (`recsys.history_cache`); None when 0 bytes.
+        self.history_cache = (
+            HistoryCache(model, max_bytes=history_cache_bytes) if history_cache_bytes else None
+        )
         self.max_k = min(max_k, model.num_items)
         self.trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
         self.item_index = {item: i for i, item in enumerate(data.item_ids)}
@@ -95,9 +104,11 @@ class Retriever:
         self.options = {name: servable_options(get_decoder(name)) for name in DECODERS}
 
     @classmethod
-    def load(cls, ckpt: Path | str, data_dir: Path | str | None, max_k: int) -> Retriever:
+    def load(
+        cls, ckpt: Path | str, data_dir: Path | str | None, max_k: int, history_cache_bytes: int = 0
+    ) -> Retriever:
         model, data = load_model_and_data(ckpt, data_dir)
-        return cls(model, data, max_k)
+        return cls(model, data, max_k, history_cache_bytes)
 
     @property
     def user_ids(self) -> list[str]:
@@ -160,17 +171,21 @@ class Retriever:
     @torch.no_grad()
     def run(self, key: BatchKey, queries: Sequence[Query]) -> tuple[list[dict], dict]:
         """Answers (response fields but latency) for a batch of queries of one key, and the
-        decoder call's stats."""
+        decoder call's stats (with a history cache: how many of the batch's histories it served
+        whole, extended or missed)."""
+        cache = self.history_cache
+        before = dict(cache.counts) if cache is not None else {}
         out = recommend(
             self.model,
             [q.history for q in queries],
             k=key.k,
             decoder=key.decoder,
             exclude=[q.exclude for q in queries],
+            history_cache=cache,
             trie=self.trie,
             **dict(key.options),
         )
-        stats = out.stats
+        stats = out.stats | {f"history_{n}": cache.counts[n] - before[n] for n in before}
         context = self.model.config.max_len
         answers = []
         for row, query in enumerate(queries):

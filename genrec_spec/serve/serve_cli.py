@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-body-bytes", type=int, default=c.max_body_bytes, help="larger bodies get 413"
     )
     parser.add_argument("--threads", type=int, default=c.threads, help="torch CPU threads")
+    parser.add_argument(
+        "--history-cache-mb",
+        type=int,
+        default=c.history_cache_mb,
+        help="encoded user histories kept across requests, MiB (0: off)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     parser.add_argument("--access-log", action="store_true", help="log every request")
 
@@ -72,9 +78,10 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_k=args.max_k,
         threads=args.threads,
+        history_cache_mb=args.history_cache_mb,
     )
     torch.set_num_threads(config.threads)
-    retriever = Retriever.load(args.ckpt, args.data, config.max_k)
+    retriever = Retriever.load(args.ckpt, args.data, config.max_k, config.history_cache_mb << 20)
     if config.api_key is None and not is_loopback(config.host):
         print(
             f"warning: serving on {config.host} without an API key; anyone who can reach it "

@@ -238,3 +238,41 @@ def test_bad_input_raises_clear_errors(tiny_model):
             torch.zeros(2, 2, dtype=torch.long),
             torch.tensor([[-1, 1], [-1, 0]]),
         )
+
+
+def test_extend_history_equals_encoding_the_whole_history(tiny_model):
+    model, _ = tiny_model
+    lengths, cuts = [7, 3, 12, 1], [4, 0, 11, 0]  # prefix lengths: one empty, one full window
+    values, offsets = _histories(model, lengths, seed=3)
+    rows = [values[offsets[b] : offsets[b + 1]] for b in range(len(lengths))]
+
+    def ragged(parts):
+        sizes = torch.tensor([0, *[len(p) for p in parts]])
+        return torch.cat(parts), sizes.cumsum(0)
+
+    prefix = model.encode_history(*ragged([r[:c] for r, c in zip(rows, cuts, strict=True)]))
+    extended = model.extend_history(
+        prefix, *ragged([r[c:] for r, c in zip(rows, cuts, strict=True)])
+    )
+    whole = model.encode_history(values, offsets)
+    assert extended.lengths.tolist() == whole.lengths.tolist()
+    for b, tokens in enumerate(whole.lengths.tolist()):
+        for name in ("keys", "values"):
+            got, want = (
+                getattr(extended, name)[:, b, :, :tokens],
+                getattr(whole, name)[:, b, :, :tokens],
+            )
+            assert torch.allclose(got, want, atol=1e-5), (name, b)
+    assert torch.allclose(extended.hidden, whole.hidden, atol=1e-5)
+    assert torch.allclose(extended.level0_log_probs, whole.level0_log_probs, atol=1e-5)
+    codes, levels, parents = _random_tree(model, len(lengths), 7)
+    assert torch.allclose(
+        model.score_tree(extended, codes, levels, parents),
+        model.score_tree(whole, codes, levels, parents),
+        atol=1e-5,
+    )
+
+    with pytest.raises(RecommenderInputError, match="max_len"):  # the window would slide
+        model.extend_history(whole, *ragged([r[:1] for r in rows]))
+    with pytest.raises(RecommenderInputError, match="at least one item"):
+        model.extend_history(prefix, *ragged([r[:0] for r in rows]))

@@ -24,7 +24,8 @@ def retriever(tiny_checkpoint):
     from genrec_spec.serve.config import ServeConfig
     from genrec_spec.serve.retrieval import Retriever
 
-    return Retriever.load(tiny_checkpoint, None, ServeConfig().max_k)
+    config = ServeConfig()
+    return Retriever.load(tiny_checkpoint, None, config.max_k, config.history_cache_mb << 20)
 
 
 @pytest.fixture(scope="session")

@@ -87,6 +87,20 @@ def test_metrics_after_traffic(start_service):
     assert 'genrec_spec_mean_accepted_length{kind="recommend",method="heads"} 3.0' in text
     assert 'genrec_spec_errors_total{kind="bad_request"} 1.0' in text
     assert 'genrec_spec_queue_waiting{kind="recommend"} 0.0' in text
+    # Every answered history was served one way by the history cache (which way depends on the
+    # histories earlier tests left in the session's cache).
+    rows = [line for line in text.splitlines() if line.startswith("genrec_spec_history_rows_total")]
+    assert sum(float(line.split()[-1]) for line in rows) == 7
+
+
+def test_history_cache_serves_a_returning_user(service):
+    body = {"history": ["i5", "i9", "i2", "i7"], "k": 6, "decoder": "nezha"}
+    with httpx.Client(base_url=service) as client:
+        first = client.post("/v1/recommend", json=body).json()
+        again = client.post("/v1/recommend", json=body).json()
+        grown = client.post("/v1/recommend", json=body | {"history": [*body["history"], "i4"]})
+    assert again["stats"]["history_exact"] == 1 and again["items"] == first["items"]
+    assert grown.json()["stats"]["history_extended"] == 1
 
 
 def test_api_key(start_service):
