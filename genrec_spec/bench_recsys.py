@@ -21,9 +21,12 @@ Columns:
 
 Timing: at batch 1 the decoders take turns user by user, the order rotating every user; at
 batch B they take turns batch by batch. Drift of this shared machine then hits every decoder
-alike. Each decoder first runs once untimed (warm-up; the rpg item graph is built there and its
-build time is reported apart). ``torch.set_num_threads(1)`` by default: one thread is fastest
-for one small model on 2 cores. Example (the README's table):
+alike. ``--history-cache`` times returning users instead: every decoder reads histories
+through a history cache (`recsys.history_cache`, what ``serve`` keeps) holding each user's history
+without its newest item, so a request encodes that item only (histories past the model's context
+slide and are encoded whole). Each decoder first runs once untimed (warm-up; the rpg item graph
+is built there and its build time is reported apart). ``torch.set_num_threads(1)`` by default:
+one thread is fastest for one small model on 2 cores. Example (the README's table):
 
     genrec-spec bench recsys --ckpt CKPT --users 200 --k 10 --beam-width 20
 """
@@ -31,6 +34,7 @@ for one small model on 2 cores. Example (the README's table):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -44,6 +48,7 @@ import torch
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.recsys.beam import beam_width_for
 from genrec_spec.recsys.evaluate import load_model_and_data, options_for, sample_users
+from genrec_spec.recsys.history_cache import CachedRecommender, HistoryCache
 from genrec_spec.recsys.recommend import get_decoder
 
 # Benchmark rows that are a registered decoder with fixed options.
@@ -69,6 +74,9 @@ class BenchRecsysConfig:
     repeats: int = 3  # throughput repeats (median)
     threads: int = 1
     seed: int = 0
+    # Time returning users: each decoder reads histories through a history cache that holds
+    # every user's history without its last item (their previous request).
+    history_cache: bool = False
     # --quick: a smoke test of every decoder and both timings in seconds.
     quick_users: int = 4
     quick_batch_sizes: tuple[int, ...] = (3,)
@@ -110,6 +118,21 @@ def _rotations(names: list[str], turn: int) -> list[str]:
     return names[turn % len(names) :] + names[: turn % len(names)]
 
 
+def returning_users(model, users, names: list[str]) -> dict:
+    """name -> the model seen through a history cache of its own (`recsys.history_cache`) that
+    holds each user's history without its last item, as their previous request left it: a
+    timed request then encodes only its newest item (a history past the context slides, so it is
+    encoded whole)."""
+    bounds = users.offsets.tolist()
+    previous = [users.values[a:b].tolist()[:-1] for a, b in itertools.pairwise(bounds)]
+    views = {}
+    for name in names:
+        cache = HistoryCache(model, max_bytes=1 << 40)  # holds every user asked for
+        cache.encode_rows(previous)
+        views[name] = CachedRecommender(cache)
+    return views
+
+
 def _timed(decode, model, users, k, trie):
     """(wall seconds, CPU seconds of this thread, Recommendations) of one call."""
     start, cpu = time.perf_counter(), time.thread_time()
@@ -131,15 +154,21 @@ def benchmark(model, histories, settings: BenchRecsysConfig, log=lambda line: No
         if "graph_build_s" in out.stats:
             log(f"{name}: item graph built in {out.stats['graph_build_s']:.2f} s (once per model)")
 
+    def targets(users) -> dict:  # name -> what the decoder reads the users' histories from
+        if settings.history_cache:
+            return returning_users(model, users, names)
+        return dict.fromkeys(names, model)
+
     latency = {n: [] for n in names}
     cpu = {n: [] for n in names}
     stats = {n: [] for n in names}
     lists = {n: [] for n in names}
     batch1 = min(settings.users, len(histories))
+    target = targets(histories.select(torch.arange(batch1)))
     for user in range(batch1):
         one = histories.select(torch.tensor([user]))
         for name in _rotations(names, user):
-            seconds, cpu_seconds, out = _timed(runners[name], model, one, k, trie)
+            seconds, cpu_seconds, out = _timed(runners[name], target[name], one, k, trie)
             latency[name].append(seconds)
             cpu[name].append(cpu_seconds)
             stats[name].append(out.stats)
@@ -155,8 +184,9 @@ def benchmark(model, histories, settings: BenchRecsysConfig, log=lambda line: No
         for repeat in range(settings.repeats):
             seconds = {n: 0.0 for n in names}
             for b, part in enumerate(parts):
+                target = targets(part)  # fresh caches: every repeat times returning users
                 for name in _rotations(names, repeat * len(parts) + b):
-                    seconds[name] += _timed(runners[name], model, part, k, trie)[0]
+                    seconds[name] += _timed(runners[name], target[name], part, k, trie)[0]
             for name in names:
                 repeats[name].append(count / seconds[name])
             log(f"batch {size} repeat {repeat + 1}/{settings.repeats} done")
@@ -234,6 +264,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, help=f"throughput repeats (default {c.repeats})")
     parser.add_argument("--threads", type=int, default=c.threads, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=c.seed, help="draws the users")
+    parser.add_argument(
+        "--history-cache",
+        action="store_true",
+        help="time returning users: histories cached without their newest item",
+    )
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     parser.add_argument(
         "--quick",
@@ -268,6 +303,7 @@ def settings_from(args: argparse.Namespace) -> BenchRecsysConfig:
         repeats=pick(args.repeats, c.quick_repeats, c.repeats),
         threads=args.threads,
         seed=args.seed,
+        history_cache=args.history_cache,
     )
     counts = (settings.k, settings.users, settings.batches, settings.repeats, settings.threads)
     if not settings.batch_sizes or min(counts + settings.batch_sizes) < 1:
@@ -299,6 +335,14 @@ def run(args: argparse.Namespace) -> int:
         f"{time.perf_counter() - started:.0f} s, load average {load_before:.2f} -> "
         f"{load_after:.2f}"
     )
+    if settings.history_cache:
+        lengths = histories.offsets.diff()[: settings.users]
+        slid = int((lengths > model.config.max_len).sum())
+        print(
+            f"returning users through a history cache: {len(lengths) - slid} histories extended "
+            f"by their newest item, {slid} longer than the context ({model.config.max_len}) "
+            "encoded whole"
+        )
     print(format_table(rows, settings.batch_sizes))
     if args.json:
         report = {

@@ -64,3 +64,20 @@ def test_bench_recsys_bad_settings(tmp_path):
     for bad in (["--decoders", "beam,fast"], ["--k", "5", "--beam-width", "4"], ["--users", "0"]):
         with pytest.raises(ValueError):
             bench_recsys.settings_from(_args(base + bad))
+
+
+def test_bench_recsys_returning_users(tiny_model, tmp_path, capsys):
+    """--history-cache: the decoders read cached histories and still agree with beam's lists
+    (spec_beam exactly); the report says how many histories were extended."""
+    model, data = tiny_model
+    save_checkpoint(
+        tmp_path / "ckpt", model, {"data": {"path": str(data.path), "data_hash": data.data_hash}}
+    )
+    out = tmp_path / "bench.json"
+    argv = ["--ckpt", str(tmp_path / "ckpt"), "--quick", "--k", "3", "--history-cache"]
+    argv += ["--decoders", "beam,spec_beam,heads", "--json", str(out)]
+    assert bench_recsys.run(_args(argv)) == 0
+    text = capsys.readouterr().out
+    assert "returning users through a history cache:" in text and "extended by their newest" in text
+    rows = {row["decoder"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["spec_beam"]["same_as_beam"] == 1.0 and rows["heads"]["passes"] == 1
