@@ -23,13 +23,16 @@ def _calls(model) -> list[list[list[int]]]:
     return calls
 
 
-@pytest.mark.parametrize("decoder", list(DECODERS))
-def test_cached_lists_equal_uncached(tiny_model, decoder):
+@pytest.mark.parametrize(
+    "decoder, options",
+    [(name, {}) for name in DECODERS] + [("spec_beam", {"draft": "none"})],  # no draft tree
+)
+def test_cached_lists_equal_uncached(tiny_model, decoder, options):
     model, _ = tiny_model
     cache = HistoryCache(model, max_extend=3)
     for histories in _calls(model):
-        want = recommend(model, histories, k=8, decoder=decoder)
-        got = recommend(model, histories, k=8, decoder=decoder, history_cache=cache)
+        want = recommend(model, histories, k=8, decoder=decoder, **options)
+        got = recommend(model, histories, k=8, decoder=decoder, history_cache=cache, **options)
         assert torch.equal(got.items, want.items)
         assert torch.allclose(got.scores, want.scores, atol=1e-4)
         assert got.stats["truncated_histories"] == want.stats["truncated_histories"]
