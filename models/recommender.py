@@ -424,52 +424,45 @@ class SemanticIdRecommender(nn.Module):
                 f"an extended history would exceed max_len = {self.config.max_len} items (or "
                 "was cut already): its window slides, so encode it afresh with encode_history"
             )
-        batch, width, cached = old.numel(), int(added.max()), state.keys.shape[3]
+        width, cached = int(added.max()), state.keys.shape[3]
         step = torch.arange(width, device=values.device)  # [n] index of a new token
         real = step < added[:, None]  # [B, n]
         x = self.positions(torch.where(real, old[:, None] + step, 0))  # [B, n, D]
         x[real] += self._item_sums(values)
         x = self.embed_drop(x)
-        cached_seen = torch.arange(cached, device=values.device) < old[:, None]  # [B, T0]
+        # Key j of [cached | new] is seen by new token i when it is a real cached token of the
+        # row (j < old) or a new token at or before i; built once for all layers.
+        keys_at = torch.arange(cached + width, device=values.device)  # [T0 + n]
+        seen = torch.where(
+            keys_at < cached, keys_at < old[:, None, None], keys_at - cached <= step[:, None]
+        )  # [B, n, T0 + n]
         # As in encode_history, the last block computes the last new token's output only.
-        every, last = step.expand(batch, -1), (added - 1)[:, None]  # [B, n], [B, 1]
-        keys, vals = [], []
+        last = (added - 1)[:, None]  # [B, 1]
+        seen_last = seen.gather(1, last[..., None].expand(-1, -1, seen.shape[2]))  # [B, 1, T0 + n]
+        keys, vals = [], []  # per layer [B, H, T0 + n, Dh]
         for layer, block in enumerate(self.blocks):
-            query = last if layer == len(self.blocks) - 1 else every  # [B, n'] new tokens out
+            is_last = layer == len(self.blocks) - 1
 
-            def attend(q: Tensor, k: Tensor, v: Tensor, layer=layer, query=query) -> Tensor:
-                """q [B, H, n', Dh] of the new tokens `query` over [cached | new] keys."""
-                keys.append(k)
-                vals.append(v)
-                # Cached key j is seen when it is a real token of the row; new key i' when
-                # i' <= the query's own index.
-                seen = torch.cat(
-                    [cached_seen[:, None].expand(-1, query.shape[1], -1), step <= query[..., None]],
-                    dim=2,
-                )  # [B, n', T0 + n]
-                k_all = torch.cat([state.keys[layer], k], dim=2)  # [B, H, T0 + n, Dh]
-                v_all = torch.cat([state.values[layer], v], dim=2)
-                return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=seen[:, None])
+            def attend(q: Tensor, k: Tensor, v: Tensor, layer=layer, is_last=is_last) -> Tensor:
+                """q [B, H, n', Dh] of the new tokens over [cached | new] keys."""
+                keys.append(torch.cat([state.keys[layer], k], dim=2))
+                vals.append(torch.cat([state.values[layer], v], dim=2))
+                mask = (seen_last if is_last else seen)[:, None]
+                return F.scaled_dot_product_attention(q, keys[-1], vals[-1], attn_mask=mask)
 
-            x = block(x, attend, None if query is every else query)
-        rows, index = real.nonzero(as_tuple=True)  # [P] each new token's row and index
-        place = old[rows] + index  # [P] its slot in the row
+            x = block(x, attend, last if is_last else None)
+        # Row b's history is its old tokens then its new ones: slot j reads [cached | new] at j
+        # below old[b], at T0 + j - old[b] from there (padding slots: any finite entry).
+        slot = torch.arange(int((old + added).max()), device=values.device)  # [T]
+        source = torch.where(slot < old[:, None], slot, cached + slot - old[:, None])  # [B, T]
+        source = source.clamp_max(cached + width - 1)[None, :, None, :, None]
 
-        def appended(cache: Tensor, new: list[Tensor]) -> Tensor:  # [layers, B, H, T, Dh]
-            out = cache.new_zeros(
-                *cache.shape[:3], max(cached, int(place.max()) + 1), cache.shape[4]
-            )
-            out[..., :cached, :] = cache
-            out[:, rows, :, place] = torch.stack(new)[:, rows, :, index]
-            return out
+        def appended(per_layer: list[Tensor]) -> Tensor:  # [layers, B, H, T, Dh]
+            stacked = torch.stack(per_layer)  # [layers, B, H, T0 + n, Dh]
+            shape = (*stacked.shape[:3], source.shape[3], stacked.shape[4])
+            return stacked.gather(3, source.expand(shape))
 
-        return self._state(
-            appended(state.keys, keys),
-            appended(state.values, vals),
-            old + added,
-            x[:, 0],
-            state.truncated,
-        )
+        return self._state(appended(keys), appended(vals), old + added, x[:, 0], state.truncated)
 
     def _state(self, keys, vals, lengths, last: Tensor, truncated) -> HistoryState:
         """The HistoryState of per-layer keys/values and the last history token's block output
