@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import torch.utils.weak
 from torch import nn
 
 from genrec_spec.kernels import TreePlan, prepare_tree, tree_attention
@@ -97,28 +98,63 @@ def begin_tree_pass(
     return plan, cos[positions][:, :, None], sin[positions][:, :, None]
 
 
-# At most this many rows take the weight-major product on a CPU (``linear``).
-WEIGHT_MAJOR_ROWS = 5
+# At most this many rows take the weight-major product on a CPU (``linear``); more take oneDNN's
+# prepacked one where it can.
+WEIGHT_MAJOR_ROWS = 2
+PACK_ROWS_HINT = 8  # the row count oneDNN lays the packed weights out for
+# weight -> (its version, its storage, the oneDNN-packed copy); keyed by identity, weakly.
+_PACKED = torch.utils.weak.WeakIdKeyDictionary()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-    """``F.linear``; on a CPU with at most WEIGHT_MAJOR_ROWS rows, the same product taken weight
-    major, ``(weight @ x^T)^T`` with ``x`` contiguous, and a single row padded to two. MKL's
-    sgemm is slow at a few rows in ``x @ weight^T``'s orientation (and a single row is a GEMV,
-    ~11 GB/s here) but streams the weights near memory bandwidth in the other one at two rows.
-    SmolLM2's whole forward at one thread, 1 / 2 / 3 / 4 / 5 / 6 / 8 tokens: 55 / 87 / 108 / 75
-    / 92 / 85 / 86 ms with ``F.linear``, 42 / 42 / 60 / 63 / 77 / 90 / 86 ms this way (padding 2-3
-    rows to 4 instead, the earlier fix, gave ~75 ms for 2-4). Passes over 1-5 tokens (plain
-    decoding, small draft trees) are what a CPU target mostly runs. The padding row is zeros and
-    is dropped; rows differ from ``F.linear``'s only by float rounding."""
+    """``F.linear``, faster for the few-row products a CPU target mostly runs (plain decoding,
+    small draft trees). MKL's sgemm is slow at a few rows in ``x @ weight^T``'s orientation (and
+    a single row is a GEMV, ~11 GB/s here), so on a CPU:
+
+    - 1-2 rows: the product taken weight major, ``(weight @ x^T)^T`` with a single row padded to
+      two, which streams the weights near memory bandwidth (~18 GB/s);
+    - 3+ rows: oneDNN's linear on a copy of the weights prepacked once (``_packed``), when
+      nothing needs a gradient through it (the op has no backward; training takes F.linear).
+
+    SmolLM2's 210 layer matmuls at one thread, 1 / 2 / 3 / 4 / 6 / 8 / 16 rows: F.linear 37 / 52
+    / 62 / 48 / 55 / 57-70 / 79 ms, weight major 26 / 25 / 40 / 40 / 61 / 67 ms, oneDNN packed
+    31 / 37 / 27 / 25 / 25 / 33 / 44-51 ms (and 581 vs 636 ms at 256 rows). So a pass over 3-6
+    tokens costs what one over 1-2 does in these products. The price: the packed copy's memory
+    (as much again as the weights). Rows differ from ``F.linear``'s only by float rounding."""
     rows = x.numel() // x.shape[-1]
-    if x.device.type != "cpu" or rows > WEIGHT_MAJOR_ROWS:
+    if x.device.type != "cpu":
         return F.linear(x, weight)
     flat = x.reshape(rows, x.shape[-1]).contiguous()  # [rows, in]
-    if rows == 1:
-        flat = F.pad(flat, (0, 0, 0, 1))  # [2, in]
-    out = (weight @ flat.T).T[:rows].contiguous()  # [rows, out]
+    if rows <= WEIGHT_MAJOR_ROWS:
+        if rows == 1:
+            flat = F.pad(flat, (0, 0, 0, 1))  # [2, in]
+        out = (weight @ flat.T).T[:rows].contiguous()  # [rows, out]
+    elif _packable(x, weight):
+        out = torch.ops.mkldnn._linear_pointwise(flat, _packed(weight), None, "none", [], "")
+    else:
+        return F.linear(x, weight)
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return (
+        not needs_grad
+        and x.dtype == weight.dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def _packed(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's layout of `weight`, made once and again when the weight changes in place
+    (optimiser steps and load_state_dict bump its version) or is replaced."""
+    key = (weight._version, weight.data_ptr())
+    cached = _PACKED.get(weight)
+    if cached is None or cached[0] != key:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+        cached = (key, packed)
+        _PACKED[weight] = cached
+    return cached[1]
 
 
 class Linear(nn.Linear):

@@ -194,3 +194,24 @@ def test_linear_matches_f_linear(shape, strided):
     grads = torch.autograd.grad(out.square().sum(), (x, weight))
     reference = torch.autograd.grad(expected.square().sum(), (x, weight))
     torch.testing.assert_close(grads, reference, rtol=1e-5, atol=1e-4)  # summation order
+
+
+@pytest.mark.parametrize("rows", [3, 5, 9, 40])
+def test_linear_prepacked_path_matches_and_follows_weight_updates(rows):
+    """Without gradients, 3+ rows go through oneDNN's prepacked weights: F.linear's values, and
+    a weight changed in place (an optimiser step, load_state_dict) is packed again."""
+    from genrec_spec.models import llama
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN: linear takes F.linear")
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 24, generator=gen)
+    weight = torch.randn(40, 24, generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(linear(x, weight), torch.nn.functional.linear(x, weight))
+        packed = llama._PACKED[weight][1]
+        linear(x, weight)
+        assert llama._PACKED[weight][1] is packed  # packed once
+        weight.mul_(-2.0)
+        torch.testing.assert_close(linear(x, weight), torch.nn.functional.linear(x, weight))
+        assert llama._PACKED[weight][1] is not packed
