@@ -177,11 +177,17 @@ def measure_pass_cost(
     return tuple(t / medians[0] for t in medians)
 
 
+# Part of cached_pass_cost's key: bump it when the targets' kernels change what a pass of n
+# tokens costs (2: models/llama.linear takes 3+ rows through oneDNN's prepacked weights).
+PASS_COST_KERNELS = 2
+
+
 def cached_pass_cost(model: Any, folder: Path | None = None) -> tuple[float, ...]:
     """``measure_pass_cost(model)``, timed once per model shape and machine and kept in
     ``folder`` (default ``$GENREC_SPEC_CACHE/pass_cost``): the table depends on the weights'
-    shapes, the thread count, the CPU or GPU and the torch build, not on the weights' values,
-    so those make the key. A cache file that cannot be read is timed again and replaced."""
+    shapes, the thread count, the CPU or GPU, the torch build and our kernels
+    (``PASS_COST_KERNELS``), not on the weights' values, so those make the key. A cache file
+    that cannot be read is timed again and replaced."""
     if folder is None:
         from genrec_spec.models.smollm2 import cache_dir
 
@@ -225,5 +231,6 @@ def _machine_key(model: Any) -> str:
         device.type,
         processor,
         torch.__version__,
+        PASS_COST_KERNELS,
     ]
     return hashlib.sha256(repr(what).encode()).hexdigest()[:20]
