@@ -179,8 +179,9 @@ def test_config_is_frozen(llama_kit):
 @pytest.mark.parametrize("shape", [(1, 1), (1, 2), (3, 1), (1, 3), (2, 2), (1, 5), (2, 4), (1, 9)])
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "transposed-view"])
 def test_linear_matches_f_linear(shape, strided):
-    """The weight-major product for few rows (a single row padded) and F.linear for more return
-    F.linear's rows and shape, from a contiguous input or a transposed view; gradients too."""
+    """With gradients, the weight-major product for 1-2 rows (a single row padded) and F.linear
+    for more return F.linear's rows and shape, from a contiguous input or a transposed view, and
+    its gradients."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, 24, generator=gen)  # [B, N, in]
     if strided:  # the same values, laid out as a transposed view
