@@ -77,12 +77,14 @@ def load_gemma3(dtype: torch.dtype = torch.float32) -> tuple[object, object]:
 
 
 class VocabHead(nn.Module):
-    """An LM head through ``genrec_spec.models.llama.linear`` (few rows taken weight major).
+    """An LM head through ``genrec_spec.models.llama.linear`` (1-2 rows weight major, 3+ rows
+    through oneDNN on a prepacked copy of the head: another 671 MB).
 
     Measured at one CPU thread, 262,144 x 640 fp32 weights (671 MB, read once per product):
     ``F.linear`` takes 85 / 150 / 155 / 170 / 190 ms for 1 / 2 / 3 / 4 / 5 rows, ``(W @ h^T)^T``
-    72 / 53 / 76 / 73 / 97 ms (``linear`` pads one row to two: ~53 ms). The results differ by
-    float rounding only (~1e-5 relative)."""
+    72 / 53 / 76 / 73 / 97 ms (``linear`` pads one row to two: ~53 ms); oneDNN's prepacked path
+    was timed on SmolLM2's shapes only. The results differ by float rounding only (~1e-5
+    relative)."""
 
     def __init__(self, weight: torch.Tensor) -> None:  # [V, D], shared with the embedding
         super().__init__()
