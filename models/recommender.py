@@ -395,8 +395,6 @@ class SemanticIdRecommender(nn.Module):
         for layer, block in enumerate(self.blocks):
             x = block(x, attend, keep if layer == len(self.blocks) - 1 else None)
         state = self._state(torch.stack(keys), torch.stack(vals), lengths, x[:, 0], truncated)
-        if not nodes:
-            return state, x.new_zeros(batch, 0, max(self.codebook_sizes[1:]))
         return state, self._next_level_log_probs(self.norm(x[:, 1:]), levels)
 
     @torch.no_grad()
@@ -482,6 +480,8 @@ class SemanticIdRecommender(nn.Module):
         """Score N code-prefix nodes per row in one pass against the cached history."""
         self._check_tree(state.lengths.numel(), codes, levels)
         x = self._embed_nodes(codes, levels)  # [B, N, D]
+        if not codes.shape[1]:  # no node (a draft that proposed nothing): nothing to score
+            return self._next_level_log_probs(x, levels)
         plan = self._tree_plan(parents, state.lengths, state.keys.shape[3])
         for layer, block in enumerate(self.blocks):
 
@@ -547,9 +547,11 @@ class SemanticIdRecommender(nn.Module):
         counts = torch.bincount(levels.flatten(), minlength=self.num_levels - 1).tolist()
         for level, count in enumerate(counts):
             width = self.codebook_sizes[level + 1]
+            if not count:
+                continue
             if count == levels.numel():  # one level only: no selection
                 out[..., :width] = self.code_heads[level + 1](h).log_softmax(dim=-1)
-            elif count:
+            else:
                 chosen = levels == level
                 head = self.code_heads[level + 1]
                 out[..., :width][chosen] = head(h[chosen]).log_softmax(dim=-1)

@@ -202,7 +202,4 @@ class CachedRecommender:
         """The cached history, then the tree in its own pass (the model fuses the two when it
         has to read the whole history anyway)."""
         state = self.encode_history(values, offsets)
-        model = self.cache.model
-        if codes.shape[1] == 0:  # no tree (a draft that proposed nothing): what the model gives
-            return state, state.hidden.new_zeros(codes.shape[0], 0, max(model.codebook_sizes[1:]))
-        return state, model.score_tree(state, codes, levels, parents)
+        return state, self.cache.model.score_tree(state, codes, levels, parents)
