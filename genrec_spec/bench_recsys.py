@@ -34,7 +34,6 @@ one thread is fastest for one small model on 2 cores. Example (the README's tabl
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import statistics
@@ -48,7 +47,7 @@ import torch
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.recsys.beam import beam_width_for
 from genrec_spec.recsys.evaluate import load_model_and_data, options_for, sample_users
-from genrec_spec.recsys.history_cache import CachedRecommender, HistoryCache
+from genrec_spec.recsys.history_cache import CachedRecommender, HistoryCache, rows_of
 from genrec_spec.recsys.recommend import get_decoder
 
 # Benchmark rows that are a registered decoder with fixed options.
@@ -123,8 +122,7 @@ def returning_users(model, users, names: list[str]) -> dict:
     holds each user's history without its last item, as their previous request left it: a
     timed request then encodes only its newest item (a history past the context slides, so it is
     encoded whole)."""
-    bounds = users.offsets.tolist()
-    previous = [users.values[a:b].tolist()[:-1] for a, b in itertools.pairwise(bounds)]
+    previous = [row[:-1] for row in rows_of(users.values, users.offsets)]
     views = {}
     for name in names:
         cache = HistoryCache(model, max_bytes=1 << 40)  # holds every user asked for

@@ -30,12 +30,14 @@ H heads, Dh head width.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from genrec_spec.data_pipelines.jagged import lengths_to_offsets
 from genrec_spec.models.recommender import HistoryState
 
 
@@ -93,7 +95,13 @@ def ragged(rows: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]
     """Item lists as (values [M], offsets [B+1])."""
     values = torch.tensor([i for row in rows for i in row], dtype=torch.long, device=device)
     lengths = torch.tensor([len(row) for row in rows], dtype=torch.long, device=device)
-    return values, torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    return values, lengths_to_offsets(lengths)
+
+
+def rows_of(values: Tensor, offsets: Tensor) -> list[list[int]]:
+    """(values [M], offsets [B+1]) as B item lists (one host copy, not one per row)."""
+    flat, bounds = values.tolist(), offsets.tolist()
+    return [flat[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 class HistoryCache:
@@ -116,8 +124,7 @@ class HistoryCache:
     def encode(self, values: Tensor, offsets: Tensor) -> HistoryState:
         """`model.encode_history(values, offsets)`, served from the cache where it can be
         (module docstring)."""
-        rows = [values[offsets[b] : offsets[b + 1]].tolist() for b in range(offsets.numel() - 1)]
-        return self.encode_rows(rows)
+        return self.encode_rows(rows_of(values, offsets))
 
     def encode_rows(self, rows: list[list[int]]) -> HistoryState:
         """The same for histories given as item-index lists."""
@@ -143,19 +150,25 @@ class HistoryCache:
         if missed:
             state = self.model.encode_history(*ragged([rows[b] for b in missed], device))
             self._fill(out, rows, missed, state)
+            if len(missed) == len(rows):  # the batch as encoded: no copy of it to restack
+                self._count(rows, missed, extend)
+                return state
         if extend:
             prefix = stack_rows([entry for _, entry, _ in extend])
             added = ragged([rows[b][-new:] for b, _, new in extend], device)
             state = self.model.extend_history(prefix, *added)
             self._fill(out, rows, [b for b, _, _ in extend], state)
+        self._count(rows, missed, extend)
+        return stack_rows(out)
+
+    def _count(self, rows: list[list[int]], missed: list[int], extend: list[tuple]) -> None:
+        """Add a call's rows to `counts` (history tokens encoded: BOS + the window on a miss)."""
         self.counts["exact"] += len(rows) - len(missed) - len(extend)
         self.counts["extended"] += len(extend)
         self.counts["missed"] += len(missed)
-        self.counts["tokens_encoded"] += sum(
-            min(len(rows[b]), self.model.config.max_len) + 1 for b in missed
-        )
+        window = self.model.config.max_len
+        self.counts["tokens_encoded"] += sum(min(len(rows[b]), window) + 1 for b in missed)
         self.counts["tokens_encoded"] += sum(new for _, _, new in extend)
-        return stack_rows(out)
 
     def _fill(
         self, out: list, rows: list[list[int]], which: list[int], state: HistoryState
