@@ -118,9 +118,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [..., in] 
 
     SmolLM2's 210 layer matmuls at one thread, 1 / 2 / 3 / 4 / 6 / 8 / 16 rows: F.linear 37 / 52
     / 62 / 48 / 55 / 57-70 / 79 ms, weight major 26 / 25 / 40 / 40 / 61 / 67 / - ms, oneDNN
-    packed 31 / 37 / 27 / 25 / 25 / 33 / 44-51 ms (and 581 vs F.linear's 636 ms at 256 rows). So a pass over 3-6
-    tokens costs what one over 1-2 does in these products. The price: the packed copy's memory
-    (as much again as the weights). Rows differ from ``F.linear``'s only by float rounding."""
+    packed 31 / 37 / 27 / 25 / 25 / 33 / 44-51 ms (and 581 vs F.linear's 636 ms at 256 rows).
+    So a pass over 3-6 tokens costs what one over 1-2 does in these products. The price: the
+    packed copy's memory (as much again as the weights). Rows differ from ``F.linear``'s only
+    by float rounding."""
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu":
         return F.linear(x, weight)
