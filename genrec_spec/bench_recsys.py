@@ -44,8 +44,7 @@ from pathlib import Path
 
 import torch
 
-from genrec_spec.data_pipelines.trie import PrefixTrie
-from genrec_spec.recsys.beam import beam_width_for
+from genrec_spec.recsys.beam import beam_width_for, item_trie
 from genrec_spec.recsys.evaluate import load_model_and_data, options_for, sample_users
 from genrec_spec.recsys.history_cache import CachedRecommender, HistoryCache, rows_of
 from genrec_spec.recsys.recommend import get_decoder
@@ -141,7 +140,7 @@ def _timed(decode, model, users, k, trie):
 def benchmark(model, histories, settings: BenchRecsysConfig, log=lambda line: None) -> list[Row]:
     """Every decoder of `settings` on the same users of `histories` (a split with its users
     already chosen): batch-1 latency over settings.users users, throughput at each batch size."""
-    trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+    trie = item_trie(model)
     names = ["beam"] + [n for n in settings.decoders if n != "beam"]
     width = beam_width_for(settings.k, settings.beam_width, model.num_items)
     runners = make_decoders(tuple(names), width)

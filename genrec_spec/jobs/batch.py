@@ -51,8 +51,8 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.jobs.batch_store import open_store
+from genrec_spec.recsys.beam import item_trie
 from genrec_spec.recsys.checkpoint import MANIFEST, WEIGHTS
 from genrec_spec.recsys.data import Histories
 from genrec_spec.recsys.evaluate import check_options, load_model_and_data
@@ -102,7 +102,7 @@ class ChunkDecoder:
     def __init__(self, model, decoder: str, k: int, options: dict) -> None:
         self.model, self.k, self.options = model, k, options
         self.decode = get_decoder(decoder)
-        self.trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+        self.trie = item_trie(model)
 
     @torch.no_grad()
     def __call__(self, values: Tensor, offsets: Tensor) -> Recommendations:  # [M], [B+1]

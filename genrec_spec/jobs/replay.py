@@ -36,7 +36,6 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.jobs.replay_events import (
     Events,
     ReplayInputError,
@@ -44,6 +43,7 @@ from genrec_spec.jobs.replay_events import (
     read_log,
     split_events,
 )
+from genrec_spec.recsys.beam import item_trie
 from genrec_spec.recsys.checkpoint import load_checkpoint
 from genrec_spec.recsys.data import Histories
 from genrec_spec.recsys.evaluate import (
@@ -132,13 +132,12 @@ def replay(
     models: tuple, arms: tuple[Arm, Arm], events: Events, k: int, batch_size: int
 ) -> tuple[ArmRun, ArmRun, Tensor]:  # A, B, batch_offsets [NB+1] int64
     """Both arms over the same batches of consecutive events (module docstring: timing)."""
-    tries = {id(m): PrefixTrie.from_codes(m.item_codes, tuple(m.codebook_sizes)) for m in models}
     decoders = [get_decoder(arm.decoder) for arm in arms]
 
     def decode(side: int, part: Histories):
         model = models[side]
         return decoders[side](
-            model, part.values, part.offsets, k=k, trie=tries[id(model)], **arms[side].options
+            model, part.values, part.offsets, k=k, trie=item_trie(model), **arms[side].options
         )
 
     batches = torch.arange(len(events.histories)).split(batch_size)

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from genrec_spec.data_pipelines.trie import PrefixTrie
+from genrec_spec.recsys.beam import item_trie
 from genrec_spec.recsys.checkpoint import load_checkpoint
 from genrec_spec.recsys.data import load_prepared
 from genrec_spec.recsys.metrics import DEFAULT_KS, ranking_metrics, ranks_from_topk
@@ -105,7 +105,7 @@ def evaluate(
     *,
     ks: tuple[int, ...] = DEFAULT_KS,
     batch_size: int = EvaluateConfig.batch_size,
-    trie=None,  # PrefixTrie of the model's catalogue; None = built here
+    trie=None,  # PrefixTrie of the model's catalogue; None = item_trie(model)
     **options,
 ) -> dict:
     """Metrics of `decode` over every user of `histories` (one held-out target each):
@@ -116,7 +116,7 @@ def evaluate(
     if len(histories) == 0 or batch_size < 1:
         raise ValueError("evaluate needs at least one user and a batch size >= 1")
     if trie is None:
-        trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+        trie = item_trie(model)
     k = max(ks)
     ranks, invalid, seconds, passes, batches = [], 0, 0.0, 0, 0
     for part in torch.arange(len(histories)).split(batch_size):

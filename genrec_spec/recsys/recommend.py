@@ -4,7 +4,8 @@
 
 `histories` is a list of item-index lists (one per user, oldest first) or a pair
 (values [M], offsets [B+1]); `options` go to the decoder (e.g. `beam_width=50`, `draft="none"`,
-`trie=` a prebuilt `PrefixTrie` to skip building it). Decoders are looked up by name in
+`trie=` another `PrefixTrie` of the catalogue; by default `beam.item_trie(model)`, built once
+per model). Decoders are looked up by name in
 `DECODERS` and imported only when asked for.
 
 Bad input and edge cases:
@@ -45,6 +46,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from genrec_spec.recsys.beam import item_trie
 from genrec_spec.recsys.history_cache import CachedRecommender, HistoryCache
 from genrec_spec.recsys.types import Recommendations
 
@@ -166,9 +168,7 @@ def recommend(
     device = model.item_codes.device
     values, offsets = as_values_offsets(histories, model.num_items, device)
     if options.get("trie") is None:
-        from genrec_spec.data_pipelines.trie import PrefixTrie
-
-        options["trie"] = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+        options["trie"] = item_trie(model)
     if exclude is None:
         return decode(model, values, offsets, k=k, **options)
     drop_values, drop_offsets = as_values_offsets(exclude, model.num_items, device)

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.recommender import RecommenderInputError
+from genrec_spec.recsys.beam import item_trie
 
 
 @dataclass(frozen=True)
@@ -135,12 +136,12 @@ def score(
     offsets: Tensor,  # [B+1] int64
     candidates: Tensor,  # [B, C] int64 item indices (repeats allowed)
     *,
-    trie: PrefixTrie | None = None,  # the catalogue's trie; None = built from model.item_codes
+    trie: PrefixTrie | None = None,  # the catalogue's trie; None = item_trie(model)
 ) -> Tensor:  # [B, C] float32 log-likelihood of each candidate
     """Every candidate's exact log-likelihood, in one forward pass per batch."""
     check_candidates(model, candidates, offsets.numel() - 1)
     if trie is None:
-        trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+        trie = item_trie(model)
     index = TrieIndex.of(trie)
     batch, count = candidates.shape
     codes = model.item_codes[candidates]  # [B, C, L]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from genrec_spec.data_pipelines.trie import PrefixTrie
+from genrec_spec.recsys.beam import item_trie
 from genrec_spec.recsys.evaluate import decoder_options, load_model_and_data
 from genrec_spec.recsys.history_cache import HistoryCache
 from genrec_spec.recsys.recommend import DECODERS, fetch_size, get_decoder, recommend
@@ -98,7 +98,7 @@ class Retriever:
             HistoryCache(model, max_bytes=history_cache_bytes) if history_cache_bytes else None
         )
         self.max_k = min(max_k, model.num_items)
-        self.trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+        self.trie = item_trie(model)
         self.item_index = {item: i for i, item in enumerate(data.item_ids)}
         self.user_row = {user: row for row, user in enumerate(data.test.user_ids)}
         self.options = {name: servable_options(get_decoder(name)) for name in DECODERS}

@@ -148,3 +148,18 @@ def test_extend_equals_the_dense_grid_step(model, width):
         real = beams.nodes >= 0
         assert torch.equal(beams.origin[real], want_origin[real])
         assert torch.equal(beams.code[real], trie.child_codes[beams.nodes[real] - 1])
+
+
+def test_item_trie_is_built_once_per_code_table(model):
+    trie = beam.item_trie(model)
+    assert beam.item_trie(model) is trie  # reused: per-request callers do not rebuild it
+    assert torch.equal(trie.leaf_items, _trie(model).leaf_items)
+    assert torch.equal(trie.child_codes, _trie(model).child_codes)
+    # A rewritten code table (load_state_dict copies in place) gets a trie of its new codes.
+    swapped = model.item_codes[[1, 0, *range(2, model.num_items)]].clone()
+    with torch.no_grad():
+        model.item_codes.copy_(swapped)
+    rebuilt = beam.item_trie(model)
+    assert rebuilt is not trie
+    assert torch.equal(rebuilt.leaf_items, _trie(model).leaf_items)
+    assert not torch.equal(rebuilt.leaf_items, trie.leaf_items)

@@ -193,7 +193,7 @@ def test_bad_input(tiny_model):
             with pytest.raises(DecodeOptionError, match="k"):
                 decode(model, values, offsets, k=k, trie=trie, **options)
     other = PrefixTrie.from_codes(model.item_codes[:-1], tuple(model.codebook_sizes))
-    with pytest.raises(DecodeOptionError, match="from_codes"):
+    with pytest.raises(DecodeOptionError, match="item_trie"):
         heads.decode(model, values, offsets, k=3, trie=other)
     with pytest.raises(DecodeOptionError, match="level0"):
         heads.decode(model, values, offsets, k=3, trie=trie, level0="nope")
