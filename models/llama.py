@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import torch.utils.weak
 from torch import nn
 
 from genrec_spec.kernels import TreePlan, prepare_tree, tree_attention
+from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.kv_cache import StaticKVCache
 
 
@@ -102,8 +102,7 @@ def begin_tree_pass(
 # prepacked one where it can.
 WEIGHT_MAJOR_ROWS = 2
 PACK_ROWS_HINT = 8  # the row count oneDNN lays the packed weights out for
-# weight -> (its version, its storage, the oneDNN-packed copy); keyed by identity, weakly.
-_PACKED = torch.utils.weak.WeakIdKeyDictionary()
+_PACKED = DerivedCache()  # weight -> its oneDNN-packed copy
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
@@ -147,15 +146,12 @@ def _packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's layout of `weight`, made once and again when the weight changes in place
-    (optimiser steps and load_state_dict bump its version) or is replaced."""
-    key = (weight._version, weight.data_ptr())
-    cached = _PACKED.get(weight)
-    if cached is None or cached[0] != key:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
-        cached = (key, packed)
-        _PACKED[weight] = cached
-    return cached[1]
+    """oneDNN's layout of `weight`, made once and again when the weight changes."""
+    return _PACKED.get(
+        weight,
+        (weight,),
+        lambda: torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT),
+    )
 
 
 class Linear(nn.Linear):

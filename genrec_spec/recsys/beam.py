@@ -26,13 +26,12 @@ import torch
 from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
+from genrec_spec.models.derived import DerivedCache
 from genrec_spec.recsys.types import Recommendations
 
 DEFAULT_MIN_BEAM_WIDTH = 20  # beam width when none is given: max(k, this)
 
-# item_codes table -> (its version counter, the trie built from it); weak, so a dropped model's
-# trie goes with it.
-_TRIES = torch.utils.weak.WeakIdKeyDictionary()
+_TRIES = DerivedCache()  # item_codes table -> the trie of its items
 
 
 class DecodeOptionError(ValueError):
@@ -69,11 +68,9 @@ def item_trie(model) -> PrefixTrie:
     long as a whole `heads` decode of one user on ML-1M (~1 ms), so per-request callers must not
     pay it each time."""
     codes = model.item_codes
-    cached = _TRIES.get(codes)
-    if cached is None or cached[0] != codes._version:
-        cached = (codes._version, PrefixTrie.from_codes(codes, tuple(model.codebook_sizes)))
-        _TRIES[codes] = cached
-    return cached[1]
+    return _TRIES.get(
+        codes, (codes,), lambda: PrefixTrie.from_codes(codes, tuple(model.codebook_sizes))
+    )
 
 
 def check_trie(model, trie: PrefixTrie) -> None:

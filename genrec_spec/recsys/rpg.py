@@ -38,7 +38,6 @@ G neighbours per item, S seeds, C candidates, K recommendations, D model width.
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +45,7 @@ import torch
 from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
+from genrec_spec.models.derived import DerivedCache
 from genrec_spec.recsys.beam import DecodeOptionError
 from genrec_spec.recsys.heads import check_decode_args
 from genrec_spec.recsys.types import Recommendations
@@ -133,16 +133,16 @@ class WeightCache:
 
     def __init__(self, build, key=lambda options: options) -> None:
         self._build, self._key = build, key
-        self._values: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._values = DerivedCache()
 
     def get(self, model, options=None):
-        out = model.long_id_heads.out
-        key = (out.weight._version, out.weight.data_ptr(), out.bias._version, self._key(options))
-        cached = self._values.get(model.long_id_heads)
-        if cached is None or cached[0] != key:
-            cached = (key, self._build(model, options))
-            self._values[model.long_id_heads] = cached
-        return cached[1]
+        heads = model.long_id_heads
+        return self._values.get(
+            heads,
+            (heads.out.weight, heads.out.bias),
+            lambda: self._build(model, options),
+            self._key(options),
+        )
 
 
 GRAPHS = WeightCache(build_item_graph, key=lambda c: (c.degree, c.seeds, c.seed, c.flat_limit))

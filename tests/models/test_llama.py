@@ -210,9 +210,9 @@ def test_linear_prepacked_path_matches_and_follows_weight_updates(rows):
     weight = torch.randn(40, 24, generator=gen)
     with torch.no_grad():
         torch.testing.assert_close(linear(x, weight), torch.nn.functional.linear(x, weight))
-        packed = llama._PACKED[weight][1]
+        packed = llama._packed(weight)
         linear(x, weight)
-        assert llama._PACKED[weight][1] is packed  # packed once
+        assert llama._packed(weight) is packed  # packed once
         weight.mul_(-2.0)
         torch.testing.assert_close(linear(x, weight), torch.nn.functional.linear(x, weight))
-        assert llama._PACKED[weight][1] is not packed
+        assert llama._packed(weight) is not packed
