@@ -28,8 +28,11 @@ import torch
 from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
+from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.recommender import RecommenderInputError
 from genrec_spec.recsys.beam import item_trie
+
+_INDEXES = DerivedCache()  # PrefixTrie -> its TrieIndex
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,11 @@ class TrieIndex:
 
     @classmethod
     def of(cls, trie: PrefixTrie) -> TrieIndex:
+        """The trie's node tables, built once per trie (~0.1 ms on ML-1M, per decode call else)."""
+        return _INDEXES.get(trie, (trie.edge_keys, trie.child_codes), lambda: cls._build(trie))
+
+    @classmethod
+    def _build(cls, trie: PrefixTrie) -> TrieIndex:
         nodes = torch.arange(len(trie.child_codes) + 1, device=trie.device)
         # Edge e leads to node e + 1 (see PrefixTrie); its key is parent * stride + code.
         parent = torch.cat([nodes[:1] - 1, trie.edge_keys // trie.stride])
