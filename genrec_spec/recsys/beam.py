@@ -82,7 +82,7 @@ def check_trie(model, trie: PrefixTrie) -> None:
         raise DecodeOptionError(
             f"trie (codebook sizes {tuple(trie.codebook_sizes)}, {len(trie.leaf_items)} items) "
             f"does not match the model ({tuple(model.codebook_sizes)}, {model.num_items} items); "
-            "pass item_trie(model) or leave trie unset"
+            "pass genrec_spec.recsys.beam.item_trie(model)"
         )
 
 
