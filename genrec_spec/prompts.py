@@ -7,6 +7,11 @@ Sources (nothing is downloaded):
 - ``fortunes``: the passages of Debian's ``fortunes`` package (``/usr/share/games/fortunes/``),
   each asked about as a chat user turn ("Explain the following text: ...") in the tokenizer's
   chat template, as an instruct model is used;
+- ``pystdlib``: HumanEval-shaped prompts (a function's ``def`` line(s) and docstring, dedented)
+  cut from the Python standard library's own source (the running interpreter's ``Lib``; tests,
+  IDLE, lib2to3 and site-packages skipped): ~4,600 distinct functions on CPython 3.11, the
+  largest code corpus that ships with the machine, for drafter training data (the text depends
+  on the interpreter's version, and so does the self-distillation cache key);
 - a PATH: one prompt per line, or ``.jsonl`` lines ``{"prompt": ...}`` (the ``generate`` CLI's
   format); used as plain text unless ``chat=True``.
 
@@ -19,16 +24,19 @@ split by a permutation seeded with ``seed``.
 
 from __future__ import annotations
 
+import ast
+import functools
 import gzip
 import hashlib
 import importlib.util
 import json
 import random
 import re
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-CORPORA = ("humaneval", "fortunes")
+CORPORA = ("humaneval", "fortunes", "pystdlib")
 SPLITS = ("bench", "train", "all")
 
 
@@ -40,6 +48,8 @@ class PromptConfig:
     fortunes_dir: Path = Path("/usr/share/games/fortunes")
     fortune_chars: tuple[int, int] = (40, 800)  # passage lengths kept (drops one-liners, art)
     chat_instruction: str = "Explain the following text:\n\n"  # fortunes' user turn
+    stdlib_chars: tuple[int, int] = (80, 1500)  # pystdlib prompt lengths kept
+    stdlib_docstring_chars: int = 40  # shorter docstrings say too little to continue from
 
 
 class PromptError(ValueError):
@@ -79,6 +89,47 @@ def fortune_prompts(config: PromptConfig = PromptConfig()) -> list[str]:
     return list(passages)
 
 
+# Parts of the standard library's tree that are not library code (or not Python 3 code).
+_STDLIB_SKIP = ("site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo")
+
+
+@functools.cache
+def stdlib_prompts(config: PromptConfig = PromptConfig()) -> list[str]:
+    """Every function of the standard library's modules that has a docstring and a body after
+    it, as its ``def`` line(s) and docstring (methods dedented): files in sorted
+    order, functions in ``ast.walk`` order, duplicates kept once, lengths outside
+    ``stdlib_chars`` dropped. Parsing the ~580 files takes a few seconds, hence the cache."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    low, high = config.stdlib_chars
+    prompts: dict[str, None] = {}  # an ordered set
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if any(part in _STDLIB_SKIP or part.startswith("test_") for part in parts):
+            continue
+        source = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:  # a few files are templates or Python 2 on purpose
+            continue
+        lines = source.splitlines()
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            docstring = ast.get_docstring(node)
+            if not docstring or len(docstring) < config.stdlib_docstring_chars:
+                continue
+            if len(node.body) < 2:  # nothing to continue with but the docstring
+                continue
+            # From the def line (decorators left out) to the docstring's last line, less the
+            # def's indentation (not textwrap.dedent: a docstring's own lines may start at
+            # column 0, inside the string, where they stay).
+            head = lines[node.lineno - 1 : node.body[0].end_lineno]
+            text = "\n".join(line.removeprefix(head[0][: node.col_offset]) for line in head)
+            if low <= len(text) + 1 <= high:
+                prompts[text + "\n"] = None
+    return list(prompts)
+
+
 def read_prompt_file(path: Path) -> list[str]:
     """One prompt per non-empty line, or ``.jsonl`` lines ``{"prompt": ...}``."""
     if not path.is_file():
@@ -98,6 +149,15 @@ def in_bench_split(text: str, config: PromptConfig = PromptConfig()) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < config.bench_fraction
 
 
+def source_and_count(entry: str, n: int | None) -> tuple[str, int | None]:
+    """A corpus entry of a list such as ``humaneval,pystdlib:800``: ``NAME:N`` asks for N
+    prompts of NAME, a bare NAME for ``n``."""
+    name, colon, count = entry.rpartition(":")
+    if colon and count.isdigit():
+        return name, int(count)
+    return entry, n
+
+
 def load_prompts(
     source: str | Path,
     n: int | None = None,
@@ -108,7 +168,7 @@ def load_prompts(
     config: PromptConfig = PromptConfig(),
 ) -> list[str]:
     """``n`` prompts (all when None) of ``split`` ("bench", "train" or "all") of a source
-    ("humaneval", "fortunes" or a file path), in an order seeded by ``seed``.
+    ("humaneval", "fortunes", "pystdlib" or a file path), in an order seeded by ``seed``.
 
     With a tokenizer, prompts of chat sources (fortunes, or any source with ``chat=True``)
     come back wrapped in its chat template as one user turn, ready to tokenize; without one,
@@ -121,6 +181,8 @@ def load_prompts(
         texts, chat = humaneval_prompts(), bool(chat)
     elif str(source) == "fortunes":
         texts, chat = fortune_prompts(config), chat is None or chat
+    elif str(source) == "pystdlib":
+        texts, chat = stdlib_prompts(config), bool(chat)
     else:
         texts, chat = read_prompt_file(Path(source)), bool(chat)
     if split != "all":

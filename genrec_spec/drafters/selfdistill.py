@@ -47,7 +47,8 @@ VERSION = 1  # bumped when the data layout or its generation changes
 class SelfDistillConfig:
     """Which prompts the target continues, and how."""
 
-    sources: tuple[str, ...] = ("humaneval", "fortunes")  # corpora of genrec_spec.prompts
+    # corpora of genrec_spec.prompts; "NAME:N" draws N prompts of NAME instead of n
+    sources: tuple[str, ...] = ("humaneval", "fortunes")
     n: int = 64  # prompts drawn from each source's train split
     max_new_tokens: int = 128  # continuation length (shorter where the target emits eos)
     batch_size: int = 8  # rows per generate() call
@@ -67,14 +68,17 @@ class SelfDistillData:
 
 
 def train_prompts(tokenizer: Any, config: SelfDistillConfig) -> list[list[int]]:
-    """Token ids of ``config.n`` train-split prompts of each source (chat sources wrapped in the
-    tokenizer's chat template), as the benchmark tokenizes its bench-split prompts."""
-    from genrec_spec.prompts import load_prompts
+    """Token ids of ``config.n`` (or the entry's own N) train-split prompts of each source
+    (chat sources wrapped in the tokenizer's chat template), as the benchmark tokenizes its
+    bench-split prompts."""
+    from genrec_spec.prompts import load_prompts, source_and_count
 
     texts = [
         text
-        for source in config.sources
-        for text in load_prompts(source, config.n, config.seed, "train", tokenizer)
+        for entry in config.sources
+        for text in load_prompts(
+            *source_and_count(entry, config.n), config.seed, "train", tokenizer
+        )
     ]
     return [tokenizer(text)["input_ids"] for text in texts]
 

@@ -60,9 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompts",
         default=",".join(data.sources),
-        help="comma-separated corpora (humaneval, fortunes); their train split is used",
+        help="comma-separated corpora (humaneval, fortunes, pystdlib: functions of Python's "
+        "standard library), NAME:N for N prompts of NAME; their train split is used",
     )
-    parser.add_argument("--n", type=int, default=data.n, help="prompts per corpus")
+    parser.add_argument(
+        "--n", type=int, default=data.n, help="prompts per corpus without its own :N"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=data.max_new_tokens)
     parser.add_argument("--batch-size", type=int, default=data.batch_size, help="generation")
     parser.add_argument(

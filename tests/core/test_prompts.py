@@ -1,4 +1,5 @@
-"""Prompt corpora: HumanEval from the installed wheel, Debian fortunes, prompt files; the held-out
+"""Prompt corpora: HumanEval from the installed wheel, Debian fortunes, the standard library's
+functions, prompt files; the held-out
 bench / train split is disjoint, covers the corpus and is deterministic; chat formatting."""
 
 import json
@@ -12,6 +13,8 @@ from genrec_spec.prompts import (
     humaneval_prompts,
     in_bench_split,
     load_prompts,
+    source_and_count,
+    stdlib_prompts,
 )
 
 
@@ -94,3 +97,25 @@ def test_prompt_files_and_chat_template(tmp_path):
     (tmp_path / "empty.txt").write_text("\n")
     with pytest.raises(PromptError, match="no prompt"):
         load_prompts(tmp_path / "empty.txt")
+
+
+def test_stdlib_prompts_are_whole_function_heads():
+    """Every pystdlib prompt is a def line (or lines) and its docstring that parse on their own
+    as a function, so the target continues a function body as it does a HumanEval prompt."""
+    import ast
+
+    everything = stdlib_prompts()
+    assert len(everything) > 2_000 and len(set(everything)) == len(everything)
+    for text in everything:
+        (function,) = ast.parse(text).body
+        assert isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef)
+        assert len(function.body) == 1 and ast.get_docstring(function)
+    assert any(text.startswith("def dedent(text):\n") for text in everything)  # textwrap's
+    bench, train = load_prompts("pystdlib", split="bench"), load_prompts("pystdlib", split="train")
+    assert not set(bench) & set(train) and len(bench) + len(train) == len(everything)
+
+
+def test_corpus_entries_with_their_own_count():
+    assert source_and_count("pystdlib:800", 64) == ("pystdlib", 800)
+    assert source_and_count("humaneval", 64) == ("humaneval", 64)
+    assert source_and_count("prompts:v2.txt", 5) == ("prompts:v2.txt", 5)  # a path, not a count
