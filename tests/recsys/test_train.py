@@ -117,6 +117,10 @@ def test_shipped_configs_load_and_ml1m_is_the_default():
     assert load_config(REPO / "configs" / "ml-1m.json") == (RecommenderConfig(), TrainConfig())
     model_config, train_config = load_config(REPO / "configs" / "ml-100k-demo.json")
     assert model_config.max_len == 50 and train_config.max_minutes < 3
+    # The two-process recipe: the default model, twice the epochs in the same budget.
+    model_config, train_config = load_config(REPO / "configs" / "ml-1m-ddp.json")
+    assert model_config == RecommenderConfig() and train_config.epochs == 80
+    assert train_config.max_minutes == TrainConfig().max_minutes
 
 
 def test_schedule_decays_within_the_time_budget():
