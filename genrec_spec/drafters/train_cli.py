@@ -1,9 +1,10 @@
 """Train a drafter for SmolLM2-135M-Instruct on its own continuations (self-distillation).
 
-Steps: draw prompts from the train split of the corpora (HumanEval, Debian fortunes; never the
-benchmark's prompts), continue them greedily with the target and record its hidden states
-(cached under $GENREC_SPEC_CACHE/drafters/selfdistill, reused by every drafter kind and run
-with the same prompts and settings), train the drafter with progress and loss, and save
+Steps: draw prompts from the train split of the corpora (HumanEval, Debian fortunes, the Python
+standard library's documented functions; never the benchmark's prompts), continue them
+greedily with the target and record its hidden states (cached under
+$GENREC_SPEC_CACHE/drafters/selfdistill, reused by every drafter kind and run with the same
+prompts and settings), train the drafter with progress and loss, and save
 weights.safetensors + manifest.json (target, data key, steps, loss, held-out acceptance and
 this command) to --out (default: $GENREC_SPEC_CACHE/drafters/<kind>, where `generate` looks
 for it). Then decode with it:
