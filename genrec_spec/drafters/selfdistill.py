@@ -160,15 +160,18 @@ def prompt_pairs(
     """The prompts' teacher-forced pairs (module docstring): hidden [P, D] float32, tokens [P]
     and offsets [R + 1]; a one-token prompt has none."""
     layer = model.config.n_layers
-    hidden_rows, token_rows = [], []
+    hidden_rows: list[Tensor] = [torch.empty(0)] * len(prompts)  # per row [L - 1, D]
+    token_rows: list[Tensor] = [torch.empty(0)] * len(prompts)  # per row [L - 1]
+    # Batches of similar lengths, as in distill: every row of a batch pays its longest prompt.
+    order = sorted(range(len(prompts)), key=lambda r: len(prompts[r]))
     for start in range(0, len(prompts), batch_size):
-        rows = prompts[start : start + batch_size]
-        width = max(len(row) for row in rows)
-        ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])  # [B, T]
+        rows = order[start : start + batch_size]
+        width = max(len(prompts[r]) for r in rows)
+        ids = torch.tensor([prompts[r] + [0] * (width - len(prompts[r])) for r in rows])  # [B, T]
         _, hidden = model(ids, model.new_cache(len(rows), width), hidden_layers=(layer,))
-        for b, row in enumerate(rows):
-            hidden_rows.append(hidden[layer][b, : len(row) - 1].float())
-            token_rows.append(torch.tensor(row[1:], dtype=torch.long))
+        for b, r in enumerate(rows):
+            hidden_rows[r] = hidden[layer][b, : len(prompts[r]) - 1].float()
+            token_rows[r] = torch.tensor(prompts[r][1:], dtype=torch.long)
     sizes = torch.tensor([0] + [len(row) for row in token_rows])
     return torch.cat(hidden_rows), torch.cat(token_rows), sizes.cumsum(0)
 

@@ -31,12 +31,17 @@ def test_prompt_pairs_layout(trained_eagle):
     model, context, prompts = trained_eagle.model, trained_eagle.context, trained_eagle.prompts
     sizes = context.offsets.diff().tolist()
     assert sizes == [len(p) - 1 for p in prompts] and context.rows == trained_eagle.data.rows
-    r = max(range(len(prompts)), key=lambda i: len(prompts[i]))
-    rows = slice(*context.offsets[r : r + 2].tolist())
-    assert context.tokens[rows].tolist() == prompts[r][1:]
-    seq = torch.tensor([prompts[r]])
-    _, hidden = model(seq, model.new_cache(*seq.shape), hidden_layers=(2,))
-    torch.testing.assert_close(context.hidden[rows], hidden[2][0, :-1], atol=1e-4, rtol=1e-4)
+    # The longest prompt and the shortest with a pair (batched by length, then put back).
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    shortest = min(
+        (i for i in range(len(prompts)) if len(prompts[i]) > 1), key=lambda i: len(prompts[i])
+    )
+    for r in (longest, shortest):
+        rows = slice(*context.offsets[r : r + 2].tolist())
+        assert context.tokens[rows].tolist() == prompts[r][1:]
+        seq = torch.tensor([prompts[r]])
+        _, hidden = model(seq, model.new_cache(*seq.shape), hidden_layers=(2,))
+        torch.testing.assert_close(context.hidden[rows], hidden[2][0, :-1], atol=1e-4, rtol=1e-4)
     folder = trained_eagle.cache / "drafters" / "selfdistill"
     assert (folder / f"prompts-{context.key}.safetensors").is_file()
     again = load_or_prefill(model, prompts, 9, cache_dir=trained_eagle.cache)
