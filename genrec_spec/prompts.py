@@ -94,11 +94,12 @@ _STDLIB_SKIP = ("site-packages", "test", "tests", "idlelib", "lib2to3", "turtled
 
 
 @functools.cache
-def stdlib_prompts(config: PromptConfig = PromptConfig()) -> list[str]:
+def stdlib_prompts(config: PromptConfig = PromptConfig()) -> tuple[str, ...]:
     """Every function of the standard library's modules that has a docstring and a body after
     it, as its ``def`` line(s) and docstring (methods dedented): files in sorted
     order, functions in ``ast.walk`` order, duplicates kept once, lengths outside
-    ``stdlib_chars`` dropped. Parsing the ~580 files takes a few seconds, hence the cache."""
+    ``stdlib_chars`` dropped. Parsing the ~580 files takes a few seconds, hence the cache (and
+    a tuple: every caller shares the cached value)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     low, high = config.stdlib_chars
     prompts: dict[str, None] = {}  # an ordered set
@@ -127,7 +128,7 @@ def stdlib_prompts(config: PromptConfig = PromptConfig()) -> list[str]:
             text = "\n".join(line.removeprefix(head[0][: node.col_offset]) for line in head)
             if low <= len(text) + 1 <= high:
                 prompts[text + "\n"] = None
-    return list(prompts)
+    return tuple(prompts)
 
 
 def read_prompt_file(path: Path) -> list[str]:

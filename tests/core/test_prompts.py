@@ -1,6 +1,6 @@
 """Prompt corpora: HumanEval from the installed wheel, Debian fortunes, the standard library's
-functions, prompt files; the held-out
-bench / train split is disjoint, covers the corpus and is deterministic; chat formatting."""
+functions, prompt files; the held-out bench / train split is disjoint, covers the corpus and is
+deterministic; chat formatting."""
 
 import json
 
