@@ -109,8 +109,14 @@ class BenchLLMConfig:
     hf_lookup_tokens: int = 10  # HF's prompt_lookup_num_tokens
     # The speculation controller's cost model: "measured" times the target's forward over 1-16
     # tokens once before the run (controller.measure_pass_cost; on a CPU 2 tokens cost what 1
-    # does and 3 cost 1.4x, far from the linear default); "linear": ControllerConfig's default.
+    # does and 3 cost 1.4x, far from the linear default); "linear": ControllerConfig's default;
+    # "none": no controller, every step drafts the proposer's full tree (what its drafts
+    # accept where verification is nearly free, as on a GPU; slower on this CPU).
     pass_cost: str = "measured"
+    # EAGLE-2's dynamic tree (eagle2, eagle3): draft nodes kept and children per expanded node;
+    # None keeps the proposer's CPU-sized defaults (12 and 4; the EAGLE-2 paper's are 60 and 10).
+    tree_nodes: int | None = None
+    tree_top_k: int | None = None
     warmup_tokens: int = 4  # untimed tokens each method decodes first (first-call costs)
     # --quick: a smoke test of every method, batch size > 1 and sampling in about a minute.
     quick_n: int = 2
@@ -255,6 +261,8 @@ def make_runners(
     controller = None
     if settings.pass_cost == "measured":
         controller = ControllerConfig(pass_cost=measure_pass_cost(model))
+    elif settings.pass_cost == "none":
+        controller = ControllerConfig(adaptive=False)
     runners = {}
     for method in settings.methods:
         if method in OURS + TRAINED + CROSS:
@@ -265,6 +273,8 @@ def make_runners(
                 settings.draft_layers,
                 model_name=settings.model,
                 target_tokenizer=tokenizer,
+                tree_nodes=settings.tree_nodes,
+                tree_top_k=settings.tree_top_k,
             )
             runners[method] = ours(model, proposer, eos, controller)
         else:
@@ -486,10 +496,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--pass-cost",
-        choices=("measured", "linear"),
+        choices=("measured", "linear", "none"),
         default=c.pass_cost,
         help="speculation controller's cost of scoring n tokens: timed once before the run, or "
-        "the linear default model",
+        "the linear default model; none: no controller, every step drafts the full tree (the "
+        "accepted length where verification is nearly free, as on a GPU)",
+    )
+    parser.add_argument(
+        "--tree-nodes",
+        type=int,
+        help="eagle2, eagle3: draft nodes of EAGLE-2's tree (default 12; the paper's 60)",
+    )
+    parser.add_argument(
+        "--tree-top-k",
+        type=int,
+        help="eagle2, eagle3: children per expanded node (default 4; the paper's 10)",
     )
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     parser.add_argument(
@@ -532,6 +553,8 @@ def settings_from(args: argparse.Namespace) -> BenchLLMConfig:
         k=args.k,
         draft_layers=args.draft_layers,
         pass_cost=args.pass_cost,
+        tree_nodes=args.tree_nodes,
+        tree_top_k=args.tree_top_k,
     )
     if unknown:
         raise ValueError(f"unknown methods {unknown}; choose from {','.join(ALL_METHODS)}")

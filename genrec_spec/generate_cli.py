@@ -121,11 +121,14 @@ def make_proposer(
     drafter: Path | None = None,
     model_name: str = "smollm2",
     target_tokenizer: object = None,
+    tree_nodes: int | None = None,
+    tree_top_k: int | None = None,
 ):
     """The proposer for a method name (None for plain decoding); model is the target (the
     native Llama for SmolLM2). Trained methods load their weights from ``drafter`` (default:
     the cache's ``drafters/<method>`` folder) and say which command trains them when it is
-    missing; cross needs the target's tokenizer."""
+    missing; cross needs the target's tokenizer. tree_nodes, tree_top_k: EAGLE-2's tree for
+    eagle2 and eagle3 (None: ``Eagle2Proposer``'s defaults)."""
     from genrec_spec.proposers import (
         DraftModelProposer,
         LookaheadProposer,
@@ -140,7 +143,9 @@ def make_proposer(
     if method == "cross":
         return cross_tokenizer_proposer(model, target_tokenizer, k)
     if method in TRAINED_METHODS:
-        return _trained_proposer(method, model, drafter, model_name, k)
+        tree = {"tree_nodes": tree_nodes, "top_k": tree_top_k}
+        tree = {name: value for name, value in tree.items() if value is not None}
+        return _trained_proposer(method, model, drafter, model_name, k, tree)
     if method == "draft":
         return DraftModelProposer(
             layer_skip_copy(model, draft_layers),
@@ -202,7 +207,12 @@ def load_target(model_name: str) -> tuple[object, object]:
 
 
 def _trained_proposer(
-    method: str, model: object, drafter: Path | None, model_name: str, k: int = 4
+    method: str,
+    model: object,
+    drafter: Path | None,
+    model_name: str,
+    k: int = 4,
+    tree: dict | None = None,
 ):
     from genrec_spec.drafters.checkpoint import default_folder, drafter_kind
 
@@ -237,7 +247,7 @@ def _trained_proposer(
     feature_drafter, manifest = load_eagle(folder, model, model_name, drafter_kind(method))
     layer = manifest["target"]["hidden_layer"]  # EAGLE-3: the layers it fuses
     if method in ("eagle2", "eagle3"):
-        return Eagle2Proposer(feature_drafter, layer)
+        return Eagle2Proposer(feature_drafter, layer, **(tree or {}))
     ranks = (manifest["held_out"] or {}).get("ranks")  # shapes the static tree
     return EagleProposer(feature_drafter, layer, rank_acceptance=ranks)
 

@@ -12,9 +12,18 @@ from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
 from genrec_spec import CallableTarget
-from genrec_spec.bench_llm import HF_BATCH_1, METHODS, BenchLLMConfig, benchmark, format_table
+from genrec_spec.bench_llm import (
+    HF_BATCH_1,
+    METHODS,
+    BenchLLMConfig,
+    benchmark,
+    format_table,
+    make_runners,
+    time_methods,
+)
 from genrec_spec.greedy_check import compare_greedy, first_divergence
 from genrec_spec.models.llama import Llama
+from genrec_spec.types import SamplingParams
 
 VOCAB = 8
 
@@ -114,6 +123,21 @@ def test_benchmark_on_tiny_models(tiny_pair):
     assert all(method in table for method in METHODS)
 
 
+def test_no_controller_drafts_full_depth(tiny_pair):
+    """--pass-cost none: every step of every row drafts the proposer's full depth (the draft
+    method always has k tokens to offer), and greedy output stays plain decoding's."""
+    native, _ = tiny_pair
+    prompts = [[5, 9, 2, 33, 7, 5, 9, 2, 8], [4, 60], [12, 3, 3, 40, 22, 3]]
+    settings = BenchLLMConfig(
+        methods=("none", "draft"), max_new_tokens=6, k=3, draft_layers=1, pass_cost="none"
+    )
+    runners = make_runners(native, None, settings, eos=None)
+    tallies = time_methods(runners, [prompts[:2], prompts[2:]], SamplingParams(0.0), settings)
+    (draft,), (plain,) = tallies["draft"], tallies["none"]
+    assert draft.drafted == [draft.row_steps] * 3 and draft.row_steps < plain.row_steps
+    assert draft.outputs == plain.outputs
+
+
 @pytest.fixture(scope="module")
 def draft_cache(tiny_pair, tmp_path_factory):
     """A cache folder holding a one-layer draft model trained briefly for the tiny target, where
@@ -185,6 +209,10 @@ def test_settings_and_bad_input():
     assert trained.methods == ("none", "medusa", "eagle", "eagle2", "distilled", "hf-assist")
     default = settings_from(parse(["--batch-sizes", "1,8", "--temperatures", "0,0.8"]))
     assert default.n == c.n and default.batch_sizes == (1, 8) and default.temperatures == (0, 0.8)
+    assert default.tree_nodes is None and default.pass_cost == "measured"
+    wide = ["--pass-cost", "none", "--tree-nodes", "60", "--tree-top-k", "10"]
+    wide = settings_from(parse(["--methods", "eagle2", *wide]))
+    assert (wide.pass_cost, wide.tree_nodes, wide.tree_top_k) == ("none", 60, 10)
     with pytest.raises(ValueError, match="unknown methods"):
         settings_from(parse(["--methods", "none,bogus"]))
     with pytest.raises(ValueError, match=">= 1"):

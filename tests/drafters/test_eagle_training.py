@@ -22,6 +22,7 @@ from genrec_spec.drafters.selfdistill import load_or_prefill
 from genrec_spec.generate_cli import make_proposer
 from genrec_spec.models.eagle_drafter import EagleDrafter
 from genrec_spec.proposers import Eagle2Proposer, EagleProposer
+from genrec_spec.types import DecodeInputError
 
 
 def test_prompt_pairs_layout(trained_eagle):
@@ -119,6 +120,11 @@ def test_make_proposer_and_missing_drafter(trained_eagle, tmp_path):
     assert isinstance(static, EagleProposer) and isinstance(dynamic, Eagle2Proposer)
     assert static.hidden_layers == dynamic.hidden_layers == (model.config.n_layers,)
     assert static.k > 1 and dynamic.k == 6
+    # EAGLE-2's tree, as bench llm --tree-nodes / --tree-top-k set it
+    wide = make_proposer("eagle2", model, drafter=trained_eagle.folder, tree_nodes=30, tree_top_k=6)
+    assert (wide.tree_nodes, wide.top_k, dynamic.tree_nodes, dynamic.top_k) == (30, 6, 12, 4)
+    with pytest.raises(DecodeInputError, match="tree_nodes=0"):
+        make_proposer("eagle2", model, drafter=trained_eagle.folder, tree_nodes=0)
     missing = tmp_path / "nowhere"
     command = f"genrec-spec train-drafter --model smollm2 --kind eagle --out {missing}"
     for method in ("eagle", "eagle2"):
