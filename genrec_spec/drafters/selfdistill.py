@@ -47,11 +47,13 @@ VERSION = 1  # bumped when the data layout or its generation changes
 class SelfDistillConfig:
     """Which prompts the target continues, and how."""
 
-    # corpora of genrec_spec.prompts; "NAME:N" draws N prompts of NAME instead of n
-    sources: tuple[str, ...] = ("humaneval", "fortunes")
-    n: int = 64  # prompts drawn from each source's train split
+    # Corpora of genrec_spec.prompts; "NAME:N" draws N prompts of NAME instead of n. The
+    # default: all 123 of HumanEval's train prompts (train-drafter gives EAGLE more: its
+    # KIND_PROMPTS). Debian's fortunes add prose ("fortunes:N") where that package is installed.
+    sources: tuple[str, ...] = ("humaneval:123",)
+    n: int = 64  # prompts drawn from each source without its own :N
     max_new_tokens: int = 128  # continuation length (shorter where the target emits eos)
-    batch_size: int = 8  # rows per generate() call
+    batch_size: int = 16  # rows per generate() call (batched by prompt length)
     seed: int = 0  # which train prompts are drawn
 
 

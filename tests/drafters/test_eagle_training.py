@@ -151,5 +151,11 @@ def test_train_cli_settings():
     command = train_cli.command_line(args, config)
     assert "--kind eagle2" in command and "--steps 7 --lr 0.001" in command
     assert "--batch-rows 8 --draft-vocab 0" in command
+    assert "--prompts humaneval:123,pystdlib:600 " in command  # EAGLE's default corpora
     medusa = train_cli.drafter_config(parser.parse_args(["--kind", "medusa"]))
     assert medusa == MedusaConfig()
+    # the other kinds default to HumanEval alone; --prompts overrides any default
+    for kind in ("medusa", "eagle3", "mtp", "draft", "distilled", "layerskip"):
+        assert train_cli.prompts_of(parser.parse_args(["--kind", kind])) == "humaneval:123"
+    given = parser.parse_args(["--kind", "eagle", "--prompts", "pystdlib:5"])
+    assert train_cli.prompts_of(given) == "pystdlib:5"
