@@ -143,9 +143,7 @@ def make_proposer(
     if method == "cross":
         return cross_tokenizer_proposer(model, target_tokenizer, k)
     if method in TRAINED_METHODS:
-        tree = {"tree_nodes": tree_nodes, "top_k": tree_top_k}
-        tree = {name: value for name, value in tree.items() if value is not None}
-        return _trained_proposer(method, model, drafter, model_name, k, tree)
+        return _trained_proposer(method, model, drafter, model_name, k, tree_nodes, tree_top_k)
     if method == "draft":
         return DraftModelProposer(
             layer_skip_copy(model, draft_layers),
@@ -212,7 +210,8 @@ def _trained_proposer(
     drafter: Path | None,
     model_name: str,
     k: int = 4,
-    tree: dict | None = None,
+    tree_nodes: int | None = None,
+    tree_top_k: int | None = None,
 ):
     from genrec_spec.drafters.checkpoint import default_folder, drafter_kind
 
@@ -247,7 +246,9 @@ def _trained_proposer(
     feature_drafter, manifest = load_eagle(folder, model, model_name, drafter_kind(method))
     layer = manifest["target"]["hidden_layer"]  # EAGLE-3: the layers it fuses
     if method in ("eagle2", "eagle3"):
-        return Eagle2Proposer(feature_drafter, layer, **(tree or {}))
+        tree = {"tree_nodes": tree_nodes, "top_k": tree_top_k}  # None: the proposer's default
+        tree = {name: value for name, value in tree.items() if value is not None}
+        return Eagle2Proposer(feature_drafter, layer, **tree)
     ranks = (manifest["held_out"] or {}).get("ranks")  # shapes the static tree
     return EagleProposer(feature_drafter, layer, rank_acceptance=ranks)
 

@@ -50,7 +50,7 @@ KINDS = ("medusa", "eagle", "eagle2", "eagle3", "mtp", "draft", "distilled", "la
 # functions added at 800 steps (1,400 of them: 2.29 / 2.70). The other drafters at their
 # default budgets held (MTP 1.65 / 1.64, layer skip 1.63 / 1.64) or lost (Medusa 2.02 / 1.98
 # at 1,000 steps, the draft model 1.69 / 1.62, EAGLE-3 2.48 / 2.32 at a 60-node tree: their
-# steps are dear, so 30 minutes pass over the 723 rows only ~2 times).
+# steps are dear, so their default steps pass over the 723 rows only 1.3-2.2 times).
 KIND_PROMPTS = {"eagle": ("humaneval:123", "pystdlib:600")}
 
 
