@@ -88,6 +88,34 @@ def test_training_time_test_feeds_own_features(trained_eagle3, sequences):
     torch.testing.assert_close(step1, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_every_step_equals_its_own_chains_across_rows(trained_eagle3, sequences):
+    """Rows of different prompt lengths, three steps: step j's loss equals, start by start and
+    row by row, a chain over the real pairs 0 .. i followed by the drafter's own j outputs
+    (each paired with its true next token), over every start whose draft is learnt. Steps
+    j > 0 run from a subset of the starts (``unrolled_losses``): this checks none is lost."""
+    drafter = random_drafter(trained_eagle3.model, seed=1)
+    rows = [0, trained_eagle3.data.rows - 3, 1]
+    features, tokens, mask = sequences.batch(rows)
+    assert len({int(m.int().argmax()) for m in mask}) == len(rows)  # prompts differ
+    losses = unrolled_losses(drafter, features, tokens, mask, 3)
+    for j, loss in enumerate(losses):
+        own, targets = [], []
+        for r in range(len(rows)):
+            fused = drafter.fuse(features[r])  # [T, D] (padding included: never learnt)
+            for i in (mask[r, j:].nonzero().flatten()).tolist():  # start i learns x_{i+j+2}
+                inputs, ids = fused[: i + 1], tokens[r, : i + 1]
+                out = drafter(inputs[None], ids[None], drafter.new_cache(1, i + 1))[0, -1]
+                for step in range(1, j + 1):  # own feature, true token, one node deeper
+                    inputs = torch.cat([inputs, out[None]])
+                    ids = tokens[r, : i + step + 1]
+                    chain = drafter(inputs[None], ids[None], drafter.new_cache(1, len(ids)))
+                    out = chain[0, -1]
+                own.append(out)
+                targets.append(tokens[r, i + j + 1])
+        expected = token_loss(drafter, torch.stack(own), torch.stack(targets))
+        torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_training_lowers_every_step_and_round_trips(trained_eagle3, sequences):
     """Every training-time-test step's loss falls well below a fresh drafter's on the
     training rows, and top-1 rises; the manifest names the fused layers; loading gives the
