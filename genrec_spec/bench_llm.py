@@ -64,6 +64,8 @@ from genrec_spec.generate_cli import (
     CROSS_METHODS,
     MODEL_FREE,
     TRAINED_METHODS,
+    add_tree_arguments,
+    check_tree_options,
     load_target,
     make_proposer,
 )
@@ -502,16 +504,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the linear default model; none: no controller, every step drafts the full tree (the "
         "accepted length where verification is nearly free, as on a GPU)",
     )
-    parser.add_argument(
-        "--tree-nodes",
-        type=int,
-        help="eagle2, eagle3: draft nodes of EAGLE-2's tree (default 12; the paper's 60)",
-    )
-    parser.add_argument(
-        "--tree-top-k",
-        type=int,
-        help="eagle2, eagle3: children per expanded node (default 4; the paper's 10)",
-    )
+    add_tree_arguments(parser)
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     parser.add_argument(
         "--quick",
@@ -558,6 +551,7 @@ def settings_from(args: argparse.Namespace) -> BenchLLMConfig:
     )
     if unknown:
         raise ValueError(f"unknown methods {unknown}; choose from {','.join(ALL_METHODS)}")
+    check_tree_options(methods, settings.tree_nodes, settings.tree_top_k)
     if any(m not in allowed for m in methods):
         raise ValueError(
             f"--model {args.model} runs only {','.join(allowed)} (cross and hf-uag: --model gemma3)"

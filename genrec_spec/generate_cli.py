@@ -32,6 +32,7 @@ from pathlib import Path
 METHODS = ("none", "draft", "ngram", "trie", "lookahead")
 # Need a drafter folder (--drafter).
 TRAINED_METHODS = ("medusa", "eagle", "eagle2", "eagle3", "mtp", "distilled", "layerskip")
+TREE_METHODS = ("eagle2", "eagle3")  # draft EAGLE-2's dynamic tree (--tree-nodes, --tree-top-k)
 # Cross-tokenizer drafting: SmolLM2 drafts for a target with another tokenizer (--model gemma3).
 CROSS_METHODS = ("cross",)
 MODELS = ("smollm2", "gemma3")
@@ -89,12 +90,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--pass-cost",
-        choices=("measured", "linear"),
+        choices=("measured", "linear", "none"),
         default="measured",
         help="speculation controller's cost of scoring n tokens: the target's forward timed once "
         "per machine and thread count (cached under $GENREC_SPEC_CACHE/pass_cost), or the "
-        "linear default model",
+        "linear default model; none: no controller, every step drafts the full tree (where "
+        "verification is nearly free, as on a GPU)",
     )
+    add_tree_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -155,6 +158,31 @@ def make_proposer(
     if method == "trie":
         return TrieProposer(k=k)
     return LookaheadProposer()
+
+
+def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
+    """EAGLE-2's tree options (generate and bench llm)."""
+    parser.add_argument(
+        "--tree-nodes",
+        type=int,
+        help="eagle2, eagle3: draft nodes of EAGLE-2's tree (default 12; the paper's 60)",
+    )
+    parser.add_argument(
+        "--tree-top-k",
+        type=int,
+        help="eagle2, eagle3: children per expanded node (default 4; the paper's 10)",
+    )
+
+
+def check_tree_options(methods, tree_nodes: int | None, tree_top_k: int | None) -> None:
+    """Refuse EAGLE-2's tree options where no method drafts that tree (they would do nothing)."""
+    from genrec_spec.types import DecodeInputError
+
+    if (tree_nodes, tree_top_k) != (None, None) and not set(methods) & set(TREE_METHODS):
+        raise DecodeInputError(
+            "--tree-nodes / --tree-top-k shape EAGLE-2's tree, which no chosen method drafts",
+            f"use them with {' or '.join(TREE_METHODS)}, or leave them out",
+        )
 
 
 def check_method(model_name: str, method: str) -> None:
@@ -245,7 +273,7 @@ def _trained_proposer(
 
     feature_drafter, manifest = load_eagle(folder, model, model_name, drafter_kind(method))
     layer = manifest["target"]["hidden_layer"]  # EAGLE-3: the layers it fuses
-    if method in ("eagle2", "eagle3"):
+    if method in TREE_METHODS:
         tree = {"tree_nodes": tree_nodes, "top_k": tree_top_k}  # None: the proposer's default
         tree = {name: value for name, value in tree.items() if value is not None}
         return Eagle2Proposer(feature_drafter, layer, **tree)
@@ -265,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     prompts = read_prompts(args)
     check_method(args.model, args.method)
+    check_tree_options((args.method,), args.tree_nodes, args.tree_top_k)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_target(args.model)
     if args.chat:
@@ -275,11 +304,21 @@ def run(args: argparse.Namespace) -> int:
             for p in prompts
         ]
     proposer = make_proposer(
-        args.method, model, args.k, args.draft_layers, args.drafter, args.model, tokenizer
+        args.method,
+        model,
+        args.k,
+        args.draft_layers,
+        args.drafter,
+        args.model,
+        tokenizer,
+        args.tree_nodes,
+        args.tree_top_k,
     )
-    controller = None
+    controller = None  # the linear default model
     if proposer is not None and args.pass_cost == "measured":
         controller = ControllerConfig(pass_cost=cached_pass_cost(model))
+    elif args.pass_cost == "none":
+        controller = ControllerConfig(adaptive=False)
     generator = torch.Generator().manual_seed(args.seed)
     results, batches = [], []
     for start in range(0, len(prompts), args.batch_size):

@@ -215,6 +215,8 @@ def test_settings_and_bad_input():
     assert (wide.pass_cost, wide.tree_nodes, wide.tree_top_k) == ("none", 60, 10)
     with pytest.raises(ValueError, match="unknown methods"):
         settings_from(parse(["--methods", "none,bogus"]))
+    with pytest.raises(ValueError, match="use them with eagle2 or eagle3"):
+        settings_from(parse(["--methods", "ngram,eagle", "--tree-top-k", "10"]))
     with pytest.raises(ValueError, match=">= 1"):
         settings_from(parse(["--batch-sizes", "0,8"]))
     with pytest.raises(ValueError, match="temperatures"):

@@ -14,6 +14,7 @@ from genrec_spec.proposers import (
     TrieProposer,
     layer_skip_copy,
 )
+from genrec_spec.types import DecodeInputError
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +67,9 @@ def test_smollm2_speculative_greedy_equals_plain(smollm2, name):
 
 def test_generate_cli(smollm2_model, monkeypatch, capsys, tmp_path):
     """`genrec-spec generate` options end to end: lookahead prints plain decoding's text, its
-    controller drafting against the target's pass cost, timed once into the cache."""
+    controller drafting against the target's pass cost, timed once into the cache, and the
+    same text with no controller (--pass-cost none: the full draft every step); EAGLE-2's
+    tree options with a method that drafts no such tree are refused before any loading."""
     import argparse
     import json
 
@@ -76,13 +79,15 @@ def test_generate_cli(smollm2_model, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(smollm2, "load_smollm2", lambda: smollm2_model)
     monkeypatch.setenv("GENREC_SPEC_CACHE", str(tmp_path))
     texts = {}
-    for method in ("none", "lookahead"):
+    runs = {"none": [], "lookahead": [], "full": ["--pass-cost", "none"]}
+    for name, options in runs.items():
         parser = argparse.ArgumentParser()
         generate_cli.add_arguments(parser)
         args = parser.parse_args(
             [
+                *options,
                 "--method",
-                method,
+                "lookahead" if name == "full" else name,
                 "--prompt",
                 PROMPTS[2],
                 "--prompt",
@@ -96,7 +101,12 @@ def test_generate_cli(smollm2_model, monkeypatch, capsys, tmp_path):
         )
         assert generate_cli.run(args) == 0
         report = json.loads(capsys.readouterr().out)
-        texts[method] = [r["text"] for r in report["results"]]
+        texts[name] = [r["text"] for r in report["results"]]
         assert report["summary"]["generated_tokens"] == 24
-    assert texts["none"] == texts["lookahead"]
+    assert texts["none"] == texts["lookahead"] == texts["full"]
     assert len(list((tmp_path / "pass_cost").glob("*.json"))) == 1
+    parser = argparse.ArgumentParser()
+    generate_cli.add_arguments(parser)
+    args = parser.parse_args(["--method", "ngram", "--prompt", "x", "--tree-nodes", "60"])
+    with pytest.raises(DecodeInputError, match="no chosen method drafts"):
+        generate_cli.run(args)
