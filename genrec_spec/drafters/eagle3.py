@@ -89,7 +89,7 @@ class LayerSequences(Sequences):
         prompts: list[list[int]],
         layers: tuple[int, ...],
         max_pairs: int,  # rows keep their last max_pairs pairs (Eagle3Config)
-        batch_size: int = 4,  # rows per target forward (its logits are [B, T, V])
+        batch_size: int = 8,  # rows per target pass
     ) -> None:
         super().__init__(data, context, max_pairs)
         if [len(p) - 1 for p in prompts] != context.offsets.diff().tolist():
@@ -106,8 +106,7 @@ class LayerSequences(Sequences):
                 for r in rows
             ]  # [T] each
             ids = pad_sequence(texts, batch_first=True)  # [B, T]
-            with torch.no_grad():
-                _, hidden = model(ids, model.new_cache(*ids.shape), hidden_layers=layers)
+            hidden = model.hidden_states(ids, model.new_cache(*ids.shape), layers)
             fused = torch.cat([hidden[i] for i in layers], dim=-1).float()  # [B, T, k D]
             self.layers += [fused[b, : len(text)] for b, text in enumerate(texts)]
 

@@ -144,6 +144,22 @@ def test_bfloat16_model_keeps_fp32_rope_and_stays_close(llama_kit, tiny_llama):
         torch.testing.assert_close(logits[b, :n], ref[b, :n], atol=0.1, rtol=0.05)
 
 
+@torch.no_grad()
+def test_hidden_states_equal_forwards(llama_kit, tiny_llama):
+    """hidden_states (no LM head, no layers past the deepest asked for) returns forward's hidden
+    layers, the final-normed state included."""
+    tokens = torch.randint(0, llama_kit.TINY.vocab_size, (2, 7))
+    last = llama_kit.TINY.n_layers
+    for layers in ((1,), (0, last), (0, 1, last)):
+        _, full = tiny_llama(tokens, tiny_llama.new_cache(2, 7), hidden_layers=layers)
+        alone = tiny_llama.hidden_states(tokens, tiny_llama.new_cache(2, 7), layers)
+        assert sorted(alone) == sorted(layers)
+        for layer in layers:
+            torch.testing.assert_close(alone[layer], full[layer], rtol=0, atol=0)
+    with pytest.raises(LlamaError, match="needs layers"):
+        tiny_llama.hidden_states(tokens, tiny_llama.new_cache(2, 7), ())
+
+
 def test_bad_forward_input_raises(llama_kit, tiny_llama):
     cache = tiny_llama.new_cache(2, 16)
     tokens = torch.zeros(2, 4, dtype=torch.int64)
