@@ -32,6 +32,7 @@ drafted. Exactness does not depend on it: the target verifies every draft.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -165,3 +166,23 @@ class EagleDrafter(FeatureDrafter):
     ) -> Tensor:  # [B, N, D] predicted features f_{t+1}
         """``layer_pass`` over the pairs (f_t, x_{t+1})."""
         return self.layer_pass(self.fc, self.block, features, self.embed(tokens), cache, parents)
+
+    def forward_with(
+        self,
+        features: Tensor,  # [B, N, D] f_t of each pair
+        tokens: Tensor,  # [B, N] int64 x_{t+1} of each pair
+        positions: Tensor,  # [B, N] int64 each pair's position (its RoPE)
+        attend: Callable[[Tensor, Tensor, Tensor], Tensor],  # q, k, v -> [B, N, Hq, Dh]
+    ) -> Tensor:  # [B, N, D] predicted features f_{t+1}
+        """``forward`` with ``attend`` as the layer's attention instead of the cache's tree
+        attention: it gets the pairs' q [B, N, Hq, Dh] and k, v [B, N, Hkv, Dh] (RoPE applied)
+        and may attend to keys a training loop keeps (EAGLE-3's training-time test)."""
+        cos, sin = self._rope(features.device)
+        cos, sin = cos[positions][:, :, None], sin[positions][:, :, None]  # [B, N, 1, Dh]
+        attention = self.block.attention
+
+        def attention_output(h: Tensor) -> Tensor:  # [B, N, D] normed input -> [B, N, D]
+            return attention.wo(attend(*attention.qkv(h, cos, sin)).flatten(2))
+
+        x = self.fc(torch.cat([features, self.embed(tokens)], dim=-1))
+        return self.block.around(x, attention_output)

@@ -9,6 +9,7 @@ Weights use the Hugging Face layout (q/k rows in rotate-half order), so ``from_h
 transformers checkpoints as they are and ``from_gguf`` undoes llama.cpp's q/k permutation.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,6 +189,19 @@ class Attention(nn.Module):
         self.wv = Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.wo = Linear(config.n_heads * config.head_dim, config.dim, bias=False)
 
+    def qkv(
+        self,
+        x: torch.Tensor,  # [B, N, dim]
+        cos: torch.Tensor,  # [B, N, 1, D] fp32, at each node's position (see apply_rope)
+        sin: torch.Tensor,  # [B, N, 1, D] fp32
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [B, N, Hq, D]; k, v [B, N, Hkv, D]
+        """The projections, RoPE applied to q and k (what any attention pattern starts from)."""
+        batch, n, _ = x.shape
+        q = self.wq(x).view(batch, n, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, n, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, n, self.n_kv_heads, self.head_dim)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
     def forward(
         self,
         x: torch.Tensor,  # [B, N, dim]
@@ -197,10 +211,7 @@ class Attention(nn.Module):
         plan: TreePlan,  # the pass's tree over the committed cache, shared by all layers
     ) -> torch.Tensor:  # [B, N, dim]
         batch, n, _ = x.shape
-        q = self.wq(x).view(batch, n, self.n_heads, self.head_dim)
-        k = self.wk(x).view(batch, n, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(batch, n, self.n_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.qkv(x, cos, sin)
         dtype = cache.dtype
         # The pending entries land in the cache right after the longest row, so the attention
         # below reads [committed | tree] keys in place.
@@ -238,7 +249,14 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(config)
 
     def forward(self, x, cos, sin, cache, plan):  # x: [B, N, dim] -> [B, N, dim]
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache, plan)
+        return self.around(x, lambda h: self.attention(h, cos, sin, cache, plan))
+
+    def around(
+        self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:  # x: [B, N, dim] -> [B, N, dim]
+        """The block with ``attend`` (normed x -> the attention's output) as its attention: the
+        cached tree attention of ``forward``, or a pattern of a training loop's own."""
+        x = x + attend(self.attention_norm(x))
         return x + self.feed_forward(self.ffn_norm(x))
 
 

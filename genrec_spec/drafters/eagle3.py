@@ -15,9 +15,8 @@ to the real pairs 0 .. i and its own earlier steps from i (a tree hung under nod
 branch is what a draft chain sees), and drafts x_{i+j+2}. The loss is the mean over the
 ``unroll`` steps of the cross-entropy on the target's tokens at the continuation positions;
 there is no feature regression (EAGLE-3 drops it) and no input noise (the drafter meets its
-own imprecise features instead). Step j's pass reruns steps 0 .. j - 1's nodes (the drafter's
-cache holds one pending pass), with their inputs from the earlier passes; steps j > 0 start only
-where a draft is learnt (``unrolled_losses``).
+own imprecise features instead). Each step is one pass over its own nodes, the earlier steps'
+keys and values kept, and steps j > 0 start only where a draft is learnt (``unrolled_losses``).
 
 Held-out rows: the per-step losses and EAGLE's chain acceptance and rank shares
 (``eagle.acceptance_counts``). Decoding uses EAGLE-2's dynamic tree with the fused features
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
@@ -122,18 +122,31 @@ def unrolled_losses(
     mask: Tensor,  # [R, T - 1] bool: pair i learns pair i + 1
     unroll: int,
 ) -> list[Tensor]:  # token loss [] per training-time-test step
-    """The training-time test of the module docstring. Steps j > 0 run only from the starts
-    whose drafts some step learns (row r's, from its first learnt pair less unroll - 1 to its
-    last): a start in the prompt or the padding feeds no loss, and dropping it leaves every
-    learnt node's ancestors (the real pairs and its own branch) in place, so the losses are
-    unchanged (test_eagle3) while a step costs less: 6.3 -> 4.2 s at one thread for 8 rows
-    padded to 300 pairs with continuations of up to 128."""
+    """The training-time test of the module docstring, in one pass per step over that step's
+    nodes only (``EagleDrafter.forward_with``): step 0 is a causal chain over the real pairs
+    whose keys and values are kept; node (j, i) of step j > 0 attends to the real pairs 0 .. i
+    and to its own branch's nodes (1, i) .. (j, i), nothing else, so each branch's keys enter
+    as one score per node (EAGLE-3's own implementation does the same). Steps j > 0 run only
+    from the starts whose drafts some step learns (row r's, from its first learnt pair less
+    unroll - 1 to its last): a start in the prompt or the padding feeds no loss. Both leave the
+    losses those of the drafter run on each branch as a chain (test_eagle3) at a lower cost:
+    6.3 s a step at one thread (every step rerunning all earlier nodes through the cache's
+    tree attention, from every start) -> 4.2 (learnt starts) -> 2.1 (this) for 8 rows padded
+    to 300 pairs with continuations of up to 128."""
     rows, length = tokens.shape
     steps = min(unroll, length - 1)
-    inputs = drafter.fuse(features)  # [R, N, D] the nodes' input features, N grows by step
-    node_tokens = tokens  # [R, N]
-    parents = torch.arange(-1, length - 1).expand(rows, length)  # [R, N] step 0: a chain
-    out = drafter(inputs, node_tokens, drafter.new_cache(rows, length), parents)  # [R, T, D]
+    real_k, real_v = [], []  # step 0's keys and values [R, T, Hkv, Dh]
+
+    def causal(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # q [R, T, Hq, Dh] -> the same
+        real_k.append(k)
+        real_v.append(v)
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(
+            1, 2
+        )
+
+    positions = torch.arange(length).expand(rows, -1)  # [R, T]
+    out = drafter.forward_with(drafter.fuse(features), tokens, positions, causal)  # [R, T, D]
     losses = [token_loss(drafter, out[:, :-1][mask], tokens[:, 1:][mask])]
     # Row r's starts i = first[r] + k, k < width, up to its last learnt pair (clamped past
     # it: those nodes learn nothing). Node (j, i) is fed (its step j - 1 output, x_{i+j+1}) and
@@ -144,22 +157,46 @@ def unrolled_losses(
     first = (first - (steps - 1)).clamp_min(0)
     width = max(int((last - first).max()), 1)
     starts = torch.minimum(first[:, None] + torch.arange(width), last.clamp_min(0)[:, None])
+    sees = torch.arange(length) <= starts[..., None]  # [R, W, T] start i sees pairs 0 .. i
+    branch_k, branch_v = [], []  # steps 1 .. j's keys and values [R, W, Hkv, Dh]
+
+    def branched(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # q [R, W, Hq, Dh] -> the same
+        branch_k.append(k)
+        branch_v.append(v)
+        return _branch_attention(q, real_k[0], real_v[0], sees, branch_k, branch_v)
+
     previous = out.gather(1, starts[..., None].expand(-1, -1, out.shape[-1]))  # [R, W, D]
-    parent = starts  # [R, W] each start's node of the previous step
     for j in range(1, steps):
         ahead = (starts + j).clamp_max(length - 1)  # [R, W] index of x_{i+j+1}
-        nodes = inputs.shape[1]
-        inputs = torch.cat([inputs, previous], dim=1)
-        node_tokens = torch.cat([node_tokens, tokens.gather(1, ahead)], dim=1)
-        parents = torch.cat([parents, parent], dim=1)
-        out = drafter(inputs, node_tokens, drafter.new_cache(rows, nodes + width), parents)
-        previous = out[:, nodes:]  # [R, W, D] step j from each start
+        previous = drafter.forward_with(previous, tokens.gather(1, ahead), starts + j, branched)
         learnt = mask.gather(1, ahead.clamp_max(length - 2)) & (starts + j < length - 1)
         learnt &= torch.arange(width) < (last - first)[:, None]  # [R, W] not a clamped copy
         targets = tokens.gather(1, (ahead + 1).clamp_max(length - 1))  # [R, W] x_{i+j+2}
         losses.append(token_loss(drafter, previous[learnt], targets[learnt]))
-        parent = nodes + torch.arange(width).expand(rows, -1)
     return losses
+
+
+def _branch_attention(
+    q: Tensor,  # [R, W, Hq, Dh] step j's nodes, one per start
+    real_k: Tensor,  # [R, T, Hkv, Dh] the real pairs'
+    real_v: Tensor,  # [R, T, Hkv, Dh]
+    sees: Tensor,  # [R, W, T] bool: which real pairs each start sees
+    branch_k: list[Tensor],  # j x [R, W, Hkv, Dh] steps 1 .. j at the same starts
+    branch_v: list[Tensor],
+) -> Tensor:  # [R, W, Hq, Dh]
+    """Softmax attention of each node over its visible real pairs and its own branch."""
+    groups = q.shape[2] // real_k.shape[2]  # query heads per key/value head
+    q = q * q.shape[-1] ** -0.5
+    real = torch.einsum("rwhd,rthd->rhwt", q, real_k.repeat_interleave(groups, dim=2))
+    real = real.masked_fill(~sees[:, None], float("-inf"))  # [R, Hq, W, T]
+    bk = torch.stack(branch_k, dim=3).repeat_interleave(groups, dim=2)  # [R, W, Hq, j, Dh]
+    bv = torch.stack(branch_v, dim=3).repeat_interleave(groups, dim=2)
+    own = torch.einsum("rwhd,rwhjd->rhwj", q, bk)  # [R, Hq, W, j]
+    weights = torch.cat([real, own], dim=-1).softmax(dim=-1)
+    length = real.shape[-1]
+    return torch.einsum(
+        "rhwt,rthd->rwhd", weights[..., :length], real_v.repeat_interleave(groups, dim=2)
+    ) + torch.einsum("rhwj,rwhjd->rwhd", weights[..., length:], bv)
 
 
 @torch.no_grad()
