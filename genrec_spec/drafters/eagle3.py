@@ -52,9 +52,11 @@ KIND = "eagle3"
 class Eagle3Config:
     """Defaults of EAGLE-3 drafter training."""
 
-    # Optimiser steps. 200 measured 31 min 16 s with another training on the second core (~3 min
-    # of features, 8.5 s a step) before steps j > 0 skipped the starts that learn nothing.
-    steps: int = 200
+    # Optimiser steps: ~10 passes over train-drafter's default 723 rows (held-out HumanEval,
+    # full trees: accepted length 2.24 / 2.66 at 12 / 60 nodes, against 1.98 / 2.32 at 200).
+    # SmolLM2 on 2 cores, quiet, --threads 2: ~5 min of layer features, then 1.13 s a step,
+    # ~21 min in all; one thread beside another training: ~12 min, then 2.25 s a step.
+    steps: int = 800
     batch_rows: int = 8  # sequences (prompt + continuation pairs) per step
     lr: float = 1e-3  # AdamW peak learning rate
     weight_decay: float = 0.0
@@ -129,10 +131,11 @@ def unrolled_losses(
     as one score per node (EAGLE-3's own implementation does the same). Steps j > 0 run only
     from the starts whose drafts some step learns (row r's, from its first learnt pair less
     unroll - 1 to its last): a start in the prompt or the padding feeds no loss. Both leave the
-    losses those of the drafter run on each branch as a chain (test_eagle3) at a lower cost:
-    6.3 s a step at one thread (every step rerunning all earlier nodes through the cache's
-    tree attention, from every start) -> 4.2 (learnt starts) -> 2.1 (this) for 8 rows padded
-    to 300 pairs with continuations of up to 128."""
+    losses those of the drafter run on each branch as a chain (test_eagle3) at a lower cost.
+    One thread, 8 rows padded to 300 pairs with continuations of up to 128: rerunning all
+    earlier nodes through the cache's tree attention from every start took 6.3 s a step, from
+    the learnt starts 4.2 s (both quiet), this form 2.4 s with a training on the other core
+    (side by side under heavier load: 3.6 s against the first form's 7.2 s)."""
     rows, length = tokens.shape
     steps = min(unroll, length - 1)
     real_k, real_v = [], []  # step 0's keys and values [R, T, Hkv, Dh]

@@ -48,8 +48,9 @@ class SelfDistillConfig:
     """Which prompts the target continues, and how."""
 
     # Corpora of genrec_spec.prompts; "NAME:N" draws N prompts of NAME instead of n. The
-    # default: all 123 of HumanEval's train prompts (train-drafter gives EAGLE more: its
-    # KIND_PROMPTS). Debian's fortunes add prose ("fortunes:N") where that package is installed.
+    # default: all 123 of HumanEval's train prompts (train-drafter gives EAGLE and EAGLE-3
+    # more: its KIND_PROMPTS). Debian's fortunes add prose ("fortunes:N") where that package
+    # is installed.
     sources: tuple[str, ...] = ("humaneval:123",)
     n: int = 64  # prompts drawn from each source without its own :N
     max_new_tokens: int = 128  # continuation length (shorter where the target emits eos)

@@ -44,14 +44,16 @@ from genrec_spec.drafters.selfdistill import SelfDistillConfig
 
 KINDS = ("medusa", "eagle", "eagle2", "eagle3", "mtp", "draft", "distilled", "layerskip")
 # Kinds whose default corpora differ from SelfDistillConfig's (HumanEval's 123 train prompts).
-# EAGLE's feature drafter gains from more distinct prompts: on SmolLM2, held-out HumanEval,
-# greedy, every step drafting its full tree, its accepted length rose 2.02 -> 2.23 (EAGLE-2's
-# 12-node tree) and 2.37 -> 2.67 (a 60-node tree) with 600 of the standard library's
-# functions added at 800 steps (1,400 of them: 2.29 / 2.70). The other drafters at their
-# default budgets held (MTP 1.65 / 1.64, layer skip 1.63 / 1.64) or lost (Medusa 2.02 / 1.98
-# at 1,000 steps, the draft model 1.69 / 1.62, EAGLE-3 2.48 / 2.32 at a 60-node tree: their
-# steps are dear, so their default steps pass over the 723 rows only 1.3-2.2 times).
-KIND_PROMPTS = {"eagle": ("humaneval:123", "pystdlib:600")}
+# EAGLE's feature drafters gain from more distinct prompts: on SmolLM2, held-out HumanEval,
+# greedy, every step drafting its full tree, EAGLE's accepted length rose 2.02 -> 2.23 (EAGLE-2's
+# 12-node tree) and 2.37 -> 2.67 (a 60-node tree) with 600 of the standard library's functions
+# added at 800 steps (1,400 of them: 2.29 / 2.70); EAGLE-3's 2.07 / 2.48 (HumanEval alone, 200
+# steps) -> 2.24 / 2.66 at 800 steps (1,400 functions: 2.26 / 2.74). The other drafters at
+# their default budgets held (MTP 1.65 / 1.64, layer skip 1.63 / 1.64) or lost (Medusa 2.02 /
+# 1.98 at 1,000 steps, the draft model 1.69 / 1.62, its default steps passing over the 723
+# rows 1.3 times).
+EAGLE_PROMPTS = ("humaneval:123", "pystdlib:600")
+KIND_PROMPTS = {"eagle": EAGLE_PROMPTS, "eagle3": EAGLE_PROMPTS}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated corpora (humaneval, fortunes, pystdlib: functions of Python's "
         "standard library), NAME:N for N prompts of NAME; their train split is used (default "
-        f"{','.join(data.sources)}; eagle and eagle2: {','.join(KIND_PROMPTS['eagle'])})",
+        f"{','.join(data.sources)}; eagle, eagle2, eagle3: {','.join(EAGLE_PROMPTS)})",
     )
     parser.add_argument(
         "--n", type=int, default=data.n, help="prompts per corpus without its own :N"

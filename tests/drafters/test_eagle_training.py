@@ -154,8 +154,11 @@ def test_train_cli_settings():
     assert "--prompts humaneval:123,pystdlib:600 " in command  # EAGLE's default corpora
     medusa = train_cli.drafter_config(parser.parse_args(["--kind", "medusa"]))
     assert medusa == MedusaConfig()
-    # the other kinds default to HumanEval alone; --prompts overrides any default
-    for kind in ("medusa", "eagle3", "mtp", "draft", "distilled", "layerskip"):
+    # EAGLE-3 shares EAGLE's corpora, the other kinds default to HumanEval alone; --prompts
+    # overrides any default
+    eagle3 = parser.parse_args(["--kind", "eagle3"])
+    assert train_cli.prompts_of(eagle3) == "humaneval:123,pystdlib:600"
+    for kind in ("medusa", "mtp", "draft", "distilled", "layerskip"):
         assert train_cli.prompts_of(parser.parse_args(["--kind", kind])) == "humaneval:123"
     given = parser.parse_args(["--kind", "eagle", "--prompts", "pystdlib:5"])
     assert train_cli.prompts_of(given) == "pystdlib:5"
