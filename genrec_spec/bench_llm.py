@@ -63,9 +63,11 @@ from genrec_spec.decode import generate, pack_prompts
 from genrec_spec.generate_cli import (
     CROSS_METHODS,
     MODEL_FREE,
+    PASS_COSTS,
     TRAINED_METHODS,
     add_tree_arguments,
     check_tree_options,
+    controller_for,
     load_target,
     make_proposer,
 )
@@ -260,11 +262,7 @@ def make_runners(
     tokenizer: object = None,
 ) -> dict[str, Runner]:
     """tokenizer: the target's (cross and hf-uag translate through text)."""
-    controller = None
-    if settings.pass_cost == "measured":
-        controller = ControllerConfig(pass_cost=measure_pass_cost(model))
-    elif settings.pass_cost == "none":
-        controller = ControllerConfig(adaptive=False)
+    controller = controller_for(settings.pass_cost, lambda: measure_pass_cost(model))
     runners = {}
     for method in settings.methods:
         if method in OURS + TRAINED + CROSS:
@@ -498,7 +496,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--pass-cost",
-        choices=("measured", "linear", "none"),
+        choices=PASS_COSTS,
         default=c.pass_cost,
         help="speculation controller's cost of scoring n tokens: timed once before the run, or "
         "the linear default model; none: no controller, every step drafts the full tree (the "

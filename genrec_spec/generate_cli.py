@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 METHODS = ("none", "draft", "ngram", "trie", "lookahead")
@@ -36,6 +37,7 @@ TREE_METHODS = ("eagle2", "eagle3")  # draft EAGLE-2's dynamic tree (--tree-node
 # Cross-tokenizer drafting: SmolLM2 drafts for a target with another tokenizer (--model gemma3).
 CROSS_METHODS = ("cross",)
 MODELS = ("smollm2", "gemma3")
+PASS_COSTS = ("measured", "linear", "none")  # --pass-cost: see controller_for
 MODEL_FREE = ("none", "ngram", "trie", "lookahead")  # need nothing of the target model
 
 
@@ -90,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--pass-cost",
-        choices=("measured", "linear", "none"),
+        choices=PASS_COSTS,
         default="measured",
         help="speculation controller's cost of scoring n tokens: the target's forward timed once "
         "per machine and thread count (cached under $GENREC_SPEC_CACHE/pass_cost), or the "
@@ -172,6 +174,17 @@ def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="eagle2, eagle3: children per expanded node (default 4; the paper's 10)",
     )
+
+
+def controller_for(pass_cost: str, table: Callable[[], tuple[float, ...]]):
+    """The speculation controller --pass-cost names (generate and bench llm): measured, the
+    table ``table()`` returns (timed or cached; called only then); linear, None (the default
+    linear cost model); none, no controller: every step drafts the proposer's full tree."""
+    from genrec_spec.controller import ControllerConfig
+
+    if pass_cost == "measured":
+        return ControllerConfig(pass_cost=table())
+    return ControllerConfig(adaptive=False) if pass_cost == "none" else None
 
 
 def check_tree_options(methods, tree_nodes: int | None, tree_top_k: int | None) -> None:
@@ -284,7 +297,7 @@ def _trained_proposer(
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from genrec_spec.controller import ControllerConfig, cached_pass_cost
+    from genrec_spec.controller import cached_pass_cost
     from genrec_spec.decode import generate
     from genrec_spec.types import DecodeInputError, SamplingParams
 
@@ -314,11 +327,9 @@ def run(args: argparse.Namespace) -> int:
         args.tree_nodes,
         args.tree_top_k,
     )
-    controller = None  # the linear default model
-    if proposer is not None and args.pass_cost == "measured":
-        controller = ControllerConfig(pass_cost=cached_pass_cost(model))
-    elif args.pass_cost == "none":
-        controller = ControllerConfig(adaptive=False)
+    controller = None  # plain decoding: nothing to control (and no pass cost to time)
+    if proposer is not None:
+        controller = controller_for(args.pass_cost, lambda: cached_pass_cost(model))
     generator = torch.Generator().manual_seed(args.seed)
     results, batches = [], []
     for start in range(0, len(prompts), args.batch_size):
