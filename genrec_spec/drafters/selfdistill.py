@@ -172,7 +172,7 @@ def prompt_pairs(
     for rows in _length_batches(prompts, batch_size):
         width = max(len(prompts[r]) for r in rows)
         ids = torch.tensor([prompts[r] + [0] * (width - len(prompts[r])) for r in rows])  # [B, T]
-        _, hidden = model(ids, model.new_cache(len(rows), width), hidden_layers=(layer,))
+        hidden = model.hidden_states(ids, model.new_cache(len(rows), width), (layer,))
         for b, r in enumerate(rows):
             hidden_rows[r] = hidden[layer][b, : len(prompts[r]) - 1].float()
             token_rows[r] = torch.tensor(prompts[r][1:], dtype=torch.long)
