@@ -54,8 +54,9 @@ class Eagle3Config:
 
     # Optimiser steps: ~10 passes over train-drafter's default 723 rows (held-out HumanEval,
     # full trees: accepted length 2.24 / 2.66 at 12 / 60 nodes, against 1.98 / 2.32 at 200).
-    # SmolLM2 on 2 cores, quiet, --threads 2: ~5 min of layer features, then 1.13 s a step,
-    # ~21 min in all; one thread beside another training: ~12 min, then 2.25 s a step.
+    # SmolLM2, 2 cores, quiet, --threads 2: ~5 min of layer features and held-out evaluation,
+    # 1.13 s a step (a 40-step run), so ~21 min projected; one thread beside another training:
+    # 40 min measured (~10 min of features and evaluation, 2.25 s a step).
     steps: int = 800
     batch_rows: int = 8  # sequences (prompt + continuation pairs) per step
     lr: float = 1e-3  # AdamW peak learning rate
@@ -134,8 +135,8 @@ def unrolled_losses(
     losses those of the drafter run on each branch as a chain (test_eagle3) at a lower cost.
     One thread, 8 rows padded to 300 pairs with continuations of up to 128: rerunning all
     earlier nodes through the cache's tree attention from every start took 6.3 s a step, from
-    the learnt starts 4.2 s (both quiet), this form 2.4 s with a training on the other core
-    (side by side under heavier load: 3.6 s against the first form's 7.2 s)."""
+    the learnt starts 4.2 s, this form 2.2 s (all quiet; side by side under load: 3.6 s
+    against the first form's 7.2 s)."""
     rows, length = tokens.shape
     steps = min(unroll, length - 1)
     real_k, real_v = [], []  # step 0's keys and values [R, T, Hkv, Dh]
@@ -187,19 +188,17 @@ def _branch_attention(
     branch_k: list[Tensor],  # j x [R, W, Hkv, Dh] steps 1 .. j at the same starts
     branch_v: list[Tensor],
 ) -> Tensor:  # [R, W, Hq, Dh]
-    """Softmax attention of each node over its visible real pairs and its own branch."""
-    groups = q.shape[2] // real_k.shape[2]  # query heads per key/value head
-    q = q * q.shape[-1] ** -0.5
-    real = torch.einsum("rwhd,rthd->rhwt", q, real_k.repeat_interleave(groups, dim=2))
-    real = real.masked_fill(~sees[:, None], float("-inf"))  # [R, Hq, W, T]
-    bk = torch.stack(branch_k, dim=3).repeat_interleave(groups, dim=2)  # [R, W, Hq, j, Dh]
-    bv = torch.stack(branch_v, dim=3).repeat_interleave(groups, dim=2)
-    own = torch.einsum("rwhd,rwhjd->rhwj", q, bk)  # [R, Hq, W, j]
+    """Softmax attention of each node over its visible real pairs and its own branch. Query
+    heads are grouped over their key/value head (G = Hq / Hkv), so no key is copied per head."""
+    length = real_k.shape[1]  # T
+    q = (q * q.shape[-1] ** -0.5).unflatten(2, (real_k.shape[2], -1))  # [R, W, Hkv, G, Dh]
+    real = torch.einsum("rwhgd,rthd->rwhgt", q, real_k)
+    real = real.masked_fill(~sees[:, :, None, None], float("-inf"))  # [R, W, Hkv, G, T]
+    own = torch.einsum("rwhgd,rwhjd->rwhgj", q, torch.stack(branch_k, dim=3))  # [.., G, j]
     weights = torch.cat([real, own], dim=-1).softmax(dim=-1)
-    length = real.shape[-1]
-    return torch.einsum(
-        "rhwt,rthd->rwhd", weights[..., :length], real_v.repeat_interleave(groups, dim=2)
-    ) + torch.einsum("rhwj,rwhjd->rwhd", weights[..., length:], bv)
+    out = torch.einsum("rwhgt,rthd->rwhgd", weights[..., :length], real_v)
+    out = out + torch.einsum("rwhgj,rwhjd->rwhgd", weights[..., length:], torch.stack(branch_v, 3))
+    return out.flatten(2, 3)
 
 
 @torch.no_grad()
