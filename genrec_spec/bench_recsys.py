@@ -3,8 +3,9 @@
 In one process and one run, on the same users of the held-out split and the same checkpoint,
 it times every decoder (``beam``, ``spec_beam`` with its default frontier draft, ``spec-nezha``
 drafting from the NEZHA head, ``heads``, ``rpg`` over its item graph, ``rpg-exact`` scoring
-every item, ``nezha``) with the same K and the same beam width (given to
-every decoder that has one: beam, spec_beam, nezha; by default beam's own, max(K, 20)).
+every item, ``nezha``, and ``dense`` where the checkpoint has the item objective) with the same
+K and the same beam width (given to every decoder that has one: beam, spec_beam, nezha; by
+default beam's own, max(K, 20)).
 
 Columns:
   p50 / p99      latency per request at batch 1 (one user per call), milliseconds
@@ -55,14 +56,20 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # spec_beam drafting from the NEZHA head after the history pass (follow-ups for misses only)
     "spec-nezha": ("spec_beam", {"draft": "nezha", "lookahead": 0}),
 }
-DECODERS = ("beam", "spec_beam", "spec-nezha", "heads", "rpg", "rpg-exact", "nezha")
+DECODERS = ("beam", "spec_beam", "spec-nezha", "heads", "rpg", "rpg-exact", "nezha", "dense")
+
+
+def decoders_of(model) -> tuple[str, ...]:
+    """Every benchmark row the checkpoint can run: `dense` needs the item objective."""
+    return tuple(n for n in DECODERS if n != "dense" or model.config.item_weight)
 
 
 @dataclass(frozen=True)
 class BenchRecsysConfig:
     """Defaults of ``genrec-spec bench recsys``."""
 
-    decoders: tuple[str, ...] = DECODERS  # "beam" is always run: it is the baseline
+    # "beam" is always run: it is the baseline; None = every row the checkpoint can run
+    decoders: tuple[str, ...] | None = None
     split: str = "test"
     k: int = 10
     beam_width: int | None = None  # of beam, spec_beam and nezha; None = beam's max(k, 20)
@@ -141,7 +148,7 @@ def benchmark(model, histories, settings: BenchRecsysConfig, log=lambda line: No
     """Every decoder of `settings` on the same users of `histories` (a split with its users
     already chosen): batch-1 latency over settings.users users, throughput at each batch size."""
     trie = item_trie(model)
-    names = ["beam"] + [n for n in settings.decoders if n != "beam"]
+    names = ["beam"] + [n for n in settings.decoders or decoders_of(model) if n != "beam"]
     width = beam_width_for(settings.k, settings.beam_width, model.num_items)
     runners = make_decoders(tuple(names), width)
     k = settings.k
@@ -248,8 +255,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", default=c.split, choices=["valid", "test"])
     parser.add_argument(
         "--decoders",
-        default=",".join(c.decoders),
-        help=f"comma-separated, of {','.join(DECODERS)} (beam always runs)",
+        help=f"comma-separated, of {','.join(DECODERS)} (beam always runs; default: every one "
+        "the checkpoint can run, dense only with the item objective)",
     )
     parser.add_argument("--k", type=int, default=c.k, help="recommendations per user")
     parser.add_argument(
@@ -280,7 +287,7 @@ def settings_from(args: argparse.Namespace) -> BenchRecsysConfig:
     def pick(value, quick, default):
         return value if value is not None else quick if args.quick else default
 
-    names = tuple(dict.fromkeys(x.strip() for x in args.decoders.split(",") if x.strip()))
+    names = tuple(dict.fromkeys(x.strip() for x in (args.decoders or "").split(",") if x.strip()))
     unknown = [n for n in names if n not in DECODERS]
     if unknown:
         raise ValueError(f"unknown decoders {unknown}; choose from {','.join(DECODERS)}")
@@ -290,7 +297,7 @@ def settings_from(args: argparse.Namespace) -> BenchRecsysConfig:
         raise ValueError(f"--batch-sizes {args.batch_sizes!r}: give integers like 64,256") from None
     settings = replace(
         c,
-        decoders=names,
+        decoders=names or None,
         split=args.split,
         k=args.k,
         beam_width=args.beam_width,

@@ -74,6 +74,10 @@ class RecommenderConfig:
     long_id_weight: float = 1.0  # loss weight of the long-ID heads
     draft_weight: float = 1.0  # loss weight of the draft head
     detach_heads: bool = False  # heads learn from a detached state (no gradient to backbone)
+    # SASRec's objective beside the codes': every history state also predicts the next item over
+    # the whole catalogue, logits = state . item embedding (tied to the input item table), with
+    # this loss weight; 0 = off. Its scores (`item_scores`) rank the catalogue in one product.
+    item_weight: float = 0.0
     head_branches: int = 8  # branch anchors per row (a stratified subset) that train the heads
     attention_backend: str = "auto"  # tree_attention backend at inference
 
@@ -144,6 +148,11 @@ class SemanticIdRecommender(nn.Module):
                 f"item_codes {tuple(item_codes.shape)} must be [items, L] with L = "
                 f"len(codebook_sizes) = {len(codebook_sizes)} >= 2 levels"
             )
+        if config.item_weight and not config.item_embedding:
+            raise RecommenderInputError(
+                "item_weight > 0 ties the item objective to the item embedding table; set "
+                "item_embedding true or item_weight 0"
+            )
         self.config = config
         self.codebook_sizes = [int(v) for v in codebook_sizes]
         self.register_buffer("item_codes", item_codes.long(), persistent=True)
@@ -210,6 +219,10 @@ class SemanticIdRecommender(nn.Module):
     @property
     def num_levels(self) -> int:  # L
         return len(self.codebook_sizes)
+
+    def item_scores(self, hidden: Tensor) -> Tensor:
+        """hidden [B, D] (a HistoryState's) -> [B, I] SASRec-style next-item logits."""
+        return hidden @ self.embeddings.embeddings["t_item"].weight.T
 
     def backbone_parameters(self) -> list[nn.Parameter]:
         """Everything but the draft heads (what `freeze_backbone` freezes)."""
@@ -611,6 +624,11 @@ class SemanticIdRecommender(nn.Module):
                 branch_codes[..., level][has_branch],
             )
         total = sum(losses.values())
+        if self.config.item_weight:
+            losses["item"] = F.cross_entropy(
+                self.item_scores(h[:, :tokens][real]), layout.next_items[real]
+            )
+            total = total + self.config.item_weight * losses["item"]
 
         # The heads learn from the history states at a stratified subset of the branch anchors:
         # their training cost (the long-ID head has Q x V outputs) would otherwise dominate.

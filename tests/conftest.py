@@ -104,15 +104,25 @@ def tiny_prepared():
     return write_tiny_prepared
 
 
+def tiny_recommender_config():
+    """The tiny test recommender: every head and the item objective, dropout 0."""
+    from genrec_spec.models.recommender import RecommenderConfig
+
+    return RecommenderConfig(
+        dim=16, layers=2, heads=2, dropout=0.0, max_len=12, draft_hidden=8, item_weight=1.0
+    )
+
+
 @pytest.fixture
 def tiny_model(tiny_data_dir: Path):
-    """(model in eval mode with dropout 0 and all heads, its PreparedData)."""
-    from genrec_spec.models.recommender import RecommenderConfig, SemanticIdRecommender
+    """(model in eval mode with dropout 0, all heads and the item objective, its
+    PreparedData)."""
+    from genrec_spec.models.recommender import SemanticIdRecommender
     from genrec_spec.recsys.data import load_prepared
 
     torch.manual_seed(0)
     data = load_prepared(tiny_data_dir)
-    config = RecommenderConfig(dim=16, layers=2, heads=2, dropout=0.0, max_len=12, draft_hidden=8)
+    config = tiny_recommender_config()
     model = SemanticIdRecommender(
         config, data.item_codes, data.codebook_sizes, data.long_ids, data.long_id_sizes
     )
@@ -124,14 +134,14 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     """A checkpoint folder of an untrained tiny model (all heads) on its own tiny data folder,
     with the manifest `genrec-spec train` writes (data path and hash), for product tests that
     load from disk; read-only, shared by the session."""
-    from genrec_spec.models.recommender import RecommenderConfig, SemanticIdRecommender
+    from genrec_spec.models.recommender import SemanticIdRecommender
     from genrec_spec.recsys.checkpoint import save_checkpoint
     from genrec_spec.recsys.data import load_prepared
 
     root = tmp_path_factory.mktemp("tiny_checkpoint")
     data = load_prepared(write_tiny_prepared(root / "data"))
     torch.manual_seed(0)
-    config = RecommenderConfig(dim=16, layers=2, heads=2, dropout=0.0, max_len=12, draft_hidden=8)
+    config = tiny_recommender_config()
     model = SemanticIdRecommender(
         config, data.item_codes, data.codebook_sizes, data.long_ids, data.long_id_sizes
     )

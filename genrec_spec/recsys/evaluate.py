@@ -203,7 +203,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--decoder",
         type=_name_list,
         default=c.decoders,
-        help="decoder name(s), comma-separated: beam, heads, rpg, nezha, spec_beam",
+        help="decoder name(s), comma-separated: beam, heads, rpg, nezha, spec_beam, dense",
     )
     parser.add_argument("--k", type=_int_list, default=c.ks, help="cut-offs, e.g. 10,50,200")
     parser.add_argument("--users", type=int, default=c.users, help="random subset; 0 = all")

@@ -20,12 +20,14 @@ Shape letters: B users, M history items, I items, L code levels, K recommendatio
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
+from genrec_spec.models.recommender import HistoryState
 from genrec_spec.recsys.beam import DecodeOptionError, beam_width_for, check_trie
 from genrec_spec.recsys.types import Recommendations
 
@@ -78,10 +80,25 @@ def decode(
     level0: str = HeadsConfig.level0,
 ) -> Recommendations:
     """Top-K catalogue items by the parallel heads' summed level log-probs (one backbone pass)."""
+    return rank_catalogue(
+        model, values, offsets, k, trie, lambda state: item_scores(model, state, level0)
+    )
+
+
+def rank_catalogue(
+    model,  # SemanticIdRecommender
+    values: Tensor,  # [M] int64 item indices of B histories, oldest first
+    offsets: Tensor,  # [B+1] int64
+    k: int,
+    trie: PrefixTrie,
+    score: Callable[[HistoryState], Tensor],  # state -> [B, I] a score of every item
+) -> Recommendations:
+    """Top-K catalogue items by `score` after one backbone pass: the body of the decoders that
+    score the whole catalogue from the history state (`heads`, `dense`)."""
     check_decode_args(model, k, trie)
     start = time.perf_counter()
     state = model.encode_history(values, offsets)
-    top = item_scores(model, state, level0).topk(k, dim=1)
+    top = score(state).topk(k, dim=1)
     return Recommendations(
         items=top.indices,
         scores=top.values,

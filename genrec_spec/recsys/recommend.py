@@ -57,6 +57,7 @@ DECODERS: dict[str, str] = {
     "heads": "genrec_spec.recsys.heads:decode",
     "rpg": "genrec_spec.recsys.rpg:decode",
     "nezha": "genrec_spec.recsys.nezha:decode",
+    "dense": "genrec_spec.recsys.dense:decode",
 }
 
 

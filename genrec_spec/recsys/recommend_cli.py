@@ -93,7 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     who.add_argument("--user", help="a user id of the data: recommend from all they did")
     who.add_argument("--history", help='item ids, comma-separated, oldest first ("" = none)')
     parser.add_argument("--k", type=int, default=10, help="recommendations")
-    parser.add_argument("--decoder", default="beam", help="beam, heads, rpg, nezha, spec_beam")
+    parser.add_argument(
+        "--decoder", default="beam", help="beam, heads, rpg, nezha, spec_beam, dense"
+    )
     parser.add_argument(
         "--option",
         type=parse_option,

@@ -192,6 +192,8 @@ def validate(
         sums["nll"] = sums.get("nll", 0.0) - target_ll.sum()
         if model.parallel_heads is not None:
             scores["parallel_"] = model.parallel_heads.score_items(state.hidden, model.item_codes)
+        if model.config.item_weight:
+            scores["item_"] = model.item_scores(state.hidden)
         if model.long_id_heads is not None:
             scores["long_id_"] = model.long_id_heads.score_items(state.hidden, model.long_ids)
         for prefix, score in scores.items():
@@ -305,7 +307,7 @@ def _validation_rows(valid: Histories, config: TrainConfig) -> torch.Tensor:  # 
 def _format_epoch(r: dict) -> str:
     heads = "".join(
         f" | {p[:-1]} hr@10 {r[p + 'hr@10']:.4f}"
-        for p in ("parallel_", "long_id_")
+        for p in ("parallel_", "long_id_", "item_")
         if p + "hr@10" in r
     )
     # The code levels' summed CE: the backbone's training NLL per next item, whatever the heads.

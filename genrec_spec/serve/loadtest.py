@@ -208,7 +208,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seconds", type=float, default=c.seconds, help="per level")
     parser.add_argument("--max-requests", type=int, default=c.max_requests, help="per level")
-    parser.add_argument("--decoder", default=c.decoder, help="beam, heads, rpg, nezha, spec_beam")
+    parser.add_argument(
+        "--decoder", default=c.decoder, help="beam, heads, rpg, nezha, spec_beam, dense"
+    )
     parser.add_argument("--k", type=int, default=c.k)
     parser.add_argument("--exclude-seen", action="store_true", help="leave seen items out")
     parser.add_argument("--timeout-s", type=float, default=c.timeout_s, help="per request")

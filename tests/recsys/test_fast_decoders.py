@@ -1,4 +1,4 @@
-"""The fast approximate decoders (heads, rpg, nezha) on tiny random models: valid distinct items,
+"""The fast approximate decoders (heads, rpg, nezha, dense) on tiny random models: valid distinct items,
 equality with brute-force scoring item by item, the item graph, bad input."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.recommender import RecommenderConfig, SemanticIdRecommender
-from genrec_spec.recsys import heads, nezha, rpg
+from genrec_spec.recsys import dense, heads, nezha, rpg
 from genrec_spec.recsys.beam import DecodeOptionError
 
 DECODERS = {
@@ -18,6 +18,7 @@ DECODERS = {
     "rpg-narrow": (rpg.decode, {"beam": 2, "steps": 1, "degree": 2, "seeds": 3}),
     "rpg-exact": (rpg.decode, {"mode": "exact"}),
     "nezha": (nezha.decode, {}),
+    "dense": (dense.decode, {}),
 }
 
 
@@ -91,6 +92,19 @@ def test_heads_equal_brute_force(tiny_model, level0):
 
     out = heads.decode(model, values, offsets, k=12, trie=_trie(model), level0=level0)
     _assert_top_k_equal(out, _brute_force(model, values, offsets, score), 12)
+
+
+def test_dense_equals_brute_force(tiny_model):
+    """dense's top-K are the catalogue's best log p(item | history) = log_softmax(h . E)."""
+    model, _ = tiny_model
+    values, offsets = _histories(model, [5, 0, 8], seed=5)
+    table = model.embeddings.embeddings["t_item"].weight  # [I, D]
+
+    def score(state, item):
+        return float((state.hidden[0] @ table.T).log_softmax(dim=-1)[item])
+
+    out = dense.decode(model, values, offsets, k=9, trie=_trie(model))
+    _assert_top_k_equal(out, _brute_force(model, values, offsets, score), 9)
 
 
 def _rpg_item_score(model):
@@ -214,6 +228,7 @@ def test_bad_input(tiny_model):
         (heads.decode, "parallel"),
         (rpg.decode, "long-ID"),
         (nezha.decode, "draft"),
+        (dense.decode, "item objective"),
     ):
         with pytest.raises(DecodeOptionError, match=name):
             decode(bare, values, offsets, k=3, trie=trie)

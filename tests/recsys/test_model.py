@@ -107,6 +107,35 @@ def test_training_layout_matches_inference(tiny_model):
         torch.testing.assert_close(losses[f"level_{level}"], expected, atol=1e-5, rtol=1e-5)
 
 
+def test_item_objective_is_the_next_item_cross_entropy(tiny_model):
+    """item_weight > 0 adds SASRec's loss: the cross-entropy of the next item over the catalogue
+    from each history state (encode_history's hidden state . the item table), weighted into
+    the total; without an item table it is refused."""
+    from dataclasses import replace
+
+    from genrec_spec.models.recommender import SemanticIdRecommender
+
+    base, data = tiny_model
+    config = replace(base.config, item_weight=0.5)
+    model = SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).eval()
+    windows, offsets = _histories(model, [6, 13, 1], seed=4)
+    layout = train_layout(windows, offsets, model.num_levels - 1, 3, torch.Generator())
+    losses = model.forward_train(layout)
+    terms = []
+    for b in range(3):
+        seq = windows[offsets[b] : offsets[b + 1]]
+        for t in range(len(seq)):
+            hidden = model.encode_history(seq[:t], torch.tensor([0, t])).hidden  # [1, D]
+            terms.append(-model.item_scores(hidden).log_softmax(dim=-1)[0, seq[t]])
+    torch.testing.assert_close(losses["item"], torch.stack(terms).mean(), atol=1e-5, rtol=1e-5)
+    others = sum(v for name, v in losses.items() if name not in ("item", "loss"))
+    torch.testing.assert_close(losses["loss"], others + 0.5 * losses["item"])
+    with pytest.raises(RecommenderInputError, match="item_embedding"):
+        SemanticIdRecommender(
+            replace(config, item_embedding=False), data.item_codes, data.codebook_sizes
+        )
+
+
 def _chain_log_probs(model, state, item: int) -> list[torch.Tensor]:  # L x [B, V_l]
     """Log-probs of every level along one item's code chain, the item scored alone."""
     codes, batch = model.item_codes[item], state.lengths.numel()
