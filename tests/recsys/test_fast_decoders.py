@@ -1,5 +1,5 @@
-"""The fast approximate decoders (heads, rpg, nezha, dense) on tiny random models: valid distinct items,
-equality with brute-force scoring item by item, the item graph, bad input."""
+"""The fast approximate decoders (heads, rpg, nezha, dense) on tiny random models: valid distinct
+items, equality with brute-force scoring item by item, the item graph, bad input."""
 
 from __future__ import annotations
 
