@@ -75,8 +75,10 @@ def load_checkpoint(
         )
     tensors = load_file(str(path / WEIGHTS))
     catalogue = manifest["catalogue"]
+    # Checkpoints written before the item objective existed were trained without it.
+    model_config = {"item_weight": 0.0} | manifest["model_config"]
     model = SemanticIdRecommender(
-        RecommenderConfig(**manifest["model_config"]),
+        RecommenderConfig(**model_config),
         tensors["item_codes"],
         catalogue["codebook_sizes"],
         tensors.get("long_ids"),

@@ -217,7 +217,13 @@ def test_bad_input(tiny_model):
         rpg.decode(model, values, offsets, k=3, trie=trie, degree=0)
     bare = SemanticIdRecommender(
         RecommenderConfig(
-            dim=8, heads=2, layers=1, parallel_heads=False, long_id_heads=False, draft_head=False
+            dim=8,
+            heads=2,
+            layers=1,
+            parallel_heads=False,
+            long_id_heads=False,
+            draft_head=False,
+            item_weight=0.0,
         ),
         data.item_codes,
         data.codebook_sizes,
