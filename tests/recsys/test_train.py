@@ -81,6 +81,13 @@ def test_checkpoint_round_trip(tiny_model, tmp_path):
     )
     with pytest.raises(FileExistsError, match="--overwrite"):
         save_checkpoint(tmp_path / "ckpt", model, {})
+    # A manifest from before the item objective existed: that model was trained without it.
+    path = tmp_path / "ckpt" / "manifest.json"
+    old = json.loads(path.read_text())
+    del old["model_config"]["item_weight"]
+    path.write_text(json.dumps(old))
+    assert loaded.config.item_weight == 1.0
+    assert load_checkpoint(tmp_path / "ckpt")[0].config.item_weight == 0.0
 
 
 def test_seeded_training_is_reproducible(tiny_data_dir, tmp_path):
