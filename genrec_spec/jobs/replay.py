@@ -8,7 +8,9 @@ Events come from a split or a log (`replay_events`).
 
 Measured per event: the rank of the target in each arm's top-K list, HR@K, NDCG@K and MRR@K
 (`recsys.metrics.per_user_metrics`; MRR over the K-item list), overlap@K = |A ∩ B| / K and
-whether the two lists are identical (same items, same order). Per batch: wall time and
+whether the two lists are identical (same items, same order; items whose scores agree within
+float rounding, 1e-4, may swap: two decoders scoring one prefix in different trees differ in the
+last bits of a log-prob, `spec_beam.same_top_k`). Per batch: wall time and
 sequential target passes of each arm. Timing is fair to both arms: the first batch is decoded
 once per arm untimed (warm-up), and the arm that goes first alternates from batch to batch.
 
@@ -54,6 +56,8 @@ from genrec_spec.recsys.evaluate import (
 )
 from genrec_spec.recsys.metrics import per_user_metrics, ranks_from_topk
 from genrec_spec.recsys.recommend import get_decoder
+from genrec_spec.recsys.spec_beam import same_top_k
+from genrec_spec.recsys.types import Recommendations
 
 ARM_SYNTAX = 'decoder=NAME[,OPTION=VALUE...], e.g. "decoder=beam,beam_width=20"'
 
@@ -122,6 +126,7 @@ class ArmRun:
     """What one arm did on every event."""
 
     items: Tensor  # [E, K] int64 item indices, best first; -1 pads
+    scores: Tensor  # [E, K] float the decoder's scores of those items; -inf pads
     batch_seconds: Tensor  # [NB] float64 wall time of each batch
     batch_passes: Tensor  # [NB] float64 sequential target passes of each batch
     invalid_items: int  # list entries outside the catalogue or repeated (0 for a correct decoder)
@@ -143,7 +148,7 @@ def replay(
     batches = torch.arange(len(events.histories)).split(batch_size)
     for side in (0, 1):  # warm-up: lazy caches and allocations stay out of the timings
         decode(side, events.histories.select(batches[0]))
-    items, seconds, passes = ([[], []] for _ in range(3))
+    items, scores, seconds, passes = ([[], []] for _ in range(4))
     for number, rows in enumerate(batches):
         part = events.histories.select(rows)
         for side in (0, 1) if number % 2 == 0 else (1, 0):
@@ -151,6 +156,7 @@ def replay(
             out = decode(side, part)
             seconds[side].append(time.perf_counter() - start)
             items[side].append(out.items)
+            scores[side].append(out.scores)
             passes[side].append(out.stats.get("target_passes", 0))
     runs = []
     for side in (0, 1):
@@ -158,6 +164,7 @@ def replay(
         runs.append(
             ArmRun(
                 lists,
+                torch.cat(scores[side]),
                 torch.tensor(seconds[side], dtype=torch.float64),
                 torch.tensor(passes[side], dtype=torch.float64),
                 count_invalid(lists, models[side].num_items),
@@ -165,6 +172,16 @@ def replay(
         )
     sizes = torch.tensor([len(rows) for rows in batches])
     return runs[0], runs[1], torch.cat([sizes.new_zeros(1), sizes.cumsum(0)])
+
+
+def identical_lists(a: ArmRun, b: ArmRun) -> Tensor:  # [E] bool
+    """Events whose two lists hold the same items in the same order, or the same list up to
+    float rounding (scores within 1e-4, near-exact ties in either order: `same_top_k`)."""
+    exact = (a.items == b.items).all(dim=1)
+    rounded = same_top_k(
+        Recommendations(a.items, a.scores, {}), Recommendations(b.items, b.scores, {})
+    )
+    return exact | rounded
 
 
 def metric_names(k: int) -> list[str]:
@@ -307,7 +324,7 @@ def compare(
         share = run.batch_seconds / sizes * 1e3  # [NB]
         per_event[f"{side}_latency_ms"] = torch.repeat_interleave(share, sizes.long())
     per_event["overlap"] = overlap_at_k(runs[0].items, runs[1].items)
-    per_event["identical"] = (runs[0].items == runs[1].items).all(dim=1)
+    per_event["identical"] = identical_lists(*runs)
 
     names = metric_names(config.k)
     a = torch.stack([per_event[f"a_{n}"] for n in names])  # [S, E]

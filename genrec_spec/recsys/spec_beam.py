@@ -167,14 +167,18 @@ def same_top_k(
 ) -> Tensor:  # [B] bool, True where other's list is reference's up to float rounding
     """Rows where both lists hold the same scores position by position (within atol) and the
     same items, except that items whose reference scores are within atol of each other may come
-    in either order: two decoders scoring one prefix in different trees differ in the last bits
-    of a log-prob, which can only reorder near-exact ties."""
+    in either order, and a slot tied with the reference's last may hold an item the reference
+    left out (which of tied items makes the list is rounding too): two decoders scoring one
+    prefix in different trees differ in the last bits of a log-prob, which can only reorder
+    near-exact ties."""
     a, b = reference.scores, other.scores
     close = ((a - b).abs() <= atol) | ((a == b) & torch.isinf(a))  # [B, K]
     same = reference.items[:, None, :] == other.items[:, :, None]  # [B, K(other), K(ref)]
     gap = (a[:, :, None] - a[:, None, :]).abs()
     tied = (gap <= atol) | ((a[:, :, None] == a[:, None, :]) & torch.isinf(a)[:, :, None])
     found = (same & tied).any(dim=2)  # other's item i sits among ref's near-ties of slot i
+    at_boundary = (a - a[:, -1:]).abs() <= atol  # [B, K] slots tied with ref's last score
+    found |= at_boundary & ~same.any(dim=2)  # a tied item the reference did not list
     return (close & found).all(dim=1)
 
 

@@ -134,6 +134,17 @@ def test_identical_arms_give_zero_difference_and_full_overlap():
     assert metrics["mrr@3"].tolist() == pytest.approx([0.5, 0.0, 1 / 3])
 
 
+def test_identical_lists_allow_near_exact_ties_to_swap():
+    """Lists are identical item for item, or up to float rounding: items 1 and 2 tie within
+    1e-4 in row 0 and may swap; in row 1 they are 0.01 apart, so the swap is a different list."""
+    scores = torch.tensor([[-1.0, -2.0, -2.00001], [-1.0, -2.0, -2.01]])
+    a = rp.ArmRun(torch.tensor([[3, 1, 2], [3, 1, 2]]), scores, torch.zeros(1), torch.zeros(1), 0)
+    swapped = torch.tensor([[3, 2, 1], [3, 2, 1]])
+    b = rp.ArmRun(swapped, scores.clone(), torch.zeros(1), torch.zeros(1), 0)
+    assert rp.identical_lists(a, b).tolist() == [True, False]
+    assert rp.identical_lists(a, a).tolist() == [True, True]
+
+
 # --- replay on the tiny checkpoint ---------------------------------------------------------------
 
 

@@ -139,8 +139,12 @@ def test_same_top_k_rejects_different_lists():
     ref = Recommendations(items, scores)
     swapped_tie = Recommendations(torch.tensor([[3, 2, 1], [5, 6, 7]]), scores)
     assert same_top_k(ref, swapped_tie).tolist() == [True, True]  # a near-exact tie
-    swapped = Recommendations(torch.tensor([[1, 3, 2], [5, 6, 8]]), scores)
+    swapped = Recommendations(torch.tensor([[1, 3, 2], [5, 8, 7]]), scores)
     assert same_top_k(ref, swapped).tolist() == [False, False]
+    # Ties at the boundary: item 9 scores as the reference's last, which of them is listed is
+    # rounding (row 0); an item the reference left out at a slot above the last is not (row 1).
+    boundary = Recommendations(torch.tensor([[3, 1, 9], [5, 9, 7]]), scores)
+    assert same_top_k(ref, boundary).tolist() == [True, False]
     shifted = Recommendations(items, scores - torch.tensor([[0.0], [0.01]]))
     assert same_top_k(ref, shifted).tolist() == [True, False]
 
