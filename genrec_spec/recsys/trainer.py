@@ -177,8 +177,9 @@ def validate(
     device: torch.device,
 ) -> dict[str, float]:
     """HR@10 / NDCG@10 over `rows` (summed over processes): `hr@10`, `ndcg@10` from the exact
-    item log-likelihoods, `parallel_*` / `long_id_*` from the heads' item scores; `nll`, the mean
-    negative exact log-likelihood of the targets (a far less noisy signal than HR@10 on a few
+    item log-likelihoods, `parallel_*` / `long_id_*` from the heads' item scores, `item_*` from the
+    item objective's (with item_weight > 0); `nll`, the mean negative exact log-likelihood of
+    the targets (a far less noisy signal than HR@10 on a few
     hundred users)."""
     model.eval()
     items = torch.arange(data.num_items, device=device)
