@@ -179,8 +179,7 @@ def validate(
     """HR@10 / NDCG@10 over `rows` (summed over processes): `hr@10`, `ndcg@10` from the exact
     item log-likelihoods, `parallel_*` / `long_id_*` from the heads' item scores, `item_*` from the
     item objective's (with item_weight > 0); `nll`, the mean negative exact log-likelihood of
-    the targets (a far less noisy signal than HR@10 on a few
-    hundred users)."""
+    the targets (a far less noisy signal than HR@10 on a few hundred users)."""
     model.eval()
     items = torch.arange(data.num_items, device=device)
     sums: dict[str, torch.Tensor] = {}
