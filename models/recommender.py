@@ -81,6 +81,12 @@ class RecommenderConfig:
     # within noise (test NDCG@10 0.1002 vs 0.1020), nezha -15% -> -5% and rpg -37% -> -21% of
     # beam, and dense itself +20% over that beam.
     item_weight: float = 1.0
+    # Level 0's distribution from the item objective instead of its own code head: log p(c) =
+    # log of the item softmax summed over the items whose level-0 code is c (exact: the items
+    # partition into level-0 clusters), trained by the same level-0 cross-entropy. Needs
+    # item_weight > 0. Every code decoder (beam, spec_beam, nezha, candidate scoring) then
+    # starts from it; levels 1.. keep their code heads.
+    level0_from_items: bool = False
     head_branches: int = 8  # branch anchors per row (a stratified subset) that train the heads
     attention_backend: str = "auto"  # tree_attention backend at inference
 
@@ -156,6 +162,11 @@ class SemanticIdRecommender(nn.Module):
                 "item_weight > 0 ties the item objective to the item embedding table; set "
                 "item_embedding true or item_weight 0"
             )
+        if config.level0_from_items and not config.item_weight:
+            raise RecommenderInputError(
+                "level0_from_items reads level 0 from the item objective; set item_weight > 0 "
+                "or level0_from_items false"
+            )
         self.config = config
         self.codebook_sizes = [int(v) for v in codebook_sizes]
         self.register_buffer("item_codes", item_codes.long(), persistent=True)
@@ -192,7 +203,11 @@ class SemanticIdRecommender(nn.Module):
         self.norm = nn.LayerNorm(dim)
         # code_heads[l] predicts level l (from the last history token for l = 0). Tying them to
         # the code embedding tables measured worse on ML-100K (valid HR@10 0.070 vs 0.085).
-        self.code_heads = nn.ModuleList(nn.Linear(dim, v) for v in self.codebook_sizes)
+        # With level0_from_items level 0 has no head of its own (`level0_logits`).
+        self.code_heads = nn.ModuleList(
+            nn.Identity() if level == 0 and config.level0_from_items else nn.Linear(dim, v)
+            for level, v in enumerate(self.codebook_sizes)
+        )
         self.parallel_heads = (
             ParallelLevelHeads(dim, self.codebook_sizes) if config.parallel_heads else None
         )
@@ -226,6 +241,19 @@ class SemanticIdRecommender(nn.Module):
     def item_scores(self, hidden: Tensor) -> Tensor:
         """hidden [B, D] (a HistoryState's) -> [B, I] SASRec-style next-item logits."""
         return hidden @ self.embeddings.embeddings["t_item"].weight.T
+
+    def level0_logits(self, hidden: Tensor, item_logits: Tensor | None = None) -> Tensor:
+        """hidden [N, D] -> [N, V0] logits of the next item's level-0 code: its code head's, or
+        with level0_from_items the item logits' log-sum-exp over each level-0 cluster (pass
+        `item_logits` [N, I] when they are already computed). A code no item has gets -inf."""
+        if not self.config.level0_from_items:
+            return self.code_heads[0](hidden)
+        if item_logits is None:
+            item_logits = self.item_scores(hidden)
+        top = item_logits.max(dim=-1, keepdim=True).values.detach()  # [N, 1] for stability
+        mass = item_logits.new_zeros(item_logits.shape[0], self.codebook_sizes[0])
+        mass = mass.index_add(1, self.item_codes[:, 0], (item_logits - top).exp())
+        return mass.log() + top
 
     def backbone_parameters(self) -> list[nn.Parameter]:
         """Everything but the draft heads (what `freeze_backbone` freezes)."""
@@ -482,7 +510,7 @@ class SemanticIdRecommender(nn.Module):
         """The HistoryState of per-layer keys/values and the last history token's block output
         `last` [B, D] (final norm, level-0 head)."""
         hidden = self.norm(last)  # [B, D]
-        level0 = self.code_heads[0](hidden).log_softmax(dim=-1)
+        level0 = self.level0_logits(hidden).log_softmax(dim=-1)
         return HistoryState(keys, vals, lengths, hidden, level0, truncated)
 
     @torch.no_grad()
@@ -617,8 +645,10 @@ class SemanticIdRecommender(nn.Module):
         h = self.norm(x)
         losses: dict[str, Tensor] = {}
         real = layout.next_items >= 0  # [B, T]
+        states = h[:, :tokens][real]  # [R, D] every real history position
+        item_logits = self.item_scores(states) if self.config.item_weight else None  # [R, I]
         losses["level_0"] = F.cross_entropy(
-            self.code_heads[0](h[:, :tokens][real]), next_codes[..., 0][real]
+            self.level0_logits(states, item_logits), next_codes[..., 0][real]
         )
         node_h = h[:, tokens:].unflatten(1, (branches, levels - 1))  # [B, P, L-1, D]
         for level in range(1, levels):
@@ -627,10 +657,8 @@ class SemanticIdRecommender(nn.Module):
                 branch_codes[..., level][has_branch],
             )
         total = sum(losses.values())
-        if self.config.item_weight:
-            losses["item"] = F.cross_entropy(
-                self.item_scores(h[:, :tokens][real]), layout.next_items[real]
-            )
+        if item_logits is not None:
+            losses["item"] = F.cross_entropy(item_logits, layout.next_items[real])
             total = total + self.config.item_weight * losses["item"]
 
         # The heads learn from the history states at a stratified subset of the branch anchors:

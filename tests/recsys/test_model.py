@@ -136,6 +136,53 @@ def test_item_objective_is_the_next_item_cross_entropy(tiny_model):
         )
 
 
+def test_level0_from_items_is_the_item_softmax_marginal(tiny_model, tmp_path):
+    """level0_from_items: level 0's log-probs are the item objective's log-probs summed over
+    each level-0 cluster (a code no item has: -inf), trained by the level-0 cross-entropy of
+    that marginal at every history position, with finite gradients; it survives a checkpoint
+    and is refused without the item objective."""
+    from dataclasses import replace
+
+    from genrec_spec.models.recommender import SemanticIdRecommender
+    from genrec_spec.recsys.checkpoint import load_checkpoint, save_checkpoint
+
+    base, data = tiny_model
+    config = replace(base.config, level0_from_items=True)
+    sizes = [data.codebook_sizes[0] + 2, *data.codebook_sizes[1:]]  # two level-0 codes unused
+    torch.manual_seed(1)
+    model = SemanticIdRecommender(config, data.item_codes, sizes).eval()
+    windows, offsets = _histories(model, [6, 13, 1], seed=4)
+    state = model.encode_history(windows, offsets)
+    item_lp = model.item_scores(state.hidden).log_softmax(dim=-1)  # [B, I]
+    clusters = model.item_codes[:, 0]
+    expected = torch.stack(
+        [item_lp[:, clusters == c].logsumexp(dim=-1) for c in range(sizes[0])], dim=-1
+    )
+    torch.testing.assert_close(state.level0_log_probs, expected)
+    assert torch.isneginf(state.level0_log_probs[:, -2:]).all()
+
+    layout = train_layout(windows, offsets, model.num_levels - 1, 3, torch.Generator())
+    losses = model.train().forward_train(layout)
+    model.eval()
+    terms = []
+    for b in range(3):
+        seq = windows[offsets[b] : offsets[b + 1]]
+        for t in range(len(seq)):
+            level0 = model.encode_history(seq[:t], torch.tensor([0, t])).level0_log_probs
+            terms.append(-level0[0, model.item_codes[seq[t], 0]])
+    torch.testing.assert_close(losses["level_0"], torch.stack(terms).mean(), atol=1e-5, rtol=1e-5)
+    losses["loss"].backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+    save_checkpoint(tmp_path / "ckpt", model, {})
+    loaded = load_checkpoint(tmp_path / "ckpt")[0]
+    torch.testing.assert_close(
+        loaded.encode_history(windows, offsets).level0_log_probs, state.level0_log_probs
+    )
+    with pytest.raises(RecommenderInputError, match="item_weight"):
+        SemanticIdRecommender(replace(config, item_weight=0.0), data.item_codes, sizes)
+
+
 def _chain_log_probs(model, state, item: int) -> list[torch.Tensor]:  # L x [B, V_l]
     """Log-probs of every level along one item's code chain, the item scored alone."""
     codes, batch = model.item_codes[item], state.lengths.numel()

@@ -15,7 +15,9 @@ from genrec_spec.recsys.spec_beam import same_top_k
 from genrec_spec.recsys.types import Recommendations
 
 
-def _random_model(seed: int, sizes: tuple[int, ...], items: int) -> SemanticIdRecommender:
+def _random_model(
+    seed: int, sizes: tuple[int, ...], items: int, level0_from_items: bool = False
+) -> SemanticIdRecommender:
     """Unique random Semantic IDs (a collision code appended) and large random weights, so the
     code distributions are peaked like a trained model's instead of near-uniform."""
     g = torch.Generator().manual_seed(seed)
@@ -26,7 +28,14 @@ def _random_model(seed: int, sizes: tuple[int, ...], items: int) -> SemanticIdRe
         collision[i] = seen.get(key, 0)
         seen[key] = int(collision[i]) + 1
     config = RecommenderConfig(
-        dim=16, layers=2, heads=2, dropout=0.0, max_len=10, long_id_heads=False, draft_hidden=8
+        dim=16,
+        layers=2,
+        heads=2,
+        dropout=0.0,
+        max_len=10,
+        long_id_heads=False,
+        draft_hidden=8,
+        level0_from_items=level0_from_items,
     )
     model = SemanticIdRecommender(
         config,
@@ -61,8 +70,9 @@ PASSES = {
 
 
 @pytest.mark.parametrize(("seed", "sizes", "items"), MODELS)
-def test_spec_beam_equals_beam(seed, sizes, items):
-    model = _random_model(seed, sizes, items)
+@pytest.mark.parametrize("level0_from_items", [False, True])
+def test_spec_beam_equals_beam(seed, sizes, items, level0_from_items):
+    model = _random_model(seed, sizes, items, level0_from_items)
     trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
     values, offsets = _histories(model, users=12, seed=seed)
     levels = model.num_levels
