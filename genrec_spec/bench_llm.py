@@ -117,10 +117,12 @@ class BenchLLMConfig:
     # "none": no controller, every step drafts the proposer's full tree (what its drafts
     # accept where verification is nearly free, as on a GPU; slower on this CPU).
     pass_cost: str = "measured"
-    # EAGLE-2's dynamic tree (eagle2, eagle3): draft nodes kept and children per expanded node;
-    # None keeps the proposer's CPU-sized defaults (12 and 4; the EAGLE-2 paper's are 60 and 10).
+    # EAGLE-2's dynamic tree (eagle2, eagle3): draft nodes kept, children per expanded node and
+    # the deepest level; None keeps the proposer's CPU-sized defaults (12, 4 and 6; the EAGLE-2
+    # paper's nodes and children are 60 and 10).
     tree_nodes: int | None = None
     tree_top_k: int | None = None
+    tree_depth: int | None = None
     warmup_tokens: int = 4  # untimed tokens each method decodes first (first-call costs)
     # --quick: a smoke test of every method, batch size > 1 and sampling in about a minute.
     quick_n: int = 2
@@ -275,6 +277,7 @@ def make_runners(
                 target_tokenizer=tokenizer,
                 tree_nodes=settings.tree_nodes,
                 tree_top_k=settings.tree_top_k,
+                tree_depth=settings.tree_depth,
             )
             runners[method] = ours(model, proposer, eos, controller)
         else:
@@ -546,10 +549,11 @@ def settings_from(args: argparse.Namespace) -> BenchLLMConfig:
         pass_cost=args.pass_cost,
         tree_nodes=args.tree_nodes,
         tree_top_k=args.tree_top_k,
+        tree_depth=args.tree_depth,
     )
     if unknown:
         raise ValueError(f"unknown methods {unknown}; choose from {','.join(ALL_METHODS)}")
-    check_tree_options(methods, settings.tree_nodes, settings.tree_top_k)
+    check_tree_options(methods, settings.tree_nodes, settings.tree_top_k, settings.tree_depth)
     if any(m not in allowed for m in methods):
         raise ValueError(
             f"--model {args.model} runs only {','.join(allowed)} (cross and hf-uag: --model gemma3)"

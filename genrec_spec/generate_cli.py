@@ -128,12 +128,13 @@ def make_proposer(
     target_tokenizer: object = None,
     tree_nodes: int | None = None,
     tree_top_k: int | None = None,
+    tree_depth: int | None = None,
 ):
     """The proposer for a method name (None for plain decoding); model is the target (the
     native Llama for SmolLM2). Trained methods load their weights from ``drafter`` (default:
     the cache's ``drafters/<method>`` folder) and say which command trains them when it is
-    missing; cross needs the target's tokenizer. tree_nodes, tree_top_k: EAGLE-2's tree for
-    eagle2 and eagle3 (None: ``Eagle2Proposer``'s defaults)."""
+    missing; cross needs the target's tokenizer. tree_nodes, tree_top_k, tree_depth: EAGLE-2's
+    tree for eagle2 and eagle3 (None: ``Eagle2Proposer``'s defaults)."""
     from genrec_spec.proposers import (
         DraftModelProposer,
         LookaheadProposer,
@@ -148,7 +149,8 @@ def make_proposer(
     if method == "cross":
         return cross_tokenizer_proposer(model, target_tokenizer, k)
     if method in TRAINED_METHODS:
-        return _trained_proposer(method, model, drafter, model_name, k, tree_nodes, tree_top_k)
+        tree = {"tree_nodes": tree_nodes, "top_k": tree_top_k, "depth": tree_depth}
+        return _trained_proposer(method, model, drafter, model_name, k, tree)
     if method == "draft":
         return DraftModelProposer(
             layer_skip_copy(model, draft_layers),
@@ -174,6 +176,11 @@ def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="eagle2, eagle3: children per expanded node (default 4; the paper's 10)",
     )
+    parser.add_argument(
+        "--tree-depth",
+        type=int,
+        help="eagle2, eagle3: the tree's deepest draft level (default 6)",
+    )
 
 
 def controller_for(pass_cost: str, table: Callable[[], tuple[float, ...]]):
@@ -187,13 +194,15 @@ def controller_for(pass_cost: str, table: Callable[[], tuple[float, ...]]):
     return ControllerConfig(adaptive=False) if pass_cost == "none" else None
 
 
-def check_tree_options(methods, tree_nodes: int | None, tree_top_k: int | None) -> None:
-    """Refuse EAGLE-2's tree options where no method drafts that tree (they would do nothing)."""
+def check_tree_options(methods, *tree_options: int | None) -> None:
+    """Refuse EAGLE-2's tree options (nodes, top-k, depth) where no method drafts that tree
+    (they would do nothing)."""
     from genrec_spec.types import DecodeInputError
 
-    if (tree_nodes, tree_top_k) != (None, None) and not set(methods) & set(TREE_METHODS):
+    if any(x is not None for x in tree_options) and not set(methods) & set(TREE_METHODS):
         raise DecodeInputError(
-            "--tree-nodes / --tree-top-k shape EAGLE-2's tree, which no chosen method drafts",
+            "--tree-nodes / --tree-top-k / --tree-depth shape EAGLE-2's tree, which no chosen "
+            "method drafts",
             f"use them with {' or '.join(TREE_METHODS)}, or leave them out",
         )
 
@@ -251,8 +260,7 @@ def _trained_proposer(
     drafter: Path | None,
     model_name: str,
     k: int = 4,
-    tree_nodes: int | None = None,
-    tree_top_k: int | None = None,
+    tree: dict[str, int | None] | None = None,  # Eagle2Proposer's tree options; None = default
 ):
     from genrec_spec.drafters.checkpoint import default_folder, drafter_kind
 
@@ -287,9 +295,8 @@ def _trained_proposer(
     feature_drafter, manifest = load_eagle(folder, model, model_name, drafter_kind(method))
     layer = manifest["target"]["hidden_layer"]  # EAGLE-3: the layers it fuses
     if method in TREE_METHODS:
-        tree = {"tree_nodes": tree_nodes, "top_k": tree_top_k}  # None: the proposer's default
-        tree = {name: value for name, value in tree.items() if value is not None}
-        return Eagle2Proposer(feature_drafter, layer, **tree)
+        given = {name: value for name, value in (tree or {}).items() if value is not None}
+        return Eagle2Proposer(feature_drafter, layer, **given)
     ranks = (manifest["held_out"] or {}).get("ranks")  # shapes the static tree
     return EagleProposer(feature_drafter, layer, rank_acceptance=ranks)
 
@@ -306,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     prompts = read_prompts(args)
     check_method(args.model, args.method)
-    check_tree_options((args.method,), args.tree_nodes, args.tree_top_k)
+    check_tree_options((args.method,), args.tree_nodes, args.tree_top_k, args.tree_depth)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_target(args.model)
     if args.chat:
@@ -326,6 +333,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer,
         args.tree_nodes,
         args.tree_top_k,
+        args.tree_depth,
     )
     controller = None  # plain decoding: nothing to control (and no pass cost to time)
     if proposer is not None:

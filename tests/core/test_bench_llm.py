@@ -210,13 +210,20 @@ def test_settings_and_bad_input():
     default = settings_from(parse(["--batch-sizes", "1,8", "--temperatures", "0,0.8"]))
     assert default.n == c.n and default.batch_sizes == (1, 8) and default.temperatures == (0, 0.8)
     assert default.tree_nodes is None and default.pass_cost == "measured"
-    wide = ["--pass-cost", "none", "--tree-nodes", "60", "--tree-top-k", "10"]
+    wide = ["--pass-cost", "none", "--tree-nodes", "60", "--tree-top-k", "10", "--tree-depth", "8"]
     wide = settings_from(parse(["--methods", "eagle2", *wide]))
-    assert (wide.pass_cost, wide.tree_nodes, wide.tree_top_k) == ("none", 60, 10)
+    assert (wide.pass_cost, wide.tree_nodes, wide.tree_top_k, wide.tree_depth) == (
+        "none",
+        60,
+        10,
+        8,
+    )
     with pytest.raises(ValueError, match="unknown methods"):
         settings_from(parse(["--methods", "none,bogus"]))
     with pytest.raises(ValueError, match="use them with eagle2 or eagle3"):
         settings_from(parse(["--methods", "ngram,eagle", "--tree-top-k", "10"]))
+    with pytest.raises(ValueError, match="use them with eagle2 or eagle3"):
+        settings_from(parse(["--methods", "ngram", "--tree-depth", "8"]))
     with pytest.raises(ValueError, match=">= 1"):
         settings_from(parse(["--batch-sizes", "0,8"]))
     with pytest.raises(ValueError, match="temperatures"):

@@ -120,9 +120,12 @@ def test_make_proposer_and_missing_drafter(trained_eagle, tmp_path):
     assert isinstance(static, EagleProposer) and isinstance(dynamic, Eagle2Proposer)
     assert static.hidden_layers == dynamic.hidden_layers == (model.config.n_layers,)
     assert static.k > 1 and dynamic.k == 6
-    # EAGLE-2's tree, as bench llm --tree-nodes / --tree-top-k set it
-    wide = make_proposer("eagle2", model, drafter=trained_eagle.folder, tree_nodes=30, tree_top_k=6)
-    assert (wide.tree_nodes, wide.top_k, dynamic.tree_nodes, dynamic.top_k) == (30, 6, 12, 4)
+    # EAGLE-2's tree, as bench llm --tree-nodes / --tree-top-k / --tree-depth set it
+    wide = make_proposer(
+        "eagle2", model, drafter=trained_eagle.folder, tree_nodes=30, tree_top_k=6, tree_depth=8
+    )
+    assert (wide.tree_nodes, wide.top_k, wide.k) == (30, 6, 8)
+    assert (dynamic.tree_nodes, dynamic.top_k) == (12, 4)
     with pytest.raises(DecodeInputError, match="tree_nodes=0"):
         make_proposer("eagle2", model, drafter=trained_eagle.folder, tree_nodes=0)
     missing = tmp_path / "nowhere"

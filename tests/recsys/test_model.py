@@ -138,9 +138,9 @@ def test_item_objective_is_the_next_item_cross_entropy(tiny_model):
 
 def test_level0_from_items_is_the_item_softmax_marginal(tiny_model, tmp_path):
     """level0_from_items: level 0's log-probs are the item objective's log-probs summed over
-    each level-0 cluster (a code no item has: -inf), trained by the level-0 cross-entropy of
-    that marginal at every history position, with finite gradients; it survives a checkpoint
-    and is refused without the item objective."""
+    each level-0 cluster (a code no item has: -inf), trained through the item objective alone
+    (no level-0 loss of its own), with finite gradients; it survives a checkpoint and is
+    refused without the item objective."""
     from dataclasses import replace
 
     from genrec_spec.models.recommender import SemanticIdRecommender
@@ -164,13 +164,7 @@ def test_level0_from_items_is_the_item_softmax_marginal(tiny_model, tmp_path):
     layout = train_layout(windows, offsets, model.num_levels - 1, 3, torch.Generator())
     losses = model.train().forward_train(layout)
     model.eval()
-    terms = []
-    for b in range(3):
-        seq = windows[offsets[b] : offsets[b + 1]]
-        for t in range(len(seq)):
-            level0 = model.encode_history(seq[:t], torch.tensor([0, t])).level0_log_probs
-            terms.append(-level0[0, model.item_codes[seq[t], 0]])
-    torch.testing.assert_close(losses["level_0"], torch.stack(terms).mean(), atol=1e-5, rtol=1e-5)
+    assert "level_0" not in losses and "level_1" in losses
     losses["loss"].backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
