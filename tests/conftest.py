@@ -105,11 +105,19 @@ def tiny_prepared():
 
 
 def tiny_recommender_config():
-    """The tiny test recommender: every head and the item objective, dropout 0."""
+    """The tiny test recommender: every head and the item objective, dropout 0, level 0 from
+    its own code head (tests of level0_from_items turn it on)."""
     from genrec_spec.models.recommender import RecommenderConfig
 
     return RecommenderConfig(
-        dim=16, layers=2, heads=2, dropout=0.0, max_len=12, draft_hidden=8, item_weight=1.0
+        dim=16,
+        layers=2,
+        heads=2,
+        dropout=0.0,
+        max_len=12,
+        draft_hidden=8,
+        item_weight=1.0,
+        level0_from_items=False,
     )
 
 

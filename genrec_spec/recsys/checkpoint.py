@@ -75,8 +75,9 @@ def load_checkpoint(
         )
     tensors = load_file(str(path / WEIGHTS))
     catalogue = manifest["catalogue"]
-    # Checkpoints written before the item objective existed were trained without it.
-    model_config = {"item_weight": 0.0} | manifest["model_config"]
+    # Checkpoints written before the item objective (or level 0 from it) existed were trained
+    # without it.
+    model_config = {"item_weight": 0.0, "level0_from_items": False} | manifest["model_config"]
     model = SemanticIdRecommender(
         RecommenderConfig(**model_config),
         tensors["item_codes"],

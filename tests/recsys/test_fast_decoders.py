@@ -224,6 +224,7 @@ def test_bad_input(tiny_model):
             long_id_heads=False,
             draft_head=False,
             item_weight=0.0,
+            level0_from_items=False,
         ),
         data.item_codes,
         data.codebook_sizes,
