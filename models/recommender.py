@@ -84,11 +84,12 @@ class RecommenderConfig:
     # Level 0's distribution from the item objective instead of its own code head: log p(c) =
     # log of the item softmax summed over the items whose level-0 code is c (the items partition
     # into level-0 clusters). Needs item_weight > 0. No level-0 loss of its own: the item
-    # cross-entropy already holds it, -log p(item) = -log p(c0) - log p(item | c0) (a separate
-    # one measured ~1.8x the epoch time on ML-1M). Every code decoder (beam, spec_beam, nezha,
-    # candidate scoring) then starts from it; levels 1.. keep their code heads. ML-1M, same
-    # budget: test beam HR@10 0.1839 -> 0.1939, NDCG@10 0.1002 -> 0.1085 (and 26 epochs instead
-    # of 27, as the level-0 head is gone).
+    # cross-entropy already holds it, -log p(item) = -log p(c0) - log p(item | c0); a separate
+    # one's cluster sum and backward over [R, I] logits cost ~0.2 s a step at one thread, about
+    # what the item cross-entropy costs. Every code decoder (beam, spec_beam, nezha, candidate
+    # scoring) then starts from it; levels 1.. keep their code heads. ML-1M, same budget (26
+    # epochs against 27, both beside other jobs): test beam HR@10 0.1839 -> 0.1939, NDCG@10
+    # 0.1002 -> 0.1085.
     level0_from_items: bool = True
     head_branches: int = 8  # branch anchors per row (a stratified subset) that train the heads
     attention_backend: str = "auto"  # tree_attention backend at inference

@@ -310,10 +310,13 @@ def _format_epoch(r: dict) -> str:
         for p in ("parallel_", "long_id_", "item_")
         if p + "hr@10" in r
     )
-    # The code levels' summed CE: the backbone's training NLL per next item, whatever the heads.
+    # The code levels' summed CE: the backbone's training NLL per next item, whatever the heads;
+    # with level0_from_items level 0 has no loss of its own (the item objective trains it), so
+    # the sum covers levels 1.. only and says so.
     codes = sum(v for k, v in r.items() if k.startswith("train_level_"))
+    label = "codes" if "train_level_0" in r else "codes 1+"
     return (
-        f"epoch {r['epoch']}: loss {r['train_loss']:.4f} (codes {codes:.4f}) | valid nll "
+        f"epoch {r['epoch']}: loss {r['train_loss']:.4f} ({label} {codes:.4f}) | valid nll "
         f"{r['nll']:.4f} hr@10 {r['hr@10']:.4f} ndcg@10 {r['ndcg@10']:.4f}{heads} | "
         f"{r['epoch_s']:.0f} s"
     )
