@@ -81,10 +81,6 @@ class RecommenderConfig:
     # within noise (test NDCG@10 0.1002 vs 0.1020), nezha -15% -> -5% and rpg -37% -> -21% of
     # beam, and dense itself +20% over that beam.
     item_weight: float = 1.0
-    # The item logits as cosine similarity / this temperature (HSTU's SASRec recipe, 0.05 on
-    # ML-1M) instead of the raw dot product; 0 = raw dot product. Bounded logits stop popular
-    # items from winning by embedding norm alone.
-    item_temperature: float = 0.0
     # Level 0's distribution from the item objective instead of its own code head: log p(c) =
     # log of the item softmax summed over the items whose level-0 code is c (the items partition
     # into level-0 clusters). Needs item_weight > 0. No level-0 loss of its own: the item
@@ -170,11 +166,6 @@ class SemanticIdRecommender(nn.Module):
                 "item_weight > 0 ties the item objective to the item embedding table; set "
                 "item_embedding true or item_weight 0"
             )
-        if config.item_temperature < 0:
-            raise RecommenderInputError(
-                f"item_temperature {config.item_temperature} must be > 0 (cosine logits) or 0 "
-                "(dot product)"
-            )
         if config.level0_from_items and not config.item_weight:
             raise RecommenderInputError(
                 "level0_from_items reads level 0 from the item objective; set item_weight > 0 "
@@ -253,11 +244,7 @@ class SemanticIdRecommender(nn.Module):
 
     def item_scores(self, hidden: Tensor) -> Tensor:
         """hidden [B, D] (a HistoryState's) -> [B, I] SASRec-style next-item logits."""
-        items = self.embeddings.embeddings["t_item"].weight  # [I, D]
-        if not self.config.item_temperature:
-            return hidden @ items.T
-        cosine = F.normalize(hidden, dim=-1) @ F.normalize(items, dim=-1).T
-        return cosine / self.config.item_temperature
+        return hidden @ self.embeddings.embeddings["t_item"].weight.T
 
     def level0_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, D] -> [N, V0] logits of the next item's level-0 code: its code head's, or

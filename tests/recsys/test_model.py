@@ -136,33 +136,6 @@ def test_item_objective_is_the_next_item_cross_entropy(tiny_model):
         )
 
 
-def test_item_temperature_gives_cosine_logits(tiny_model):
-    """item_temperature T > 0: item logits = cos(state, item embedding) / T, so every logit
-    lies in [-1/T, 1/T] whatever the norms; the dot product's ranking is not kept in general.
-    A negative temperature is refused."""
-    from dataclasses import replace
-
-    from genrec_spec.models.recommender import SemanticIdRecommender
-
-    base, data = tiny_model
-    config = replace(base.config, item_weight=1.0, item_temperature=0.05)
-    model = SemanticIdRecommender(
-        config, data.item_codes, data.codebook_sizes, data.long_ids, data.long_id_sizes
-    ).eval()
-    model.load_state_dict(base.state_dict())
-    hidden = torch.randn(3, model.config.dim) * 7  # [B, D] far from unit norm
-    items = model.embeddings.embeddings["t_item"].weight  # [I, D]
-    expected = torch.nn.functional.cosine_similarity(hidden[:, None], items[None], dim=-1) / 0.05
-    logits = model.item_scores(hidden)  # [B, I]
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-5)
-    assert logits.abs().max() <= 1 / 0.05 + 1e-4
-    assert not torch.equal(logits.argsort(dim=1), base.item_scores(hidden).argsort(dim=1))
-    with pytest.raises(RecommenderInputError, match="item_temperature"):
-        SemanticIdRecommender(
-            replace(config, item_temperature=-1.0), data.item_codes, data.codebook_sizes
-        )
-
-
 def test_level0_from_items_is_the_item_softmax_marginal(tiny_model, tmp_path):
     """level0_from_items: level 0's log-probs are the item objective's log-probs summed over
     each level-0 cluster (a code no item has: -inf), trained through the item objective alone
