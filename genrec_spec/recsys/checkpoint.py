@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import platform
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from importlib import metadata
 from pathlib import Path
 
@@ -78,6 +78,13 @@ def load_checkpoint(
     # Checkpoints written before the item objective (or level 0 from it) existed were trained
     # without it.
     model_config = {"item_weight": 0.0, "level0_from_items": False} | manifest["model_config"]
+    unknown = sorted(set(model_config) - {f.name for f in fields(RecommenderConfig)})
+    if unknown:
+        raise CheckpointError(
+            f"{path} was trained with model options this code does not know: {unknown} (a "
+            "newer or patched genrec_spec wrote it); load it with that version or retrain it "
+            "with `genrec-spec train`"
+        )
     model = SemanticIdRecommender(
         RecommenderConfig(**model_config),
         tensors["item_codes"],

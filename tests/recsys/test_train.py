@@ -15,7 +15,7 @@ import torch
 
 from genrec_spec.data_pipelines.errors import DataError
 from genrec_spec.models.rec_item_scores import item_log_likelihoods
-from genrec_spec.recsys.checkpoint import load_checkpoint, save_checkpoint
+from genrec_spec.recsys.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from genrec_spec.recsys.data import load_prepared
 from genrec_spec.recsys.train import TrainConfig, add_arguments, load_config, run
 from genrec_spec.recsys.trainer import _epochs_that_fit, _warmup_cosine, train
@@ -89,6 +89,10 @@ def test_checkpoint_round_trip(tiny_model, tmp_path):
     assert loaded.config.item_weight == 1.0
     old_config = load_checkpoint(tmp_path / "ckpt")[0].config
     assert (old_config.item_weight, old_config.level0_from_items) == (0.0, False)
+    # A manifest with a model option this code lacks (a newer or patched version wrote it).
+    path.write_text(json.dumps(old | {"model_config": old["model_config"] | {"warp": 2.0}}))
+    with pytest.raises(CheckpointError, match=r"does not know: \['warp'\].*retrain"):
+        load_checkpoint(tmp_path / "ckpt")
 
 
 def test_seeded_training_is_reproducible(tiny_data_dir, tmp_path):
