@@ -73,8 +73,6 @@ def load_checkpoint(
             f"{path} has checkpoint version {manifest.get('checkpoint_version')}, this code "
             f"reads version {CHECKPOINT_VERSION}; retrain it with `genrec-spec train`"
         )
-    tensors = load_file(str(path / WEIGHTS))
-    catalogue = manifest["catalogue"]
     # Checkpoints written before the item objective (or level 0 from it) existed were trained
     # without it.
     model_config = {"item_weight": 0.0, "level0_from_items": False} | manifest["model_config"]
@@ -85,6 +83,8 @@ def load_checkpoint(
             "newer or patched genrec_spec wrote it); load it with that version or retrain it "
             "with `genrec-spec train`"
         )
+    tensors = load_file(str(path / WEIGHTS))
+    catalogue = manifest["catalogue"]
     model = SemanticIdRecommender(
         RecommenderConfig(**model_config),
         tensors["item_codes"],
