@@ -365,7 +365,7 @@ class SemanticIdRecommender(nn.Module):
         first = torch.tensor([0, *self.codebook_sizes[:-2]], device=codes.device).cumsum(0)
         return self.embed_drop(F.embedding(codes + first[levels], stacked))
 
-    def _keep_recent(self, values: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def keep_recent(self, values: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The most recent max_len items of each row: (values [M'], offsets [B+1], cut [B])."""
         lengths = offsets[1:] - offsets[:-1]
         if int(lengths.max()) <= self.config.max_len:  # nothing to cut (one sync, ~12 ops less)
@@ -401,7 +401,7 @@ class SemanticIdRecommender(nn.Module):
         the tree nodes through the tree-attention op against this layer's history keys, so the
         state equals `encode_history`'s and the log-probs `score_tree`'s, in one pass."""
         self._check_history(values, offsets)
-        values, offsets, truncated = self._keep_recent(values.long(), offsets.long())
+        values, offsets, truncated = self.keep_recent(values.long(), offsets.long())
         batch, nodes = offsets.numel() - 1, codes.shape[1]
         lengths = offsets[1:] - offsets[:-1] + 1  # [B] history tokens, BOS included
         x = self._embed_history(values, offsets)  # [B, T, D]

@@ -6,9 +6,15 @@ Protocol (time-ordered leave-one-out, ranked against the full catalogue): every 
 split (or a fixed random subset, ``--users N``) gets a top-max(K) list from the decoder, which
 chooses among all catalogue items; the user's held-out next item is looked up in that list and
 HR@K, NDCG@K and MRR (over the whole list) are averaged over users (`recsys.metrics`). All
-decoders of one run see the same users. The table also gives each decoder's wall time per user,
-its sequential backbone passes per batch, and the count of invalid or repeated items in its
+decoders of one run see the same users. The table also gives each decoder's wall time per
+user, its sequential backbone passes per batch, and the count of invalid or repeated items in its
 lists (always 0 for a correct decoder).
+
+``--exclude-history`` leaves each user's history items out of the ranking: the items the model
+reads (its most recent ``max_len``), dropped from a longer list (`recommend.decode_excluding`).
+That is the protocol of the HSTU repository whose ML-1M table the README compares against (its
+evaluation filters the ids of the model's input sequence, `filter_invalid_ids`, by default, "as
+in SASRec"); a MovieLens user rates a movie once, so the held-out item is never among them.
 
 Decoder options go through ``--option NAME=VALUE`` (repeatable), given to every listed decoder
 that takes an option of that name, e.g. ``--option beam_width=50 --option mode=exact``.
@@ -33,7 +39,7 @@ from genrec_spec.recsys.beam import item_trie
 from genrec_spec.recsys.checkpoint import load_checkpoint
 from genrec_spec.recsys.data import load_prepared
 from genrec_spec.recsys.metrics import DEFAULT_KS, ranking_metrics, ranks_from_topk
-from genrec_spec.recsys.recommend import get_decoder
+from genrec_spec.recsys.recommend import decode_excluding, get_decoder
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,7 @@ class EvaluateConfig:
     batch_size: int = 64  # users per decoder call
     seed: int = 0  # draws the user subset
     threads: int = 1  # torch CPU threads (one is fastest for small models on 2 cores)
+    exclude_history: bool = False  # leave the history items the model reads out of the lists
 
 
 def load_model_and_data(ckpt: Path | str, data_dir: Path | str | None = None):
@@ -106,6 +113,7 @@ def evaluate(
     ks: tuple[int, ...] = DEFAULT_KS,
     batch_size: int = EvaluateConfig.batch_size,
     trie=None,  # PrefixTrie of the model's catalogue; None = item_trie(model)
+    exclude_history: bool = EvaluateConfig.exclude_history,
     **options,
 ) -> dict:
     """Metrics of `decode` over every user of `histories` (one held-out target each):
@@ -122,7 +130,21 @@ def evaluate(
     for part in torch.arange(len(histories)).split(batch_size):
         users = histories.select(part)
         start = time.perf_counter()
-        out = decode(model, users.values, users.offsets, k=k, trie=trie, **options)
+        if exclude_history:
+            seen_values, seen_offsets, _ = model.keep_recent(users.values, users.offsets)
+            out = decode_excluding(
+                decode,
+                model,
+                users.values,
+                users.offsets,
+                seen_values,
+                seen_offsets,
+                k=k,
+                trie=trie,
+                **options,
+            )
+        else:
+            out = decode(model, users.values, users.offsets, k=k, trie=trie, **options)
         seconds += time.perf_counter() - start
         invalid += count_invalid(out.items, model.num_items)
         passes += out.stats.get("target_passes", 0)
@@ -218,6 +240,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=VALUE",
         help="decoder option, given to every listed decoder that takes it (repeatable)",
     )
+    parser.add_argument(
+        "--exclude-history",
+        action="store_true",
+        help="leave the history items the model reads out of each list (the HSTU protocol)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
 
 
@@ -240,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
             decode,
             ks=args.k,
             batch_size=args.batch_size,
+            exclude_history=args.exclude_history,
             **options_for(decode, options),
         )
         seconds = time.perf_counter() - start
@@ -247,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{data.manifest.get('name', data.path)} {args.split} split, {len(histories)} users, "
         f"full catalogue ({model.num_items} items), lists of {max(args.k)}"
+        + (", history items excluded" if args.exclude_history else "")
         + (f", options {options}" if options else "")
     )
     print(format_table(results, args.k))
@@ -256,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
             "split": args.split,
             "users": len(histories),
             "options": options,
+            "exclude_history": args.exclude_history,
             "results": results,
         }
         args.json.write_text(json.dumps(report, indent=1) + "\n")

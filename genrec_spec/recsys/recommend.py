@@ -173,11 +173,30 @@ def recommend(
     if exclude is None:
         return decode(model, values, offsets, k=k, **options)
     drop_values, drop_offsets = as_values_offsets(exclude, model.num_items, device)
+    return decode_excluding(
+        decode, model, values, offsets, drop_values, drop_offsets, k=k, **options
+    )
+
+
+def decode_excluding(
+    decode,  # a decoder: decode(model, values, offsets, *, k, trie, **options)
+    model,
+    values: Tensor,  # [M] int64 histories
+    offsets: Tensor,  # [B+1] int64
+    drop_values: Tensor,  # [X] int64 item indices to leave out, row by row
+    drop_offsets: Tensor,  # [B+1] int64
+    *,
+    k: int,
+    **options,
+) -> Recommendations:  # items [B, K], scores [B, K], stats with "fetched"
+    """`decode`'s top k of every history without its row's excluded items: asks for
+    `fetch_size` items and drops the excluded ones (module docstring)."""
     if drop_offsets.numel() != offsets.numel():
         raise RecommendInputError(
             f"exclude holds {drop_offsets.numel() - 1} item lists for {offsets.numel() - 1} "
             "histories; pass one list per history (an empty list excludes nothing)"
         )
+    device = values.device
     rows = torch.repeat_interleave(
         torch.arange(drop_offsets.numel() - 1, device=device), drop_offsets.diff()
     )

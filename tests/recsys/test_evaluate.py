@@ -65,6 +65,29 @@ def test_metrics_equal_a_hand_made_check(tiny_model, decode):
     assert result["target_passes_per_batch"] == 1
 
 
+def test_exclude_history_ranks_only_items_outside_the_read_history(tiny_model):
+    """Each list is the decoder's whole ranking without the history items the model reads (the
+    most recent max_len; older ones may return), cut to max(ks)."""
+    model, data = tiny_model
+    ks, max_len = (1, 5, 10), model.config.max_len
+    result = ev.evaluate(model, data.test, heads.decode, ks=ks, batch_size=5, exclude_history=True)
+    trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+    lists, cut, dropped = [], 0, 0
+    for user in range(len(data.test)):
+        one = data.test.select(torch.tensor([user]))
+        ranking = heads.decode(model, one.values, one.offsets, k=model.num_items, trie=trie)
+        seen = set(one.values[-max_len:].tolist())
+        lists.append([i for i in ranking.items[0].tolist() if i not in seen][:10])
+        cut += len(one.values) > max_len
+        dropped += len(seen & set(ranking.items[0, :10].tolist()))
+    assert cut > 0, "no history is longer than the context: the window would go untested"
+    assert dropped > 0, "no top-10 holds a history item: the check would be vacuous"
+    hand = _hand_metrics(lists, data.test.targets.tolist(), ks)
+    for name, value in hand.items():
+        assert result[name] == pytest.approx(value, abs=1e-9), name
+    assert result["invalid_items"] == 0
+
+
 def test_count_invalid_and_user_subsets():
     items = torch.tensor([[3, 1, -1, -1], [2, 9, 2, 0], [5, 4, 3, 2]])  # 9 outside, 2 repeated
     assert ev.count_invalid(items, num_items=6) == 2
