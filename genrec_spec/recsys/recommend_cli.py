@@ -9,7 +9,8 @@ history plus its held-out item), oldest first; ``--history`` takes item ids as g
 first. An unknown id is an error that names it. An empty history (``--history ""``) is the
 cold-start case: the model then recommends from its start-of-history state alone (the same list
 for every new user). A history longer than the model's context keeps its most recent items, and
-the output says so (``truncated``). Decoder options go through ``--option NAME=VALUE``.
+the output says so (``truncated``). ``--exclude-seen`` leaves the history's items out of the
+list (what `serve`'s ``exclude_seen`` does). Decoder options go through ``--option NAME=VALUE``.
 """
 
 from __future__ import annotations
@@ -61,9 +62,18 @@ def item_texts(data) -> list[str] | None:
     return items.sort_values("item_index")["text"].astype(str).tolist()
 
 
-def recommend_one(model, data, history: list[int], k: int, decoder: str, options: dict) -> dict:
+def recommend_one(
+    model,
+    data,
+    history: list[int],
+    k: int,
+    decoder: str,
+    options: dict,
+    exclude_seen: bool = False,
+) -> dict:
     """The JSON-able answer for one history of item indices."""
-    out = recommend(model, [history], k=k, decoder=decoder, **options)
+    exclude = [sorted(set(history))] if exclude_seen else None
+    out = recommend(model, [history], k=k, decoder=decoder, exclude=exclude, **options)
     texts = item_texts(data)
     items = []
     ranked = zip(out.items[0].tolist(), out.scores[0].tolist(), strict=True)
@@ -81,6 +91,7 @@ def recommend_one(model, data, history: list[int], k: int, decoder: str, options
         "history_used": min(len(history), model.config.max_len),
         "truncated": bool(out.stats.get("truncated_histories", 0)),
         "cold_start": not history,
+        "exclude_seen": exclude_seen,
         "items": items,
         "stats": out.stats,
     }
@@ -104,6 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=VALUE",
         help="decoder option, e.g. beam_width=50 (repeatable)",
     )
+    parser.add_argument(
+        "--exclude-seen", action="store_true", help="leave the history's items out of the list"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--json", action="store_true", help="print JSON")
 
@@ -117,7 +131,9 @@ def run(args: argparse.Namespace) -> int:
         history = user_history(data, args.user)
     else:
         history = item_indices(data, [x.strip() for x in args.history.split(",") if x.strip()])
-    answer = recommend_one(model, data, history, args.k, args.decoder, dict(args.option))
+    answer = recommend_one(
+        model, data, history, args.k, args.decoder, dict(args.option), args.exclude_seen
+    )
     if args.user is not None:
         answer = {"user_id": args.user} | answer
     if args.json:

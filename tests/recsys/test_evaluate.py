@@ -154,6 +154,15 @@ def test_recommend_command(tiny_ckpt, capsys):
     argv = ["--ckpt", str(ckpt), "--history", raw, "--k", "4", "--decoder", "nezha", "--json"]
     recommend_cli.run(_args(recommend_cli, argv))
     assert json.loads(capsys.readouterr().out)["items"] == answer["items"]
+    # --exclude-seen leaves the history's items out (without it the list holds some).
+    seen = {data.item_ids[i] for i in history}
+    argv = ["--ckpt", str(ckpt), "--user", user, "--k", "20", "--decoder", "nezha", "--json"]
+    recommend_cli.run(_args(recommend_cli, argv))
+    assert seen & {entry["item_id"] for entry in json.loads(capsys.readouterr().out)["items"]}
+    recommend_cli.run(_args(recommend_cli, [*argv, "--exclude-seen"]))
+    unseen = json.loads(capsys.readouterr().out)
+    assert unseen["exclude_seen"] and len(unseen["items"]) == 20
+    assert not seen & {entry["item_id"] for entry in unseen["items"]}
     # Cold start and a history past the context are answered, and said so.
     recommend_cli.run(_args(recommend_cli, ["--ckpt", str(ckpt), "--history", "", "--json"]))
     assert json.loads(capsys.readouterr().out)["cold_start"]
