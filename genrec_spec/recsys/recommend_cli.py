@@ -72,7 +72,7 @@ def recommend_one(
     exclude_seen: bool = False,
 ) -> dict:
     """The JSON-able answer for one history of item indices."""
-    exclude = [sorted(set(history))] if exclude_seen else None
+    exclude = [history] if exclude_seen else None  # repeats count once (an item mask)
     out = recommend(model, [history], k=k, decoder=decoder, exclude=exclude, **options)
     texts = item_texts(data)
     items = []
