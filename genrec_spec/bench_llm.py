@@ -108,7 +108,8 @@ class BenchLLMConfig:
     repeats: int = 1  # one pass is ~5-8 minutes at the defaults; raise it for tighter medians
     threads: int = 1  # torch CPU threads: one is fastest for one small model on 2 cores
     seed: int = 0  # prompt draw and sampling
-    k: int = 4  # draft depth of draft, ngram, trie and distilled (the generate CLI's default)
+    # Draft depth: None is each method's default (the generate CLI's: 4; quant's deepest chain 10).
+    k: int | None = None
     draft_layers: int = 10  # layers of the target the draft method keeps (and HF's early exit)
     hf_lookup_tokens: int = 10  # HF's prompt_lookup_num_tokens
     # The speculation controller's cost model: "measured" times the target's forward over 1-16
@@ -489,7 +490,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=c.threads, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=c.seed)
     parser.add_argument(
-        "--k", type=int, default=c.k, help="draft depth (draft, ngram, trie, distilled)"
+        "--k",
+        type=int,
+        default=c.k,
+        help="draft depth (draft, ngram, trie, distilled, layerskip: default 4; quant: the "
+        "deepest chain, default 10)",
     )
     parser.add_argument(
         "--draft-layers",
@@ -558,7 +563,13 @@ def settings_from(args: argparse.Namespace) -> BenchLLMConfig:
         raise ValueError(
             f"--model {args.model} runs only {','.join(allowed)} (cross and hf-uag: --model gemma3)"
         )
-    counts = (settings.n, settings.max_new_tokens, settings.repeats, settings.threads, settings.k)
+    counts = (
+        settings.n,
+        settings.max_new_tokens,
+        settings.repeats,
+        settings.threads,
+        settings.k or 1,
+    )
     if not settings.batch_sizes or min(counts + settings.batch_sizes) < 1:
         raise ValueError("--n, --max-new-tokens, --repeats, --threads, --k, --batch-sizes: >= 1")
     if not settings.temperatures or min(settings.temperatures) < 0:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from genrec_spec.models.llama import Llama, LlamaConfig, LlamaError
+from genrec_spec.models.q4 import GROUP, Q4Codes
 
 # Per-layer parameter names: ours -> (GGUF "blk.{i}." suffix, HF "model.layers.{i}." suffix).
 LAYER_NAMES = {
@@ -69,11 +70,8 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:  # [H*D, dim] -
     return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """Config and fp32 weights of a llama-architecture GGUF file."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
+def _gguf_config(reader, path: str | Path) -> LlamaConfig:
+    """The LlamaConfig of an open ``gguf.GGUFReader``, from its metadata and tensor shapes."""
 
     def field(key: str, default=None):
         f = reader.get_field(key)
@@ -84,13 +82,10 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
         raise LlamaError(f"{path} holds a {arch!r} model; only 'llama' GGUF files load here")
     if field("llama.rope.scaling.type", "none") != "none":
         raise LlamaError(f"{path} uses rope scaling, which this Llama does not implement")
+    shapes = {t.name: t.shape for t in reader.tensors}  # dimensions innermost first
     n_heads = field("llama.attention.head_count")
-    tensors = {
-        t.name: torch.from_numpy(gguf.dequantize(t.data, t.tensor_type).copy())
-        for t in reader.tensors
-    }
     config = LlamaConfig(
-        vocab_size=tensors["token_embd.weight"].shape[0],
+        vocab_size=int(shapes["token_embd.weight"][1]),
         dim=field("llama.embedding_length"),
         n_layers=field("llama.block_count"),
         n_heads=n_heads,
@@ -99,16 +94,61 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
         rope_theta=float(field("llama.rope.freq_base", 10000.0)),
         norm_eps=float(field("llama.attention.layer_norm_rms_epsilon")),
         max_seq_len=field("llama.context_length"),
-        tie_embeddings="output.weight" not in tensors,
+        tie_embeddings="output.weight" not in shapes,
     )
     if field("llama.rope.dimension_count", config.head_dim) != config.head_dim:
         raise LlamaError(f"{path} rotates only part of each head (partial RoPE): unsupported")
+    return config
+
+
+def _unpermuted(config: LlamaConfig, name: str, w: torch.Tensor) -> torch.Tensor:
+    """``w`` (rows of the parameter ``name``) with llama.cpp's q/k row permutation undone."""
+    heads = {"attention.wq.weight": config.n_heads, "attention.wk.weight": config.n_kv_heads}
+    suffix = name.split(".", 2)[-1]
+    return unpermute_qk(w, heads[suffix]) if name.startswith("layers.") and suffix in heads else w
+
+
+def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """Config and fp32 weights of a llama-architecture GGUF file."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    config = _gguf_config(reader, path)
+    tensors = {
+        t.name: torch.from_numpy(gguf.dequantize(t.data, t.tensor_type).copy())
+        for t in reader.tensors
+    }
     state = _rename(tensors, _our_names(config, 0), str(path), ignore=set())
-    for i in range(config.n_layers):
-        for name, heads in (("wq", config.n_heads), ("wk", config.n_kv_heads)):
-            key = f"layers.{i}.attention.{name}.weight"
-            state[key] = unpermute_qk(state[key], heads)
-    return config, state
+    return config, {name: _unpermuted(config, name, w) for name, w in state.items()}
+
+
+def read_gguf_q4(path: str | Path) -> dict[str, Q4Codes]:
+    """The Q4_1 matrices of a llama-architecture GGUF file as 4-bit codes, in ``Llama``'s
+    parameter names (q/k rows un-permuted as ``read_gguf`` does), without dequantising: what
+    ``read_gguf`` turns into fp32, so ``codes.dequantize()`` equals its weights exactly. Tensors
+    stored otherwise (norms, a Q8_0 embedding table) are left out."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(path))
+    config = _gguf_config(reader, path)
+    names = _our_names(config, 0)
+    out = {}
+    for t in reader.tensors:
+        if t.tensor_type != gguf.GGMLQuantizationType.Q4_1 or t.name not in names:
+            continue
+        n, k = int(t.shape[1]), int(t.shape[0])  # GGUF lists dimensions innermost first
+        # A Q4_1 block: fp16 scale, fp16 min, 16 bytes of codes (low nibbles: the block's
+        # first 16 weights, high nibbles: the last 16).
+        blocks = np.ascontiguousarray(t.data).reshape(-1, 20)
+        scales = torch.from_numpy(blocks[:, 0:2].copy().view(np.float16).astype(np.float32))
+        mins = torch.from_numpy(blocks[:, 2:4].copy().view(np.float16).astype(np.float32))
+        nibbles = torch.from_numpy(blocks[:, 4:].copy()).to(torch.int32)  # [blocks, 16]
+        codes = torch.cat([nibbles & 15, nibbles >> 4], dim=1).reshape(n, k)
+        parts = (codes, scales.reshape(n, k // GROUP), mins.reshape(n, k // GROUP))
+        ours = names[t.name]
+        out[ours] = Q4Codes(*(_unpermuted(config, ours, p) for p in parts))
+    return out
 
 
 def read_hf(folder: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:

@@ -7,6 +7,8 @@ import torch
 
 from genrec_spec import ControllerConfig, NativeTarget, generate
 from genrec_spec.greedy_check import compare_greedy
+from genrec_spec.models.quantized_draft import QuantizedDraft
+from genrec_spec.models.smollm2 import smollm2_gguf_path
 from genrec_spec.proposers import (
     DraftModelProposer,
     LookaheadProposer,
@@ -14,6 +16,7 @@ from genrec_spec.proposers import (
     TrieProposer,
     layer_skip_copy,
 )
+from genrec_spec.proposers.quantized import QuantizedSelfProposer
 from genrec_spec.types import DecodeInputError
 
 pytestmark = pytest.mark.slow
@@ -45,6 +48,9 @@ PROPOSERS = {
     "lookahead": lambda model: LookaheadProposer(window=4, ngram=3, verify=4),
     "draft-layer-skip": lambda model: DraftModelProposer(
         NativeTarget(layer_skip_copy(model, 10)), k=3, width=2, children="top"
+    ),
+    "quantized-self": lambda model: QuantizedSelfProposer(
+        QuantizedDraft.from_gguf(model, smollm2_gguf_path()), k=6
     ),
 }
 
