@@ -253,13 +253,18 @@ def cross_tokenizer_proposer(target: object, target_tokenizer: object, k: int = 
 
 
 def quantized_proposer(model: object, k: int = QUANT_K):
-    """SmolLM2's own Q4_1 weights, as the shipped GGUF stores them, drafting for the native
-    target loaded from that file."""
+    """The native target's own weights at 4 bits drafting for it: for SmolLM2, the Q4_1 codes
+    the shipped GGUF stores (exactly the target's weights); any other native Llama rounded to
+    4 bits."""
+    from genrec_spec.models.llama_loading import read_gguf_config
     from genrec_spec.models.quantized_draft import QuantizedDraft
     from genrec_spec.models.smollm2 import smollm2_gguf_path
     from genrec_spec.proposers.quantized import QuantizedSelfProposer
 
-    return QuantizedSelfProposer(QuantizedDraft.from_gguf(model, smollm2_gguf_path()), k=k)
+    gguf = smollm2_gguf_path()
+    if read_gguf_config(gguf) == model.config:
+        return QuantizedSelfProposer(QuantizedDraft.from_gguf(model, gguf), k=k)
+    return QuantizedSelfProposer(QuantizedDraft(model), k=k)
 
 
 def _parameters(model: object) -> int:

@@ -101,6 +101,13 @@ def _gguf_config(reader, path: str | Path) -> LlamaConfig:
     return config
 
 
+def read_gguf_config(path: str | Path) -> LlamaConfig:
+    """The LlamaConfig of a GGUF file, from its metadata alone (no tensor is read)."""
+    import gguf
+
+    return _gguf_config(gguf.GGUFReader(str(path)), path)
+
+
 def _unpermuted(config: LlamaConfig, name: str, w: torch.Tensor) -> torch.Tensor:
     """``w`` (rows of the parameter ``name``) with llama.cpp's q/k row permutation undone."""
     heads = {"attention.wq.weight": config.n_heads, "attention.wk.weight": config.n_kv_heads}

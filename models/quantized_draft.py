@@ -61,6 +61,13 @@ class QuantizedDraft:
         target's own weights (``quantize_q4``), so ``codes=None`` quantises a target loaded from
         any checkpoint. Needs dimensions the int4 kernel takes (multiples of 32 and 16)."""
         codes = codes or {}
+        for name, c in codes.items():
+            if c.codes.shape != target.get_parameter(name).shape:
+                raise ValueError(
+                    f"4-bit codes of shape {tuple(c.codes.shape)} for {name}, whose weight is "
+                    f"{tuple(target.get_parameter(name).shape)}: the codes are of another model; "
+                    "pass the codes of the target's own checkpoint, or none to quantise it"
+                )
         self.target = target
         self.config = target.config
         self.shortlist = shortlist
@@ -91,8 +98,13 @@ class QuantizedDraft:
     def from_gguf(cls, target: Llama, path: str | Path, shortlist: int = SHORTLIST):
         """The draft of a target loaded from the GGUF file ``path`` (``Llama.from_gguf``): its
         Q4_1 matrices as stored; the rest (a Q8_0 LM head) rounded to 4 bits."""
-        from genrec_spec.models.llama_loading import read_gguf_q4
+        from genrec_spec.models.llama_loading import read_gguf_config, read_gguf_q4
 
+        if read_gguf_config(path) != target.config:
+            raise ValueError(
+                f"{path} holds another model than this target ({target.config}); build the "
+                "draft from the target's own GGUF file, or QuantizedDraft(target) to quantise it"
+            )
         return cls(target, read_gguf_q4(path), shortlist)
 
     def relative_cost(self) -> float:

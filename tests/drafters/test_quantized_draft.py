@@ -10,6 +10,7 @@ import torch
 from genrec_spec import CallableTarget, ControllerConfig, SamplingParams, generate
 from genrec_spec.models.q4 import quantize_q4
 from genrec_spec.models.quantized_draft import QuantizedDraft
+from genrec_spec.models.smollm2 import smollm2_gguf_path
 from genrec_spec.proposers.quantized import QuantizedSelfProposer
 from genrec_spec.types import DecodeInputError
 
@@ -63,7 +64,8 @@ def test_sampling_is_exact(kit, sampling):
 
 
 def test_bad_input():
-    """A target other than the native Llama it was built from, and a chain of no tokens."""
+    """A target other than the native Llama it was built from, a chain of no tokens, and codes
+    or a GGUF file of another model."""
     from genrec_spec.models.llama import Llama, LlamaConfig
 
     with torch.random.fork_rng():
@@ -75,3 +77,8 @@ def test_bad_input():
         generate(target, [[1, 2, 3]], proposer=proposer, max_new_tokens=4)
     with pytest.raises(DecodeInputError, match="k >= 1"):
         QuantizedSelfProposer(QuantizedDraft(model), k=0)
+    wrong = {"layers.0.attention.wq.weight": quantize_q4(torch.zeros(64, 32))}
+    with pytest.raises(ValueError, match="codes are of another model"):
+        QuantizedDraft(model, wrong)
+    with pytest.raises(ValueError, match="holds another model"):
+        QuantizedDraft.from_gguf(model, smollm2_gguf_path())
