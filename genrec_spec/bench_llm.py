@@ -108,7 +108,7 @@ class BenchLLMConfig:
     repeats: int = 1  # one pass is ~5-8 minutes at the defaults; raise it for tighter medians
     threads: int = 1  # torch CPU threads: one is fastest for one small model on 2 cores
     seed: int = 0  # prompt draw and sampling
-    # Draft depth: None is each method's default (the generate CLI's: 4; quant's deepest chain 10).
+    # Draft depth: None is each method's default (the generate CLI's: 4; quant's deepest chain 16).
     k: int | None = None
     draft_layers: int = 10  # layers of the target the draft method keeps (and HF's early exit)
     hf_lookup_tokens: int = 10  # HF's prompt_lookup_num_tokens
@@ -494,7 +494,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=c.k,
         help="draft depth (draft, ngram, trie, distilled, layerskip: default 4; quant: the "
-        "deepest chain, default 10)",
+        "deepest chain, default 16)",
     )
     parser.add_argument(
         "--draft-layers",

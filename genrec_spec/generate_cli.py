@@ -42,9 +42,9 @@ MODELS = ("smollm2", "gemma3")
 PASS_COSTS = ("measured", "linear", "none")  # --pass-cost: see controller_for
 MODEL_FREE = ("none", "ngram", "trie", "lookahead")  # need nothing of the target model
 DEFAULT_K = 4  # --k: draft depth of draft, ngram, trie, distilled, layerskip, cross
-# quant's deepest chain: its draft agrees ~99% of the time and a CPU pass over 11 tokens costs
-# ~1.7 one-token passes, so long chains pay; the controller drafts shorter ones when they pay more.
-QUANT_K = 10
+# quant's deepest chain: its draft agrees ~99% of the time and a CPU pass over 17 tokens costs
+# ~2 one-token passes, so long chains pay; the controller drafts shorter ones when they pay more.
+QUANT_K = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -37,7 +37,7 @@ class QuantizedSelfProposer:
 
     def begin(self, state: DecodeState) -> None:
         cache = state.cache
-        if not isinstance(cache, NativeCache) or cache.kv.k.shape[0] != len(self.draft.layers):
+        if not isinstance(cache, NativeCache) or cache.kv.k.shape[0] != self.draft.config.n_layers:
             raise DecodeInputError(
                 "the quantised draft runs on the target's own KV cache, and this target is not "
                 "the native Llama the draft was built from",
