@@ -28,6 +28,7 @@ SmolLM2-135M drafts through text, ``genrec_spec.proposers.cross_tokenizer``):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -255,16 +256,29 @@ def cross_tokenizer_proposer(target: object, target_tokenizer: object, k: int = 
 def quantized_proposer(model: object, k: int = QUANT_K):
     """The native target's own weights at 4 bits drafting for it: for SmolLM2, the Q4_1 codes
     the shipped GGUF stores (exactly the target's weights); any other native Llama rounded to
-    4 bits."""
+    4 bits. The draft is built once per target (~4 s) and reused by later calls (the service
+    asks for a proposer per request)."""
     from genrec_spec.models.llama_loading import read_gguf_config
     from genrec_spec.models.quantized_draft import QuantizedDraft
     from genrec_spec.models.smollm2 import smollm2_gguf_path
     from genrec_spec.proposers.quantized import QuantizedSelfProposer
 
-    gguf = smollm2_gguf_path()
-    if read_gguf_config(gguf) == model.config:
-        return QuantizedSelfProposer(QuantizedDraft.from_gguf(model, gguf), k=k)
-    return QuantizedSelfProposer(QuantizedDraft(model), k=k)
+    def build() -> QuantizedDraft:
+        gguf = smollm2_gguf_path()
+        if read_gguf_config(gguf) == model.config:
+            return QuantizedDraft.from_gguf(model, gguf)
+        return QuantizedDraft(model)
+
+    # Rebuilt if the target's weights are rewritten (their version counters move).
+    draft = _quantized_drafts().get(model, tuple(model.parameters()), build)
+    return QuantizedSelfProposer(draft, k=k)
+
+
+@functools.cache
+def _quantized_drafts():  # target -> its QuantizedDraft, for quantized_proposer
+    from genrec_spec.models.derived import DerivedCache
+
+    return DerivedCache()
 
 
 def _parameters(model: object) -> int:

@@ -2,9 +2,10 @@
 
 Methods are those of ``genrec-spec generate`` (`generate_cli.make_proposer`): none (plain
 decoding; "plain" is accepted as its name too), draft (a layer-skipped copy of the target), ngram
-(prompt lookup), trie, lookahead. Every request gets a fresh proposer and its own seeded
-`torch.Generator`, so an answer depends only on its request (n-gram pools do not carry over
-between users, and a seeded sampled answer is reproducible).
+(prompt lookup), trie, lookahead, quant (the target's own 4-bit weights drafting; built once per
+loaded model and shared by requests: it holds no per-request state). Every request gets a fresh
+proposer and its own seeded `torch.Generator`, so an answer depends only on its request (n-gram
+pools do not carry over between users, and a seeded sampled answer is reproducible).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """/v1/generate with the real SmolLM2: plain and speculative answers agree (greedy decoding is
-lossless), the LLM loads in the background (readyz), limits are enforced, metrics count it."""
+lossless; quant, the target's own 4-bit weights drafting, among them), the LLM loads in the
+background (readyz), limits are enforced, metrics count it."""
 
 import asyncio
 import time
@@ -19,7 +20,7 @@ def test_generate_with_smollm2(start_service):
         prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"
         bodies = [
             {"prompt": prompt, "max_new_tokens": 8, "method": method}
-            for method in ("plain", "ngram", "lookahead")
+            for method in ("plain", "ngram", "lookahead", "quant")
         ]
 
         async def together():
@@ -30,11 +31,12 @@ def test_generate_with_smollm2(start_service):
         too_long = httpx.post(f"{url}/v1/generate", json={"prompt": "hi", "max_new_tokens": 9})
         metrics = httpx.get(f"{url}/metrics").text
     assert all("method" in a for a in answers), answers
-    assert [a["method"] for a in answers] == ["none", "ngram", "lookahead"]
+    assert [a["method"] for a in answers] == ["none", "ngram", "lookahead", "quant"]
     assert answers[0]["text"] and answers[0]["tokens"] <= 8
-    assert answers[1]["text"] == answers[0]["text"] == answers[2]["text"]
+    assert all(a["text"] == answers[0]["text"] for a in answers[1:])
+    assert answers[3]["stats"]["mean_accepted_length"] > 2.0  # the 4-bit draft agrees
     assert answers[0]["stats"]["mean_accepted_length"] == 1.0
     assert too_long.status_code == 400 and "limit of 8" in too_long.json()["detail"]
-    assert 'genrec_spec_batch_size_count{kind="generate"} 3.0' in metrics
+    assert 'genrec_spec_batch_size_count{kind="generate"} 4.0' in metrics
     assert 'genrec_spec_mean_accepted_length{kind="generate",method="none"} 1.0' in metrics
     assert 'genrec_spec_target_passes_total{kind="generate",method="ngram"}' in metrics
