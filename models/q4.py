@@ -87,5 +87,16 @@ class Q4Weight:
     out_features: int  # N
 
     def __call__(self, x: Tensor) -> Tensor:  # [M, K] bf16 -> [M, N] bf16
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
-        return out if out.shape[1] == self.out_features else out[:, : self.out_features]
+        return int4_matmul(x, self.packed, self.scales_zeros, self.out_features)
+
+
+def int4_matmul(
+    x: Tensor,  # [M, K] bf16
+    packed: Tensor,  # Q4Weight.packed
+    scales_zeros: Tensor,  # Q4Weight.scales_zeros
+    n: int,  # output features; the kernel's output may be padded past them
+    group: int = GROUP,
+) -> Tensor:  # [M, n] bf16
+    """The kernel call (TorchScript-compatible, for ``quantized_draft``'s layer loop)."""
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros)
+    return out if out.shape[1] == n else out.narrow(1, 0, n)
