@@ -82,3 +82,29 @@ def test_bad_input():
         QuantizedDraft(model, wrong)
     with pytest.raises(ValueError, match="holds another model"):
         QuantizedDraft.from_gguf(model, smollm2_gguf_path())
+
+
+def test_eager_loop_when_torchscript_fails(kit, monkeypatch):
+    """A torch that cannot script the layer loop runs it eagerly, with a warning, to the same
+    logits."""
+    from genrec_spec.models import quantized_draft
+
+    model = on_codes(kit.tiny_llama(61, seed=3))
+    draft = QuantizedDraft(model)
+    cache = model.new_cache(2, 8)
+    tokens = torch.tensor([[5, 9, 2], [4, 60, 1]])
+    model(tokens, cache)
+    cache.commit(torch.arange(3).expand(2, 3), torch.tensor([3, 2]))
+    scripted = draft.step(torch.tensor([7, 8]), cache, 0)
+
+    def no_script(fn):
+        raise RuntimeError("no TorchScript here")
+
+    monkeypatch.setattr(torch.jit, "script", no_script)
+    quantized_draft._scripted_layer_loop.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="runs eagerly"):
+            eager = draft.step(torch.tensor([7, 8]), cache, 0)
+    finally:
+        quantized_draft._scripted_layer_loop.cache_clear()  # later tests script it again
+    torch.testing.assert_close(eager, scripted)
