@@ -93,8 +93,7 @@ class RecommenderConfig:
     level0_from_items: bool = True
     # Levels 1.. also learn the item objective's own distribution of their code (a soft target:
     # the item softmax at the branch's history state over the items sharing the branch's code
-    # prefix, summed per code; detached), at this weight beside their hard-label loss, at the
-    # heads' subset of branches (head_branches: at all 64 an epoch took 1.55x); 0 = off.
+    # prefix, summed per code; detached), at this weight beside their hard-label loss; 0 = off.
     # Needs item_weight > 0. Why: the item objective ranks the next item better than the codes
     # do (the dense decoder beats beam), and levels 1.. are where beam's lists part from it.
     code_distill_weight: float = 0.0
@@ -696,6 +695,12 @@ class SemanticIdRecommender(nn.Module):
         if self.config.item_weight:
             losses["item"] = F.cross_entropy(self.item_scores(states), layout.next_items[real])
             total = total + self.config.item_weight * losses["item"]
+        if self.config.code_distill_weight:
+            anchor_states = h[:, :tokens].gather(1, anchor[..., None].expand(-1, -1, h.shape[-1]))
+            losses["code_distill"] = self._code_distillation(
+                anchor_states[has_branch], node_h[has_branch], branch_codes[has_branch]
+            )
+            total = total + self.config.code_distill_weight * losses["code_distill"]
 
         # The heads learn from the history states at a stratified subset of the branch anchors:
         # their training cost (the long-ID head has Q x V outputs) would otherwise dominate.
@@ -703,14 +708,9 @@ class SemanticIdRecommender(nn.Module):
         head_anchor, head_rows = anchor[:, ::stride], has_branch[:, ::stride]  # [B, P']
         anchor_h = h[:, :tokens].gather(1, head_anchor[..., None].expand(-1, -1, h.shape[-1]))
         anchor_h = anchor_h[head_rows]  # [M, D] states the heads learn from
-        target_codes = branch_codes[:, ::stride][head_rows]  # [M, L]
-        if self.config.code_distill_weight:  # on the same subset: its [M, I] teacher is costly
-            losses["code_distill"] = self._code_distillation(
-                anchor_h, node_h[:, ::stride][head_rows], target_codes
-            )
-            total = total + self.config.code_distill_weight * losses["code_distill"]
         if self.config.detach_heads:
             anchor_h = anchor_h.detach()
+        target_codes = branch_codes[:, ::stride][head_rows]  # [M, L]
         if self.parallel_heads is not None:
             losses["parallel"] = self.parallel_heads.loss(anchor_h, target_codes)
             total = total + self.config.parallel_weight * losses["parallel"]
