@@ -91,12 +91,6 @@ class RecommenderConfig:
     # epochs against 27, both beside other jobs): test beam HR@10 0.1839 -> 0.1939, NDCG@10
     # 0.1002 -> 0.1085.
     level0_from_items: bool = True
-    # Levels 1.. also learn the item objective's own distribution of their code (a soft target:
-    # the item softmax at the branch's history state over the items sharing the branch's code
-    # prefix, summed per code; detached), at this weight beside their hard-label loss; 0 = off.
-    # Needs item_weight > 0. Why: the item objective ranks the next item better than the codes
-    # do (the dense decoder beats beam), and levels 1.. are where beam's lists part from it.
-    code_distill_weight: float = 0.0
     head_branches: int = 8  # branch anchors per row (a stratified subset) that train the heads
     attention_backend: str = "auto"  # tree_attention backend at inference
 
@@ -171,11 +165,6 @@ class SemanticIdRecommender(nn.Module):
             raise RecommenderInputError(
                 "item_weight > 0 ties the item objective to the item embedding table; set "
                 "item_embedding true or item_weight 0"
-            )
-        if config.code_distill_weight and not config.item_weight:
-            raise RecommenderInputError(
-                "code_distill_weight distils the item objective into the code heads; set "
-                "item_weight > 0 or code_distill_weight 0"
             )
         if config.level0_from_items and not config.item_weight:
             raise RecommenderInputError(
@@ -617,27 +606,6 @@ class SemanticIdRecommender(nn.Module):
 
     # ------------------------------------------------------------------------------ training
 
-    def _code_distillation(
-        self,
-        states: Tensor,  # [M, D] the history state each branch hangs from
-        node_h: Tensor,  # [M, L-1, D] the branch's nodes (levels 0 .. L-2)
-        codes: Tensor,  # [M, L] the branch's next-item codes
-    ) -> Tensor:  # [] mean over branches and levels 1 .. L-1
-        """Cross-entropy of each code head (levels 1..) against the item objective's
-        distribution of that level's code given the branch's true prefix: the item softmax over
-        the items sharing the prefix, summed per code (the prefix's own item always among
-        them). The item side is a detached teacher."""
-        item_logits = self.item_scores(states).detach()  # [M, I]
-        terms = []
-        for level in range(1, self.num_levels):
-            same = (self.item_codes[None, :, :level] == codes[:, None, :level]).all(-1)  # [M, I]
-            within = item_logits.masked_fill(~same, float("-inf")).softmax(dim=-1)
-            teacher = within.new_zeros(len(codes), self.codebook_sizes[level])
-            teacher.index_add_(1, self.item_codes[:, level], within)  # [M, V_l]
-            log_q = self.code_heads[level](node_h[:, level - 1]).log_softmax(dim=-1)
-            terms.append(-(teacher * log_q).sum(-1).mean())
-        return torch.stack(terms).mean()
-
     def forward(self, layout: TrainLayout) -> dict[str, Tensor]:
         """`forward_train`; DistributedDataParallel calls a module through `forward`."""
         return self.forward_train(layout)
@@ -695,12 +663,6 @@ class SemanticIdRecommender(nn.Module):
         if self.config.item_weight:
             losses["item"] = F.cross_entropy(self.item_scores(states), layout.next_items[real])
             total = total + self.config.item_weight * losses["item"]
-        if self.config.code_distill_weight:
-            anchor_states = h[:, :tokens].gather(1, anchor[..., None].expand(-1, -1, h.shape[-1]))
-            losses["code_distill"] = self._code_distillation(
-                anchor_states[has_branch], node_h[has_branch], branch_codes[has_branch]
-            )
-            total = total + self.config.code_distill_weight * losses["code_distill"]
 
         # The heads learn from the history states at a stratified subset of the branch anchors:
         # their training cost (the long-ID head has Q x V outputs) would otherwise dominate.

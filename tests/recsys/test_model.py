@@ -177,53 +177,6 @@ def test_level0_from_items_is_the_item_softmax_marginal(tiny_model, tmp_path):
         SemanticIdRecommender(replace(config, item_weight=0.0), data.item_codes, sizes)
 
 
-def test_code_distillation_is_the_cross_entropy_to_the_item_marginal(tiny_model):
-    """code_distill_weight: each code head (levels 1..) learns, at the branch's history state,
-    the item objective's distribution of its code given the branch's true prefix (checked
-    against a loop over the catalogue), weighted into the total; the item side is detached;
-    refused without the item objective."""
-    from dataclasses import replace
-
-    from genrec_spec.models.recommender import SemanticIdRecommender
-
-    base, data = tiny_model
-    config = replace(base.config, code_distill_weight=0.5)
-    torch.manual_seed(2)
-    model = SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).eval()
-    states = torch.randn(3, config.dim, requires_grad=True)  # [M, D]
-    node_h = torch.randn(3, model.num_levels - 1, config.dim)
-    codes = model.item_codes[torch.tensor([0, 5, 9])]  # [M, L] three real items' codes
-    loss = model._code_distillation(states, node_h, codes)
-    item_p = model.item_scores(states).detach().softmax(-1)  # [M, I]
-    terms = []
-    for m in range(3):
-        for level in range(1, model.num_levels):
-            same = [
-                i
-                for i in range(model.num_items)
-                if model.item_codes[i, :level].equal(codes[m, :level])
-            ]
-            mass = item_p[m, same].sum()
-            log_q = model.code_heads[level](node_h[m, level - 1]).log_softmax(-1)
-            terms.append(
-                -sum(item_p[m, i] / mass * log_q[model.item_codes[i, level]] for i in same)
-            )
-    torch.testing.assert_close(loss, torch.stack(terms).view(3, -1).mean(0).mean())
-    loss.backward()
-    assert states.grad is None or not states.grad.any()  # the teacher is detached
-
-    windows, offsets = _histories(model, [6, 13, 1], seed=4)
-    layout = train_layout(windows, offsets, model.num_levels - 1, 3, torch.Generator())
-    losses = model.forward_train(layout)
-    others = sum(v for name, v in losses.items() if name not in ("item", "code_distill", "loss"))
-    expected = others + losses["item"] + 0.5 * losses["code_distill"]
-    torch.testing.assert_close(losses["loss"], expected)
-    with pytest.raises(RecommenderInputError, match="code_distill_weight"):
-        SemanticIdRecommender(
-            replace(config, item_weight=0.0), data.item_codes, data.codebook_sizes
-        )
-
-
 def _chain_log_probs(model, state, item: int) -> list[torch.Tensor]:  # L x [B, V_l]
     """Log-probs of every level along one item's code chain, the item scored alone."""
     codes, batch = model.item_codes[item], state.lengths.numel()
