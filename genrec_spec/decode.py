@@ -142,12 +142,12 @@ def generate(
             max_new_tokens=max_new_tokens,
             cache=cache,
         )
+        if proposer is not None:  # first: a proposer may size its draft cost by the batch
+            proposer.begin(state)
         k_max = proposer.k if proposer is not None else 0
         control = SpeculationController(
             controller or ControllerConfig(), k_max, getattr(proposer, "draft_cost", 0.0), batch
         )
-        if proposer is not None:
-            proposer.begin(state)
         counters = torch.zeros(2 + 2 * k_max, dtype=torch.long, device=tokens.device)
         forwards = speculative = 0
         longest = int(lengths.max())  # host-side bound on state.lengths.max()

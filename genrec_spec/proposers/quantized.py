@@ -28,11 +28,12 @@ class QuantizedSelfProposer:
     def __init__(self, draft: QuantizedDraft, k: int = 8, draft_cost: float | None = None) -> None:
         """k: the deepest chain (the controller drafts shorter chains when they pay more);
         draft_cost: one draft step relative to a target step (default: the draft's own
-        measured estimate)."""
+        measured estimate at the batch size decoded, set by ``begin``)."""
         if k < 1:
             raise DecodeInputError(f"k={k}", "draft at least one token: k >= 1")
         self.draft = draft
         self.k = k
+        self.fixed_cost = draft_cost
         self.draft_cost = draft.relative_cost() if draft_cost is None else draft_cost
 
     def begin(self, state: DecodeState) -> None:
@@ -45,6 +46,8 @@ class QuantizedSelfProposer:
                 "(QuantizedDraft(target) or QuantizedDraft.from_gguf(target, path))",
             )
         self.cache = cache
+        if self.fixed_cost is None:
+            self.draft_cost = self.draft.relative_cost(state.batch_size)
 
     def propose(self, state: DecodeState, budget: int) -> DraftTree:
         kv, batch = self.cache.kv, state.batch_size

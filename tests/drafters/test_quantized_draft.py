@@ -108,3 +108,15 @@ def test_eager_loop_when_torchscript_fails(kit, monkeypatch):
     finally:
         quantized_draft._scripted_layer_loop.cache_clear()  # later tests script it again
     torch.testing.assert_close(eager, scripted)
+
+
+def test_draft_cost_follows_the_batch(kit):
+    """The controller's draft cost is the draft's measured share at the batch decoded (its int4
+    kernel's cost grows with rows faster than the fp32 target's), unless one is given."""
+    model = on_codes(kit.tiny_llama(61, seed=0))
+    draft = QuantizedDraft(model)
+    adaptive, fixed = QuantizedSelfProposer(draft, k=3), QuantizedSelfProposer(draft, 3, 0.25)
+    for batch, expected in [(1, 0.3), (8, 0.6), (32, 0.6)]:
+        for proposer in (adaptive, fixed):
+            generate(model, [[1, 2, 3]] * batch, proposer=proposer, max_new_tokens=2)
+        assert adaptive.draft_cost == pytest.approx(expected) and fixed.draft_cost == 0.25
