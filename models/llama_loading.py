@@ -130,27 +130,31 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
 
 
 def read_gguf_q4(path: str | Path) -> dict[str, Q4Codes]:
-    """The Q4_1 matrices of a llama-architecture GGUF file as 4-bit codes, in ``Llama``'s
-    parameter names (q/k rows un-permuted as ``read_gguf`` does), without dequantising: what
-    ``read_gguf`` turns into fp32, so ``codes.dequantize()`` equals its weights exactly. Tensors
-    stored otherwise (norms, a Q8_0 embedding table) are left out."""
+    """The 4-bit matrices (Q4_0 and Q4_1) of a llama-architecture GGUF file as codes, in
+    ``Llama``'s parameter names (q/k rows un-permuted as ``read_gguf`` does), without
+    dequantising: what ``read_gguf`` turns into fp32, so ``codes.dequantize()`` equals its
+    weights exactly. Tensors stored otherwise (norms, a Q8_0 embedding table, k-quants) are
+    left out."""
     import gguf
     import numpy as np
 
+    q4 = {gguf.GGMLQuantizationType.Q4_0: 18, gguf.GGMLQuantizationType.Q4_1: 20}  # block bytes
     reader = gguf.GGUFReader(str(path))
     config = _gguf_config(reader, path)
     names = _our_names(config, 0)
     out = {}
     for t in reader.tensors:
-        if t.tensor_type != gguf.GGMLQuantizationType.Q4_1 or t.name not in names:
+        if t.tensor_type not in q4 or t.name not in names:
             continue
         n, k = int(t.shape[1]), int(t.shape[0])  # GGUF lists dimensions innermost first
-        # A Q4_1 block: fp16 scale, fp16 min, 16 bytes of codes (low nibbles: the block's
-        # first 16 weights, high nibbles: the last 16).
-        blocks = np.ascontiguousarray(t.data).reshape(-1, 20)
-        scales = torch.from_numpy(blocks[:, 0:2].copy().view(np.float16).astype(np.float32))
-        mins = torch.from_numpy(blocks[:, 2:4].copy().view(np.float16).astype(np.float32))
-        nibbles = torch.from_numpy(blocks[:, 4:].copy()).to(torch.int32)  # [blocks, 16]
+        # A block of 32 weights: an fp16 scale d, for Q4_1 an fp16 minimum m, then 16 bytes of
+        # codes c (low nibbles: the block's first 16 weights, high nibbles: the last 16); the
+        # weights are c * d + m (Q4_1) or (c - 8) * d (Q4_0: m = -8 d).
+        blocks = np.ascontiguousarray(t.data).reshape(-1, q4[t.tensor_type])
+        halves = torch.from_numpy(blocks[:, :4].copy().view(np.float16)).float()  # [blocks, 2]
+        scales = halves[:, 0]
+        mins = halves[:, 1] if t.tensor_type == gguf.GGMLQuantizationType.Q4_1 else -8 * scales
+        nibbles = torch.from_numpy(blocks[:, -16:].copy()).to(torch.int32)  # [blocks, 16]
         codes = torch.cat([nibbles & 15, nibbles >> 4], dim=1).reshape(n, k)
         parts = (codes, scales.reshape(n, k // GROUP), mins.reshape(n, k // GROUP))
         ours = names[t.name]

@@ -58,3 +58,88 @@ def test_smollm2_codes_are_the_loaded_weights():
     assert len(codes) == 7 * 30  # q, k, v, o, gate, up, down of 30 layers; not the Q8_0 table
     assert all(isinstance(c, Q4Codes) for c in codes.values())
     assert all(torch.equal(c.dequantize(), weights[name]) for name, c in codes.items())
+
+
+def write_tiny_gguf(path, model) -> None:
+    """``model`` as a llama.cpp GGUF file: layer 0's matrices as Q4_0, the others' as Q4_1, the
+    embeddings as Q8_0 and the norms as F32, q/k rows permuted as llama.cpp's converter does."""
+    import gguf
+
+    from genrec_spec.models.llama_loading import LAYER_NAMES, TOP_NAMES
+
+    c = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(c.max_seq_len)
+    writer.add_embedding_length(c.dim)
+    writer.add_block_count(c.n_layers)
+    writer.add_feed_forward_length(c.hidden_dim)
+    writer.add_head_count(c.n_heads)
+    writer.add_head_count_kv(c.n_kv_heads)
+    writer.add_rope_freq_base(c.rope_theta)
+    writer.add_layer_norm_rms_eps(c.norm_eps)
+    names = {ours: theirs[0] for ours, theirs in TOP_NAMES.items()}
+    for i in range(c.n_layers):
+        names |= {
+            f"layers.{i}.{ours}": f"blk.{i}.{theirs[0]}" for ours, theirs in LAYER_NAMES.items()
+        }
+    heads = {"attention.wq.weight": c.n_heads, "attention.wk.weight": c.n_kv_heads}
+    for ours, weight in model.state_dict().items():
+        w = weight.detach().float()
+        suffix = ours.split(".", 2)[-1]
+        if suffix in heads:  # llama.cpp interleaves the rotary halves of each head's rows
+            h = heads[suffix]
+            w = w.reshape(h, 2, w.shape[0] // h // 2, -1).transpose(1, 2).reshape(w.shape)
+        if w.dim() == 1:
+            writer.add_tensor(names[ours], w.numpy())
+            continue
+        kind = gguf.GGMLQuantizationType
+        qtype = (
+            kind.Q8_0
+            if ours == "tok_embeddings.weight"
+            else (kind.Q4_0 if ours.startswith("layers.0.") else kind.Q4_1)
+        )
+        data = gguf.quants.quantize(w.numpy(), qtype)
+        writer.add_tensor(names[ours], data, raw_shape=data.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_q4_0_and_q4_1_codes_draft_their_model(tmp_path):
+    """A llama.cpp file of a tiny model with Q4_0 and Q4_1 matrices: the codes read back are
+    exactly the weights the target loads, and their draft decodes to plain greedy decoding's
+    tokens (B = 3, uneven prompts), accepting deep."""
+    from genrec_spec import ControllerConfig, generate
+    from genrec_spec.models.llama import Llama, LlamaConfig
+    from genrec_spec.models.llama_loading import read_gguf_q4
+    from genrec_spec.models.quantized_draft import QuantizedDraft
+    from genrec_spec.proposers.quantized import QuantizedSelfProposer
+
+    config = LlamaConfig(
+        64, 64, 2, 4, 2, 128, rope_theta=500.0, max_seq_len=64, tie_embeddings=True
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        source = Llama(config).eval()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.mul_(3.0)  # peaked next-token distributions
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, source)
+    target = Llama.from_gguf(path)
+    codes = read_gguf_q4(path)
+    assert len(codes) == 7 * 2
+    assert all(torch.equal(c.dequantize(), target.get_parameter(n)) for n, c in codes.items())
+    prompts = [[5, 9, 2, 33, 7, 1, 8], [4], [12, 3, 3, 40, 22]]
+    plain = generate(target, prompts, max_new_tokens=20).tolist()
+    proposer = QuantizedSelfProposer(QuantizedDraft.from_gguf(target, path), k=4)
+    out = generate(
+        target,
+        prompts,
+        max_new_tokens=20,
+        proposer=proposer,
+        controller=ControllerConfig(adaptive=False),
+    )
+    assert out.tolist() == plain
+    assert out.stats.mean_accepted_length > 3.0
