@@ -43,9 +43,6 @@ MODELS = ("smollm2", "gemma3")
 PASS_COSTS = ("measured", "linear", "none")  # --pass-cost: see controller_for
 MODEL_FREE = ("none", "ngram", "trie", "lookahead")  # need nothing of the target model
 DEFAULT_K = 4  # --k: draft depth of draft, ngram, trie, distilled, layerskip, cross
-# quant's deepest chain: its draft agrees ~99% of the time and a CPU pass over 17 tokens costs
-# ~2 one-token passes, so long chains pay; the controller drafts shorter ones when they pay more.
-QUANT_K = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help=f"draft depth (draft, ngram, trie, distilled, layerskip: default {DEFAULT_K}; quant: "
-        f"the deepest chain the controller may draft, default {QUANT_K})",
+        "the deepest chain the controller may draft, default 16: proposers.quantized)",
     )
     parser.add_argument(
         "--draft-layers", type=int, default=10, help="layers of the target the draft method keeps"
@@ -158,7 +155,7 @@ def make_proposer(
     if method == "none":
         return None
     if method == "quant":
-        return quantized_proposer(model, k or QUANT_K)
+        return quantized_proposer(model, k)
     k = k or DEFAULT_K
     if method == "cross":
         return cross_tokenizer_proposer(model, target_tokenizer, k)
@@ -253,7 +250,7 @@ def cross_tokenizer_proposer(target: object, target_tokenizer: object, k: int = 
     return CrossTokenizerProposer(draft, draft_tokenizer, target_tokenizer, k=k, draft_cost=cost)
 
 
-def quantized_proposer(model: object, k: int = QUANT_K):
+def quantized_proposer(model: object, k: int | None = None):
     """The native target's own weights at 4 bits drafting for it: for SmolLM2, the Q4_1 codes
     the shipped GGUF stores (exactly the target's weights); any other native Llama rounded to
     4 bits. The draft is built once per target (~4 s) and reused by later calls (the service
@@ -271,7 +268,7 @@ def quantized_proposer(model: object, k: int = QUANT_K):
 
     # Rebuilt if the target's weights are rewritten (their version counters move).
     draft = _quantized_drafts().get(model, tuple(model.parameters()), build)
-    return QuantizedSelfProposer(draft, k=k)
+    return QuantizedSelfProposer(draft) if k is None else QuantizedSelfProposer(draft, k=k)
 
 
 @functools.cache

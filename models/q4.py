@@ -1,10 +1,10 @@
-"""4-bit weights for drafting on a CPU: llama.cpp's Q4_1 format and ATen's int4 kernel.
+"""4-bit weights for drafting on a CPU: llama.cpp's Q4_0 / Q4_1 formats and ATen's int4 kernel.
 
 Q4_1 stores a weight matrix [N, K] in groups of ``GROUP`` consecutive weights along K, each as
-4-bit codes c in 0..15 with one scale and one minimum: w = c * scale + min. SmolLM2's shipped
-GGUF holds every layer's matrices that way, so the fp32 target the project decodes is exactly
-those codes dequantised; run at 4 bits, the same model is a draft that agrees with it on all but
-the rounding of its activations.
+4-bit codes c in 0..15 with one scale and one minimum: w = c * scale + min (Q4_0: min = -8
+scale). SmolLM2's shipped GGUF holds every layer's matrices as Q4_1, so the fp32 target the
+project decodes is exactly those codes dequantised; run at 4 bits, the same model is a draft that
+agrees with it on all but the rounding of its activations.
 
 ``Q4Codes`` holds the codes as plain tensors (readable, concatenable, exactly dequantisable);
 ``pack`` lays them out for ATen's CPU int4 matmul (``_weight_int4pack_mm_for_cpu``), which
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-GROUP = 32  # weights per (scale, min) pair, along K: Q4_1's block
+GROUP = 32  # weights per (scale, min) pair, along K: a Q4_0 / Q4_1 block
 
 
 class Q4Error(ValueError):

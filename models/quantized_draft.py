@@ -129,7 +129,8 @@ class QuantizedDraft:
         """codes: 4-bit codes per parameter name of ``target`` (``read_gguf_q4``: exactly the
         weights a GGUF target was dequantised from); any matrix not given is rounded from the
         target's own weights (``quantize_q4``), so ``codes=None`` quantises a target loaded from
-        any checkpoint. Needs dimensions the int4 kernel takes (multiples of 32 and 16)."""
+        any checkpoint. The matrices' input sizes (dim, heads x head size, hidden) must be
+        multiples of 32, the kernel's group."""
         codes = codes or {}
         for name, c in codes.items():
             if c.codes.shape != target.get_parameter(name).shape:
@@ -166,7 +167,7 @@ class QuantizedDraft:
     @classmethod
     def from_gguf(cls, target: Llama, path: str | Path, shortlist: int = SHORTLIST):
         """The draft of a target loaded from the GGUF file ``path`` (``Llama.from_gguf``): its
-        Q4_1 matrices as stored; the rest (a Q8_0 LM head) rounded to 4 bits."""
+        Q4_0 / Q4_1 matrices as stored; the rest (e.g. a Q8_0 LM head) rounded to 4 bits."""
         from genrec_spec.models.llama_loading import read_gguf_config, read_gguf_q4
 
         if read_gguf_config(path) != target.config:
