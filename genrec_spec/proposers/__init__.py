@@ -8,6 +8,7 @@ from genrec_spec.proposers.lookahead import LookaheadProposer
 from genrec_spec.proposers.medusa import MedusaProposer
 from genrec_spec.proposers.mtp import MTPProposer, MTPTreeProposer
 from genrec_spec.proposers.ngram import NgramTrie, PromptLookup, TrieProposer
+from genrec_spec.proposers.quantized import QuantizedSelfProposer
 
 __all__ = [
     "CrossTokenizerProposer",
@@ -21,6 +22,7 @@ __all__ = [
     "MedusaProposer",
     "NgramTrie",
     "PromptLookup",
+    "QuantizedSelfProposer",
     "TokenBridge",
     "TrieProposer",
     "layer_skip_copy",
