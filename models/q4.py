@@ -1,4 +1,4 @@
-"""4-bit weights for drafting on a CPU: llama.cpp's Q4_0 / Q4_1 formats and ATen's int4 kernel.
+"""4-bit weights for drafting on a CPU: llama.cpp's Q4_0 / Q4_1 formats and our int4 kernel.
 
 Q4_1 stores a weight matrix [N, K] in groups of ``GROUP`` consecutive weights along K, each as
 4-bit codes c in 0..15 with one scale and one minimum: w = c * scale + min (Q4_0: min = -8
@@ -7,12 +7,9 @@ project decodes is exactly those codes dequantised; run at 4 bits, the same mode
 agrees with it on all but the rounding of its activations.
 
 ``Q4Codes`` holds the codes as plain tensors (readable, concatenable, exactly dequantisable);
-``pack`` lays them out for ATen's CPU int4 matmul (``_weight_int4pack_mm_for_cpu``), which
-computes in bfloat16 with w = (c - 8) * scale + zero, so zero = min + 8 * scale. That kernel
-needs K % GROUP == 0 (and N % 16 == 0: ``pack`` pads), and is fast in bfloat16 only (fp16 and
-fp32 inputs take a reference path ~30x slower here). At one row it computes through SmolLM2's
-106M layer weights in ~7 ms (~15G weights/s, bound by unpacking, not memory), where the fp32
-weight-major product takes ~25 ms.
+``pack`` lays them out for ``kernels.q4_matmul`` (bfloat16 activations, fp16 scales, fp32 output;
+K % GROUP == 0, N padded to a multiple of 16). At one row it computes through SmolLM2's 106M
+layer weights in ~2.5 ms, where ATen's int4 kernel took ~7 ms and the fp32 product ~25 ms.
 """
 
 from __future__ import annotations
@@ -22,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from genrec_spec.kernels.q4_matmul import q4_matmul
 
 GROUP = 32  # weights per (scale, min) pair, along K: a Q4_0 / Q4_1 block
 
@@ -35,8 +34,8 @@ class Q4Codes:
     """A [N, K] matrix as 4-bit codes with a scale and a minimum per group of GROUP along K."""
 
     codes: Tensor  # [N, K] int32, 0..15
-    scales: Tensor  # [N, K / GROUP] fp32
-    mins: Tensor  # [N, K / GROUP] fp32
+    scales: Tensor  # [N, K / GROUP] fp32 holding fp16 values (as llama.cpp stores them)
+    mins: Tensor  # [N, K / GROUP] fp32 holding fp16 values
 
     def dequantize(self) -> Tensor:  # [N, K] fp32
         n, k = self.codes.shape
@@ -44,16 +43,29 @@ class Q4Codes:
         return (groups * self.scales[..., None] + self.mins[..., None]).view(n, k)
 
     def pack(self) -> Q4Weight:
-        """The kernel's layout, N padded with zero rows to a multiple of 16 (its tile)."""
+        """The layout of ``kernels.q4_matmul`` (see q4_matmul.cpp): rows in blocks of 16 (N
+        padded with zero rows), each group's codes interleaved so that one 16-bit lane holds
+        four codes of one row; scales and minima in fp16 with the rows along lanes."""
         n, k = self.codes.shape
-        pad = -n % 16
+        pad, groups = -n % 16, k // GROUP
         codes, scales, mins = (
             F.pad(t, (0, 0, 0, pad)) for t in (self.codes, self.scales, self.mins)
         )
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        zeros = mins + 8 * scales
-        scales_zeros = torch.stack([scales.T, zeros.T], dim=-1)  # [K / GROUP, N + pad, 2]
-        return Q4Weight(packed, scales_zeros.to(torch.bfloat16).contiguous(), n)
+        blocks = (n + pad) // 16
+        # weight i of a group is 2 (p + 4 s) + e: [NB, r, G, s, p, e] -> [NB, G, p, r, e, s]
+        q = codes.view(blocks, 16, groups, 4, 4, 2).permute(0, 2, 4, 1, 5, 3)
+        lanes = sum(q[..., s] << (4 * s) for s in range(4))  # [NB, G, p, r, e] 0 .. 65535
+        lanes = torch.where(lanes >= 1 << 15, lanes - (1 << 16), lanes)  # as int16 bits
+
+        def by_lane(t: Tensor) -> Tensor:  # [N + pad, G] -> [NB, G, 16] fp16
+            return t.view(blocks, 16, groups).transpose(1, 2).to(torch.float16).contiguous()
+
+        return Q4Weight(
+            lanes.to(torch.int16).reshape(blocks, groups, 128).contiguous(),
+            by_lane(scales),
+            by_lane(mins),
+            n,
+        )
 
 
 def cat_codes(parts: list[Q4Codes]) -> Q4Codes:
@@ -72,31 +84,27 @@ def quantize_q4(weight: Tensor) -> Q4Codes:  # [N, K] -> codes
         raise Q4Error(f"a [{n}, {k}] matrix cannot be cut into groups of {GROUP} along K")
     groups = weight.detach().float().reshape(n, k // GROUP, GROUP)
     low, high = groups.amin(-1), groups.amax(-1)  # [N, K / GROUP]
-    scales = (high - low) / 15
+    # In fp16 (the kernel's), low rounded down and the scale up: the group stays in range.
+    low = _fp16_at_most(low)
+    scales = -_fp16_at_most(-(high - low) / 15)
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # a constant group
     codes = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15)
     return Q4Codes(codes.to(torch.int32).reshape(n, k), scales, low)
 
 
+def _fp16_at_most(t: Tensor) -> Tensor:  # fp32 -> the largest fp16 value <= t, as fp32
+    half = t.half()
+    return torch.where(half.float() > t, half.nextafter(half.new_tensor(-torch.inf)), half).float()
+
+
 @dataclass(frozen=True)
 class Q4Weight:
-    """A Q4Codes matrix packed for ``_weight_int4pack_mm_for_cpu``."""
+    """A Q4Codes matrix in ``kernels.q4_matmul``'s layout."""
 
-    packed: Tensor  # [N, K / 2] uint8, the kernel's layout
-    scales_zeros: Tensor  # [K / GROUP, N, 2] bf16
+    codes: Tensor  # [NB, G, 128] int16, NB = ceil(N / 16), G = K / GROUP
+    scales: Tensor  # [NB, G, 16] fp16
+    mins: Tensor  # [NB, G, 16] fp16
     out_features: int  # N
 
-    def __call__(self, x: Tensor) -> Tensor:  # [M, K] bf16 -> [M, N] bf16
-        return int4_matmul(x, self.packed, self.scales_zeros, self.out_features)
-
-
-def int4_matmul(
-    x: Tensor,  # [M, K] bf16
-    packed: Tensor,  # Q4Weight.packed
-    scales_zeros: Tensor,  # Q4Weight.scales_zeros
-    n: int,  # output features; the kernel's output may be padded past them
-    group: int = GROUP,
-) -> Tensor:  # [M, n] bf16
-    """The kernel call (TorchScript-compatible, for ``quantized_draft``'s layer loop)."""
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros)
-    return out if out.shape[1] == n else out.narrow(1, 0, n)
+    def __call__(self, x: Tensor) -> Tensor:  # [M, K] fp32 -> [M, N] fp32
+        return q4_matmul(x, self.codes, self.scales, self.mins).narrow(1, 0, self.out_features)

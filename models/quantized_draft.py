@@ -35,9 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from genrec_spec.kernels.q4_matmul import load as load_q4_matmul
 from genrec_spec.models.kv_cache import StaticKVCache
 from genrec_spec.models.llama import Llama
-from genrec_spec.models.q4 import Q4Codes, Q4Weight, cat_codes, int4_matmul, quantize_q4
+from genrec_spec.models.q4 import Q4Codes, Q4Weight, cat_codes, quantize_q4
 
 # Token candidates of the 4-bit LM head rescored with the target's fp32 head rows.
 SHORTLIST = 8
@@ -52,8 +53,7 @@ def _layer_loop(
     positions: Tensor,  # [B] int64 where each row's token sits
     visible: Tensor | None,  # [B, 1, 1, span] bool: keys a row may read; None: all
     span: int,  # keys read: positions.max() + 1
-    packed: list[Tensor],  # per layer: qkv, wo, gate_up, down (Q4Weight.packed)
-    scales_zeros: list[Tensor],  # the same four's Q4Weight.scales_zeros
+    weights: list[Tensor],  # per layer, qkv, wo, gate_up, down: Q4Weight's codes, scales, mins
     norms: list[Tensor],  # per layer: attention_norm, ffn_norm weights [dim]
     sizes: list[int],  # Hq, Hkv, D, dim, hidden
     eps: float,
@@ -65,9 +65,8 @@ def _layer_loop(
     batch, n_qkv = x.shape[0], (hq + 2 * hkv) * hd
     # narrow, not x[:, a:b]: TorchScript emits one slice per dimension of an index expression.
     for i in range(len(norms) // 2):
-        h = F.rms_norm(x, [dim], norms[2 * i], eps).to(torch.bfloat16)
-        qkv = int4_matmul(h, packed[4 * i], scales_zeros[4 * i], n_qkv).float()
-        qkv = qkv.view(batch, hq + 2 * hkv, hd)
+        qkv = _matmul(x, weights, 4 * i, norms[2 * i], eps)  # the attention norm, fused
+        qkv = qkv.narrow(1, 0, n_qkv).view(batch, hq + 2 * hkv, hd)
         qk = torch.bmm(qkv.narrow(1, 0, hq + hkv), rotation)  # [B, Hq + Hkv, D]: q, k at once
         k_cache[i][rows, :, positions] = qk.narrow(1, hq, hkv).to(k_cache.dtype)
         v_cache[i][rows, :, positions] = qkv.narrow(1, hq + hkv, hkv).to(v_cache.dtype)
@@ -78,13 +77,25 @@ def _layer_loop(
             attn_mask=visible,
             enable_gqa=True,
         )  # [B, Hq, 1, D]
-        out = out.reshape(batch, hq * hd).to(torch.bfloat16)
-        x = x + int4_matmul(out, packed[4 * i + 1], scales_zeros[4 * i + 1], dim).float()
-        h = F.rms_norm(x, [dim], norms[2 * i + 1], eps).to(torch.bfloat16)
-        gate_up = int4_matmul(h, packed[4 * i + 2], scales_zeros[4 * i + 2], 2 * hidden)
+        x = x + _matmul(out.reshape(batch, hq * hd), weights, 4 * i + 1, None, 0.0).narrow(
+            1, 0, dim
+        )
+        gate_up = _matmul(x, weights, 4 * i + 2, norms[2 * i + 1], eps)  # the FFN norm, fused
         h = F.silu(gate_up.narrow(1, 0, hidden)) * gate_up.narrow(1, hidden, hidden)
-        x = x + int4_matmul(h, packed[4 * i + 3], scales_zeros[4 * i + 3], dim).float()
+        x = x + _matmul(h, weights, 4 * i + 3, None, 0.0).narrow(1, 0, dim)
     return x
+
+
+def _matmul(
+    x: Tensor,  # [B, K] fp32
+    weights: list[Tensor],
+    j: int,
+    norm: Tensor | None,  # [K]: RMS-normalise x with this weight first
+    eps: float,
+) -> Tensor:  # [B, N'] fp32, N' = N padded to a multiple of 16
+    """Matrix j of ``weights``: Q4Weight's codes, scales and mins at 3 j .. 3 j + 2."""
+    codes, scales, mins = weights[3 * j], weights[3 * j + 1], weights[3 * j + 2]
+    return torch.ops.genrec_spec.q4_matmul(x, codes, scales, mins, norm, eps)
 
 
 def _rotation(
@@ -148,7 +159,8 @@ class QuantizedDraft:
                 [codes.get(n) or quantize_q4(target.get_parameter(n)) for n in names]
             ).pack()
 
-        self.packed, self.scales_zeros, self.norms = [], [], []  # _layer_loop's lists
+        load_q4_matmul()  # the op must be registered before TorchScript compiles the loop
+        self.weights, self.norms = [], []  # _layer_loop's lists
         for i, block in enumerate(target.layers):
             p = f"layers.{i}."
             for weight in (
@@ -157,8 +169,7 @@ class QuantizedDraft:
                 q4(f"{p}feed_forward.w1.weight", f"{p}feed_forward.w3.weight"),
                 q4(f"{p}feed_forward.w2.weight"),
             ):
-                self.packed.append(weight.packed)
-                self.scales_zeros.append(weight.scales_zeros)
+                self.weights += [weight.codes, weight.scales, weight.mins]
             self.norms += [block.attention_norm.weight.detach(), block.ffn_norm.weight.detach()]
         head = "tok_embeddings.weight" if target.output is None else "output.weight"
         self.head = q4(head)
@@ -212,14 +223,13 @@ class QuantizedDraft:
             positions,
             visible[:, None, None] if batch > 1 else None,
             span,
-            self.packed,
-            self.scales_zeros,
+            self.weights,
             self.norms,
             [c.n_heads, c.n_kv_heads, c.head_dim, c.dim, c.hidden_dim],
             c.norm_eps,
         )
         x = F.rms_norm(x, (c.dim,), self.target.norm.weight, c.norm_eps)  # [B, dim]
-        logits = self.head(x.to(torch.bfloat16)).float()  # [B, V]
+        logits = self.head(x)  # [B, V]
         best = logits.topk(self.shortlist, dim=-1).indices  # [B, shortlist]
         exact = (self.head_rows[best].float() @ x[:, :, None]).squeeze(-1)  # [B, shortlist]
         return logits.scatter_(1, best, exact)

@@ -1,0 +1,102 @@
+"""The 4-bit matmul op (``kernels.q4_matmul``): equal to the dequantised matrix's product (x
+rounded to bfloat16, the rest fp32) for every row count (the kernel takes x 1-4 rows at a time),
+ragged N, the fused RMS norm and more than one thread; the portable loop (built in a subprocess:
+a process registers one build) gives the same numbers; bad input is refused with a message."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from genrec_spec.kernels.q4_matmul import q4_matmul, vectorized
+from genrec_spec.models.q4 import quantize_q4
+
+
+def case(n: int, k: int, m: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    codes = quantize_q4(torch.randn(n, k, generator=g))
+    return codes, torch.randn(m, k, generator=g)
+
+
+def reference(codes, x, norm=None, eps=1e-5):  # [M, K] -> [M, N] float64
+    if norm is not None:
+        x = F.rms_norm(x, (x.shape[1],), norm, eps)
+    return x.bfloat16().double() @ codes.dequantize().double().T
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("n,k", [(16, 32), (61, 96), (40, 576)])
+def test_matches_dequantised_product(m, n, k):
+    codes, x = case(n, k, m)
+    w = codes.pack()
+    out = q4_matmul(x, w.codes, w.scales, w.mins)  # [M, N padded]
+    assert out.shape == (m, w.codes.shape[0] * 16) and out.dtype == torch.float32
+    expected = reference(codes, x)
+    tol = 1e-5 * float(expected.abs().max())
+    torch.testing.assert_close(out[:, :n].double(), expected, rtol=0, atol=tol)
+    assert bool((out[:, n:] == 0).all())  # padding rows: zero codes, zero scales
+
+
+def test_fused_norm_and_threads():
+    codes, x = case(48, 128, 3, seed=1)
+    norm = torch.rand(128) + 0.5
+    w = codes.pack()
+    expected = reference(codes, x, norm)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = q4_matmul(x, w.codes, w.scales, w.mins, norm, 1e-5)[:, :48]
+            tol = 1e-5 * float(expected.abs().max())
+            torch.testing.assert_close(out.double(), expected, rtol=0, atol=tol)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_vectorized_where_the_cpu_allows():
+    flags = open("/proc/cpuinfo").read() if sys.platform == "linux" else ""
+    if " avx512_bf16" not in flags:
+        pytest.skip("this CPU has no AVX512-BF16: the op runs its portable loop")
+    assert vectorized()
+
+
+PORTABLE = """
+import torch
+from genrec_spec.kernels import q4_matmul as op
+op.load(portable=True)
+assert not torch.ops.genrec_spec.q4_matmul_vectorized()
+for codes, scales, mins, x, norm in torch.load({path!r}):
+    out = torch.ops.genrec_spec.q4_matmul(x, codes, scales, mins, norm, 1e-5)
+    torch.save(out, {path!r} + f".{{len(x)}}")
+"""
+
+
+def test_portable_loop_gives_the_same_numbers(tmp_path):
+    cases = []
+    for m, norm in ((1, None), (6, torch.rand(96) + 0.5)):
+        codes, x = case(61, 96, m, seed=m)
+        w = codes.pack()
+        cases.append((w.codes, w.scales, w.mins, x, norm))
+    path = str(tmp_path / "cases.pt")
+    torch.save(cases, path)
+    subprocess.run([sys.executable, "-c", PORTABLE.format(path=path)], check=True)
+    for codes, scales, mins, x, norm in cases:
+        fast = q4_matmul(x, codes, scales, mins, norm, 1e-5)
+        portable = torch.load(f"{path}.{len(x)}")
+        tol = 1e-5 * float(fast.abs().max())  # fp32 sums in another order
+        torch.testing.assert_close(portable, fast, rtol=0, atol=tol)
+
+
+def test_bad_input_is_refused():
+    codes, x = case(32, 64, 2)
+    w = codes.pack()
+    with pytest.raises(RuntimeError, match="fp32 matrix"):
+        q4_matmul(x.bfloat16(), w.codes, w.scales, w.mins)
+    with pytest.raises(RuntimeError, match="do not fit x"):
+        q4_matmul(torch.randn(2, 96), w.codes, w.scales, w.mins)
+    with pytest.raises(RuntimeError, match="fp16"):
+        q4_matmul(x, w.codes, w.scales.float(), w.mins)
+    with pytest.raises(RuntimeError, match="norm's weight"):
+        q4_matmul(x, w.codes, w.scales, w.mins, torch.ones(32), 1e-5)
