@@ -7,7 +7,7 @@ project decodes is exactly those codes dequantised; run at 4 bits, the same mode
 agrees with it on all but the rounding of its activations.
 
 ``Q4Codes`` holds the codes as plain tensors (readable, concatenable, exactly dequantisable);
-``pack`` lays them out for ``kernels.q4_matmul`` (bfloat16 activations, fp16 scales, fp32 output;
+``pack`` lays them out for ``kernels.q4`` (bfloat16 activations, fp16 scales, fp32 output;
 K % GROUP == 0, N padded to a multiple of 16). At one row it computes through SmolLM2's 106M
 layer weights in ~2.5 ms, where ATen's int4 kernel took ~7 ms and the fp32 product ~25 ms.
 """
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from genrec_spec.kernels.q4_matmul import q4_matmul
+from genrec_spec.kernels.q4 import q4_matmul
 
 GROUP = 32  # weights per (scale, min) pair, along K: a Q4_0 / Q4_1 block
 
@@ -43,7 +43,7 @@ class Q4Codes:
         return (groups * self.scales[..., None] + self.mins[..., None]).view(n, k)
 
     def pack(self) -> Q4Weight:
-        """The layout of ``kernels.q4_matmul`` (see q4_matmul.cpp): rows in blocks of 16 (N
+        """The layout of ``kernels.q4`` (see q4.cpp): rows in blocks of 16 (N
         padded with zero rows), each group's codes interleaved so that one 16-bit lane holds
         four codes of one row; scales and minima in fp16 with the rows along lanes."""
         n, k = self.codes.shape
@@ -99,7 +99,7 @@ def _fp16_at_most(t: Tensor) -> Tensor:  # fp32 -> the largest fp16 value <= t, 
 
 @dataclass(frozen=True)
 class Q4Weight:
-    """A Q4Codes matrix in ``kernels.q4_matmul``'s layout."""
+    """A Q4Codes matrix in ``kernels.q4``'s layout."""
 
     codes: Tensor  # [NB, G, 128] int16, NB = ceil(N / 16), G = K / GROUP
     scales: Tensor  # [NB, G, 16] fp16

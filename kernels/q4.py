@@ -1,8 +1,9 @@
-"""x @ W.T with W as 4-bit codes (``models.q4``), a C++ op built on first use.
+"""4-bit Llama ops for the CPU (``q4.cpp``, built on first use): x @ W.T with W as 4-bit codes
+(``models.q4``), and a Llama's decoder layers for one token per row on such weights.
 
 Why our own kernel: ATen's CPU int4 matmul (``_weight_int4pack_mm_for_cpu``) is bound by
 unpacking its nibbles (~15G weights/s at one row here) and rounds its scales and output to
-bfloat16. ``q4_matmul.cpp`` lays 16 output rows across the SIMD lanes and turns each code into
+bfloat16. ``q4.cpp`` lays 16 output rows across the SIMD lanes and turns each code into
 the bfloat16 128 + code with one bit operation, so a single AVX512-BF16 instruction does 32
 multiply-adds with no unpacking to speak of: at one row it runs SmolLM2's layer matrices 2.0-2.8x
 faster than ATen's kernel (31-50G weights/s, near memory bandwidth), with scales and output in
@@ -14,6 +15,12 @@ The op is compiled by ``torch.utils.cpp_extension`` for the machine it runs on (
 the first time it is needed (~15 s, cached under ``$TORCH_EXTENSIONS_DIR``, by default
 ~/.cache/torch_extensions) and registered as ``torch.ops.genrec_spec.q4_matmul``, which
 TorchScript can call.
+
+``torch.ops.genrec_spec.q4_decode_layers`` runs every decoder layer of a Llama for one token
+per row on the target's KV cache (``models.quantized_draft``, which documents its arguments):
+RoPE, the cache writes, attention, SiLU and the residual sums as plain loops around the
+matmul. Written as ~30 PyTorch ops a layer (under TorchScript), those cost about as much as the
+4-bit products themselves.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-SOURCE = Path(__file__).with_name("q4_matmul.cpp")
+SOURCE = Path(__file__).with_name("q4.cpp")
 
 
 @functools.cache
@@ -36,14 +43,14 @@ def load(portable: bool = False) -> None:
 
     try:
         cpp_extension.load(
-            name="genrec_spec_q4_matmul" + ("_portable" if portable else ""),
+            name="genrec_spec_q4" + ("_portable" if portable else ""),
             sources=[str(SOURCE)],
             extra_cflags=["-O3", "-std=c++17", *([] if portable else ["-march=native"])],
             is_python_module=False,
         )
     except (RuntimeError, OSError, FileNotFoundError) as err:
         raise RuntimeError(
-            f"could not build the 4-bit matmul op from {SOURCE} ({err}). It needs a C++ compiler "
+            f"could not build the 4-bit ops from {SOURCE} ({err}). It needs a C++ compiler "
             "(g++ or clang++) and ninja (`pip install ninja`) on this machine; the `quant` "
             "method cannot run without it: pick another method (e.g. ngram)"
         ) from err

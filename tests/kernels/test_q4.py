@@ -1,7 +1,8 @@
-"""The 4-bit matmul op (``kernels.q4_matmul``): equal to the dequantised matrix's product (x
-rounded to bfloat16, the rest fp32) for every row count (the kernel takes x 1-4 rows at a time),
-ragged N, the fused RMS norm and more than one thread; the portable loop (built in a subprocess:
-a process registers one build) gives the same numbers; bad input is refused with a message."""
+"""The 4-bit matmul op (``kernels.q4``; its layer stack is tested through the quant draft,
+tests/drafters/test_quantized_draft.py): equal to the dequantised matrix's product (x rounded to
+bfloat16, the rest fp32) for every row count (the kernel takes x 1-4 rows at a time), ragged N,
+the fused RMS norm and more than one thread; the portable loop (built in a subprocess: a
+process registers one build) gives the same numbers; bad input is refused with a message."""
 
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from genrec_spec.kernels.q4_matmul import q4_matmul, vectorized
+from genrec_spec.kernels.q4 import q4_matmul, vectorized
 from genrec_spec.models.q4 import quantize_q4
 
 
@@ -64,7 +65,7 @@ def test_vectorized_where_the_cpu_allows():
 
 PORTABLE = """
 import torch
-from genrec_spec.kernels import q4_matmul as op
+from genrec_spec.kernels import q4 as op
 op.load(portable=True)
 assert not torch.ops.genrec_spec.q4_matmul_vectorized()
 for codes, scales, mins, x, norm in torch.load({path!r}):

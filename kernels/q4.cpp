@@ -1,0 +1,339 @@
+// 4-bit Llama on a CPU: x @ W.T for a 4-bit weight matrix W (llama.cpp's Q4_0 / Q4_1 codes:
+// w = code * scale + min per group of 32 along K), and the decoder layers of a Llama for one
+// token per row built on it. Built by q4.py; see there for why it exists and what it measures.
+//
+// The matmul: x fp32 rounded to bfloat16 (optionally RMS-normalised first: the norm that
+// precedes every matrix of a Llama layer), the output in fp32.
+//
+// Layout (Q4Codes.pack), per block of 16 output rows r and group g of 32 weights (k = 32 g + i):
+//   codes   [N / 16, G, 4 p, 32 lanes] int16: lane 2 r + e of vector p holds, at bits
+//           4 s .. 4 s + 3, the code of row r, weight i = 2 (p + 4 s) + e;
+//   scales  [N / 16, G, 16] fp16: the scale of row r (lane r), as llama.cpp stores it;
+//   mins    [N / 16, G, 16] fp16.
+// (0x4300 | code) is the bfloat16 128 + code, exactly, so one AVX512-BF16 dot product
+// (vdpbf16ps) of that vector with x's pair (i, i + 1) broadcast adds, in fp32 lane r, row r's two
+// products plus 128 (x_i + x_i+1); per group, lane r then gets scale * that + offset * sum(x),
+// offset = min - 128 scale: the sum over i of (code * scale + min) * x_i. Lanes are output rows,
+// so nothing is reduced across lanes, and a block's 16 rows share each x load.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <vector>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kRows = 16;  // output rows per block
+constexpr int64_t kGroup = 32;  // weights per scale
+// Groups prefetched ahead (4 KB of codes): at one row the loop runs near memory bandwidth and the
+// hardware prefetcher alone leaves it ~25% short (SmolLM2's layers: 4.9 vs 6.1-7.1 ms, medians).
+constexpr int64_t kAhead = 16;
+
+// One matrix in the layout above.
+struct Weights {
+  const int16_t* codes;
+  const at::Half* scales;
+  const at::Half* mins;
+  int64_t G;  // groups per row: K / 32
+  int64_t N;  // output rows, a multiple of 16
+};
+
+#if defined(__AVX512BF16__)
+// MB rows of x against row blocks b0 .. b1 - 1. t[m][p] keeps four independent chains of dot
+// products per row of x (the instruction's latency is ~6 cycles, its throughput 1 a cycle).
+template <int MB>
+void blocks(const at::BFloat16* x, const float* xsum, int64_t K, const Weights& w, int64_t b0,
+            int64_t b1, float* out, int64_t N) {
+  const int64_t G = w.G;
+  const __m512i low4 = _mm512_set1_epi16(0x000F), bf16_128 = _mm512_set1_epi16(0x4300);
+  const __m512 minus_128 = _mm512_set1_ps(-128.f);
+  const auto* pairs = reinterpret_cast<const int32_t*>(x);  // x's bf16 pairs, one per int32
+  for (int64_t b = b0; b < b1; ++b) {
+    __m512 acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const int16_t* q_bg = w.codes + (b * G + g) * 4 * 32;
+      for (int line = 0; line < 4; ++line)  // a group's codes are 4 cache lines
+        _mm_prefetch((const char*)(q_bg + kAhead * 128) + 64 * line, _MM_HINT_T0);
+      _mm_prefetch((const char*)(w.scales + (b * G + g + kAhead) * kRows), _MM_HINT_T0);
+      _mm_prefetch((const char*)(w.mins + (b * G + g + kAhead) * kRows), _MM_HINT_T0);
+      __m512i q[4];
+      for (int p = 0; p < 4; ++p) q[p] = _mm512_loadu_si512(q_bg + p * 32);
+      __m512 t[MB][4];
+      for (int m = 0; m < MB; ++m)
+        for (int p = 0; p < 4; ++p) t[m][p] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) {
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) {
+          // (q >> 4 s) & 0xF | 0x4300; 0xEA is the ternary-logic table of A & B | C.
+          const __m512i shifted = s ? _mm512_srli_epi16(q[p], 4 * s) : q[p];
+          const __m512i codes = _mm512_ternarylogic_epi32(shifted, low4, bf16_128, 0xEA);
+          for (int m = 0; m < MB; ++m) {
+            const __m512i xi = _mm512_set1_epi32(pairs[(m * K + g * kGroup) / 2 + p + 4 * s]);
+            t[m][p] = _mm512_dpbf16_ps(t[m][p], (__m512bh)codes, (__m512bh)xi);
+          }
+        }
+      }
+      const int64_t lanes = (b * G + g) * kRows;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w.scales + lanes)));
+      const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w.mins + lanes)));
+      const __m512 offset = _mm512_fmadd_ps(minus_128, d, mn);
+      for (int m = 0; m < MB; ++m) {
+        const __m512 dots =
+            _mm512_add_ps(_mm512_add_ps(t[m][0], t[m][1]), _mm512_add_ps(t[m][2], t[m][3]));
+        acc[m] = _mm512_fmadd_ps(d, dots, acc[m]);
+        acc[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[m * G + g]), acc[m]);
+      }
+    }
+    for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + m * N + b * kRows, acc[m]);
+  }
+}
+
+void rows_of_x(int64_t mb, const at::BFloat16* x, const float* xsum, int64_t K, const Weights& w,
+               int64_t b0, int64_t b1, float* out, int64_t N) {
+  switch (mb) {
+    case 1: return blocks<1>(x, xsum, K, w, b0, b1, out, N);
+    case 2: return blocks<2>(x, xsum, K, w, b0, b1, out, N);
+    case 3: return blocks<3>(x, xsum, K, w, b0, b1, out, N);
+    default: return blocks<4>(x, xsum, K, w, b0, b1, out, N);
+  }
+}
+constexpr bool kVectorized = true;
+#else
+// Without AVX512-BF16: the same sums in the same layout, one weight at a time (correct
+// everywhere, several times slower).
+void rows_of_x(int64_t mb, const at::BFloat16* x, const float* xsum, int64_t K, const Weights& w,
+               int64_t b0, int64_t b1, float* out, int64_t N) {
+  const int64_t G = w.G;
+  for (int64_t m = 0; m < mb; ++m)
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t r = 0; r < kRows; ++r) {
+        float acc = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          const int16_t* q_bg = w.codes + (b * G + g) * 4 * 32;
+          float dots = 0.f;
+          for (int64_t i = 0; i < kGroup; ++i) {
+            const int64_t pair = i / 2, p = pair % 4, s = pair / 4;
+            const int code = (static_cast<uint16_t>(q_bg[p * 32 + 2 * r + i % 2]) >> (4 * s)) & 15;
+            dots += (128 + code) * static_cast<float>(x[m * K + g * kGroup + i]);
+          }
+          const int64_t lane = (b * G + g) * kRows + r;
+          const float d = w.scales[lane], offset = std::fma(-128.f, d, float(w.mins[lane]));
+          acc += d * dots + offset * xsum[m * G + g];
+        }
+        out[m * N + b * kRows + r] = acc;
+      }
+}
+constexpr bool kVectorized = false;
+#endif
+
+// Matrix w's codes etc., checked against an input of K features.
+Weights weights_of(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                   int64_t K) {
+  const int64_t G = K / kGroup, NB = codes.size(0);
+  TORCH_CHECK(K % kGroup == 0 && codes.dim() == 3 && codes.size(1) == G &&
+                  codes.size(2) == 4 * 32 && codes.scalar_type() == at::kShort &&
+                  codes.is_contiguous(),
+              "q4: codes of shape ", codes.sizes(), " do not fit x of ", K, " features",
+              " (expected [N / 16, ", G, ", 128] int16, from Q4Codes.pack)");
+  for (const at::Tensor* t : {&scales, &mins})
+    TORCH_CHECK(t->sizes() == at::IntArrayRef({NB, G, kRows}) &&
+                    t->scalar_type() == at::kHalf && t->is_contiguous(),
+                "q4: scales and mins must be contiguous [", NB, ", ", G, ", 16] fp16");
+  return {codes.data_ptr<int16_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), G,
+          NB * kRows};
+}
+
+// out [M, w.N] = x [M, K] (RMS-normalised with norm [K] first, unless null) @ W.T
+void matmul(const float* x, int64_t M, int64_t K, const Weights& w, const float* norm, float eps,
+            float* out) {
+  const int64_t G = w.G, N = w.N;
+  // x in bfloat16 (after the RMS norm), and its sums per group for the offsets: [M, K], [M, G]
+  std::vector<at::BFloat16> xb(M * K);
+  std::vector<float> xsum(M * G, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    float scale = 1.f;
+    if (norm) {
+      float squares = 0.f;
+      for (int64_t k = 0; k < K; ++k) squares += row[k] * row[k];
+      scale = 1.f / std::sqrt(squares / K + eps);
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      xb[m * K + k] = at::BFloat16(norm ? row[k] * scale * norm[k] : row[k]);
+      xsum[m * G + k / kGroup] += static_cast<float>(xb[m * K + k]);
+    }
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {  // 4 rows of x at a time share each weight load
+    at::parallel_for(0, N / kRows, 16, [&](int64_t b0, int64_t b1) {
+      rows_of_x(std::min<int64_t>(4, M - m0), xb.data() + m0 * K, xsum.data() + m0 * G, K, w,
+                b0, b1, out + m0 * N, N);
+    });
+  }
+}
+
+at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     const at::Tensor& mins, const std::optional<at::Tensor>& norm, double eps) {
+  // x [M, K] fp32, codes [N / 16, G, 128] int16, scales / mins [N / 16, G, 16] fp16,
+  // norm [K] fp32 or none -> [M, N] fp32
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat,
+              "q4_matmul: x must be an [M, K] fp32 matrix, got ", x.sizes(), " ",
+              x.scalar_type());
+  const int64_t M = x.size(0), K = x.size(1);
+  const Weights w = weights_of(codes, scales, mins, K);
+  TORCH_CHECK(!norm || (norm->sizes() == at::IntArrayRef({K}) &&
+                        norm->scalar_type() == at::kFloat && norm->is_contiguous()),
+              "q4_matmul: the norm's weight must be a contiguous [", K, "] fp32 vector");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({M, w.N}, x.options());
+  matmul(xc.data_ptr<float>(), M, K, w, norm ? norm->data_ptr<float>() : nullptr,
+         static_cast<float>(eps), out.data_ptr<float>());
+  return out;
+}
+
+// sum of a[i] b[i], in 16 partial sums the compiler keeps in one vector register
+float dot(const float* a, const float* b, int64_t n) {
+  float part[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) part[j] += a[i + j] * b[i + j];
+  float sum = 0.f;
+  for (; i < n; ++i) sum += a[i] * b[i];
+  for (int j = 0; j < 16; ++j) sum += part[j];
+  return sum;
+}
+
+// One query against keys / values 0 .. n - 1 ([S, D] each, row-major): out [D].
+void attend(const float* q, const float* keys, const float* values, int64_t n, int64_t D,
+            float* scores, float* out) {
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  float top = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) top = std::max(top, scores[t] = dot(q, keys + t * D, D) * scale);
+  float total = 0.f;
+  for (int64_t t = 0; t < n; ++t) total += scores[t] = std::exp(scores[t] - top);
+  std::fill(out, out + D, 0.f);
+  for (int64_t t = 0; t < n; ++t) {
+    const float p = scores[t] / total;
+    for (int64_t d = 0; d < D; ++d) out[d] += p * values[t * D + d];
+  }
+}
+
+// Every decoder layer of a Llama for one token per row, at 4 bits (the draft of
+// models/quantized_draft.py): x [B, dim] fp32 the token embeddings; cos / sin [B, D] the RoPE
+// tables (llama.rope_tables: [cos, cos], [-sin, sin]) at each row's position; the target's cache
+// k / v [L, B, Hkv, S, D] fp32, where each layer's K / V of the token are written at positions[b]
+// and row b attends to keys 0 .. positions[b]; weights: per layer, for qkv (fused), wo, gate_up
+// (fused) and down, Q4Weight's codes, scales, mins; norms: per layer the attention and FFN norms'
+// weights. Returns the last layer's output [B, dim]. One op for the whole stack: as ~30 separate
+// small ops a layer, dispatching them cost about as much as the 4-bit products.
+at::Tensor q4_decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
+                            at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& positions,
+                            at::TensorList weights, at::TensorList norms, int64_t n_heads,
+                            int64_t n_kv_heads, double eps) {
+  const int64_t L = norms.size() / 2, B = x_in.size(0), dim = x_in.size(1), D = cos.size(1);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
+              "q4_decode_layers: x must be [B, dim] fp32");
+  TORCH_CHECK(weights.size() == 12 * L && norms.size() == 2 * L,
+              "q4_decode_layers: 12 weight tensors (4 matrices) and 2 norms per layer expected");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->sizes() == at::IntArrayRef({B, D}) && t->scalar_type() == at::kFloat,
+                "q4_decode_layers: cos and sin must be [B, head_dim] fp32");
+  for (at::Tensor* t : {&k_cache, &v_cache})
+    TORCH_CHECK(t->dim() == 5 && t->size(0) == L && t->size(1) == B && t->size(2) == n_kv_heads &&
+                    t->size(4) == D && t->scalar_type() == at::kFloat && t->is_contiguous(),
+                "q4_decode_layers: the cache must be contiguous [", L, ", ", B, ", ", n_kv_heads,
+                ", S, ", D, "] fp32 (the draft runs on an fp32 target's cache), got ",
+                t->sizes(), " ", t->scalar_type());
+  const int64_t S = k_cache.size(3), Hq = n_heads, Hkv = n_kv_heads, group = Hq / Hkv;
+  TORCH_CHECK(positions.sizes() == at::IntArrayRef({B}) && positions.scalar_type() == at::kLong,
+              "q4_decode_layers: positions must be [B] int64");
+  const at::Tensor pos_c = positions.contiguous();
+  const int64_t* pos = pos_c.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < S, "q4_decode_layers: position ", pos[b],
+                " is outside the cache's ", S, " slots");
+  std::vector<Weights> w;
+  for (int64_t j = 0; j < 4 * L; ++j) {
+    const int64_t K = j % 4 == 1 ? Hq * D : (j % 4 == 3 ? weights[3 * j].size(1) * kGroup : dim);
+    w.push_back(weights_of(weights[3 * j], weights[3 * j + 1], weights[3 * j + 2], K));
+  }
+  for (const at::Tensor& norm : norms)
+    TORCH_CHECK(norm.sizes() == at::IntArrayRef({dim}) && norm.scalar_type() == at::kFloat &&
+                    norm.is_contiguous(),
+                "q4_decode_layers: each norm's weight must be a contiguous [", dim, "] fp32 vector");
+  const int64_t hidden = w[3].G * kGroup;  // down's input features
+  at::Tensor x = x_in.contiguous().clone();  // the residual stream
+  float* xp = x.data_ptr<float>();
+  const at::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous();
+  std::vector<float> qkv(B * w[0].N), attn(B * Hq * D), proj(B * w[1].N), ffn(B * w[2].N),
+      act(B * hidden), rotated(D);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, pos[b] + 1);
+  for (int64_t i = 0; i < L; ++i) {
+    const float* norm_attn = norms[2 * i].data_ptr<float>();
+    const float* norm_ffn = norms[2 * i + 1].data_ptr<float>();
+    matmul(xp, B, dim, w[4 * i], norm_attn, eps, qkv.data());
+    float* k_layer = k_cache.data_ptr<float>() + i * B * Hkv * S * D;
+    float* v_layer = v_cache.data_ptr<float>() + i * B * Hkv * S * D;
+    for (int64_t b = 0; b < B; ++b) {
+      float* heads = qkv.data() + b * w[0].N;  // q (Hq heads), k (Hkv), v (Hkv), each D
+      const float* c = cos_c.data_ptr<float>() + b * D;
+      const float* s = sin_c.data_ptr<float>() + b * D;
+      for (int64_t h = 0; h < Hq + Hkv; ++h) {  // rotate-half RoPE on q and k
+        float* v = heads + h * D;
+        for (int64_t d = 0; d < D; ++d) rotated[d] = v[d] * c[d] + v[(d + D / 2) % D] * s[d];
+        std::copy(rotated.begin(), rotated.end(), v);
+      }
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t slot = ((b * Hkv + h) * S + pos[b]) * D;
+        std::copy_n(heads + (Hq + h) * D, D, k_layer + slot);
+        std::copy_n(heads + (Hq + Hkv + h) * D, D, v_layer + slot);
+      }
+    }
+    at::parallel_for(0, B * Hq, 1, [&](int64_t r0, int64_t r1) {
+      std::vector<float> scores(longest);
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t b = r / Hq, h = r % Hq, cache_row = (b * Hkv + h / group) * S * D;
+        attend(qkv.data() + b * w[0].N + h * D, k_layer + cache_row, v_layer + cache_row,
+               pos[b] + 1, D, scores.data(), attn.data() + r * D);
+      }
+    });
+    matmul(attn.data(), B, Hq * D, w[4 * i + 1], nullptr, 0.f, proj.data());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t d = 0; d < dim; ++d) xp[b * dim + d] += proj[b * w[1].N + d];
+    matmul(xp, B, dim, w[4 * i + 2], norm_ffn, eps, ffn.data());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t d = 0; d < hidden; ++d) {
+        const float gate = ffn[b * w[2].N + d], up = ffn[b * w[2].N + hidden + d];
+        act[b * hidden + d] = gate / (1.f + std::exp(-gate)) * up;  // silu(gate) * up
+      }
+    matmul(act.data(), B, hidden, w[4 * i + 3], nullptr, 0.f, proj.data());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t d = 0; d < dim; ++d) xp[b * dim + d] += proj[b * w[3].N + d];
+  }
+  return x;
+}
+
+bool q4_matmul_vectorized() { return kVectorized; }
+
+}  // namespace
+
+TORCH_LIBRARY(genrec_spec, m) {
+  m.def(
+      "q4_matmul(Tensor x, Tensor codes, Tensor scales, Tensor mins, Tensor? norm=None, "
+      "float eps=0.0) -> Tensor",
+      &q4_matmul);
+  m.def(
+      "q4_decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor positions, Tensor[] weights, Tensor[] norms, int n_heads, int n_kv_heads, "
+      "float eps) -> Tensor",
+      &q4_decode_layers);
+  m.def("q4_matmul_vectorized() -> bool", &q4_matmul_vectorized);
+}
