@@ -31,6 +31,7 @@ namespace {
 
 constexpr int64_t kRows = 16;  // output rows per block
 constexpr int64_t kGroup = 32;  // weights per scale
+constexpr int64_t kRowsOfX = 8;  // rows of x per pass over the weights (both paths)
 // Groups prefetched ahead (4 KB of codes): at one row the loop runs near memory bandwidth and the
 // hardware prefetcher alone leaves it ~25% short (SmolLM2's layers: 4.9 vs 6.1-7.1 ms, medians).
 constexpr int64_t kAhead = 16;
@@ -45,9 +46,10 @@ struct Weights {
 };
 
 #if defined(__AVX512BF16__)
-// MB rows of x against row blocks b0 .. b1 - 1. t[m][p] keeps four independent chains of dot
-// products per row of x (the instruction's latency is ~6 cycles, its throughput 1 a cycle).
-template <int MB>
+// MB rows of x against row blocks b0 .. b1 - 1. t[m][c] keeps CH independent chains of dot
+// products per row of x (the instruction's latency is ~6 cycles, its throughput 1 a cycle): four
+// for up to 4 rows, one past that, where the rows' chains are enough and registers are not.
+template <int MB, int CH = (MB <= 4 ? 4 : 1)>
 void blocks(const at::BFloat16* x, const float* xsum, int64_t K, const Weights& w, int64_t b0,
             int64_t b1, float* out, int64_t N) {
   const int64_t G = w.G;
@@ -65,9 +67,9 @@ void blocks(const at::BFloat16* x, const float* xsum, int64_t K, const Weights& 
       _mm_prefetch((const char*)(w.mins + (b * G + g + kAhead) * kRows), _MM_HINT_T0);
       __m512i q[4];
       for (int p = 0; p < 4; ++p) q[p] = _mm512_loadu_si512(q_bg + p * 32);
-      __m512 t[MB][4];
+      __m512 t[MB][CH];
       for (int m = 0; m < MB; ++m)
-        for (int p = 0; p < 4; ++p) t[m][p] = _mm512_setzero_ps();
+        for (int c = 0; c < CH; ++c) t[m][c] = _mm512_setzero_ps();
 #pragma GCC unroll 4
       for (int s = 0; s < 4; ++s) {
 #pragma GCC unroll 4
@@ -77,7 +79,7 @@ void blocks(const at::BFloat16* x, const float* xsum, int64_t K, const Weights& 
           const __m512i codes = _mm512_ternarylogic_epi32(shifted, low4, bf16_128, 0xEA);
           for (int m = 0; m < MB; ++m) {
             const __m512i xi = _mm512_set1_epi32(pairs[(m * K + g * kGroup) / 2 + p + 4 * s]);
-            t[m][p] = _mm512_dpbf16_ps(t[m][p], (__m512bh)codes, (__m512bh)xi);
+            t[m][p % CH] = _mm512_dpbf16_ps(t[m][p % CH], (__m512bh)codes, (__m512bh)xi);
           }
         }
       }
@@ -86,8 +88,8 @@ void blocks(const at::BFloat16* x, const float* xsum, int64_t K, const Weights& 
       const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w.mins + lanes)));
       const __m512 offset = _mm512_fmadd_ps(minus_128, d, mn);
       for (int m = 0; m < MB; ++m) {
-        const __m512 dots =
-            _mm512_add_ps(_mm512_add_ps(t[m][0], t[m][1]), _mm512_add_ps(t[m][2], t[m][3]));
+        __m512 dots = t[m][0];
+        for (int c = 1; c < CH; ++c) dots = _mm512_add_ps(dots, t[m][c]);
         acc[m] = _mm512_fmadd_ps(d, dots, acc[m]);
         acc[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[m * G + g]), acc[m]);
       }
@@ -102,7 +104,11 @@ void rows_of_x(int64_t mb, const at::BFloat16* x, const float* xsum, int64_t K, 
     case 1: return blocks<1>(x, xsum, K, w, b0, b1, out, N);
     case 2: return blocks<2>(x, xsum, K, w, b0, b1, out, N);
     case 3: return blocks<3>(x, xsum, K, w, b0, b1, out, N);
-    default: return blocks<4>(x, xsum, K, w, b0, b1, out, N);
+    case 4: return blocks<4>(x, xsum, K, w, b0, b1, out, N);
+    case 5: return blocks<5>(x, xsum, K, w, b0, b1, out, N);
+    case 6: return blocks<6>(x, xsum, K, w, b0, b1, out, N);
+    case 7: return blocks<7>(x, xsum, K, w, b0, b1, out, N);
+    default: return blocks<8>(x, xsum, K, w, b0, b1, out, N);
   }
 }
 constexpr bool kVectorized = true;
@@ -171,9 +177,9 @@ void matmul(const float* x, int64_t M, int64_t K, const Weights& w, const float*
       xsum[m * G + k / kGroup] += static_cast<float>(xb[m * K + k]);
     }
   }
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {  // 4 rows of x at a time share each weight load
+  for (int64_t m0 = 0; m0 < M; m0 += kRowsOfX) {  // these rows of x share each weight load
     at::parallel_for(0, N / kRows, 16, [&](int64_t b0, int64_t b1) {
-      rows_of_x(std::min<int64_t>(4, M - m0), xb.data() + m0 * K, xsum.data() + m0 * G, K, w,
+      rows_of_x(std::min<int64_t>(kRowsOfX, M - m0), xb.data() + m0 * K, xsum.data() + m0 * G, K, w,
                 b0, b1, out + m0 * N, N);
     });
   }
