@@ -10,6 +10,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "genrec_spec.bench_llm",
         "SmolLM2 decoding: plain vs every speculative method vs Hugging Face, same run",
     ),
+    "q4": (
+        "genrec_spec.bench_q4",
+        "the 4-bit CPU matmul of the quant draft vs ATen's int4 kernel vs fp32, SmolLM2's shapes",
+    ),
     "recsys": (
         "genrec_spec.bench_recsys",
         "recommendation decoders: batch-1 latency and throughput of each vs beam, same users",

@@ -101,3 +101,19 @@ def test_bad_input_is_refused():
         q4_matmul(x, w.codes, w.scales.float(), w.mins)
     with pytest.raises(RuntimeError, match="norm's weight"):
         q4_matmul(x, w.codes, w.scales, w.mins, torch.ones(32), 1e-5)
+
+
+def test_bench_q4_times_every_method_on_every_matrix(capsys):
+    from genrec_spec.bench_q4 import MATRICES, main
+
+    assert main(["--rows", "1,3", "--layers", "1", "--repeats", "1", "--warmup", "0"]) == 0
+    lines = capsys.readouterr().out.splitlines()[2:]
+    rows = [line.split() for line in lines]  # matrix, M, method, ms, speedup, Gw/s, max err
+    assert {(r[0], r[1], r[2]) for r in rows} == {
+        (matrix, m, method)
+        for matrix in (*MATRICES, "layers")
+        for m in ("1", "3")
+        for method in ("q4", "aten-int4", "fp32")
+    }
+    for r in rows:  # ours ~1e-6 of the output's scale, ATen's bf16 output ~1e-3
+        assert float(r[6]) < (1e-5 if r[2] == "q4" else 2e-2)
