@@ -15,6 +15,8 @@ as its forward runs the first ``config.num_hidden_layers`` layers, which HF's ea
 candidate generator lowers while drafting; off by default, as it ran at ~0.2x of plain decoding
 on SmolLM2) and our distilled draft as ``assistant_model`` (``hf-assist``). HF's assisted
 generation keeps its own defaults (up to 20 draft tokens, stopping below 0.4 draft confidence).
+Also on request, batch 1 only: ``llama-cpp``, llama.cpp decoding the shipped 4-bit GGUF itself
+(needs ``pip install llama-cpp-python``; its output is the 4-bit model's, so never "yes").
 
 Columns:
   tok/s    generated tokens / wall seconds over all prompts (median over repeats)
@@ -23,7 +25,8 @@ Columns:
   acc-len  tokens emitted per row per target forward (plain decoding: 1.00)
   exact    greedy runs: every row equals plain decoding's output ("yes"), or first differs at
            generated token i where the target's top-2 logits are a tie < 1e-4 ("tie@i"), or
-           does not ("no@i": a bug); "ref" marks plain decoding itself, "-" sampled runs
+           does not ("no@i": a bug, except for llama-cpp, which decodes another model: the
+           4-bit one); "ref" marks plain decoding itself, "-" sampled runs
   accept   acceptance per draft position 1..k: accepted / drafted row-steps
 
 Timing: within each repeat the methods run round-robin one prompt batch at a time, the order
@@ -85,8 +88,13 @@ HF_ON_ASK = ("hf-early-exit", "hf-assist")
 # HF's universal assisted generation with SmolLM2 drafting, for the Gemma-3 target.
 HF_CROSS = ("hf-uag",)
 HF_BATCH_1 = ("hf-lookup", "hf-early-exit", "hf-assist", "hf-uag")  # HF's assisted generation
+# On request: llama.cpp decoding the shipped GGUF itself (its 4-bit weights, 8-bit activations: not
+# the fp32 target, so never exact), through llama-cpp-python, which is not a dependency (it
+# compiles llama.cpp on install, ~5-10 minutes). One sequence at a time.
+LLAMA_CPP = ("llama-cpp",)
+BATCH_1 = HF_BATCH_1 + LLAMA_CPP  # methods timed at batch 1 only
 METHODS = OURS + HF  # the default set: runs without trained weights
-ALL_METHODS = METHODS + TRAINED + HF_ON_ASK + CROSS + HF_CROSS
+ALL_METHODS = METHODS + TRAINED + HF_ON_ASK + CROSS + HF_CROSS + LLAMA_CPP
 GEMMA3_METHODS = ("none", "cross", "hf", "hf-uag")  # --model gemma3's default set
 MODEL_NAMES = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma-3-270M"}
 # What the Gemma-3 target can run: no native model, so no trained drafter, draft or early exit.
@@ -244,6 +252,42 @@ def hugging_face(hf_model: object, eos: int | None, assistance: dict) -> Runner:
     return run
 
 
+def llama_cpp(threads: int, eos: int | None) -> Runner:
+    """llama.cpp (llama-cpp-python) on SmolLM2's shipped GGUF, one prompt at a time; sampled
+    runs use the temperature alone (top-k, top-p, min-p and the repeat penalty switched off)."""
+    try:
+        from llama_cpp import Llama as LlamaCpp
+    except ImportError as err:
+        raise RuntimeError(
+            "method llama-cpp needs llama-cpp-python: `pip install llama-cpp-python` (it compiles "
+            "llama.cpp, ~5-10 minutes), or leave llama-cpp out of --methods"
+        ) from err
+    from genrec_spec.models.smollm2 import smollm2_gguf_path
+
+    llm = LlamaCpp(
+        model_path=str(smollm2_gguf_path()),
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_ctx=4096,
+        verbose=False,
+    )
+
+    def run(rows: list[list[int]], sampling: SamplingParams, seed: int, new: int) -> Run:
+        (row,) = rows  # batch 1
+        llm.set_seed(seed)
+        options = dict(top_p=1.0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0)
+        options |= {"temp": 0.0} if sampling.greedy else {"temp": sampling.temperature, "top_k": 0}
+        start = time.perf_counter()
+        out = []
+        for token in llm.generate(row, reset=True, **options):
+            out.append(token)
+            if token == eos or len(out) == new:
+                break
+        return Run([out], time.perf_counter() - start, None)
+
+    return run
+
+
 def left_padded(rows: list[list[int]], pad: int) -> tuple[Tensor, Tensor]:
     """Prompts left-padded with pad: ids [B, T] and attention mask [B, T] (1 = real token)."""
     width = max(len(row) for row in rows)
@@ -281,6 +325,8 @@ def make_runners(
                 tree_depth=settings.tree_depth,
             )
             runners[method] = ours(model, proposer, eos, controller)
+        elif method in LLAMA_CPP:
+            runners[method] = llama_cpp(settings.threads, eos)
         else:
             assistance = hf_assistance(method, model, settings, tokenizer)
             runners[method] = hugging_face(hf_model, eos, assistance)
@@ -345,7 +391,7 @@ def benchmark(
     for batch_size in settings.batch_sizes:
         batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
         # HF's assisted generation runs batch 1 only.
-        methods = {m: r for m, r in runners.items() if batch_size == 1 or m not in HF_BATCH_1}
+        methods = {m: r for m, r in runners.items() if batch_size == 1 or m not in BATCH_1}
         for temperature in settings.temperatures:
             sampling = SamplingParams(temperature)
             tallies = time_methods(methods, batches, sampling, settings)

@@ -266,3 +266,14 @@ def test_settings_for_the_gemma3_target():
         settings_from(parse(["--model", "gemma3", "--methods", "none,eagle"]))
     with pytest.raises(ValueError, match="cross and hf-uag: --model gemma3"):
         settings_from(parse(["--methods", "none,hf-uag"]))
+
+
+def test_llama_cpp_without_its_package_says_how_to_get_it(monkeypatch):
+    """llama-cpp is on request and needs llama-cpp-python, which is not a dependency."""
+    import sys
+
+    from genrec_spec.bench_llm import llama_cpp
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed
+    with pytest.raises(RuntimeError, match="pip install llama-cpp-python"):
+        llama_cpp(threads=1, eos=None)
