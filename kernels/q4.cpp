@@ -275,6 +275,15 @@ at::Tensor q4_decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const
                     norm.is_contiguous(),
                 "q4_decode_layers: each norm's weight must be a contiguous [", dim, "] fp32 vector");
   const int64_t hidden = w[3].G * kGroup;  // down's input features
+  for (int64_t i = 0; i < L; ++i)  // the buffers below are sized by layer 0's matrices
+    TORCH_CHECK(w[4 * i].N == w[0].N && w[4 * i].N >= (Hq + 2 * Hkv) * D &&
+                    w[4 * i + 1].N == w[1].N && w[4 * i + 1].N >= dim &&
+                    w[4 * i + 2].N == w[2].N && w[4 * i + 2].N >= 2 * hidden &&
+                    w[4 * i + 3].N == w[3].N && w[4 * i + 3].N >= dim &&
+                    w[4 * i + 3].G * kGroup == hidden,
+                "q4_decode_layers: layer ", i, "'s matrices do not fit a Llama of dim ", dim,
+                ", ", Hq, " / ", Hkv, " heads of ", D, " and FFN ", hidden,
+                " (expected per layer: qkv, wo, gate_up, down, as QuantizedDraft packs them)");
   at::Tensor x = x_in.contiguous().clone();  // the residual stream
   float* xp = x.data_ptr<float>();
   const at::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous();

@@ -96,3 +96,26 @@ def test_draft_cost_follows_the_batch(kit):
         for proposer in (adaptive, fixed):
             generate(model, [[1, 2, 3]] * batch, proposer=proposer, max_new_tokens=2)
         assert adaptive.draft_cost == pytest.approx(expected) and fixed.draft_cost == 0.25
+
+
+def test_layer_op_refuses_matrices_out_of_place(kit):
+    """q4_decode_layers sizes its buffers by layer 0's matrices: a list in another order or
+    short of a matrix is refused before anything is read."""
+    model = kit.tiny_llama(61, seed=0)  # 2 layers: qkv [64, 32], gate_up [128, 32]
+    draft = QuantizedDraft(model)
+    cache = model.new_cache(1, 8)
+    cos, sin = model._rope(torch.device("cpu"))
+
+    def layers(weights):
+        return torch.ops.genrec_spec.q4_decode_layers(
+            model.tok_embeddings.weight[[1]], cos[[0]], sin[[0]], cache.k, cache.v,
+            torch.tensor([0]), weights, draft.norms, 4, 2, 1e-5,
+        )  # fmt: skip
+
+    swapped = list(draft.weights)
+    swapped[0:3], swapped[6:9] = swapped[6:9], swapped[0:3]  # layer 0's qkv <-> gate_up
+    with pytest.raises(RuntimeError, match="do not fit a Llama"):
+        layers(swapped)
+    with pytest.raises(RuntimeError, match="12 weight tensors"):
+        layers(draft.weights[:-3])
+    assert layers(draft.weights).shape == (1, 32)
