@@ -2,7 +2,7 @@
 
 SmolLM2's shipped GGUF stores every layer matrix as Q4_1 codes; the fp32 target is those codes
 dequantised. Run through our 4-bit CPU ops (``kernels.q4``), the same model drafts a token in
-~8 ms at one thread (a target step: 45-80 ms on this noisy machine), and agrees with the
+5-8 ms at one thread (a target step: 42-80 ms on this noisy machine), and agrees with the
 target's greedy token nearly always: only the bfloat16 rounding of the matmuls' inputs differs
 (scales, sums and everything else are fp32). No training, no second model.
 
@@ -106,8 +106,8 @@ class QuantizedDraft:
     def relative_cost(self, batch_size: int = 1) -> float:
         """A draft step's time relative to a target step at this batch size, one thread, as
         measured for SmolLM2 on this project's 2-core CPU (a shared VM: the fp32 target's step
-        swings with memory traffic, 45-80 ms at batch 1): draft 7.9-8.3 ms, 0.10-0.17 of a
-        target step at batch 1; 27-31 ms, 0.26-0.42 at batch 8 (the 4-bit products' cost grows
+        swings with memory traffic, 42-80 ms at batch 1): draft 5.1-8.3 ms, 0.10-0.17 of a
+        target step at batch 1; 25-31 ms, 0.26-0.42 at batch 8 (the 4-bit products' cost grows
         with rows, where the fp32 target's weight streaming is shared by them). Linear in
         between, flat past 8."""
         return 0.15 + (min(batch_size, 8) - 1) * (0.35 - 0.15) / 7
