@@ -390,7 +390,7 @@ def benchmark(
     rows = []
     for batch_size in settings.batch_sizes:
         batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-        # HF's assisted generation runs batch 1 only.
+        # HF's assisted generation and llama-cpp run batch 1 only.
         methods = {m: r for m, r in runners.items() if batch_size == 1 or m not in BATCH_1}
         for temperature in settings.temperatures:
             sampling = SamplingParams(temperature)

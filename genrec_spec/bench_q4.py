@@ -16,7 +16,6 @@ input and the dequantised matrix, relative to the largest output.
 """
 
 import argparse
-import sys
 from collections.abc import Callable
 
 import torch
@@ -105,17 +104,3 @@ def run(args: argparse.Namespace) -> int:
                       f"{timed['aten-int4'][0] / seconds:>7.2f}x {weights / seconds / 1e9:>7.1f} "
                       f"{error / scale:>8.1e}")  # fmt: skip
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m genrec_spec.bench_q4",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -104,9 +104,13 @@ def test_bad_input_is_refused():
 
 
 def test_bench_q4_times_every_method_on_every_matrix(capsys):
-    from genrec_spec.bench_q4 import MATRICES, main
+    from genrec_spec.bench_q4 import MATRICES
+    from genrec_spec.cli import main
 
-    assert main(["--rows", "1,3", "--layers", "1", "--repeats", "1", "--warmup", "0"]) == 0
+    assert (
+        main(["bench", "q4", "--rows", "1,3", "--layers", "1", "--repeats", "1", "--warmup", "0"])
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()[2:]
     rows = [line.split() for line in lines]  # matrix, M, method, ms, speedup, Gw/s, max err
     assert {(r[0], r[1], r[2]) for r in rows} == {
