@@ -44,8 +44,13 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from genrec_spec.kernels import prepare_tree, tree_attention
+from genrec_spec.models.derived import DerivedCache
+from genrec_spec.models.item_prefixes import ItemPrefixIndex
 from genrec_spec.models.rec_heads import LongIdHeads, ParallelLevelHeads, RecurrentDraftHead
 from genrec_spec.models.rec_layout import TrainLayout
+
+
+_PREFIX_INDEXES = DerivedCache()  # item_codes table -> its items sorted by code tuple
 
 
 class RecommenderInputError(ValueError):
@@ -91,6 +96,13 @@ class RecommenderConfig:
     # epochs against 27, both beside other jobs): test beam HR@10 0.1839 -> 0.1939, NDCG@10
     # 0.1002 -> 0.1085.
     level0_from_items: bool = True
+    # Levels 1.. tied to the item objective too: a prefix node's logit for child code c is its
+    # code head's plus the log of the item objective's mass, at the node's own state, on the
+    # items under the child (a log-sum-exp over them), and its softmax runs over the prefix's
+    # children only. With level0_from_items an item's code log-likelihood then telescopes to the
+    # item softmax wherever the node states equal the history state, and the tree lets each
+    # level's state read its prefix. Needs item_weight > 0.
+    item_tied_levels: bool = False
     head_branches: int = 8  # branch anchors per row (a stratified subset) that train the heads
     attention_backend: str = "auto"  # tree_attention backend at inference
 
@@ -171,6 +183,11 @@ class SemanticIdRecommender(nn.Module):
                 "level0_from_items reads level 0 from the item objective; set item_weight > 0 "
                 "or level0_from_items false"
             )
+        if config.item_tied_levels and not config.item_weight:
+            raise RecommenderInputError(
+                "item_tied_levels scores code levels by the item objective; set item_weight > 0 "
+                "or item_tied_levels false"
+            )
         self.config = config
         self.codebook_sizes = [int(v) for v in codebook_sizes]
         self.register_buffer("item_codes", item_codes.long(), persistent=True)
@@ -207,7 +224,8 @@ class SemanticIdRecommender(nn.Module):
         self.norm = nn.LayerNorm(dim)
         # code_heads[l] predicts level l (from the last history token for l = 0). Tying them to
         # the code embedding tables measured worse on ML-100K (valid HR@10 0.070 vs 0.085).
-        # With level0_from_items level 0 has no head of its own (`level0_logits`).
+        # With level0_from_items level 0 has no head of its own (`level0_logits`); with
+        # item_tied_levels the heads of levels 1.. add to the item objective's child logits.
         self.code_heads = nn.ModuleList(
             nn.Identity() if level == 0 and config.level0_from_items else nn.Linear(dim, v)
             for level, v in enumerate(self.codebook_sizes)
@@ -442,7 +460,8 @@ class SemanticIdRecommender(nn.Module):
         for layer, block in enumerate(self.blocks):
             x = block(x, attend, keep if layer == len(self.blocks) - 1 else None)
         state = self._state(torch.stack(keys), torch.stack(vals), lengths, x[:, 0], truncated)
-        return state, self._next_level_log_probs(self.norm(x[:, 1:]), levels)
+        prefixes = self._node_prefixes(codes, levels, parents)
+        return state, self._next_level_log_probs(self.norm(x[:, 1:]), levels, prefixes)
 
     @torch.no_grad()
     def extend_history(
@@ -528,7 +547,7 @@ class SemanticIdRecommender(nn.Module):
         self._check_tree(state.lengths.numel(), codes, levels)
         x = self._embed_nodes(codes, levels)  # [B, N, D]
         if not codes.shape[1]:  # no node (a draft that proposed nothing): nothing to score
-            return self._next_level_log_probs(x, levels)
+            return self._next_level_log_probs(x, levels, None)
         plan = self._tree_plan(parents, state.lengths, state.keys.shape[3])
         for layer, block in enumerate(self.blocks):
 
@@ -538,7 +557,8 @@ class SemanticIdRecommender(nn.Module):
                 )
 
             x = block(x, attend)
-        return self._next_level_log_probs(self.norm(x), levels)
+        prefixes = self._node_prefixes(codes, levels, parents)
+        return self._next_level_log_probs(self.norm(x), levels, prefixes)
 
     def _tree_plan(self, parents: Tensor, lengths: Tensor, root_size: int):
         """The tree-attention plan of a forward, checked and masked once for all layers. The
@@ -585,9 +605,13 @@ class SemanticIdRecommender(nn.Module):
                 f"a node code lies outside its level's codebook (sizes {self.codebook_sizes})"
             )
 
-    def _next_level_log_probs(self, h: Tensor, levels: Tensor) -> Tensor:
-        """h: [B, N, D], levels [B, N] -> [B, N, Vmax] log-probs of level + 1, -inf padded.
-        Only the levels present are run (one host sync: free on CPU, and it skips most of the
+    def _next_level_log_probs(
+        self,
+        h: Tensor,  # [B, N, D]
+        levels: Tensor,  # [B, N]
+        prefixes: Tensor | None,  # [B, N, L-1] each node's codes of levels 0..its level
+    ) -> Tensor:  # [B, N, Vmax] log-probs of level + 1, -inf padded
+        """Only the levels present are run (one host sync: free on CPU, and it skips most of the
         per-level ops of a small tree)."""
         vmax = max(self.codebook_sizes[1:])
         out = h.new_full((*levels.shape, vmax), float("-inf"))
@@ -597,12 +621,71 @@ class SemanticIdRecommender(nn.Module):
             if not count:
                 continue
             if count == levels.numel():  # one level only: no selection
-                out[..., :width] = self.code_heads[level + 1](h).log_softmax(dim=-1)
+                prefix = None if prefixes is None else prefixes[..., : level + 1].flatten(0, 1)
+                scored = self._level_log_probs(h.flatten(0, 1), level + 1, prefix)
+                out[..., :width] = scored.unflatten(0, levels.shape)
             else:
                 chosen = levels == level
-                head = self.code_heads[level + 1]
-                out[..., :width][chosen] = head(h[chosen]).log_softmax(dim=-1)
+                prefix = None if prefixes is None else prefixes[chosen][:, : level + 1]
+                out[..., :width][chosen] = self._level_log_probs(h[chosen], level + 1, prefix)
         return out
+
+    def _level_log_probs(
+        self,
+        h: Tensor,  # [n, D] states of prefix nodes of length `level`
+        level: int,  # >= 1, the level predicted
+        prefixes: Tensor | None,  # [n, level] the nodes' prefixes (item_tied_levels only)
+    ) -> Tensor:  # [n, V_level]
+        logits = self.code_heads[level](h)
+        if self.config.item_tied_levels:
+            logits = logits + self._item_child_logits(h, level, prefixes)
+            # A prefix no item has (a padding node) has no child: all -inf, not NaN.
+            log_probs = logits.log_softmax(dim=-1)
+            return log_probs.masked_fill(log_probs.isnan(), float("-inf"))
+        return logits.log_softmax(dim=-1)
+
+    def _prefix_index(self) -> ItemPrefixIndex:
+        codes = self.item_codes
+        return _PREFIX_INDEXES.get(
+            codes, (codes,), lambda: ItemPrefixIndex.from_codes(codes, self.codebook_sizes)
+        )
+
+    def _item_child_logits(self, h: Tensor, level: int, prefixes: Tensor) -> Tensor:
+        """h [n, D], prefixes [n, level] -> [n, V_level]: log of the item objective's mass (its
+        logits at state h, exponentiated) on the items under each child of the prefix; -inf
+        for codes no item under the prefix has. Each node gathers the window of the
+        code-sorted item table that holds its prefix's items."""
+        index = self._prefix_index()
+        start, end = index.runs(prefixes)  # [n]
+        slot = start[:, None] + torch.arange(index.widths[level - 1], device=h.device)  # [n, W]
+        inside = slot < end[:, None]
+        slot = slot.clamp(max=self.num_items - 1)
+        table = self.embeddings.embeddings["t_item"].weight  # [I, D]
+        item_logits = (table[index.order[slot]] @ h[:, :, None]).squeeze(-1)  # [n, W]
+        item_logits = item_logits.masked_fill(~inside, float("-inf"))
+        top = item_logits.max(dim=1, keepdim=True).values.detach()  # [n, 1] for stability
+        top = top.masked_fill(top.isinf(), 0.0)
+        mass = h.new_zeros(h.shape[0], self.codebook_sizes[level])
+        mass = mass.scatter_add(1, index.sorted_codes[slot, level], (item_logits - top).exp())
+        # No log of an empty child's 0 mass: its gradient would be 0 / 0.
+        logged = mass.clamp_min(torch.finfo(mass.dtype).tiny).log() + top
+        return logged.masked_fill(mass == 0, float("-inf"))
+
+    def _node_prefixes(self, codes: Tensor, levels: Tensor, parents: Tensor) -> Tensor | None:
+        """codes, levels, parents [B, N] -> [B, N, L-1]: each node's codes at levels 0..its
+        level, read up its ancestors (None unless item_tied_levels needs them)."""
+        if not self.config.item_tied_levels:
+            return None
+        depth = self.num_levels - 1
+        prefixes = codes.new_zeros(*codes.shape, depth + 1)  # slot `depth`: discarded writes
+        node = torch.arange(codes.shape[1], device=codes.device).expand_as(codes)
+        for _ in range(depth):
+            real = node >= 0
+            safe = node.clamp(min=0)
+            slot = torch.where(real, levels.gather(1, safe), depth)
+            prefixes.scatter_(2, slot[..., None], codes.gather(1, safe)[..., None])
+            node = torch.where(real, parents.gather(1, safe), -1)
+        return prefixes[..., :depth]
 
     # ------------------------------------------------------------------------------ training
 
@@ -655,10 +738,10 @@ class SemanticIdRecommender(nn.Module):
             )
         node_h = h[:, tokens:].unflatten(1, (branches, levels - 1))  # [B, P, L-1, D]
         for level in range(1, levels):
-            losses[f"level_{level}"] = F.cross_entropy(
-                self.code_heads[level](node_h[:, :, level - 1][has_branch]),
-                branch_codes[..., level][has_branch],
+            log_probs = self._level_log_probs(
+                node_h[:, :, level - 1][has_branch], level, branch_codes[..., :level][has_branch]
             )
+            losses[f"level_{level}"] = F.nll_loss(log_probs, branch_codes[..., level][has_branch])
         total = sum(losses.values())
         if self.config.item_weight:
             losses["item"] = F.cross_entropy(self.item_scores(states), layout.next_items[real])

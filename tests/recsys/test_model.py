@@ -81,10 +81,20 @@ def test_tree_equals_each_branch_as_a_chain(tiny_model):
             torch.testing.assert_close(chain[0, -1], tree[b, i], atol=1e-5, rtol=1e-5)
 
 
-def test_training_layout_matches_inference(tiny_model):
+@pytest.mark.parametrize("tied", [False, True])
+def test_training_layout_matches_inference(tiny_model, tied):
     """forward_train's losses (SDPA over the training tree) equal the same cross-entropies
-    computed with encode_history on every prefix and score_tree on every branch."""
-    model, _ = tiny_model
+    computed with encode_history on every prefix and score_tree on every branch (with the
+    code levels tied to the item objective too)."""
+    from dataclasses import replace
+
+    from genrec_spec.models.recommender import SemanticIdRecommender
+
+    model, data = tiny_model
+    if tied:
+        config = replace(model.config, level0_from_items=True, item_tied_levels=True)
+        torch.manual_seed(2)
+        model = SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).eval()
     g = torch.Generator().manual_seed(3)
     windows, offsets = _histories(model, [6, 13, 1], seed=4)
     layout = train_layout(windows, offsets, model.num_levels - 1, 3, g)
@@ -96,13 +106,17 @@ def test_training_layout_matches_inference(tiny_model):
         for t in range(len(seq)):
             state = model.encode_history(seq[:t], torch.tensor([0, t]))
             target = model.item_codes[seq[t]]
-            level_terms[0].append(-state.level0_log_probs[0, target[0]])
+            if not tied:  # else level 0 has no loss of its own
+                level_terms[0].append(-state.level0_log_probs[0, target[0]])
             if t in layout.branch_anchor[b].tolist():
                 chain = torch.arange(model.num_levels - 1)
                 out = model.score_tree(state, target[None, :-1], chain[None], chain[None] - 1)
                 for level in range(1, model.num_levels):
                     level_terms[level].append(-out[0, level - 1, target[level]])
     for level, terms in level_terms.items():
+        if not terms:
+            assert f"level_{level}" not in losses
+            continue
         expected = torch.stack(terms).mean()
         torch.testing.assert_close(losses[f"level_{level}"], expected, atol=1e-5, rtol=1e-5)
 
@@ -175,6 +189,63 @@ def test_level0_from_items_is_the_item_softmax_marginal(tiny_model, tmp_path):
     )
     with pytest.raises(RecommenderInputError, match="item_weight"):
         SemanticIdRecommender(replace(config, item_weight=0.0), data.item_codes, sizes)
+
+
+def test_item_tied_levels_are_item_softmax_conditionals(tiny_model):
+    """item_tied_levels: at a prefix node, with the code heads zeroed, the log-probs of the next
+    level are the item objective's (at the node's state) summed over the items under each child
+    and renormalised over the prefix's items; codes that lead to no item get -inf; training
+    gives finite gradients; it is refused without the item objective."""
+    from dataclasses import replace
+
+    from genrec_spec.models.recommender import SemanticIdRecommender
+
+    base, data = tiny_model
+    config = replace(base.config, level0_from_items=True, item_tied_levels=True)
+    torch.manual_seed(3)
+    model = SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).eval()
+    with torch.no_grad():
+        for head in model.code_heads[1:]:
+            head.weight.zero_()
+            head.bias.zero_()
+    windows, offsets = _histories(model, [6, 13, 1], seed=4)
+    state = model.encode_history(windows, offsets)
+    codes, levels, parents = _random_tree(model, 3, 9, seed=5)
+    states = []  # the nodes' final states [B, N, D], caught at the final norm
+    hook = model.norm.register_forward_hook(lambda module, args, out: states.append(out))
+    out = model.score_tree(state, codes, levels, parents)  # [B, N, Vmax]
+    hook.remove()
+    table = model.embeddings.embeddings["t_item"].weight
+    empty = 0
+    for b in range(3):
+        for n in range(codes.shape[1]):
+            prefix = codes[b, _path(parents[b], n)]
+            level = len(prefix)  # the level predicted
+            under = (model.item_codes[:, :level] == prefix).all(dim=1)
+            got = out[b, n, : model.codebook_sizes[level]]
+            if not under.any():
+                empty += 1
+                assert torch.isneginf(got).all()
+                continue
+            item_lp = (table[under] @ states[0][b, n]).log_softmax(dim=0)
+            child = model.item_codes[under, level]
+            want = torch.full_like(got, float("-inf"))
+            for c in child.unique():
+                want[c] = item_lp[child == c].logsumexp(dim=0)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert 0 < empty < codes.numel()  # random trees hold prefixes with and without items
+
+    layout = train_layout(windows, offsets, model.num_levels - 1, 3, torch.Generator())
+    losses = model.train().forward_train(layout)
+    model.eval()
+    losses["loss"].backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    with pytest.raises(RecommenderInputError, match="item_tied_levels"):
+        SemanticIdRecommender(
+            replace(config, item_weight=0.0, level0_from_items=False),
+            data.item_codes,
+            data.codebook_sizes,
+        )
 
 
 def _chain_log_probs(model, state, item: int) -> list[torch.Tensor]:  # L x [B, V_l]

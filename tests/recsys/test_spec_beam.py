@@ -16,7 +16,7 @@ from genrec_spec.recsys.types import Recommendations
 
 
 def _random_model(
-    seed: int, sizes: tuple[int, ...], items: int, level0_from_items: bool = False
+    seed: int, sizes: tuple[int, ...], items: int, item_levels: str = "none"
 ) -> SemanticIdRecommender:
     """Unique random Semantic IDs (a collision code appended) and large random weights, so the
     code distributions are peaked like a trained model's instead of near-uniform."""
@@ -35,7 +35,8 @@ def _random_model(
         max_len=10,
         long_id_heads=False,
         draft_hidden=8,
-        level0_from_items=level0_from_items,
+        level0_from_items=item_levels != "none",  # "level0": level 0 from the item objective
+        item_tied_levels=item_levels == "all",  # "all": every level tied to it
     )
     model = SemanticIdRecommender(
         config,
@@ -70,9 +71,9 @@ PASSES = {
 
 
 @pytest.mark.parametrize(("seed", "sizes", "items"), MODELS)
-@pytest.mark.parametrize("level0_from_items", [False, True])
-def test_spec_beam_equals_beam(seed, sizes, items, level0_from_items):
-    model = _random_model(seed, sizes, items, level0_from_items)
+@pytest.mark.parametrize("item_levels", ["none", "level0", "all"])
+def test_spec_beam_equals_beam(seed, sizes, items, item_levels):
+    model = _random_model(seed, sizes, items, item_levels)
     trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
     values, offsets = _histories(model, users=12, seed=seed)
     levels = model.num_levels
