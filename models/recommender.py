@@ -49,7 +49,6 @@ from genrec_spec.models.item_prefixes import ItemPrefixIndex
 from genrec_spec.models.rec_heads import LongIdHeads, ParallelLevelHeads, RecurrentDraftHead
 from genrec_spec.models.rec_layout import TrainLayout
 
-
 _PREFIX_INDEXES = DerivedCache()  # item_codes table -> its items sorted by code tuple
 
 
