@@ -106,7 +106,8 @@ def tiny_prepared():
 
 def tiny_recommender_config():
     """The tiny test recommender: every head and the item objective, dropout 0, level 0 from
-    its own code head (tests of level0_from_items turn it on)."""
+    its own code head, levels 1.. from theirs (tests of level0_from_items and item_tied_levels
+    turn them on)."""
     from genrec_spec.models.recommender import RecommenderConfig
 
     return RecommenderConfig(
@@ -118,6 +119,7 @@ def tiny_recommender_config():
         draft_hidden=8,
         item_weight=1.0,
         level0_from_items=False,
+        item_tied_levels=False,
     )
 
 

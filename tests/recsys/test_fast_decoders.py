@@ -225,6 +225,7 @@ def test_bad_input(tiny_model):
             draft_head=False,
             item_weight=0.0,
             level0_from_items=False,
+            item_tied_levels=False,
         ),
         data.item_codes,
         data.codebook_sizes,

@@ -84,11 +84,13 @@ def test_checkpoint_round_trip(tiny_model, tmp_path):
     # A manifest from before the item objective existed: that model was trained without it.
     path = tmp_path / "ckpt" / "manifest.json"
     old = json.loads(path.read_text())
-    del old["model_config"]["item_weight"], old["model_config"]["level0_from_items"]
+    for option in ("item_weight", "level0_from_items", "item_tied_levels"):
+        del old["model_config"][option]
     path.write_text(json.dumps(old))
     assert loaded.config.item_weight == 1.0
     old_config = load_checkpoint(tmp_path / "ckpt")[0].config
     assert (old_config.item_weight, old_config.level0_from_items) == (0.0, False)
+    assert not old_config.item_tied_levels
     # A manifest with a model option this code lacks (a newer or patched version wrote it).
     path.write_text(json.dumps(old | {"model_config": old["model_config"] | {"warp": 2.0}}))
     with pytest.raises(CheckpointError, match=r"does not know: \['warp'\].*retrain"):
@@ -134,7 +136,10 @@ def test_shipped_configs_load_and_ml1m_is_the_default():
     # The two-process recipe as measured: the default model without the item objective (which
     # came later), twice the epochs in the same budget.
     model_config, train_config = load_config(REPO / "configs" / "ml-1m-ddp.json")
-    assert replace(model_config, item_weight=1.0, level0_from_items=True) == RecommenderConfig()
+    assert (
+        replace(model_config, item_weight=1.0, level0_from_items=True, item_tied_levels=True)
+        == RecommenderConfig()
+    )
     assert train_config.epochs == 80
     assert train_config.max_minutes == TrainConfig().max_minutes
 
