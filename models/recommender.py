@@ -544,8 +544,10 @@ class SemanticIdRecommender(nn.Module):
         codes: Tensor,  # [B, N] int64 code of each node
         levels: Tensor,  # [B, N] int64 level of that code, 0..L-2
         parents: Tensor,  # [B, N] int64 parent node, -1 = child of the history root
-    ) -> Tensor:  # [B, N, Vmax] log-probs of level + 1 for each node; -inf past its codebook
-        """Score N code-prefix nodes per row in one pass against the cached history."""
+        last: int | None = None,  # only the last `last` nodes' log-probs are wanted (None: all)
+    ) -> Tensor:  # [B, N or last, Vmax] log-probs of level + 1 per node; -inf past its codebook
+        """Score N code-prefix nodes per row in one pass against the cached history. The other
+        nodes are context (a beam's earlier prefixes): their output heads are skipped."""
         self._check_tree(state.lengths.numel(), codes, levels)
         x = self._embed_nodes(codes, levels)  # [B, N, D]
         if not codes.shape[1]:  # no node (a draft that proposed nothing): nothing to score
@@ -560,7 +562,10 @@ class SemanticIdRecommender(nn.Module):
 
             x = block(x, attend)
         prefixes = self._node_prefixes(codes, levels, parents)
-        return self._next_level_log_probs(self.norm(x), levels, prefixes)
+        wanted = slice(-last if last else None, None)
+        if prefixes is not None:
+            prefixes = prefixes[:, wanted]
+        return self._next_level_log_probs(self.norm(x[:, wanted]), levels[:, wanted], prefixes)
 
     def _tree_plan(self, parents: Tensor, lengths: Tensor, root_size: int):
         """The tree-attention plan of a forward, checked and masked once for all layers. The
@@ -615,22 +620,21 @@ class SemanticIdRecommender(nn.Module):
     ) -> Tensor:  # [B, N, Vmax] log-probs of level + 1, -inf padded
         """Only the levels present are run (one host sync: free on CPU, and it skips most of the
         per-level ops of a small tree)."""
+        out_shape = levels.shape
         vmax = max(self.codebook_sizes[1:])
-        out = h.new_full((*levels.shape, vmax), float("-inf"))
-        counts = torch.bincount(levels.flatten(), minlength=self.num_levels - 1).tolist()
+        out = h.new_full((levels.numel(), vmax), float("-inf"))  # [B*N, Vmax]
+        h, levels = h.flatten(0, 1), levels.flatten()  # [B*N, D], [B*N]
+        prefixes = None if prefixes is None else prefixes.flatten(0, 1)  # [B*N, L-1]
+        counts = torch.bincount(levels, minlength=self.num_levels - 1).tolist()
         for level, count in enumerate(counts):
-            width = self.codebook_sizes[level + 1]
             if not count:
                 continue
-            if count == levels.numel():  # one level only: no selection
-                prefix = None if prefixes is None else prefixes[..., : level + 1].flatten(0, 1)
-                scored = self._level_log_probs(h.flatten(0, 1), level + 1, prefix)
-                out[..., :width] = scored.unflatten(0, levels.shape)
-            else:
-                chosen = levels == level
-                prefix = None if prefixes is None else prefixes[chosen][:, : level + 1]
-                out[..., :width][chosen] = self._level_log_probs(h[chosen], level + 1, prefix)
-        return out
+            # One level only: every node, no selection (a view, no index copies).
+            rows = slice(None) if count == levels.numel() else levels == level
+            prefix = None if prefixes is None else prefixes[rows, : level + 1]
+            scored = self._level_log_probs(h[rows], level + 1, prefix)
+            out[rows, : self.codebook_sizes[level + 1]] = scored
+        return out.unflatten(0, out_shape)
 
     def _level_log_probs(
         self,

@@ -195,9 +195,10 @@ def decode(
     history, nodes_scored = [beams], 0
     for level in range(1, model.num_levels):
         codes, levels, parents = beam_tree(history)
-        out = model.score_tree(state, codes, levels, parents)  # [B, N, Vmax]
+        # [B, W, Vmax]: only the current beams' log-probs; earlier prefixes are their context
+        out = model.score_tree(state, codes, levels, parents, last=beams.nodes.shape[1])
         nodes_scored += codes.numel()
-        beams = extend(beams, out[:, -beams.nodes.shape[1] :], trie, level, width)
+        beams = extend(beams, out, trie, level, width)
         history.append(beams)
     items, scores = finish(beams, trie, k)
     return Recommendations(

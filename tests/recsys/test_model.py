@@ -79,6 +79,9 @@ def test_tree_equals_each_branch_as_a_chain(tiny_model):
                 row, codes[b, path][None], levels[b, path][None], torch.arange(len(path))[None] - 1
             )
             torch.testing.assert_close(chain[0, -1], tree[b, i], atol=1e-5, rtol=1e-5)
+    # last=: the last nodes' log-probs alone (the others only as context), as beam asks.
+    last = model.score_tree(state, codes, levels, parents, last=4)
+    torch.testing.assert_close(last, tree[:, -4:])
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -234,6 +237,7 @@ def test_item_tied_levels_are_item_softmax_conditionals(tiny_model):
                 want[c] = item_lp[child == c].logsumexp(dim=0)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert 0 < empty < codes.numel()  # random trees hold prefixes with and without items
+    torch.testing.assert_close(model.score_tree(state, codes, levels, parents, last=3), out[:, -3:])
 
     layout = train_layout(windows, offsets, model.num_levels - 1, 3, torch.Generator())
     losses = model.train().forward_train(layout)
