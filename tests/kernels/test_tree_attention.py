@@ -10,6 +10,18 @@ from hypothesis import strategies as st
 from genrec_spec.kernels import TreeAttentionError, prepare_tree, tree_attention
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# Compiled Triton kernels take CUDA tensors; without a GPU the interpreter takes CPU ones. So the
+# Triton cases below run compiled wherever a GPU is present, interpreted elsewhere.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run(inputs, backend, **options):
+    """`tree_attention` on the backend's device; the results come back to the CPU."""
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    result = tree_attention(*[t.to(device) for t in inputs], backend=backend, **options)
+    return tuple(t.cpu() for t in result) if isinstance(result, tuple) else result.cpu()
+
+
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
@@ -85,9 +97,10 @@ def check_against_reference(inputs, backend, dtype):
     backend also without the log-sum-exp, which takes the dense path for float32."""
     expected_out, expected_lse = tree_attention(*inputs, backend="torch", return_lse=True)
     q, k_root, _, root_lens, _, _, parents = inputs
-    plan = prepare_tree(parents, root_lens, k_root.shape[2], dtype=q.dtype)
-    out, lse = tree_attention(*inputs, backend=backend, return_lse=True)
-    planned_out, planned_lse = tree_attention(*inputs, backend=backend, return_lse=True, plan=plan)
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    plan = prepare_tree(parents.to(device), root_lens.to(device), k_root.shape[2], dtype=q.dtype)
+    out, lse = run(inputs, backend, return_lse=True)
+    planned_out, planned_lse = run(inputs, backend, return_lse=True, plan=plan)
     assert out.dtype == dtype and lse.dtype == torch.float32 and not out.isnan().any()
     assert_matches(out, expected_out, dtype)
     assert_matches(lse, expected_lse, torch.float32)
@@ -126,7 +139,7 @@ def test_triton_handles_512_nodes(random_inputs):
     case = dict(batch=2, hkv=1, hq=2, n=512, s=40, d=32, kinds=["chain", "random"])
     inputs = random_inputs(**case, root_lens=[40, 3])
     expected = tree_attention(*inputs, backend="torch")
-    assert_matches(tree_attention(*inputs, backend="triton"), expected, torch.float32)
+    assert_matches(run(inputs, "triton"), expected, torch.float32)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
@@ -134,9 +147,7 @@ def test_empty_root_star_sees_only_itself(backend, random_inputs):
     # root_lens 0 and no tree ancestors: each node's only key is itself, so out = its value.
     case = dict(batch=2, hkv=2, hq=6, n=5, s=4, d=32, kinds=["star", "star"], root_lens=[0, 0])
     q, k_root, v_root, lens, k_tree, v_tree, parents = random_inputs(**case)
-    out, lse = tree_attention(
-        q, k_root, v_root, lens, k_tree, v_tree, parents, backend=backend, return_lse=True
-    )
+    out, lse = run([q, k_root, v_root, lens, k_tree, v_tree, parents], backend, return_lse=True)
     expected = v_tree.repeat_interleave(3, dim=1)  # query head h reads KV head h // 3
     assert_matches(out, expected, torch.float32)
     scores = (q * k_tree.repeat_interleave(3, dim=1)).sum(-1) / 32**0.5
@@ -148,7 +159,7 @@ def test_single_node_with_empty_root_is_not_nan(backend, random_inputs):
     inputs = random_inputs(
         batch=2, hq=2, hkv=1, n=1, s=3, d=32, kinds=["chain"] * 2, root_lens=[0, 0]
     )
-    out = tree_attention(*inputs, backend=backend)
+    out = run(inputs, backend)
     expected = inputs[5].repeat_interleave(2, dim=1)  # v_tree: the node's only key is itself
     assert_matches(out, expected, torch.float32)
 
