@@ -15,11 +15,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run(inputs, backend, **options):
-    """`tree_attention` on the backend's device; the results come back to the CPU."""
+def on_backend_device(inputs, backend):
     device = TRITON_DEVICE if backend == "triton" else "cpu"
-    result = tree_attention(*[t.to(device) for t in inputs], backend=backend, **options)
-    return tuple(t.cpu() for t in result) if isinstance(result, tuple) else result.cpu()
+    return [t.to(device) for t in inputs]
 
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -51,7 +49,7 @@ def oracle(q, k_root, v_root, root_lens, k_tree, v_tree, parents):
 
 def assert_matches(got, expected, dtype):
     tol = TOLERANCE[dtype]
-    torch.testing.assert_close(got.double(), expected.double(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got.cpu().double(), expected.cpu().double(), atol=tol, rtol=tol)
 
 
 @st.composite
@@ -96,11 +94,11 @@ def check_against_reference(inputs, backend, dtype):
     """With and without a prebuilt plan (which must give exactly the same result); on the CPU
     backend also without the log-sum-exp, which takes the dense path for float32."""
     expected_out, expected_lse = tree_attention(*inputs, backend="torch", return_lse=True)
+    inputs = on_backend_device(inputs, backend)
     q, k_root, _, root_lens, _, _, parents = inputs
-    device = TRITON_DEVICE if backend == "triton" else "cpu"
-    plan = prepare_tree(parents.to(device), root_lens.to(device), k_root.shape[2], dtype=q.dtype)
-    out, lse = run(inputs, backend, return_lse=True)
-    planned_out, planned_lse = run(inputs, backend, return_lse=True, plan=plan)
+    plan = prepare_tree(parents, root_lens, k_root.shape[2], dtype=q.dtype)
+    out, lse = tree_attention(*inputs, backend=backend, return_lse=True)
+    planned_out, planned_lse = tree_attention(*inputs, backend=backend, return_lse=True, plan=plan)
     assert out.dtype == dtype and lse.dtype == torch.float32 and not out.isnan().any()
     assert_matches(out, expected_out, dtype)
     assert_matches(lse, expected_lse, torch.float32)
@@ -139,7 +137,11 @@ def test_triton_handles_512_nodes(random_inputs):
     case = dict(batch=2, hkv=1, hq=2, n=512, s=40, d=32, kinds=["chain", "random"])
     inputs = random_inputs(**case, root_lens=[40, 3])
     expected = tree_attention(*inputs, backend="torch")
-    assert_matches(run(inputs, "triton"), expected, torch.float32)
+    assert_matches(
+        tree_attention(*on_backend_device(inputs, "triton"), backend="triton"),
+        expected,
+        torch.float32,
+    )
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
@@ -147,7 +149,8 @@ def test_empty_root_star_sees_only_itself(backend, random_inputs):
     # root_lens 0 and no tree ancestors: each node's only key is itself, so out = its value.
     case = dict(batch=2, hkv=2, hq=6, n=5, s=4, d=32, kinds=["star", "star"], root_lens=[0, 0])
     q, k_root, v_root, lens, k_tree, v_tree, parents = random_inputs(**case)
-    out, lse = run([q, k_root, v_root, lens, k_tree, v_tree, parents], backend, return_lse=True)
+    inputs = on_backend_device([q, k_root, v_root, lens, k_tree, v_tree, parents], backend)
+    out, lse = tree_attention(*inputs, backend=backend, return_lse=True)
     expected = v_tree.repeat_interleave(3, dim=1)  # query head h reads KV head h // 3
     assert_matches(out, expected, torch.float32)
     scores = (q * k_tree.repeat_interleave(3, dim=1)).sum(-1) / 32**0.5
@@ -159,7 +162,7 @@ def test_single_node_with_empty_root_is_not_nan(backend, random_inputs):
     inputs = random_inputs(
         batch=2, hq=2, hkv=1, n=1, s=3, d=32, kinds=["chain"] * 2, root_lens=[0, 0]
     )
-    out = run(inputs, backend)
+    out = tree_attention(*on_backend_device(inputs, backend), backend=backend)
     expected = inputs[5].repeat_interleave(2, dim=1)  # v_tree: the node's only key is itself
     assert_matches(out, expected, torch.float32)
 
@@ -270,7 +273,8 @@ def test_compiled_triton_reads_a_cache_slice_in_place(random_inputs):
     # A static cache [B, Hkv, S_max, D] sliced to S: strided, not contiguous.
     case = dict(batch=2, hkv=2, hq=4, n=20, s=256, d=64, kinds=["random", "branches"])
     q, k_cache, v_cache, lens, k_tree, v_tree, parents = random_inputs(**case, root_lens=[100, 7])
-    inputs = [t.cuda() for t in (q, k_cache[:, :, :128], v_cache[:, :, :128])]
+    # Sliced on the GPU: moving a slice copies it into a contiguous tensor.
+    inputs = [q.cuda(), k_cache.cuda()[:, :, :128], v_cache.cuda()[:, :, :128]]
     inputs += [t.cuda() for t in (lens, k_tree, v_tree, parents)]
     assert not inputs[1].is_contiguous()
     expected = tree_attention(*inputs, backend="torch")
