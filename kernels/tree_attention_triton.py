@@ -1,16 +1,24 @@
 """Shared-context tree attention as one Triton kernel.
 
-One program owns one (row b, KV head) pair and a block of tree nodes; its query rows are all the
-G query heads of that KV head times the block's nodes (GQA without repeating K/V). It streams the
-row's root keys once for all those rows, then the tree keys up to its last node, masked by each
-node's ancestor bitmask (``TreePlan.bits``: 32 nodes per int32 word, so one word is
-one 32-key step), with an online softmax in fp32.
+One program owns one (row b, KV head) pair, a block of tree nodes and a slice of the root; its
+query rows are all the G query heads of that KV head times the block's nodes (GQA without
+repeating K/V). It streams its root slice once for all those rows and, in the last slice's
+program, the tree keys up to its last node, masked by each node's ancestor bitmask
+(``TreePlan.bits``: 32 nodes per int32 word, so one word is one 32-key step), with an online
+softmax in fp32.
+
+Why slices: a draft tree has few nodes, so (row, KV head, node block) programs alone leave most
+of a GPU idle while each walks the whole root in sequence (B=32, 8/2 heads, 64 nodes: 256
+programs, 32 dependent steps over a 2048-key root). Splitting the root over more programs, as
+flash-decoding does, shortens that chain; each slice writes its partial output and log-sum-exp
+and a second small kernel merges them (exact: softmax over a union of key sets).
 
 Imported only by ``tree_attention`` when the Triton backend is asked for. Under the interpreter
 (``TRITON_INTERPRET=1`` before triton is imported) operands are upcast to fp32 before ``tl.dot``:
 the interpreter's bf16 dot returns garbage.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +33,7 @@ INTERPRETED = knobs.runtime.interpret
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # a constexpr so the kernel may read it
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows
+MERGE_ROWS = 32  # output rows per program of the slice merge
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,11 @@ class TritonTreeConfig:
     block_root: int = 64  # root keys per step of the root loop
     num_warps: int = 4
     num_stages: int = 2
+    # Root slices per (row, KV head, node block); None picks enough to give every SM
+    # `programs_per_sm` programs, each slice at least `min_slice` keys long.
+    root_splits: int | None = None
+    programs_per_sm: int = 8
+    min_slice: int = 256
 
 
 @triton.jit
@@ -64,12 +78,14 @@ def _tree_attention_kernel(
     svt_b, svt_h, svt_n,
     sa_b, sa_n,
     so_b, so_h, so_n,
-    n_nodes, n_kv_heads, head_dim, scale_log2e,
+    PART_OUT, PART_LSE,
+    n_nodes, n_kv_heads, head_dim, scale_log2e, slice_len,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_NODES: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WORD: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WORD: tl.constexpr, SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     node_block = tl.program_id(0)
+    split = tl.program_id(2)
     b = (tl.program_id(1) // n_kv_heads).to(tl.int64)  # int64: b * stride can pass 2^31
     kv = tl.program_id(1) % n_kv_heads
     # Row r of this program is query head kv * G + r // BLOCK_NODES at node r % BLOCK_NODES.
@@ -89,10 +105,12 @@ def _tree_attention_kernel(
     l = tl.zeros([GROUP_P2 * BLOCK_NODES], tl.float32)
     acc = tl.zeros([GROUP_P2 * BLOCK_NODES, BLOCK_D], tl.float32)
 
-    # Root context: each key block is loaded once for every query row of the program.
+    # This program's root slice: each key block is loaded once for every query row. slice_len is
+    # a multiple of BLOCK_S, so no block straddles two slices.
     root_len = tl.load(ROOT_LENS + b)
+    slice_end = tl.minimum(root_len, (split + 1) * slice_len)
     cols = tl.arange(0, BLOCK_S)
-    for start in range(0, root_len, BLOCK_S):
+    for start in range(split * slice_len, slice_end, BLOCK_S):
         key = start + cols
         kd_ok = (key < root_len)[:, None] & d_ok[None, :]
         k = tl.load(K_ROOT + b * skr_b + kv * skr_h + key[:, None] * skr_s + d[None, :], kd_ok)
@@ -105,8 +123,10 @@ def _tree_attention_kernel(
 
     # Tree nodes: an ancestor's index is below its descendant's, so keys past this block's last
     # node are never visible; one bitmask word covers one WORD-key step.
+    # The last slice's program takes them (0 steps elsewhere).
     bit = tl.arange(0, WORD)
     tree_end = tl.minimum(n_nodes, (node_block + 1) * BLOCK_NODES)
+    tree_end = tl.where(split == SPLITS - 1, tree_end, 0)
     for start in range(0, tree_end, WORD):
         key = start + bit
         kd_ok = (key < n_nodes)[:, None] & d_ok[None, :]
@@ -120,13 +140,47 @@ def _tree_attention_kernel(
         s = tl.where(visible, s, float("-inf"))
         m, l, acc = _softmax_step(m, l, acc, s, v, DOT_FP32, PRECISION)
 
-    # Only padding rows (no node, or a head past G) can end with l = 0; they are not stored.
+    # l = 0 only in padding rows (no node, or a head past G), which are not stored, and in a
+    # slice past a row's root, whose partial (out 0, lse -inf) then weighs nothing in the merge.
     l = tl.where(l > 0, l, 1.0)
     out = acc / l[:, None]
-    o_ptrs = OUT + b * so_b + head[:, None] * so_h + node[:, None] * so_n + d[None, :]
-    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    lse = (m + tl.log2(l)) * LN2  # base 2 -> natural log
-    tl.store(LSE + (b * n_kv_heads * GROUP + head) * n_nodes + node, lse, mask=row_ok)
+    lse2 = m + tl.log2(l)  # base 2
+    out_ok = row_ok[:, None] & d_ok[None, :]
+    if SPLITS == 1:
+        o_ptrs = OUT + b * so_b + head[:, None] * so_h + node[:, None] * so_n + d[None, :]
+        tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=out_ok)
+        tl.store(LSE + (b * n_kv_heads * GROUP + head) * n_nodes + node, lse2 * LN2, mask=row_ok)
+    else:  # partials [SPLITS, B * Hq * N(, D)], rows in the order of the contiguous output
+        part_row = ((split * tl.num_programs(1) + tl.program_id(1)) * GROUP + g) * n_nodes + node
+        tl.store(PART_OUT + part_row[:, None] * head_dim + d[None, :], out, mask=out_ok)
+        tl.store(PART_LSE + part_row, lse2, mask=row_ok)
+
+
+@triton.jit
+def _merge_slices_kernel(
+    PART_OUT, PART_LSE, OUT, LSE, n_rows, head_dim,
+    SPLITS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """out = sum_j w_j out_j / sum_j w_j with w_j = 2^(lse_j - max lse) over the root slices."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = rows < n_rows
+    d = tl.arange(0, BLOCK_D)
+    out_ok = row_ok[:, None] & (d < head_dim)[None, :]
+    m = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
+    for j in tl.static_range(SPLITS):
+        m = tl.maximum(m, tl.load(PART_LSE + j * n_rows + rows, mask=row_ok, other=float("-inf")))
+    m = tl.where(m == float("-inf"), 0.0, m)  # padding rows only: every node sees itself
+    l = tl.zeros([BLOCK_ROWS], tl.float32)
+    acc = tl.zeros([BLOCK_ROWS, BLOCK_D], tl.float32)
+    for j in tl.static_range(SPLITS):
+        w = tl.exp2(tl.load(PART_LSE + j * n_rows + rows, mask=row_ok, other=float("-inf")) - m)
+        part = tl.load(PART_OUT + (j * n_rows + rows)[:, None] * head_dim + d[None, :], out_ok, 0.0)
+        acc += w[:, None] * part
+        l += w
+    l = tl.where(l > 0, l, 1.0)
+    out = (acc / l[:, None]).to(OUT.dtype.element_ty)
+    tl.store(OUT + rows[:, None] * head_dim + d[None, :], out, mask=out_ok)
+    tl.store(LSE + rows, (m + tl.log2(l)) * LN2, mask=row_ok)
 
 
 def tree_attention_triton(
@@ -169,7 +223,14 @@ def launch_tree_attention(
     group_p2 = triton.next_power_of_2(group)
     block_nodes = min(triton.next_power_of_2(n), max(1, config.block_rows // group_p2))
     block_nodes = max(block_nodes, MIN_DOT_ROWS // group_p2)
-    grid = (triton.cdiv(n, block_nodes), batch * hkv)
+    programs = triton.cdiv(n, block_nodes) * batch * hkv
+    splits, slice_len = root_slices(programs, k_root.shape[2], q.device, config)
+    block_d = max(16, triton.next_power_of_2(d))
+    part_out = part_lse = out  # unused by the one-slice kernel
+    if splits > 1:
+        part_out = torch.empty(splits, batch * hq * n, d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(splits, batch * hq * n, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(n, block_nodes), batch * hkv, splits)
     _tree_attention_kernel[grid](
         q, k_root, v_root, k_tree, v_tree, root_lens, bits, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
@@ -179,11 +240,38 @@ def launch_tree_attention(
         v_tree.stride(0), v_tree.stride(1), v_tree.stride(2),
         bits.stride(0), bits.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        n, hkv, d, scale * LOG2E,
+        part_out, part_lse,
+        n, hkv, d, scale * LOG2E, slice_len,
         GROUP=group, GROUP_P2=group_p2, BLOCK_NODES=block_nodes,
-        BLOCK_S=config.block_root, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        WORD=BITS_PER_WORD, DOT_FP32=INTERPRETED,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_S=config.block_root, BLOCK_D=block_d, WORD=BITS_PER_WORD, SPLITS=splits,
+        DOT_FP32=INTERPRETED, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
+    if splits > 1:
+        rows = batch * hq * n
+        _merge_slices_kernel[(triton.cdiv(rows, MERGE_ROWS),)](
+            part_out, part_lse, out, lse, rows, d,
+            SPLITS=splits, BLOCK_ROWS=MERGE_ROWS, BLOCK_D=block_d,
+        )  # fmt: skip
     return out, lse
+
+
+def root_slices(
+    programs: int, root_size: int, device: torch.device, config: TritonTreeConfig
+) -> tuple[int, int]:  # slices, keys per slice (a multiple of block_root)
+    """How many slices to cut the padded root of `root_size` keys into (module docstring)."""
+    if config.root_splits is not None:
+        wanted = config.root_splits
+    elif INTERPRETED or root_size == 0:
+        wanted = 1
+    else:
+        target = config.programs_per_sm * _sm_count(device.index or 0)
+        wanted = min(triton.cdiv(target, programs), max(1, root_size // config.min_slice))
+    slice_len = triton.cdiv(max(1, triton.cdiv(root_size, wanted)), config.block_root)
+    slice_len *= config.block_root
+    return max(1, triton.cdiv(root_size, slice_len)), slice_len
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

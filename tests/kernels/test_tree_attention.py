@@ -144,6 +144,25 @@ def test_triton_handles_512_nodes(random_inputs):
     )
 
 
+@pytest.mark.parametrize("splits", [2, 3, 5])
+def test_triton_root_slices_merge_exactly(random_inputs, splits):
+    # Roots cut into slices of 16 keys or more, merged by log-sum-exp: rows whose root ends
+    # before the last slice (0, 1 and 20 keys of 70) leave later slices empty.
+    from genrec_spec.kernels.tree_attention_triton import TritonTreeConfig, launch_tree_attention
+
+    case = dict(batch=4, hkv=2, hq=4, n=9, s=70, d=32, kinds=["chain", "random", "star", "random"])
+    inputs = random_inputs(**case, root_lens=[0, 1, 20, 70])
+    expected_out, expected_lse = tree_attention(*inputs, backend="torch", return_lse=True)
+    q, k_root, v_root, lens, k_tree, v_tree, parents = on_backend_device(inputs, "triton")
+    bits = prepare_tree(parents, lens, k_root.shape[2]).bits
+    config = TritonTreeConfig(block_root=16, root_splits=splits)
+    out, lse = launch_tree_attention(
+        q, k_root, v_root, lens, k_tree, v_tree, bits, 32**-0.5, config
+    )
+    assert_matches(out, expected_out, torch.float32)
+    assert_matches(lse, expected_lse, torch.float32)
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 def test_empty_root_star_sees_only_itself(backend, random_inputs):
     # root_lens 0 and no tree ancestors: each node's only key is itself, so out = its value.
