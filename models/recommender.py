@@ -105,6 +105,10 @@ class RecommenderConfig:
     # HR@10 / HR@50 / HR@200 0.1939 -> 0.2063 / 0.4134 -> 0.4576 / 0.6513 -> 0.6954, NDCG@10
     # 0.1085 -> 0.1100.
     item_tied_levels: bool = True
+    # Item logits as the HSTU repository's SASRec baseline computes them: the cosine similarity of
+    # the state and the item embedding over this temperature (it uses 0.05); 0 = the plain dot
+    # product. Bounded logits regularise the tied input/output table.
+    item_temperature: float = 0.0
     head_branches: int = 8  # branch anchors per row (a stratified subset) that train the heads
     attention_backend: str = "auto"  # tree_attention backend at inference
 
@@ -190,6 +194,11 @@ class SemanticIdRecommender(nn.Module):
                 "item_tied_levels scores code levels by the item objective; set item_weight > 0 "
                 "or item_tied_levels false"
             )
+        if config.item_temperature < 0:
+            raise RecommenderInputError(
+                f"item_temperature {config.item_temperature} is negative; use 0 (dot-product "
+                "item logits) or a positive temperature (cosine similarity over it, e.g. 0.05)"
+            )
         self.config = config
         self.codebook_sizes = [int(v) for v in codebook_sizes]
         self.register_buffer("item_codes", item_codes.long(), persistent=True)
@@ -264,7 +273,18 @@ class SemanticIdRecommender(nn.Module):
 
     def item_scores(self, hidden: Tensor) -> Tensor:
         """hidden [B, D] (a HistoryState's) -> [B, I] SASRec-style next-item logits."""
-        return hidden @ self.embeddings.embeddings["t_item"].weight.T
+        return (
+            self._item_query(hidden)
+            @ self._item_keys(self.embeddings.embeddings["t_item"].weight).T
+        )
+
+    def _item_query(self, hidden: Tensor) -> Tensor:  # [..., D]
+        """The state's side of an item logit: itself, or unit length over the temperature."""
+        temperature = self.config.item_temperature
+        return F.normalize(hidden, dim=-1) / temperature if temperature else hidden
+
+    def _item_keys(self, rows: Tensor) -> Tensor:  # [..., D] item embedding rows
+        return F.normalize(rows, dim=-1) if self.config.item_temperature else rows
 
     def level0_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, D] -> [N, V0] logits of the next item's level-0 code: its code head's, or
@@ -667,7 +687,8 @@ class SemanticIdRecommender(nn.Module):
         inside = slot < end[:, None]
         slot = slot.clamp(max=self.num_items - 1)
         table = self.embeddings.embeddings["t_item"].weight  # [I, D]
-        item_logits = (table[index.order[slot]] @ h[:, :, None]).squeeze(-1)  # [n, W]
+        keys = self._item_keys(table[index.order[slot]])  # [n, W, D]
+        item_logits = (keys @ self._item_query(h)[:, :, None]).squeeze(-1)  # [n, W]
         item_logits = item_logits.masked_fill(~inside, float("-inf"))
         top = item_logits.max(dim=1, keepdim=True).values.detach()  # [n, 1] for stability
         top = top.masked_fill(top.isinf(), 0.0)

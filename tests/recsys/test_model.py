@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from genrec_spec.kernels import ancestor_mask
 from genrec_spec.models.rec_item_scores import item_log_likelihoods
@@ -194,17 +195,26 @@ def test_level0_from_items_is_the_item_softmax_marginal(tiny_model, tmp_path):
         SemanticIdRecommender(replace(config, item_weight=0.0), data.item_codes, sizes)
 
 
-def test_item_tied_levels_are_item_softmax_conditionals(tiny_model):
+@pytest.mark.parametrize("temperature", [0.0, 0.05])
+def test_item_tied_levels_are_item_softmax_conditionals(tiny_model, temperature):
     """item_tied_levels: at a prefix node, with the code heads zeroed, the log-probs of the next
     level are the item objective's (at the node's state) summed over the items under each child
     and renormalised over the prefix's items; codes that lead to no item get -inf; training
-    gives finite gradients; it is refused without the item objective."""
+    gives finite gradients; it is refused without the item objective. The item logits are dot
+    products, or with item_temperature cosine similarities over it."""
     from dataclasses import replace
 
     from genrec_spec.models.recommender import SemanticIdRecommender
 
+    def item_logits(rows, hidden):  # [I', D], [..., D] -> [..., I']
+        if temperature:
+            rows, hidden = F.normalize(rows, dim=-1), F.normalize(hidden, dim=-1) / temperature
+        return hidden @ rows.T
+
     base, data = tiny_model
-    config = replace(base.config, level0_from_items=True, item_tied_levels=True)
+    config = replace(
+        base.config, level0_from_items=True, item_tied_levels=True, item_temperature=temperature
+    )
     torch.manual_seed(3)
     model = SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).eval()
     with torch.no_grad():
@@ -219,6 +229,7 @@ def test_item_tied_levels_are_item_softmax_conditionals(tiny_model):
     out = model.score_tree(state, codes, levels, parents)  # [B, N, Vmax]
     hook.remove()
     table = model.embeddings.embeddings["t_item"].weight
+    torch.testing.assert_close(model.item_scores(state.hidden), item_logits(table, state.hidden))
     empty = 0
     for b in range(3):
         for n in range(codes.shape[1]):
@@ -230,7 +241,7 @@ def test_item_tied_levels_are_item_softmax_conditionals(tiny_model):
                 empty += 1
                 assert torch.isneginf(got).all()
                 continue
-            item_lp = (table[under] @ states[0][b, n]).log_softmax(dim=0)
+            item_lp = item_logits(table[under], states[0][b, n]).log_softmax(dim=0)
             child = model.item_codes[under, level]
             want = torch.full_like(got, float("-inf"))
             for c in child.unique():
@@ -249,6 +260,10 @@ def test_item_tied_levels_are_item_softmax_conditionals(tiny_model):
             replace(config, item_weight=0.0, level0_from_items=False),
             data.item_codes,
             data.codebook_sizes,
+        )
+    with pytest.raises(RecommenderInputError, match="item_temperature -1"):
+        SemanticIdRecommender(
+            replace(config, item_temperature=-1.0), data.item_codes, data.codebook_sizes
         )
 
 

@@ -36,7 +36,8 @@ def _random_model(
         long_id_heads=False,
         draft_hidden=8,
         level0_from_items=item_levels != "none",  # "level0": level 0 from the item objective
-        item_tied_levels=item_levels == "all",  # "all": every level tied to it
+        item_tied_levels=item_levels in ("all", "cosine"),  # "all": every level tied to it
+        item_temperature=0.05 if item_levels == "cosine" else 0.0,  # cosine item logits
     )
     model = SemanticIdRecommender(
         config,
@@ -71,7 +72,7 @@ PASSES = {
 
 
 @pytest.mark.parametrize(("seed", "sizes", "items"), MODELS)
-@pytest.mark.parametrize("item_levels", ["none", "level0", "all"])
+@pytest.mark.parametrize("item_levels", ["none", "level0", "all", "cosine"])
 def test_spec_beam_equals_beam(seed, sizes, items, item_levels):
     model = _random_model(seed, sizes, items, item_levels)
     trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
