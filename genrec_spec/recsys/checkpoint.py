@@ -73,9 +73,14 @@ def load_checkpoint(
             f"{path} has checkpoint version {manifest.get('checkpoint_version')}, this code "
             f"reads version {CHECKPOINT_VERSION}; retrain it with `genrec-spec train`"
         )
-    # Checkpoints written before the item objective (or level 0 / levels 1.. from it) existed
-    # were trained without it.
-    before = {"item_weight": 0.0, "level0_from_items": False, "item_tied_levels": False}
+    # Checkpoints written before the item objective (or level 0 / levels 1.. from it, or its
+    # cosine logits) existed were trained without it.
+    before = {
+        "item_weight": 0.0,
+        "level0_from_items": False,
+        "item_tied_levels": False,
+        "item_temperature": 0.0,
+    }
     model_config = before | manifest["model_config"]
     unknown = sorted(set(model_config) - {f.name for f in fields(RecommenderConfig)})
     if unknown:
