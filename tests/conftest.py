@@ -105,9 +105,9 @@ def tiny_prepared():
 
 
 def tiny_recommender_config():
-    """The tiny test recommender: every head and the item objective, dropout 0, level 0 from
-    its own code head, levels 1.. from theirs (tests of level0_from_items and item_tied_levels
-    turn them on)."""
+    """The tiny test recommender: every head and the item objective (dot-product logits),
+    dropout 0, level 0 from its own code head, levels 1.. from theirs (tests of
+    level0_from_items, item_tied_levels and item_temperature turn them on)."""
     from genrec_spec.models.recommender import RecommenderConfig
 
     return RecommenderConfig(
@@ -120,6 +120,7 @@ def tiny_recommender_config():
         item_weight=1.0,
         level0_from_items=False,
         item_tied_levels=False,
+        item_temperature=0.0,
     )
 
 
