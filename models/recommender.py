@@ -107,10 +107,10 @@ class RecommenderConfig:
     item_tied_levels: bool = True
     # Item logits as the HSTU repository's SASRec baseline computes them: the cosine similarity of
     # the state and the item embedding over this temperature (it uses 0.05); 0 = the plain dot
-    # product. Bounded logits regularise the tied input/output table. ML-1M, same 43-minute
-    # budget, one run each: best valid NDCG@10 (512 users) 0.119 -> 0.130 (0.05; 0.1 trailed
-    # 0.05 at every epoch to 18, 0.113 there), test beam HR@10 / NDCG@10 0.2063 / 0.1100 ->
-    # 0.2126 / 0.1175, history excluded 0.2616 / 0.1462 -> 0.2679 / 0.1552.
+    # product (bounded logits may regularise the tied input/output table; not measured apart).
+    # ML-1M, same 43-minute budget, one run each: best valid NDCG@10 (512 users) 0.119 -> 0.130
+    # (0.05; 0.1 trailed 0.05 at every epoch to 18, 0.113 there), test beam HR@10 / NDCG@10
+    # 0.2063 / 0.1100 -> 0.2126 / 0.1175, history excluded 0.2616 / 0.1462 -> 0.2679 / 0.1552.
     item_temperature: float = 0.05
     head_branches: int = 8  # branch anchors per row (a stratified subset) that train the heads
     attention_backend: str = "auto"  # tree_attention backend at inference
@@ -689,7 +689,8 @@ class SemanticIdRecommender(nn.Module):
         slot = start[:, None] + torch.arange(index.widths[level - 1], device=h.device)  # [n, W]
         inside = slot < end[:, None]
         slot = slot.clamp(max=self.num_items - 1)
-        # The whole table normalised once is cheaper than the gathered windows (n x W rows).
+        # Keys from the whole table, as item_scores reads them (not timed against normalising
+        # only the gathered windows).
         table = self._item_keys(self.embeddings.embeddings["t_item"].weight)  # [I, D]
         item_logits = (table[index.order[slot]] @ self._item_query(h)[:, :, None]).squeeze(-1)
         item_logits = item_logits.masked_fill(~inside, float("-inf"))
