@@ -195,25 +195,32 @@ def test_level0_from_items_is_the_item_softmax_marginal(tiny_model, tmp_path):
         SemanticIdRecommender(replace(config, item_weight=0.0), data.item_codes, sizes)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.05])
-def test_item_tied_levels_are_item_softmax_conditionals(tiny_model, temperature):
+@pytest.mark.parametrize(("temperature", "residual"), [(0.0, False), (0.05, False), (0.05, True)])
+def test_item_tied_levels_are_item_softmax_conditionals(tiny_model, temperature, residual):
     """item_tied_levels: at a prefix node, with the code heads zeroed, the log-probs of the next
     level are the item objective's (at the node's state) summed over the items under each child
     and renormalised over the prefix's items; codes that lead to no item get -inf; training
     gives finite gradients; it is refused without the item objective. The item logits are dot
-    products, or with item_temperature cosine similarities over it."""
+    products, or with item_temperature cosine similarities over it; with item_levels_residual
+    the node's query is the history state's plus the node's (random here) correction."""
     from dataclasses import replace
 
     from genrec_spec.models.recommender import SemanticIdRecommender
 
-    def item_logits(rows, hidden):  # [I', D], [..., D] -> [..., I']
+    def item_logits(rows, hidden, node=None):  # [I', D], [D], node state [D] -> [I']
         if temperature:
             rows, hidden = F.normalize(rows, dim=-1), F.normalize(hidden, dim=-1) / temperature
+        if node is not None and residual:  # hidden is the history state
+            hidden = hidden + model.node_item_query(node)
         return hidden @ rows.T
 
     base, data = tiny_model
     config = replace(
-        base.config, level0_from_items=True, item_tied_levels=True, item_temperature=temperature
+        base.config,
+        level0_from_items=True,
+        item_tied_levels=True,
+        item_temperature=temperature,
+        item_levels_residual=residual,
     )
     torch.manual_seed(3)
     model = SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).eval()
@@ -221,6 +228,8 @@ def test_item_tied_levels_are_item_softmax_conditionals(tiny_model, temperature)
         for head in model.code_heads[1:]:
             head.weight.zero_()
             head.bias.zero_()
+        if residual:  # starts at 0 (the next test); a random correction checks its wiring
+            model.node_item_query.weight.normal_(std=1.0)
     windows, offsets = _histories(model, [6, 13, 1], seed=4)
     state = model.encode_history(windows, offsets)
     codes, levels, parents = _random_tree(model, 3, 9, seed=5)
@@ -241,7 +250,9 @@ def test_item_tied_levels_are_item_softmax_conditionals(tiny_model, temperature)
                 empty += 1
                 assert torch.isneginf(got).all()
                 continue
-            item_lp = item_logits(table[under], states[0][b, n]).log_softmax(dim=0)
+            node = states[0][b, n]
+            query = state.hidden[b] if residual else node
+            item_lp = item_logits(table[under], query, node).log_softmax(dim=0)
             child = model.item_codes[under, level]
             want = torch.full_like(got, float("-inf"))
             for c in child.unique():
@@ -261,10 +272,53 @@ def test_item_tied_levels_are_item_softmax_conditionals(tiny_model, temperature)
             data.item_codes,
             data.codebook_sizes,
         )
+    with pytest.raises(RecommenderInputError, match="item_levels_residual"):
+        SemanticIdRecommender(
+            replace(config, item_tied_levels=False, item_levels_residual=True),
+            data.item_codes,
+            data.codebook_sizes,
+        )
     with pytest.raises(RecommenderInputError, match="item_temperature -1"):
         SemanticIdRecommender(
             replace(config, item_temperature=-1.0), data.item_codes, data.codebook_sizes
         )
+
+
+def test_item_levels_residual_starts_as_the_item_softmax(tiny_model):
+    """item_levels_residual: with the node correction at its initial 0 and the code heads at 0,
+    every item's exact trie-constrained log-likelihood (what beam search ranks by) equals the
+    item softmax at the history state (what `dense` ranks by): the levels telescope."""
+    from dataclasses import replace
+
+    from genrec_spec.models.recommender import SemanticIdRecommender
+
+    base, data = tiny_model
+    config = replace(
+        base.config,
+        level0_from_items=True,
+        item_tied_levels=True,
+        item_temperature=0.05,
+        item_levels_residual=True,
+    )
+    torch.manual_seed(7)
+    model = SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).eval()
+    assert not model.node_item_query.weight.any()
+    with torch.no_grad():
+        for head in model.code_heads[1:]:
+            head.weight.zero_()
+            head.bias.zero_()
+    state = model.encode_history(*_histories(model, [6, 0, 30], seed=8))
+    everything = torch.arange(model.num_items)
+    torch.testing.assert_close(
+        item_log_likelihoods(model, state, everything),
+        model.item_scores(state.hidden).log_softmax(dim=-1),
+        atol=1e-4,
+        rtol=1e-4,
+    )
+    with torch.no_grad():  # a correction moves them apart (the test can fail)
+        model.node_item_query.weight.normal_(std=1.0)
+    moved = item_log_likelihoods(model, state, everything)
+    assert (moved - model.item_scores(state.hidden).log_softmax(dim=-1)).abs().max() > 0.1
 
 
 def _chain_log_probs(model, state, item: int) -> list[torch.Tensor]:  # L x [B, V_l]

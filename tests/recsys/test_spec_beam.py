@@ -36,8 +36,9 @@ def _random_model(
         long_id_heads=False,
         draft_hidden=8,
         level0_from_items=item_levels != "none",  # "level0": level 0 from the item objective
-        item_tied_levels=item_levels in ("all", "cosine"),  # "all": every level tied to it
-        item_temperature=0.05 if item_levels == "cosine" else 0.0,  # cosine item logits
+        item_tied_levels=item_levels in ("all", "cosine", "residual"),  # every level tied to it
+        item_temperature=0.05 if item_levels in ("cosine", "residual") else 0.0,  # cosine logits
+        item_levels_residual=item_levels == "residual",  # the history state's query, corrected
     )
     model = SemanticIdRecommender(
         config,
@@ -72,7 +73,7 @@ PASSES = {
 
 
 @pytest.mark.parametrize(("seed", "sizes", "items"), MODELS)
-@pytest.mark.parametrize("item_levels", ["none", "level0", "all", "cosine"])
+@pytest.mark.parametrize("item_levels", ["none", "level0", "all", "cosine", "residual"])
 def test_spec_beam_equals_beam(seed, sizes, items, item_levels):
     model = _random_model(seed, sizes, items, item_levels)
     trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))

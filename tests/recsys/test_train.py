@@ -84,13 +84,20 @@ def test_checkpoint_round_trip(tiny_model, tmp_path):
     # A manifest from before the item objective existed: that model was trained without it.
     path = tmp_path / "ckpt" / "manifest.json"
     old = json.loads(path.read_text())
-    for option in ("item_weight", "level0_from_items", "item_tied_levels", "item_temperature"):
+    for option in (
+        "item_weight",
+        "level0_from_items",
+        "item_tied_levels",
+        "item_temperature",
+        "item_levels_residual",
+    ):
         del old["model_config"][option]
     path.write_text(json.dumps(old))
     assert loaded.config.item_weight == 1.0
     old_config = load_checkpoint(tmp_path / "ckpt")[0].config
     assert (old_config.item_weight, old_config.level0_from_items) == (0.0, False)
     assert not old_config.item_tied_levels and old_config.item_temperature == 0.0
+    assert not old_config.item_levels_residual
     # A manifest with a model option this code lacks (a newer or patched version wrote it).
     path.write_text(json.dumps(old | {"model_config": old["model_config"] | {"warp": 2.0}}))
     with pytest.raises(CheckpointError, match=r"does not know: \['warp'\].*retrain"):
