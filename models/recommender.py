@@ -50,6 +50,7 @@ from genrec_spec.models.rec_heads import LongIdHeads, ParallelLevelHeads, Recurr
 from genrec_spec.models.rec_layout import TrainLayout
 
 _PREFIX_INDEXES = DerivedCache()  # item_codes table -> its items sorted by code tuple
+_UNIT_ITEM_KEYS = DerivedCache()  # item embedding table -> its rows at unit length
 
 
 class RecommenderInputError(ValueError):
@@ -295,18 +296,23 @@ class SemanticIdRecommender(nn.Module):
 
     def item_scores(self, hidden: Tensor) -> Tensor:
         """hidden [B, D] (a HistoryState's) -> [B, I] SASRec-style next-item logits."""
-        return (
-            self._item_query(hidden)
-            @ self._item_keys(self.embeddings.embeddings["t_item"].weight).T
-        )
+        return self._item_query(hidden) @ self._item_table().T
 
     def _item_query(self, hidden: Tensor) -> Tensor:  # [..., D]
         """The state's side of an item logit: itself, or unit length over the temperature."""
         temperature = self.config.item_temperature
         return F.normalize(hidden, dim=-1) / temperature if temperature else hidden
 
-    def _item_keys(self, rows: Tensor) -> Tensor:  # [..., D] item embedding rows
-        return F.normalize(rows, dim=-1) if self.config.item_temperature else rows
+    def _item_table(self) -> Tensor:  # [I, D]
+        """Every item's side of an item logit: its embedding row, or with item_temperature the
+        row at unit length, normalised once per weight version outside autograd (a decode
+        calls it once per level pass)."""
+        table = self.embeddings.embeddings["t_item"].weight
+        if not self.config.item_temperature:
+            return table
+        if torch.is_grad_enabled():  # training: the keys carry the gradient to the table
+            return F.normalize(table, dim=-1)
+        return _UNIT_ITEM_KEYS.get(table, (table,), lambda: F.normalize(table, dim=-1))
 
     def level0_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, D] -> [N, V0] logits of the next item's level-0 code: its code head's, or
@@ -715,9 +721,7 @@ class SemanticIdRecommender(nn.Module):
         slot = start[:, None] + torch.arange(index.widths[level - 1], device=h.device)  # [n, W]
         inside = slot < end[:, None]
         slot = slot.clamp(max=self.num_items - 1)
-        # Keys from the whole table, as item_scores reads them (not timed against normalising
-        # only the gathered windows).
-        table = self._item_keys(self.embeddings.embeddings["t_item"].weight)  # [I, D]
+        table = self._item_table()  # [I, D] keys as item_scores reads them
         query = self._node_item_query(h, roots)  # [n, D]
         item_logits = (table[index.order[slot]] @ query[:, :, None]).squeeze(-1)
         item_logits = item_logits.masked_fill(~inside, float("-inf"))

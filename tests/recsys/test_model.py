@@ -321,6 +321,31 @@ def test_item_levels_residual_starts_as_the_item_softmax(tiny_model):
     assert (moved - model.item_scores(state.hidden).log_softmax(dim=-1)).abs().max() > 0.1
 
 
+def test_unit_item_keys_follow_the_weights(tiny_model):
+    """With item_temperature the unit-length item table is kept between no-grad calls and built
+    again when the item embeddings are rewritten in place (an optimiser step, load_state_dict);
+    under autograd the gradient reaches the table."""
+    from dataclasses import replace
+
+    from genrec_spec.models.recommender import SemanticIdRecommender
+
+    base, data = tiny_model
+    config = replace(base.config, item_temperature=0.05)
+    model = SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).eval()
+    hidden = torch.randn(2, config.dim)
+    table = model.embeddings.embeddings["t_item"].weight
+
+    def fresh():  # [2, I]
+        return F.normalize(hidden, dim=-1) / 0.05 @ F.normalize(table.detach(), dim=-1).T
+
+    with torch.no_grad():
+        torch.testing.assert_close(model.item_scores(hidden), fresh())
+        table.add_(torch.randn_like(table))
+        torch.testing.assert_close(model.item_scores(hidden), fresh())
+    model.item_scores(hidden).sum().backward()
+    assert table.grad is not None and table.grad.abs().sum() > 0
+
+
 def _chain_log_probs(model, state, item: int) -> list[torch.Tensor]:  # L x [B, V_l]
     """Log-probs of every level along one item's code chain, the item scored alone."""
     codes, batch = model.item_codes[item], state.lengths.numel()
