@@ -120,7 +120,7 @@ class RecommenderConfig:
     # only adds what the prefix tells. Why: ranking the catalogue exactly by the tied levels of the
     # node states alone (ML-1M default checkpoint, test, history excluded) scored HR@10 / NDCG@10
     # 0.2679 / 0.1552 against 0.2796 / 0.1623 for the history state's own item softmax.
-    item_levels_residual: bool = False
+    item_levels_residual: bool = True
     head_branches: int = 8  # branch anchors per row (a stratified subset) that train the heads
     attention_backend: str = "auto"  # tree_attention backend at inference
 

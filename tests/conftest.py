@@ -121,6 +121,7 @@ def tiny_recommender_config():
         level0_from_items=False,
         item_tied_levels=False,
         item_temperature=0.0,
+        item_levels_residual=False,
     )
 
 

@@ -226,6 +226,7 @@ def test_bad_input(tiny_model):
             item_weight=0.0,
             level0_from_items=False,
             item_tied_levels=False,
+            item_levels_residual=False,
         ),
         data.item_codes,
         data.codebook_sizes,

@@ -144,7 +144,13 @@ def test_shipped_configs_load_and_ml1m_is_the_default():
     # came later), twice the epochs in the same budget.
     model_config, train_config = load_config(REPO / "configs" / "ml-1m-ddp.json")
     assert (
-        replace(model_config, item_weight=1.0, level0_from_items=True, item_tied_levels=True)
+        replace(
+            model_config,
+            item_weight=1.0,
+            level0_from_items=True,
+            item_tied_levels=True,
+            item_levels_residual=True,
+        )
         == RecommenderConfig()
     )
     assert train_config.epochs == 80
