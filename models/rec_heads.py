@@ -22,6 +22,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+def children_log_softmax(logits: Tensor) -> Tensor:  # [..., V] -> [..., V]
+    """log_softmax over the finite entries (a prefix's children); a row with none (a prefix no
+    item has, a padding beam) gets all -inf, not NaN."""
+    log_probs = logits.log_softmax(dim=-1)
+    return log_probs.masked_fill(log_probs.isnan(), float("-inf"))
+
+
 def _padded_log_softmax(logits: Tensor, sizes: list[int]) -> Tensor:
     """log_softmax over the first sizes[j] entries of logits[..., j, :]; -inf past them.
     logits: [..., J, Vmax] -> [..., J, Vmax]."""
@@ -123,6 +130,7 @@ class RecurrentDraftHead(nn.Module):
         state: Tensor,  # [..., Hd]
         codes: Tensor,  # [...] int64 level-`level` code of each prefix
         level: int,  # 0..L-2
+        item_logits: Tensor | None = None,  # [..., V] added to the head's logits (draft_tied)
     ) -> tuple[Tensor, Tensor]:  # (new state [..., Hd], log-probs of level + 1 [..., V])
         if not 0 <= level < len(self.embed):
             raise ValueError(
@@ -135,12 +143,21 @@ class RecurrentDraftHead(nn.Module):
             state.reshape(-1, state.shape[-1]),
         )
         new = new.reshape(*lead, -1)
-        return new, self.out[level](new).log_softmax(dim=-1)
+        logits = self.out[level](new)
+        if item_logits is None:
+            return new, logits.log_softmax(dim=-1)
+        return new, children_log_softmax(logits + item_logits)
 
-    def loss(self, h: Tensor, codes: Tensor) -> Tensor:  # h: [M, D], codes: [M, L] -> []
+    def loss(
+        self,
+        h: Tensor,  # [M, D]
+        codes: Tensor,  # [M, L]
+        item_logits: list[Tensor] | None = None,  # per level 1..L-1: [M, V_level] (`step`)
+    ) -> Tensor:  # []
         """Teacher-forced mean CE of levels 1..L-1."""
         state, losses = self.init(h), []
         for level in range(len(self.embed)):
-            state, log_probs = self.step(state, codes[:, level], level)
+            extra = None if item_logits is None else item_logits[level]
+            state, log_probs = self.step(state, codes[:, level], level, extra)
             losses.append(F.nll_loss(log_probs, codes[:, level + 1]))
         return torch.stack(losses).mean()

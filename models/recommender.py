@@ -46,7 +46,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from genrec_spec.kernels import prepare_tree, tree_attention
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.item_prefixes import ItemPrefixIndex
-from genrec_spec.models.rec_heads import LongIdHeads, ParallelLevelHeads, RecurrentDraftHead
+from genrec_spec.models.rec_heads import (
+    LongIdHeads,
+    ParallelLevelHeads,
+    RecurrentDraftHead,
+    children_log_softmax,
+)
 from genrec_spec.models.rec_layout import TrainLayout
 
 _PREFIX_INDEXES = DerivedCache()  # item_codes table -> its items sorted by code tuple
@@ -121,6 +126,13 @@ class RecommenderConfig:
     # node states alone (ML-1M default checkpoint, test, history excluded) scored HR@10 / NDCG@10
     # 0.2679 / 0.1552 against 0.2796 / 0.1623 for the history state's own item softmax.
     item_levels_residual: bool = True
+    # The NEZHA draft head's logits for the next code add the item objective's log-mass under
+    # each child of the prefix at the history state (its softmax over the prefix's children), as
+    # the tied levels do at their nodes: the head learns a correction of the item softmax's
+    # conditionals instead of whole distributions. Needs item_weight > 0. Off in the joint
+    # training (configs/ml-1m.json); `configs/ml-1m-draft.json` turns it on to retrain the head on
+    # the frozen backbone.
+    draft_tied: bool = False
     head_branches: int = 8  # branch anchors per row (a stratified subset) that train the heads
     attention_backend: str = "auto"  # tree_attention backend at inference
 
@@ -211,6 +223,11 @@ class SemanticIdRecommender(nn.Module):
                 "item_levels_residual corrects the tied code levels' item logits; set "
                 "item_tied_levels true or item_levels_residual false"
             )
+        if config.draft_tied and not (config.item_weight and config.draft_head):
+            raise RecommenderInputError(
+                "draft_tied adds the item objective to the draft head; set item_weight > 0 and "
+                "draft_head true, or draft_tied false"
+            )
         if config.item_temperature < 0:
             raise RecommenderInputError(
                 f"item_temperature {config.item_temperature} is negative; use 0 (dot-product "
@@ -278,6 +295,9 @@ class SemanticIdRecommender(nn.Module):
         self._init_weights()
         if self.node_item_query is not None:  # the levels start as the item softmax's
             nn.init.zeros_(self.node_item_query.weight)
+        if config.draft_tied:  # so does the draft head
+            for out in self.draft_head.out:
+                nn.init.zeros_(out.weight)
 
     def _init_weights(self) -> None:
         for module in self.modules():
@@ -698,11 +718,20 @@ class SemanticIdRecommender(nn.Module):
     ) -> Tensor:  # [n, V_level]
         logits = self.code_heads[level](h)
         if self.config.item_tied_levels:
-            logits = logits + self._item_child_logits(h, level, prefixes, roots)
-            # A prefix no item has (a padding node) has no child: all -inf, not NaN.
-            log_probs = logits.log_softmax(dim=-1)
-            return log_probs.masked_fill(log_probs.isnan(), float("-inf"))
+            query = self._node_item_query(h, roots)
+            return children_log_softmax(logits + self._item_child_logits(query, level, prefixes))
         return logits.log_softmax(dim=-1)
+
+    def draft_item_logits(self, hidden: Tensor, prefixes: Tensor) -> Tensor | None:
+        """hidden [..., D] history states, prefixes [..., level] -> [..., V_level] what the
+        draft head adds to its logits (draft_tied): the item objective's log-mass under each
+        child of the prefix at the history state; None without draft_tied."""
+        if not self.config.draft_tied:
+            return None
+        lead, level = prefixes.shape[:-1], prefixes.shape[-1]
+        query = self._item_query(hidden).expand(*lead, -1).reshape(-1, hidden.shape[-1])
+        logits = self._item_child_logits(query, level, prefixes.reshape(-1, level))
+        return logits.unflatten(0, lead)
 
     def _prefix_index(self) -> ItemPrefixIndex:
         codes = self.item_codes
@@ -710,24 +739,22 @@ class SemanticIdRecommender(nn.Module):
             codes, (codes,), lambda: ItemPrefixIndex.from_codes(codes, self.codebook_sizes)
         )
 
-    def _item_child_logits(self, h: Tensor, level: int, prefixes: Tensor, roots: Tensor) -> Tensor:
-        """h [n, D], prefixes [n, level], roots [n, D] -> [n, V_level]: log of the item
-        objective's mass (its logits at the node's query, `_node_item_query`, exponentiated) on
-        the items under each child of the prefix; -inf
-        for codes no item under the prefix has. Each node gathers the window of the
-        code-sorted item table that holds its prefix's items."""
+    def _item_child_logits(self, query: Tensor, level: int, prefixes: Tensor) -> Tensor:
+        """query [n, D] (a state's side of the item logits), prefixes [n, level] -> [n, V_level]:
+        log of the item objective's mass (its logits at the query, exponentiated) on the items
+        under each child of the prefix; -inf for codes no item under the prefix has. Each row
+        gathers the window of the code-sorted item table that holds its prefix's items."""
         index = self._prefix_index()
         start, end = index.runs(prefixes)  # [n]
-        slot = start[:, None] + torch.arange(index.widths[level - 1], device=h.device)  # [n, W]
+        slot = start[:, None] + torch.arange(index.widths[level - 1], device=query.device)  # [n, W]
         inside = slot < end[:, None]
         slot = slot.clamp(max=self.num_items - 1)
         table = self._item_table()  # [I, D] keys as item_scores reads them
-        query = self._node_item_query(h, roots)  # [n, D]
         item_logits = (table[index.order[slot]] @ query[:, :, None]).squeeze(-1)
         item_logits = item_logits.masked_fill(~inside, float("-inf"))
         top = item_logits.max(dim=1, keepdim=True).values.detach()  # [n, 1] for stability
         top = top.masked_fill(top.isinf(), 0.0)
-        mass = h.new_zeros(h.shape[0], self.codebook_sizes[level])
+        mass = query.new_zeros(query.shape[0], self.codebook_sizes[level])
         mass = mass.scatter_add(1, index.sorted_codes[slot, level], (item_logits - top).exp())
         # No log of an empty child's 0 mass: its gradient would be 0 / 0.
         logged = mass.clamp_min(torch.finfo(mass.dtype).tiny).log() + top
@@ -837,7 +864,17 @@ class SemanticIdRecommender(nn.Module):
             losses["long_id"] = self.long_id_heads.loss(anchor_h, digits)
             total = total + self.config.long_id_weight * losses["long_id"]
         if self.draft_head is not None:
-            losses["draft"] = self.draft_head.loss(anchor_h, target_codes)
+            # The tied head learns a correction on top of the item objective, held fixed here:
+            # the draft loss trains the head, not the item table.
+            item_logits = (
+                [
+                    self.draft_item_logits(anchor_h, target_codes[:, :level]).detach()
+                    for level in range(1, levels)
+                ]
+                if self.config.draft_tied
+                else None
+            )
+            losses["draft"] = self.draft_head.loss(anchor_h, target_codes, item_logits)
             total = total + self.config.draft_weight * losses["draft"]
         losses["loss"] = total
         return losses

@@ -122,6 +122,7 @@ def tiny_recommender_config():
         item_tied_levels=False,
         item_temperature=0.0,
         item_levels_residual=False,
+        draft_tied=False,
     )
 
 

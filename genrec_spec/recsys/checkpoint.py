@@ -74,13 +74,15 @@ def load_checkpoint(
             f"reads version {CHECKPOINT_VERSION}; retrain it with `genrec-spec train`"
         )
     # Checkpoints written before the item objective (or level 0 / levels 1.. from it, or its
-    # cosine logits, or the history-state query of the tied levels) existed were trained without it.
+    # cosine logits, the history-state query of the tied levels, the tied draft head) existed were
+    # trained without it.
     before = {
         "item_weight": 0.0,
         "level0_from_items": False,
         "item_tied_levels": False,
         "item_temperature": 0.0,
         "item_levels_residual": False,
+        "draft_tied": False,
     }
     model_config = before | manifest["model_config"]
     unknown = sorted(set(model_config) - {f.name for f in fields(RecommenderConfig)})

@@ -58,11 +58,16 @@ def head_beams(
     `spec_beam`'s "nezha" draft proposes)."""
     head = draft_head_of(model)
     draft = head.init(state.hidden)[:, None].expand(-1, beams.nodes.shape[1], -1)  # [B, W, Hd]
+    prefixes = beams.code[..., None]  # [B, W, level] each beam's codes so far
     for level in range(1, levels):
+        hidden = state.hidden[:, None].expand(-1, prefixes.shape[1], -1)  # [B, W, D]
+        item_logits = model.draft_item_logits(hidden, prefixes)  # [B, W, V] or None
         # The state of each surviving beam reads its last code and predicts this level.
-        draft, log_probs = head.step(draft, beams.code, level - 1)  # [B, W, V]
+        draft, log_probs = head.step(draft, beams.code, level - 1, item_logits)  # [B, W, V]
         beams = extend(beams, log_probs, trie, level, width)
         draft = draft.gather(1, beams.origin[:, :, None].expand(-1, -1, draft.shape[-1]))
+        kept = prefixes.gather(1, beams.origin[:, :, None].expand(-1, -1, level))
+        prefixes = torch.cat([kept, beams.code[..., None]], dim=2)
         yield beams
 
 

@@ -24,6 +24,8 @@ from tqdm import tqdm
 from genrec_spec.models.rec_item_scores import item_log_likelihoods
 from genrec_spec.models.rec_layout import train_layout
 from genrec_spec.models.recommender import RecommenderConfig, SemanticIdRecommender
+from genrec_spec.recsys import nezha
+from genrec_spec.recsys.beam import item_trie
 from genrec_spec.recsys.checkpoint import load_checkpoint, save_checkpoint
 from genrec_spec.recsys.data import (
     Histories,
@@ -120,7 +122,8 @@ def train(
         history.append(record)
         if rank == 0:
             print(_format_epoch(record), flush=True)
-        if best is None or record["ndcg@10"] > best["ndcg@10"]:
+        # A frozen backbone's ranking cannot move, so its heads keep the last (annealed) epoch.
+        if best is None or record["ndcg@10"] > best["ndcg@10"] or config.freeze_backbone:
             best, stale = record, 0
             best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         else:
@@ -178,10 +181,12 @@ def validate(
 ) -> dict[str, float]:
     """HR@10 / NDCG@10 over `rows` (summed over processes): `hr@10`, `ndcg@10` from the exact
     item log-likelihoods, `parallel_*` / `long_id_*` from the heads' item scores, `item_*` from the
-    item objective's (with item_weight > 0); `nll`, the mean negative exact log-likelihood of
-    the targets (a far less noisy signal than HR@10 on a few hundred users)."""
+    item objective's (with item_weight > 0), `draft_*` from the `nezha` decoder's lists (with a
+    draft head); `nll`, the mean negative exact log-likelihood of the targets (a far less noisy
+    signal than HR@10 on a few hundred users)."""
     model.eval()
     items = torch.arange(data.num_items, device=device)
+    trie = item_trie(model)
     sums: dict[str, torch.Tensor] = {}
     for part in rows.split(config.eval_batch_size):
         users = split.select(part)
@@ -196,8 +201,12 @@ def validate(
             scores["item_"] = model.item_scores(state.hidden)
         if model.long_id_heads is not None:
             scores["long_id_"] = model.long_id_heads.score_items(state.hidden, model.long_ids)
-        for prefix, score in scores.items():
-            ranks = ranks_from_topk(score.topk(EVAL_K, dim=1).indices, targets)
+        lists = {prefix: score.topk(EVAL_K, dim=1).indices for prefix, score in scores.items()}
+        if model.draft_head is not None:
+            values, offsets = users.values.to(device), users.offsets.to(device)
+            lists["draft_"] = nezha.decode(model, values, offsets, k=EVAL_K, trie=trie).items
+        for prefix, top in lists.items():
+            ranks = ranks_from_topk(top, targets)
             for name, per_user in per_user_metrics(ranks, (EVAL_K,), EVAL_K).items():
                 if name != "mrr":
                     sums[prefix + name] = sums.get(prefix + name, 0.0) + per_user.sum()
@@ -307,7 +316,7 @@ def _validation_rows(valid: Histories, config: TrainConfig) -> torch.Tensor:  # 
 def _format_epoch(r: dict) -> str:
     heads = "".join(
         f" | {p[:-1]} hr@10 {r[p + 'hr@10']:.4f}"
-        for p in ("parallel_", "long_id_", "item_")
+        for p in ("parallel_", "long_id_", "draft_", "item_")
         if p + "hr@10" in r
     )
     # The code levels' summed CE: the backbone's training NLL per next item, whatever the heads;

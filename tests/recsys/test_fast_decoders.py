@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
-from genrec_spec.models.recommender import RecommenderConfig, SemanticIdRecommender
+from genrec_spec.models.recommender import (
+    RecommenderConfig,
+    RecommenderInputError,
+    SemanticIdRecommender,
+)
 from genrec_spec.recsys import dense, heads, nezha, rpg
 from genrec_spec.recsys.beam import DecodeOptionError
 
@@ -198,6 +202,43 @@ def test_nezha_with_an_exhaustive_beam_equals_brute_force(tiny_model):
     assert out.stats["draft_steps"] == model.num_levels - 1
 
 
+def test_tied_draft_head_starts_as_the_item_softmax_and_learns_a_correction(tiny_model):
+    """draft_tied: the head's out layers start at 0, so with a catalogue-wide beam `nezha`
+    scores every item by the item softmax at the history state (level 0 + the item objective's
+    conditionals telescope), i.e. ranks as `dense` does; its training loss reaches the head."""
+    from dataclasses import replace
+
+    from genrec_spec.models.rec_layout import train_layout
+
+    base, data = tiny_model
+    config = replace(base.config, level0_from_items=True, item_temperature=0.05, draft_tied=True)
+    torch.manual_seed(2)
+    model = SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).eval()
+    values, offsets = _histories(model, [5, 0, 11], seed=9)
+    k = 12
+    out = nezha.decode(model, values, offsets, k=k, trie=_trie(model), beam_width=model.num_items)
+    item_lp = model.item_scores(model.encode_history(values, offsets).hidden).log_softmax(dim=-1)
+    _assert_top_k_equal(out, item_lp, k)
+    with torch.no_grad():  # a trained correction moves the lists away from dense's
+        for layer in model.draft_head.out:
+            layer.weight.normal_(std=1.0)
+    moved = nezha.decode(model, values, offsets, k=k, trie=_trie(model), beam_width=99)
+    assert not torch.allclose(moved.scores, out.scores, atol=1e-3)
+
+    windows, window_offsets = _histories(model, [5, 11], seed=9)  # training rows are not empty
+    layout = train_layout(windows, window_offsets, model.num_levels - 1, 3, torch.Generator())
+    model.train()
+    model.forward_train(layout)["draft"].backward()
+    model.eval()
+    assert model.draft_head.out[0].weight.grad.abs().sum() > 0
+    with pytest.raises(RecommenderInputError, match="draft_tied"):
+        SemanticIdRecommender(
+            replace(config, item_weight=0.0, level0_from_items=False),
+            data.item_codes,
+            data.codebook_sizes,
+        )
+
+
 def test_bad_input(tiny_model):
     model, data = tiny_model
     values, offsets = _histories(model, [3, 2])
@@ -227,6 +268,7 @@ def test_bad_input(tiny_model):
             level0_from_items=False,
             item_tied_levels=False,
             item_levels_residual=False,
+            draft_tied=False,
         ),
         data.item_codes,
         data.codebook_sizes,

@@ -90,6 +90,7 @@ def test_checkpoint_round_trip(tiny_model, tmp_path):
         "item_tied_levels",
         "item_temperature",
         "item_levels_residual",
+        "draft_tied",
     ):
         del old["model_config"][option]
     path.write_text(json.dumps(old))
@@ -97,7 +98,7 @@ def test_checkpoint_round_trip(tiny_model, tmp_path):
     old_config = load_checkpoint(tmp_path / "ckpt")[0].config
     assert (old_config.item_weight, old_config.level0_from_items) == (0.0, False)
     assert not old_config.item_tied_levels and old_config.item_temperature == 0.0
-    assert not old_config.item_levels_residual
+    assert not old_config.item_levels_residual and not old_config.draft_tied
     # A manifest with a model option this code lacks (a newer or patched version wrote it).
     path.write_text(json.dumps(old | {"model_config": old["model_config"] | {"warp": 2.0}}))
     with pytest.raises(CheckpointError, match=r"does not know: \['warp'\].*retrain"):
@@ -155,6 +156,10 @@ def test_shipped_configs_load_and_ml1m_is_the_default():
     )
     assert train_config.epochs == 80
     assert train_config.max_minutes == TrainConfig().max_minutes
+    # The second step of the default recipe: the tied draft head on the frozen default backbone.
+    model_config, train_config = load_config(REPO / "configs" / "ml-1m-draft.json")
+    assert model_config == replace(RecommenderConfig(), draft_tied=True)
+    assert train_config.freeze_backbone and train_config.init_from == "runs/ml-1m-model"
 
 
 def test_schedule_decays_within_the_time_budget():
