@@ -277,6 +277,14 @@ def _build_model(
     if config.freeze_backbone:
         for p in model.backbone_parameters():
             p.requires_grad_(False)
+    # A head whose loss weight is 0 learns nothing, so it is frozen: AdamW's weight decay would
+    # otherwise shrink its weights (retraining one head on a frozen backbone keeps the others).
+    weights = (model_config.parallel_weight, model_config.long_id_weight, model_config.draft_weight)
+    for head, weight in zip(
+        (model.parallel_heads, model.long_id_heads, model.draft_head), weights, strict=True
+    ):
+        if head is not None and not weight:
+            head.requires_grad_(False)
     return model
 
 

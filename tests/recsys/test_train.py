@@ -130,6 +130,23 @@ def test_heads_after_a_frozen_backbone(tiny_data_dir, tmp_path):
     heads = ("parallel_heads.", "long_id_heads.", "draft_head.")
     assert all(torch.equal(before[k], after[k]) for k in before if not k.startswith(heads))
     assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith(heads))
+    # One head retrained (the others' loss weights 0): the others stay exactly as they were.
+    model_config, train_config = load_config(
+        None,
+        {
+            "model": {**TINY_MODEL, "parallel_weight": 0.0, "long_id_weight": 0.0},
+            "train": {
+                **TINY_TRAIN,
+                "epochs": 2,
+                "freeze_backbone": True,
+                "init_from": str(tmp_path / "base"),
+            },
+        },
+    )
+    train(tiny_data_dir, tmp_path / "draft", model_config, train_config)
+    after = load_checkpoint(tmp_path / "draft")[0].state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if not k.startswith("draft_head."))
+    assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith("draft_head."))
 
 
 def test_shipped_configs_load_and_ml1m_is_the_default():
@@ -158,7 +175,9 @@ def test_shipped_configs_load_and_ml1m_is_the_default():
     assert train_config.max_minutes == TrainConfig().max_minutes
     # The second step of the default recipe: the tied draft head on the frozen default backbone.
     model_config, train_config = load_config(REPO / "configs" / "ml-1m-draft.json")
-    assert model_config == replace(RecommenderConfig(), draft_tied=True)
+    assert model_config == replace(
+        RecommenderConfig(), draft_tied=True, parallel_weight=0.0, long_id_weight=0.0
+    )
     assert train_config.freeze_backbone and train_config.init_from == "runs/ml-1m-model"
 
 
