@@ -720,20 +720,30 @@ class SemanticIdRecommender(nn.Module):
     ) -> Tensor:  # [n, V_level]
         logits = self.code_heads[level](h)
         if self.config.item_tied_levels:
-            query = self._node_item_query(h, roots)
-            return children_log_softmax(logits + self._item_child_logits(query, level, prefixes))
+            query = self._node_item_query(h, roots)  # [n, D]
+
+            def item_logits(items: Tensor) -> Tensor:  # [n, W] -> [n, W]
+                return (self._item_table()[items] @ query[:, :, None]).squeeze(-1)
+
+            child_logits = self._item_child_logits(item_logits, level, prefixes)
+            return children_log_softmax(logits + child_logits)
         return logits.log_softmax(dim=-1)
 
     def draft_item_logits(self, hidden: Tensor, prefixes: Tensor) -> Tensor | None:
-        """hidden [..., D] history states, prefixes [..., level] -> [..., V_level] what the
+        """hidden [B, D] history states, prefixes [B, W, level] -> [B, W, V_level] what the
         draft head adds to its logits (draft_tied): the item objective's log-mass under each
-        child of the prefix at the history state; None without draft_tied."""
+        child of the prefix at the history state; None without draft_tied. The row's item
+        logits are computed once ([B, I], as `dense`) and gathered per prefix."""
         if not self.config.draft_tied:
             return None
-        lead, level = prefixes.shape[:-1], prefixes.shape[-1]
-        query = self._item_query(hidden).expand(*lead, -1).reshape(-1, hidden.shape[-1])
-        logits = self._item_child_logits(query, level, prefixes.reshape(-1, level))
-        return logits.unflatten(0, lead)
+        batch, width, level = prefixes.shape
+        scores = self.item_scores(hidden)  # [B, I]
+
+        def item_logits(items: Tensor) -> Tensor:  # [B*W, n] -> [B*W, n]
+            return scores.gather(1, items.reshape(batch, -1)).reshape(items.shape)
+
+        logits = self._item_child_logits(item_logits, level, prefixes.reshape(-1, level))
+        return logits.unflatten(0, (batch, width))
 
     def _prefix_index(self) -> ItemPrefixIndex:
         codes = self.item_codes
@@ -741,22 +751,20 @@ class SemanticIdRecommender(nn.Module):
             codes, (codes,), lambda: ItemPrefixIndex.from_codes(codes, self.codebook_sizes)
         )
 
-    def _item_child_logits(self, query: Tensor, level: int, prefixes: Tensor) -> Tensor:
-        """query [n, D] (a state's side of the item logits), prefixes [n, level] -> [n, V_level]:
-        log of the item objective's mass (its logits at the query, exponentiated) on the items
+    def _item_child_logits(self, item_logits_of, level: int, prefixes: Tensor) -> Tensor:
+        """prefixes [n, level] -> [n, V_level]: log of the item objective's mass (its logits,
+        `item_logits_of(items [n, W]) -> [n, W]` for row r's state, exponentiated) on the items
         under each child of the prefix; -inf for codes no item under the prefix has. Each row
-        gathers the window of the code-sorted item table that holds its prefix's items."""
+        reads the window of the code-sorted item table that holds its prefix's items."""
         index = self._prefix_index()
         start, end = index.runs(prefixes)  # [n]
-        slot = start[:, None] + torch.arange(index.widths[level - 1], device=query.device)  # [n, W]
+        slot = start[:, None] + torch.arange(index.widths[level - 1], device=start.device)  # [n, W]
         inside = slot < end[:, None]
         slot = slot.clamp(max=self.num_items - 1)
-        table = self._item_table()  # [I, D] keys as item_scores reads them
-        item_logits = (table[index.order[slot]] @ query[:, :, None]).squeeze(-1)
-        item_logits = item_logits.masked_fill(~inside, float("-inf"))
+        item_logits = item_logits_of(index.order[slot]).masked_fill(~inside, float("-inf"))
         top = item_logits.max(dim=1, keepdim=True).values.detach()  # [n, 1] for stability
         top = top.masked_fill(top.isinf(), 0.0)
-        mass = query.new_zeros(query.shape[0], self.codebook_sizes[level])
+        mass = item_logits.new_zeros(item_logits.shape[0], self.codebook_sizes[level])
         mass = mass.scatter_add(1, index.sorted_codes[slot, level], (item_logits - top).exp())
         # No log of an empty child's 0 mass: its gradient would be 0 / 0.
         logged = mass.clamp_min(torch.finfo(mass.dtype).tiny).log() + top
@@ -870,7 +878,7 @@ class SemanticIdRecommender(nn.Module):
             # the draft loss trains the head, not the item table.
             item_logits = (
                 [
-                    self.draft_item_logits(anchor_h, target_codes[:, :level]).detach()
+                    self.draft_item_logits(anchor_h, target_codes[:, None, :level])[:, 0].detach()
                     for level in range(1, levels)
                 ]
                 if self.config.draft_tied

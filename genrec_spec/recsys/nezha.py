@@ -60,8 +60,7 @@ def head_beams(
     draft = head.init(state.hidden)[:, None].expand(-1, beams.nodes.shape[1], -1)  # [B, W, Hd]
     prefixes = beams.code[..., None]  # [B, W, level] each beam's codes so far
     for level in range(1, levels):
-        hidden = state.hidden[:, None].expand(-1, prefixes.shape[1], -1)  # [B, W, D]
-        item_logits = model.draft_item_logits(hidden, prefixes)  # [B, W, V] or None
+        item_logits = model.draft_item_logits(state.hidden, prefixes)  # [B, W, V] or None
         # The state of each surviving beam reads its last code and predicts this level.
         draft, log_probs = head.step(draft, beams.code, level - 1, item_logits)  # [B, W, V]
         beams = extend(beams, log_probs, trie, level, width)
