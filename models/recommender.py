@@ -34,6 +34,7 @@ D model width, H heads, L code levels (collision code included), V codes, I item
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -699,7 +700,9 @@ class SemanticIdRecommender(nn.Module):
         out = h.new_full((levels.numel(), vmax), float("-inf"))  # [B*N, Vmax]
         h, levels = h.flatten(0, 1), levels.flatten()  # [B*N, D], [B*N]
         prefixes = None if prefixes is None else prefixes.flatten(0, 1)  # [B*N, L-1]
-        roots = roots[:, None].expand(-1, out_shape[1], -1).flatten(0, 1)  # [B*N, D]
+        # item_levels_residual: each row's history-state query, normalised once, read per node.
+        root_query = None if self.node_item_query is None else self._item_query(roots)  # [B, D]
+        node_row = torch.arange(out_shape[0], device=h.device).repeat_interleave(out_shape[1])
         counts = torch.bincount(levels, minlength=self.num_levels - 1).tolist()
         for level, count in enumerate(counts):
             if not count:
@@ -707,7 +710,8 @@ class SemanticIdRecommender(nn.Module):
             # One level only: every node, no selection (a view, no index copies).
             rows = slice(None) if count == levels.numel() else levels == level
             prefix = None if prefixes is None else prefixes[rows, : level + 1]
-            scored = self._level_log_probs(h[rows], level + 1, prefix, roots[rows])
+            query = None if root_query is None else root_query[node_row[rows]]  # [n, D]
+            scored = self._level_log_probs(h[rows], level + 1, prefix, query)
             out[rows, : self.codebook_sizes[level + 1]] = scored
         return out.unflatten(0, out_shape)
 
@@ -716,11 +720,16 @@ class SemanticIdRecommender(nn.Module):
         h: Tensor,  # [n, D] states of prefix nodes of length `level`
         level: int,  # >= 1, the level predicted
         prefixes: Tensor | None,  # [n, level] the nodes' prefixes (item_tied_levels only)
-        roots: Tensor,  # [n, D] the history state each node's prefix extends
+        root_query: Tensor | None,  # [n, D] item query of each node's history state (residual)
     ) -> Tensor:  # [n, V_level]
         logits = self.code_heads[level](h)
         if self.config.item_tied_levels:
-            query = self._node_item_query(h, roots)  # [n, D]
+            # The node's item query: from its own state, or (item_levels_residual) the history
+            # state's plus the node's correction.
+            if root_query is None:
+                query = self._item_query(h)  # [n, D]
+            else:
+                query = root_query + self.node_item_query(h)
 
             def item_logits(items: Tensor) -> Tensor:  # [n, W] -> [n, W]
                 return (self._item_table()[items] @ query[:, :, None]).squeeze(-1)
@@ -729,15 +738,12 @@ class SemanticIdRecommender(nn.Module):
             return children_log_softmax(logits + child_logits)
         return logits.log_softmax(dim=-1)
 
-    def draft_item_logits(self, hidden: Tensor, prefixes: Tensor) -> Tensor | None:
-        """hidden [B, D] history states, prefixes [B, W, level] -> [B, W, V_level] what the
-        draft head adds to its logits (draft_tied): the item objective's log-mass under each
-        child of the prefix at the history state; None without draft_tied. The row's item
-        logits are computed once ([B, I], as `dense`) and gathered per prefix."""
-        if not self.config.draft_tied:
-            return None
+    def draft_item_logits(self, scores: Tensor, prefixes: Tensor) -> Tensor:
+        """scores [B, I] the rows' item logits (`item_scores` of their history states, computed
+        once per decode), prefixes [B, W, level] -> [B, W, V_level]: what the tied draft head
+        adds to its logits (draft_tied), the item objective's log-mass under each child of each
+        prefix."""
         batch, width, level = prefixes.shape
-        scores = self.item_scores(hidden)  # [B, I]
 
         def item_logits(items: Tensor) -> Tensor:  # [B*W, n] -> [B*W, n]
             return scores.gather(1, items.reshape(batch, -1)).reshape(items.shape)
@@ -751,7 +757,9 @@ class SemanticIdRecommender(nn.Module):
             codes, (codes,), lambda: ItemPrefixIndex.from_codes(codes, self.codebook_sizes)
         )
 
-    def _item_child_logits(self, item_logits_of, level: int, prefixes: Tensor) -> Tensor:
+    def _item_child_logits(
+        self, item_logits_of: Callable[[Tensor], Tensor], level: int, prefixes: Tensor
+    ) -> Tensor:
         """prefixes [n, level] -> [n, V_level]: log of the item objective's mass (its logits,
         `item_logits_of(items [n, W]) -> [n, W]` for row r's state, exponentiated) on the items
         under each child of the prefix; -inf for codes no item under the prefix has. Each row
@@ -769,13 +777,6 @@ class SemanticIdRecommender(nn.Module):
         # No log of an empty child's 0 mass: its gradient would be 0 / 0.
         logged = mass.clamp_min(torch.finfo(mass.dtype).tiny).log() + top
         return logged.masked_fill(mass == 0, float("-inf"))
-
-    def _node_item_query(self, h: Tensor, roots: Tensor) -> Tensor:  # [n, D]
-        """A prefix node's item query: from its state h [n, D], or with item_levels_residual
-        the history state's (roots [n, D]) plus the node's correction."""
-        if self.node_item_query is None:
-            return self._item_query(h)
-        return self._item_query(roots) + self.node_item_query(h)
 
     def _node_prefixes(self, codes: Tensor, levels: Tensor, parents: Tensor) -> Tensor | None:
         """codes, levels, parents [B, N] -> [B, N, L-1]: each node's codes at levels 0..its
@@ -845,12 +846,15 @@ class SemanticIdRecommender(nn.Module):
         node_h = h[:, tokens:].unflatten(1, (branches, levels - 1))  # [B, P, L-1, D]
         # Each branch's history state: the state at its anchor, whose next item it spells.
         anchor_h = h[:, :tokens].gather(1, anchor[..., None].expand(-1, -1, h.shape[-1]))
+        root_query = None  # [M', D] its item query (item_levels_residual), shared by the levels
+        if self.node_item_query is not None:
+            root_query = self._item_query(anchor_h[has_branch])
         for level in range(1, levels):
             log_probs = self._level_log_probs(
                 node_h[:, :, level - 1][has_branch],
                 level,
                 branch_codes[..., :level][has_branch],
-                anchor_h[has_branch],
+                root_query,
             )
             losses[f"level_{level}"] = F.nll_loss(log_probs, branch_codes[..., level][has_branch])
         total = sum(losses.values())
@@ -874,16 +878,16 @@ class SemanticIdRecommender(nn.Module):
             losses["long_id"] = self.long_id_heads.loss(anchor_h, digits)
             total = total + self.config.long_id_weight * losses["long_id"]
         if self.draft_head is not None:
-            # The tied head learns a correction on top of the item objective, held fixed here:
-            # the draft loss trains the head, not the item table.
-            item_logits = (
-                [
-                    self.draft_item_logits(anchor_h, target_codes[:, None, :level])[:, 0].detach()
-                    for level in range(1, levels)
-                ]
-                if self.config.draft_tied
-                else None
-            )
+            item_logits = None  # per level [M, V]: what the tied head adds to its logits
+            if self.config.draft_tied:
+                # The tied head learns a correction on top of the item objective, held fixed
+                # here: the draft loss trains the head, not the item table.
+                with torch.no_grad():
+                    scores = self.item_scores(anchor_h)  # [M, I]
+                    item_logits = [
+                        self.draft_item_logits(scores, target_codes[:, None, :level])[:, 0]
+                        for level in range(1, levels)
+                    ]
             losses["draft"] = self.draft_head.loss(anchor_h, target_codes, item_logits)
             total = total + self.config.draft_weight * losses["draft"]
         losses["loss"] = total

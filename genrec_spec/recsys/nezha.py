@@ -59,8 +59,11 @@ def head_beams(
     head = draft_head_of(model)
     draft = head.init(state.hidden)[:, None].expand(-1, beams.nodes.shape[1], -1)  # [B, W, Hd]
     prefixes = beams.code[..., None]  # [B, W, level] each beam's codes so far
+    # A tied head (draft_tied) adds the item objective's mass under each child: the rows' item
+    # logits are computed once here, as `dense` does, and read per prefix at every level.
+    scores = model.item_scores(state.hidden) if model.config.draft_tied else None  # [B, I]
     for level in range(1, levels):
-        item_logits = model.draft_item_logits(state.hidden, prefixes)  # [B, W, V] or None
+        item_logits = None if scores is None else model.draft_item_logits(scores, prefixes)
         # The state of each surviving beam reads its last code and predicts this level.
         draft, log_probs = head.step(draft, beams.code, level - 1, item_logits)  # [B, W, V]
         beams = extend(beams, log_probs, trie, level, width)
@@ -68,6 +71,24 @@ def head_beams(
         kept = prefixes.gather(1, beams.origin[:, :, None].expand(-1, -1, level))
         prefixes = torch.cat([kept, beams.code[..., None]], dim=2)
         yield beams
+
+
+def search(
+    model,  # SemanticIdRecommender with a draft head
+    state,  # HistoryState of B users
+    trie: PrefixTrie,
+    k: int,
+    width: int,  # W >= k
+) -> tuple[Tensor, Tensor, int]:  # items [B, K], scores [B, K], draft nodes expanded
+    """The whole NEZHA search from an encoded history: level 0 from the backbone, the deeper
+    levels from the draft head's beam."""
+    batch = state.lengths.numel()
+    first = extend(start_beams(batch, trie), state.level0_log_probs[:, None], trie, 0, width)
+    draft_nodes = 0
+    for beams in head_beams(model, state, first, trie, width, model.num_levels):
+        draft_nodes += beams.code.numel()
+    items, scores = finish(beams, trie, k)
+    return items, scores, draft_nodes
 
 
 @torch.no_grad()
@@ -86,12 +107,7 @@ def decode(
     check_trie(model, trie)
     draft_head_of(model)  # before any work
     state = model.encode_history(values, offsets)
-    batch = state.lengths.numel()
-    first = extend(start_beams(batch, trie), state.level0_log_probs[:, None], trie, 0, width)
-    draft_nodes = 0
-    for beams in head_beams(model, state, first, trie, width, model.num_levels):
-        draft_nodes += beams.code.numel()
-    items, scores = finish(beams, trie, k)
+    items, scores, draft_nodes = search(model, state, trie, k, width)
     return Recommendations(
         items=items,
         scores=scores,

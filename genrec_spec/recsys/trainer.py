@@ -25,7 +25,7 @@ from genrec_spec.models.rec_item_scores import item_log_likelihoods
 from genrec_spec.models.rec_layout import train_layout
 from genrec_spec.models.recommender import RecommenderConfig, SemanticIdRecommender
 from genrec_spec.recsys import nezha
-from genrec_spec.recsys.beam import item_trie
+from genrec_spec.recsys.beam import beam_width_for, item_trie
 from genrec_spec.recsys.checkpoint import load_checkpoint, save_checkpoint
 from genrec_spec.recsys.data import (
     Histories,
@@ -202,9 +202,9 @@ def validate(
         if model.long_id_heads is not None:
             scores["long_id_"] = model.long_id_heads.score_items(state.hidden, model.long_ids)
         lists = {prefix: score.topk(EVAL_K, dim=1).indices for prefix, score in scores.items()}
-        if model.draft_head is not None:
-            values, offsets = users.values.to(device), users.offsets.to(device)
-            lists["draft_"] = nezha.decode(model, values, offsets, k=EVAL_K, trie=trie).items
+        if model.draft_head is not None:  # the nezha decoder's lists, from the same state
+            width = beam_width_for(EVAL_K, None, data.num_items)
+            lists["draft_"] = nezha.search(model, state, trie, EVAL_K, width)[0]
         for prefix, top in lists.items():
             ranks = ranks_from_topk(top, targets)
             for name, per_user in per_user_metrics(ranks, (EVAL_K,), EVAL_K).items():
