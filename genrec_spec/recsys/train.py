@@ -48,10 +48,13 @@ class TrainConfig:
     # 0.1856 / 0.1776 (128: 32 epochs fit instead of 40).
     branches_per_row: int = 64
     window: str = "random"  # "random" | "last": which max_len + 1 items of a long user to read
-    valid_users: int = 512  # fixed random subset of valid users scored per epoch; 0 = all
+    # Fixed random subset of valid users scored per epoch (0 = all): the early-stopping and
+    # checkpoint signal. ML-1M, seed 0, 43 min, test history excluded: 512 -> 2048 users gave beam
+    # HR@10 / NDCG@10 0.2843 / 0.1627 -> 0.2902 / 0.1670, for 120-150 s more per run.
+    valid_users: int = 2048
     eval_batch_size: int = 64  # users per validation pass
     eval_chunk: int = 32  # scored prefix nodes per tree pass in validation
-    patience: int = 10  # epochs without a better valid NDCG@10 before stopping (512 users: noisy)
+    patience: int = 10  # epochs without a better valid NDCG@10 before stopping (it is noisy)
     freeze_backbone: bool = False  # train only the heads (start from `init_from`)
     init_from: str | None = None  # checkpoint folder to start from (same data)
     # torch threads per process; 0 = cores / processes. 1 measured fastest on the shared 2-core
