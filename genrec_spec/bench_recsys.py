@@ -1,9 +1,8 @@
 """Recommendation decoding benchmark: ``genrec-spec bench recsys --ckpt CKPT``.
 
 In one process and one run, on the same users of the held-out split and the same checkpoint,
-it times every decoder (``beam``, ``spec_beam`` with its default draft (the NEZHA head's when
-it is tied to the item objective, else the frontier), ``spec-frontier`` drafting the frontier
-(every level-0 code), ``heads``, ``rpg`` over its item graph, ``rpg-exact`` scoring
+it times every decoder (``beam``, ``spec_beam`` with its default frontier draft, ``spec-nezha``
+drafting from the NEZHA head, ``heads``, ``rpg`` over its item graph, ``rpg-exact`` scoring
 every item, ``nezha``, and ``dense`` where the checkpoint has the item objective) with the same
 K and the same beam width (given to every decoder that has one: beam, spec_beam, nezha; by
 default beam's own, max(K, 20)).
@@ -54,11 +53,10 @@ from genrec_spec.recsys.recommend import get_decoder
 # Benchmark rows that are a registered decoder with fixed options.
 VARIANTS: dict[str, tuple[str, dict]] = {
     "rpg-exact": ("rpg", {"mode": "exact"}),
-    # spec_beam drafting every level-0 code with the history pass, the children of the beams
-    # with each follow-up: 2 passes for 3 levels + collision, whatever the model says
-    "spec-frontier": ("spec_beam", {"draft": "frontier", "lookahead": 1}),
+    # spec_beam drafting from the NEZHA head after the history pass (follow-ups for misses only)
+    "spec-nezha": ("spec_beam", {"draft": "nezha", "lookahead": 0}),
 }
-DECODERS = ("beam", "spec_beam", "spec-frontier", "heads", "rpg", "rpg-exact", "nezha", "dense")
+DECODERS = ("beam", "spec_beam", "spec-nezha", "heads", "rpg", "rpg-exact", "nezha", "dense")
 
 
 def decoders_of(model) -> tuple[str, ...]:

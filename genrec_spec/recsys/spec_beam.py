@@ -1,20 +1,18 @@
 """Lossless speculative beam search over Semantic IDs: `beam`'s exact top-K in fewer passes.
 
-    decode(model, values, offsets, *, k, trie, beam_width=None, draft="auto",
-           draft_items=None, lookahead=None, draft_width=None) -> Recommendations
+    decode(model, values, offsets, *, k, trie, beam_width=None, draft="frontier",
+           draft_items=None, lookahead=1, draft_width=None) -> Recommendations
 
 Trie-constrained beam search needs, at level l, the target's log-probs of level l at each of the
 W beams (prefixes of length l). Which prefixes those are is known only after level l - 1 was
 selected, so `beam` pays one sequential target pass per level. Here:
 
 1. Draft: pick trie prefixes the beam is likely to need. Before any target pass: `"frontier"`
-   takes the whole first level of the trie (every level-0 code), so whichever codes the target
-   ranks top-W, they are scored; `draft_items` adds the prefixes of given items (any retrieval
-   result). After the history pass: `"nezha"` runs the model's NEZHA draft head's
+   (default) takes the whole first level of the trie (every level-0 code), so whichever codes
+   the target ranks top-W, they are scored; `draft_items` adds the prefixes of given items (any
+   retrieval result). After the history pass: `"nezha"` runs the model's NEZHA draft head's
    trie-constrained beam (width `draft_width`, default 2 W) from the exact level-0 beams down
-   to prefixes of length L - 1. `"none"` drafts nothing. `"auto"` (default) is "nezha" for a
-   model whose draft head is tied to the item objective (`draft_tied`; its draft held every
-   needed prefix on ML-1M), "frontier" otherwise.
+   to prefixes of length L - 1. `"none"` drafts nothing.
 2. One fused target pass scores the history AND the pre-history draft
    (`model.encode_history_and_tree`).
 3. Beam selection runs level by level on the target's exact log-probs looked up at the beams'
@@ -35,11 +33,9 @@ W = 20): a pass's fixed cost is only about what 70 extra tree nodes cost (the no
 feed-forward and attention are real compute), and this module's bookkeeping (membership masks,
 prefix trees) costs ~1.5-2 ms, so exactness does not come cheap: the frontier draft (256 extra
 nodes) runs at ~0.8x `beam`'s latency, "none" with lookahead 2 (~640 nodes) ~0.5x. The
-"nezha" draft of an untied head found 51-62% of the needed prefixes on ML-100K (draft width
-W-2W; the level-0 beams it always holds included) and 87-96% on ML-1M (2W-4W), yet some needed
-prefix is missed for nearly every user, so it saved at most one pass (3.3-4 passes) and ran at
-~0.65x; the tied head's draft (`draft_tied`, ML-1M, 2W) held every needed prefix: 2.23 passes,
-0.93x with lookahead 0, against the frontier draft's 0.58x in the same run. Even an
+"nezha" draft found 51-62% of the needed prefixes on ML-100K (draft width W-2W; the level-0
+beams it always holds included) and 87-96% on ML-1M (2W-4W), yet some needed prefix is missed
+for nearly every user, so it saves at most one pass (3.3-4 passes) and runs at ~0.65x. Even an
 oracle draft (exactly the prefixes beam needs: ONE pass, ~100 nodes) measured only 1.35x at
 W = 20 and 1.23x at W = 50, since the history pass and the per-level selection stay. The saving
 pays where a pass's fixed cost dominates a tree node's (an accelerator; not measured here).
@@ -79,7 +75,7 @@ from genrec_spec.recsys.scoring import (
 )
 from genrec_spec.recsys.types import Recommendations
 
-DRAFTS = ("auto", "frontier", "none", "nezha")
+DRAFTS = ("frontier", "none", "nezha")
 
 
 @dataclass(frozen=True)
@@ -87,15 +83,12 @@ class SpecBeamConfig:
     """Defaults of the `spec_beam` options."""
 
     # What is drafted: "frontier" (pass 1 scores it with the history), "nezha" (after the
-    # history pass, rides on the first follow-up), "none", or "auto": "nezha" with a tied draft
-    # head, else "frontier".
-    draft: str = "auto"
+    # history pass, rides on the first follow-up) or "none".
+    draft: str = "frontier"
     draft_width: int | None = None  # beam width of the "nezha" draft; None = 2 W
     # Levels of the current beams' descendants a follow-up pass also scores (0: only the
-    # missing prefixes; 1: their children; L - 2: all the decode can still need). None: 0 with
-    # the "nezha" draft (it already guesses every level below; a miss costs one more pass), 1
-    # otherwise.
-    lookahead: int | None = None
+    # missing prefixes; 1: their children; L - 2: all the decode can still need).
+    lookahead: int = 1
 
 
 @dataclass(frozen=True)
@@ -200,16 +193,11 @@ def decode(
     beam_width: int | None = None,  # W >= k; None = beam's default, max(k, 20)
     draft: str = SpecBeamConfig.draft,
     draft_items: Tensor | None = None,  # [B, R] int64 items whose prefixes pass 1 also scores
-    lookahead: int | None = SpecBeamConfig.lookahead,  # descendant levels per follow-up
+    lookahead: int = SpecBeamConfig.lookahead,  # descendant levels per follow-up (module doc)
     draft_width: int | None = SpecBeamConfig.draft_width,  # "nezha" draft's beam width
 ) -> Recommendations:
     start_time = time.perf_counter()
     width = beam_width_for(k, beam_width, model.num_items)
-    if draft == "auto":
-        tied = model.draft_head is not None and model.config.draft_tied
-        draft = "nezha" if tied else "frontier"
-    if lookahead is None:
-        lookahead = 0 if draft == "nezha" else 1
     if not isinstance(lookahead, int) or lookahead < 0:  # a bool is 0 or 1
         raise DecodeOptionError(f"lookahead must be an integer >= 0 (levels), got {lookahead!r}")
     if draft_width is not None and draft_width < 1:

@@ -4,8 +4,6 @@ miss (follow-up passes); then a model trained on real ML-100K."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -125,23 +123,6 @@ def test_nezha_draft_equals_beam(seed, sizes, items):
             assert 0.0 < got.stats["draft_hit_rate"] <= 1.0  # level-0 beams are always drafted
 
 
-def test_auto_draft_is_the_tied_heads():
-    """The default draft: the NEZHA head's (lookahead 0) when the head is tied to the item
-    objective, else the frontier (lookahead 1): the same passes and nodes as asking for them."""
-    model = _random_model(1, (4, 3, 3), 90)
-    trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
-    values, offsets = _histories(model, users=8, seed=1)
-
-    def counts(**options) -> tuple:
-        stats = spec_beam.decode(model, values, offsets, k=5, trie=trie, **options).stats
-        return stats["target_passes"], stats["nodes_scored"], stats["draft_nodes"]
-
-    assert model.config.draft_tied
-    assert counts() == counts(draft="nezha", lookahead=0) != counts(draft="frontier")
-    model.config = replace(model.config, draft_tied=False)
-    assert counts() == counts(draft="frontier", lookahead=1) != counts(draft="nezha")
-
-
 @pytest.mark.parametrize("drafted", [1, 3, "all"])
 def test_item_drafts_that_hit_and_miss(drafted):
     """Drafting every item's prefixes needs no follow-up (one pass, every needed prefix
@@ -185,7 +166,7 @@ def test_bad_options_raise():
     model = _random_model(0, (5, 4), 60)
     trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
     values, offsets = _histories(model, users=2, seed=0)
-    with pytest.raises(DecodeOptionError, match="valid drafts: auto, frontier, none, nezha"):
+    with pytest.raises(DecodeOptionError, match="valid drafts: frontier, none, nezha"):
         spec_beam.decode(model, values, offsets, k=3, trie=trie, draft="heads")
     with pytest.raises(ValueError, match="candidate item indices must lie in"):
         bad = torch.tensor([[0], [model.num_items]])
@@ -235,8 +216,7 @@ def test_spec_beam_equals_beam_on_trained_ml100k(ml100k_model, ml100k_dir):
     test = load_prepared(ml100k_dir).test
     trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
     users = torch.arange(200)
-    assert model.config.draft_tied  # so the default draft ("auto") is the head's
-    for k, width, draft in [(10, 20, "frontier"), (30, 30, "none"), (10, 20, "auto")]:
+    for k, width, draft in [(10, 20, "frontier"), (30, 30, "none")]:
         for rows in users.split(100):
             part = test.select(rows)
             want = beam.decode(model, part.values, part.offsets, k=k, trie=trie, beam_width=width)
