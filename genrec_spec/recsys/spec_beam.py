@@ -35,7 +35,11 @@ prefix trees) costs ~1.5-2 ms, so exactness does not come cheap: the frontier dr
 nodes) runs at ~0.8x `beam`'s latency, "none" with lookahead 2 (~640 nodes) ~0.5x. The
 "nezha" draft found 51-62% of the needed prefixes on ML-100K (draft width W-2W; the level-0
 beams it always holds included) and 87-96% on ML-1M (2W-4W), yet some needed prefix is missed
-for nearly every user, so it saves at most one pass (3.3-4 passes) and runs at ~0.65x. Even an
+for nearly every user, so it saves at most one pass (3.3-4 passes) and runs at ~0.65x. A head
+tied to the item objective (`draft_tied`, ML-1M, 2W) holds 99.7% of them: 2.14 passes at batch
+1 (W = 20, about beam's latency), but in a batch any row's miss costs every row the follow-ups
+(batch 64, W = 200: 4 passes, ~2x beam's time, the frontier draft 1.3x), and a pass-bound
+accelerator never gains over the frontier's fixed 2 passes; so "frontier" stays the default. Even an
 oracle draft (exactly the prefixes beam needs: ONE pass, ~100 nodes) measured only 1.35x at
 W = 20 and 1.23x at W = 50, since the history pass and the per-level selection stay. The saving
 pays where a pass's fixed cost dominates a tree node's (an accelerator; not measured here).
