@@ -9,6 +9,7 @@ importlib mode, where test modules cannot import each other.
 import hashlib
 import json
 import os
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +92,14 @@ def write_tiny_prepared(
     }
     (path / "manifest.json").write_text(json.dumps(manifest))
     return path
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A loopback TCP port nobody listens on (bound once by the OS, then released)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @pytest.fixture

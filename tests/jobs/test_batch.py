@@ -154,10 +154,8 @@ def test_bad_input_is_one_clear_error_and_writes_nothing(
         assert not out.exists(), name
 
 
-def test_unreachable_ray_address_fails_before_writing(tiny_checkpoint, tmp_path, capsys):
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_unreachable_ray_address_fails_before_writing(tiny_checkpoint, tmp_path, capsys, free_port):
+    port = free_port  # nobody listens on it
     out = tmp_path / "out"
     args = ["batch", "--ckpt", str(tiny_checkpoint), "--users", "all", "--out", str(out)]
     args += ["--engine", "ray", "--ray-address", f"127.0.0.1:{port}", "--no-progress"]

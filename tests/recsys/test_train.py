@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -213,13 +212,7 @@ def test_bad_input_is_reported_clearly(tiny_data_dir, tmp_path):
         _train(tiny_data_dir, tmp_path / "taken")
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def test_two_processes_match_one(tiny_prepared, tmp_path):
+def test_two_processes_match_one(tiny_prepared, tmp_path, free_port):
     """torchrun with 2 gloo processes: same global batches, so the same losses and metrics as
     one process up to float reduction order (each process averages its own half)."""
     data = tiny_prepared(tmp_path / "data", users=64)
@@ -231,9 +224,10 @@ def test_two_processes_match_one(tiny_prepared, tmp_path):
         "from genrec_spec.recsys.train import add_arguments, run\n"
         "p = argparse.ArgumentParser(); add_arguments(p); sys.exit(run(p.parse_args()))\n"
     )
-    # Loopback only: `--standalone` advertises socket.getfqdn() as the master address, which on
-    # a sandbox whose host name resolves elsewhere left the workers waiting (a CI run hung here
-    # past its 90 minutes); gloo likewise binds the interface its host name resolves to.
+    # Loopback only: `--standalone` advertises socket.getfqdn() as the master address, and where
+    # the host name resolves to an unreachable address the workers wait for it silently (a CI run
+    # hung at this test until its 90-minute limit; reproduced here by patching getfqdn); gloo
+    # likewise binds the interface its host name resolves to.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     common = [str(script), "--data", str(data), "--config", str(config)]
     launches = {
@@ -245,7 +239,7 @@ def test_two_processes_match_one(tiny_prepared, tmp_path):
             "--nnodes=1",
             "--nproc-per-node=2",
             "--master-addr=127.0.0.1",
-            f"--master-port={_free_port()}",
+            f"--master-port={free_port}",
             *common,
         ],
     }

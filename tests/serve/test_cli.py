@@ -3,7 +3,6 @@
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -97,10 +96,8 @@ def test_serve_bad_checkpoint_or_data_is_a_clear_error(
     assert f"{other} holds data " in err and "pass --data with the folder it was trained" in err
 
 
-def test_serve_command_in_a_subprocess(tiny_checkpoint):
-    with socket.socket() as probe:  # a free port (released again for the server)
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+def test_serve_command_in_a_subprocess(tiny_checkpoint, free_port):
+    port = free_port
     env = os.environ | {"GENREC_SPEC_API_KEY": "from-env"}
     command = [sys.executable, "-m", "genrec_spec.cli", "serve", "--ckpt", str(tiny_checkpoint)]
     command += ["--port", str(port), "--log-level", "warning"]
