@@ -703,8 +703,10 @@ class SemanticIdRecommender(nn.Module):
         h, levels = h.flatten(0, 1), levels.flatten()  # [B*N, D], [B*N]
         prefixes = None if prefixes is None else prefixes.flatten(0, 1)  # [B*N, L-1]
         # item_levels_residual: each row's history-state query, normalised once, read per node.
-        root_query = None if self.node_item_query is None else self._item_query(roots)  # [B, D]
-        node_row = torch.arange(out_shape[0], device=h.device).repeat_interleave(out_shape[1])
+        root_query = node_row = None
+        if self.node_item_query is not None:
+            root_query = self._item_query(roots)  # [B, D]
+            node_row = torch.arange(out_shape[0], device=h.device).repeat_interleave(out_shape[1])
         counts = torch.bincount(levels, minlength=self.num_levels - 1).tolist()
         for level, count in enumerate(counts):
             if not count:

@@ -187,6 +187,7 @@ def validate(
     model.eval()
     items = torch.arange(data.num_items, device=device)
     trie = item_trie(model)
+    width = beam_width_for(EVAL_K, None, data.num_items)  # the nezha decoder's default
     sums: dict[str, torch.Tensor] = {}
     for part in rows.split(config.eval_batch_size):
         users = split.select(part)
@@ -203,7 +204,6 @@ def validate(
             scores["long_id_"] = model.long_id_heads.score_items(state.hidden, model.long_ids)
         lists = {prefix: score.topk(EVAL_K, dim=1).indices for prefix, score in scores.items()}
         if model.draft_head is not None:  # the nezha decoder's lists, from the same state
-            width = beam_width_for(EVAL_K, None, data.num_items)
             lists["draft_"] = nezha.search(model, state, trie, EVAL_K, width)[0]
         for prefix, top in lists.items():
             ranks = ranks_from_topk(top, targets)
