@@ -10,6 +10,7 @@ watches the exact NDCG@10.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import time
@@ -165,6 +166,13 @@ def train(
             overwrite=overwrite,
         )
     if world > 1:
+        # Free DDP's reducer while the process group is still registered. Freed after
+        # destroy_process_group, the reducer held the group's last reference and destroyed it
+        # from a destructor that keeps the GIL while joining gloo's worker threads, one of which
+        # needed the GIL to drop a finished collective's tensors: a worker hung at exit, now and
+        # then under load (seen with py-spy). The group's own handle releases the GIL first.
+        del ddp
+        gc.collect()  # in case the module's hooks hold the reducer in a reference cycle
         dist.barrier()
         dist.destroy_process_group()
     return manifest

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -244,18 +245,24 @@ def test_two_processes_match_one(tiny_prepared, tmp_path, free_port):
         ],
     }
     for out, command in launches.items():
-        try:  # 14 s here; a hang fails this test instead of the whole suite's time budget
-            done = subprocess.run(
-                [*command, "--out", str(tmp_path / out)],
-                env=env,
-                cwd=REPO,
-                capture_output=True,
-                text=True,
-                timeout=300,
+        # Its own session, so that a hang is killed with torchrun's workers (14-27 s here).
+        run = subprocess.Popen(
+            [*command, "--out", str(tmp_path / out)],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            _, stderr = run.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(run.pid, signal.SIGKILL)
+            pytest.fail(
+                f"{out}: still running after 300 s; stderr {run.communicate()[1][-3000:]!r}"
             )
-        except subprocess.TimeoutExpired as hung:
-            pytest.fail(f"{out}: still running after 300 s; stderr {(hung.stderr or '')[-3000:]!r}")
-        assert done.returncode == 0, done.stderr[-3000:]
+        assert run.returncode == 0, stderr[-3000:]
     one = json.loads((tmp_path / "one" / "manifest.json").read_text())
     two = json.loads((tmp_path / "two" / "manifest.json").read_text())
     assert (one["world_size"], two["world_size"]) == (1, 2)
