@@ -17,9 +17,13 @@ Shape letters: D model width, L code levels, V codes per level, Q long-ID digits
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from genrec_spec.models.derived import DerivedCache
 
 
 def children_log_softmax(logits: Tensor) -> Tensor:  # [..., V] -> [..., V]
@@ -39,16 +43,37 @@ def _padded_log_softmax(logits: Tensor, sizes: list[int]) -> Tensor:
     return logits.masked_fill(~real, float("-inf")).log_softmax(dim=-1)
 
 
+_INCIDENCE = DerivedCache()  # item code table -> its sparse code incidence matrix
+
+
+def _code_incidence(item_codes: Tensor, vmax: int, dtype: torch.dtype) -> Tensor:
+    """[I, J] codes -> sparse CSR [I, J * vmax] with a 1 at j * vmax + code[i, j] for each
+    position j of item i (columns rise within a row, as CSR wants)."""
+
+    def build() -> Tensor:
+        items, positions = item_codes.shape
+        columns = item_codes + torch.arange(positions, device=item_codes.device) * vmax  # [I, J]
+        rows = torch.arange(0, items * positions + 1, positions, device=item_codes.device)
+        ones = torch.ones(items * positions, dtype=dtype, device=item_codes.device)
+        with warnings.catch_warnings():  # "CSR support is in beta": products are all we use
+            warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta")
+            return torch.sparse_csr_tensor(
+                rows, columns.flatten(), ones, (items, positions * vmax), check_invariants=True
+            )
+
+    return _INCIDENCE.get(item_codes, (item_codes,), build, extra=(vmax, dtype))
+
+
 def _sum_of_code_scores(
     log_probs: Tensor,  # [B, J, Vmax] per-position log-probs of J code positions
     item_codes: Tensor,  # [I, J] int64 codes of every item
 ) -> Tensor:  # [B, I]
-    """Item score = sum over its J positions of log p(code); one gather per position keeps the
-    memory at [B, I] instead of [B, I, J]."""
-    score = log_probs.new_zeros(log_probs.shape[0], item_codes.shape[0])
-    for j in range(item_codes.shape[1]):
-        score += log_probs[:, j, item_codes[:, j]]
-    return score
+    """Item score = sum over its J positions of log p(code): one sparse product with the items'
+    code incidence matrix (J nonzeros per item). Gathering [B, I] per position instead took ~9x
+    as long at batch 1 and ~14x-37x at batch 64, with 4 and 32 positions on ML-1M's 3,706 items
+    (and its backward, an indexed accumulate, ~5x as long in training)."""
+    incidence = _code_incidence(item_codes, log_probs.shape[-1], log_probs.dtype)
+    return (incidence @ log_probs.flatten(1).T).T
 
 
 def _code_cross_entropy(
@@ -58,7 +83,38 @@ def _code_cross_entropy(
     return F.nll_loss(log_probs.flatten(0, 1), targets.flatten())
 
 
-class ParallelLevelHeads(nn.Module):
+def _catalogue_cross_entropy(
+    log_probs: Tensor,  # [M, J, Vmax]
+    item_codes: Tensor,  # [I, J] int64 codes of every item
+    items: Tensor,  # [M] int64 target items
+) -> Tensor:  # [] mean CE of the target item over the whole catalogue
+    """Cross-entropy of the decoder's own item score (the sum of the item's code log-probs)
+    softmaxed over the catalogue. Per-code cross-entropy fits each position's marginal; this
+    fits the ranking the decoder reads (the per-position normalisers are one constant per row,
+    so the softmax is over summed code logits)."""
+    return F.cross_entropy(_sum_of_code_scores(log_probs, item_codes), items)
+
+
+class _IndependentCodeHeads(nn.Module):
+    """Heads whose J code positions are independent given h (`log_probs`); an item's score is
+    the sum of its positions' log-probabilities."""
+
+    def log_probs(self, h: Tensor) -> Tensor:  # h: [..., D] -> [..., J, Vmax], -inf padded
+        raise NotImplementedError
+
+    def loss(self, h: Tensor, codes: Tensor) -> Tensor:  # h: [M, D], codes: [M, J] -> []
+        return _code_cross_entropy(self.log_probs(h), codes)
+
+    def catalogue_loss(self, h: Tensor, item_codes: Tensor, items: Tensor) -> Tensor:
+        # h: [M, D], item_codes: [I, J], items: [M] -> []
+        return _catalogue_cross_entropy(self.log_probs(h), item_codes, items)
+
+    def score_items(self, h: Tensor, item_codes: Tensor) -> Tensor:
+        # h: [B, D], item_codes: [I, J] -> [B, I] sum of code log-probs
+        return _sum_of_code_scores(self.log_probs(h), item_codes)
+
+
+class ParallelLevelHeads(_IndependentCodeHeads):
     """PinRec-style: one small MLP per code level, all levels from h at once."""
 
     def __init__(self, dim: int, codebook_sizes: list[int]) -> None:
@@ -69,20 +125,23 @@ class ParallelLevelHeads(nn.Module):
             for size in self.codebook_sizes
         )
 
-    def log_probs(self, h: Tensor) -> Tensor:  # h: [..., D] -> [..., L, Vmax], -inf padded
+    def log_probs(self, h: Tensor, level0: Tensor | None = None) -> Tensor:
+        """h: [B, D] -> [B, L, Vmax], -inf padded; level0 [B, V0]: level 0's log-probs from
+        elsewhere (the backbone's), its head not run."""
         vmax = max(self.codebook_sizes)
-        logits = [F.pad(mlp(h), (0, vmax - mlp[-1].out_features)) for mlp in self.mlp]
-        return _padded_log_softmax(torch.stack(logits, dim=-2), self.codebook_sizes)
+        own = self.mlp if level0 is None else self.mlp[1:]
+        per_level = [mlp(h).log_softmax(dim=-1) for mlp in own]
+        if level0 is not None:
+            per_level.insert(0, level0)
+        padded = [F.pad(lp, (0, vmax - lp.shape[-1]), value=float("-inf")) for lp in per_level]
+        return torch.stack(padded, dim=-2)
 
-    def loss(self, h: Tensor, codes: Tensor) -> Tensor:  # h: [M, D], codes: [M, L] -> []
-        return _code_cross_entropy(self.log_probs(h), codes)
-
-    def score_items(self, h: Tensor, item_codes: Tensor) -> Tensor:
-        # h: [B, D], item_codes: [I, L] -> [B, I] sum of level log-probs
-        return _sum_of_code_scores(self.log_probs(h), item_codes)
+    def score_items(self, h: Tensor, item_codes: Tensor, level0: Tensor | None = None) -> Tensor:
+        # h: [B, D], item_codes: [I, L], level0 as in `log_probs` -> [B, I] summed log-probs
+        return _sum_of_code_scores(self.log_probs(h, level0), item_codes)
 
 
-class LongIdHeads(nn.Module):
+class LongIdHeads(_IndependentCodeHeads):
     """RPG-style: Q independent digit classifiers from h through one shared projection."""
 
     def __init__(self, dim: int, digit_sizes: list[int]) -> None:
@@ -95,13 +154,6 @@ class LongIdHeads(nn.Module):
     def log_probs(self, h: Tensor) -> Tensor:  # h: [..., D] -> [..., Q, Vmax], -inf padded
         logits = self.out(self.proj(h)).unflatten(-1, (len(self.digit_sizes), self.vmax))
         return _padded_log_softmax(logits, self.digit_sizes)
-
-    def loss(self, h: Tensor, digits: Tensor) -> Tensor:  # h: [M, D], digits: [M, Q] -> []
-        return _code_cross_entropy(self.log_probs(h), digits)
-
-    def score_items(self, h: Tensor, item_digits: Tensor) -> Tensor:
-        # h: [B, D], item_digits: [I, Q] -> [B, I] sum of digit log-probs
-        return _sum_of_code_scores(self.log_probs(h), item_digits)
 
 
 class RecurrentDraftHead(nn.Module):

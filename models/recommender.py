@@ -85,6 +85,11 @@ class RecommenderConfig:
     long_id_weight: float = 1.0  # loss weight of the long-ID heads
     draft_weight: float = 1.0  # loss weight of the draft head
     detach_heads: bool = False  # heads learn from a detached state (no gradient to backbone)
+    # The parallel and long-ID heads learn from the cross-entropy over the whole catalogue of the
+    # item score their decoders rank by (the sum of the item's code log-probs) instead of one
+    # cross-entropy per code position. ML-1M, retrained 3 epochs on the default's frozen backbone:
+    # valid HR@10 (2,048 users) of heads 0.072 -> 0.145, of the long-ID heads 0.190 -> 0.195.
+    heads_item_loss: bool = True
     # SASRec's objective beside the codes': every history state also predicts the next item over
     # the whole catalogue, logits = state . item embedding (tied to the input item table), with
     # this loss weight; 0 = off. Its scores (`item_scores`) rank the catalogue in one product (the
@@ -874,12 +879,22 @@ class SemanticIdRecommender(nn.Module):
         if self.config.detach_heads:
             anchor_h = anchor_h.detach()
         target_codes = branch_codes[:, ::stride][head_rows]  # [M, L]
+        target_items = branch_items[:, ::stride][head_rows]  # [M]
         if self.parallel_heads is not None:
-            losses["parallel"] = self.parallel_heads.loss(anchor_h, target_codes)
+            if self.config.heads_item_loss:
+                losses["parallel"] = self.parallel_heads.catalogue_loss(
+                    anchor_h, self.item_codes, target_items
+                )
+            else:
+                losses["parallel"] = self.parallel_heads.loss(anchor_h, target_codes)
             total = total + self.config.parallel_weight * losses["parallel"]
         if self.long_id_heads is not None:
-            digits = self.long_ids[branch_items[:, ::stride][head_rows]]  # [M, Q]
-            losses["long_id"] = self.long_id_heads.loss(anchor_h, digits)
+            if self.config.heads_item_loss:
+                losses["long_id"] = self.long_id_heads.catalogue_loss(
+                    anchor_h, self.long_ids, target_items
+                )
+            else:
+                losses["long_id"] = self.long_id_heads.loss(anchor_h, self.long_ids[target_items])
             total = total + self.config.long_id_weight * losses["long_id"]
         if self.draft_head is not None:
             item_logits = None  # per level [M, V]: what the tied head adds to its logits

@@ -2,10 +2,11 @@
 
 The parallel level heads (`models/rec_heads.ParallelLevelHeads`) predict all L code levels of the
 next item independently from the last history state h. An item's score is the sum of its levels'
-log-probabilities, log p(c_0 | h) + ... + log p(c_{L-1} | h), so one backbone pass and L gathers
-of [B, I] score every catalogue item: no tree, no beam, one sequential pass instead of beam
-search's L. Every catalogue item is scored, so the top-K is exact under this factorised model;
-what it gives up against `beam` is the conditioning of deeper levels on the earlier ones.
+log-probabilities, log p(c_0 | h) + ... + log p(c_{L-1} | h), so one backbone pass and one sparse
+product with the items' code incidence matrix score every catalogue item: no tree, no beam, one
+sequential pass instead of beam search's L. Every catalogue item is scored, so the top-K is exact
+under this factorised model; what it gives up against `beam` is the conditioning of deeper levels
+on the earlier ones.
 
 Level 0 comes by default from the backbone's own level-0 head (`level0="backbone"`): it is free
 in the same pass and is trained at every history position, where the parallel heads see only the
@@ -59,14 +60,8 @@ def item_scores(
         )
     if level0 not in LEVEL0_SOURCES:
         raise DecodeOptionError(f"level0 must be one of {LEVEL0_SOURCES}, got {level0!r}")
-    codes = model.item_codes  # [I, L]
-    score = state.level0_log_probs[:, codes[:, 0]] if level0 == "backbone" else 0.0  # [B, I]
-    # Level by level over each level's own codebook (what `ParallelLevelHeads.log_probs` stacks
-    # and pads for the training loss): fewer ops, and no level 0 when the backbone gives it.
-    for level, mlp in enumerate(model.parallel_heads.mlp):
-        if level or level0 == "head":
-            score = score + mlp(state.hidden).log_softmax(dim=-1)[:, codes[:, level]]
-    return score
+    level0_log_probs = state.level0_log_probs if level0 == "backbone" else None
+    return model.parallel_heads.score_items(state.hidden, model.item_codes, level0_log_probs)
 
 
 @torch.no_grad()

@@ -170,6 +170,7 @@ def test_shipped_configs_load_and_ml1m_is_the_default():
             item_tied_levels=True,
             item_levels_residual=True,
             draft_tied=True,
+            heads_item_loss=True,
         )
         == RecommenderConfig()
     )
