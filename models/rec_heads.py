@@ -125,20 +125,10 @@ class ParallelLevelHeads(_IndependentCodeHeads):
             for size in self.codebook_sizes
         )
 
-    def log_probs(self, h: Tensor, level0: Tensor | None = None) -> Tensor:
-        """h: [B, D] -> [B, L, Vmax], -inf padded; level0 [B, V0]: level 0's log-probs from
-        elsewhere (the backbone's), its head not run."""
+    def log_probs(self, h: Tensor) -> Tensor:  # h: [..., D] -> [..., L, Vmax], -inf padded
         vmax = max(self.codebook_sizes)
-        own = self.mlp if level0 is None else self.mlp[1:]
-        per_level = [mlp(h).log_softmax(dim=-1) for mlp in own]
-        if level0 is not None:
-            per_level.insert(0, level0)
-        padded = [F.pad(lp, (0, vmax - lp.shape[-1]), value=float("-inf")) for lp in per_level]
-        return torch.stack(padded, dim=-2)
-
-    def score_items(self, h: Tensor, item_codes: Tensor, level0: Tensor | None = None) -> Tensor:
-        # h: [B, D], item_codes: [I, L], level0 as in `log_probs` -> [B, I] summed log-probs
-        return _sum_of_code_scores(self.log_probs(h, level0), item_codes)
+        logits = [F.pad(mlp(h), (0, vmax - mlp[-1].out_features)) for mlp in self.mlp]
+        return _padded_log_softmax(torch.stack(logits, dim=-2), self.codebook_sizes)
 
 
 class LongIdHeads(_IndependentCodeHeads):

@@ -74,8 +74,8 @@ def load_checkpoint(
             f"reads version {CHECKPOINT_VERSION}; retrain it with `genrec-spec train`"
         )
     # Checkpoints written before the item objective (or level 0 / levels 1.. from it, or its
-    # cosine logits, the history-state query of the tied levels, the tied draft head) existed were
-    # trained without it.
+    # cosine logits, the history-state query of the tied levels, the tied draft head, the heads'
+    # catalogue loss) existed were trained without it.
     before = {
         "item_weight": 0.0,
         "level0_from_items": False,
@@ -83,6 +83,7 @@ def load_checkpoint(
         "item_temperature": 0.0,
         "item_levels_residual": False,
         "draft_tied": False,
+        "heads_item_loss": False,
     }
     model_config = before | manifest["model_config"]
     unknown = sorted(set(model_config) - {f.name for f in fields(RecommenderConfig)})

@@ -3,6 +3,8 @@ items, equality with brute-force scoring item by item, the item graph, bad input
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -96,6 +98,18 @@ def test_heads_equal_brute_force(tiny_model, level0):
 
     out = heads.decode(model, values, offsets, k=12, trie=_trie(model), level0=level0)
     _assert_top_k_equal(out, _brute_force(model, values, offsets, score), 12)
+
+
+@pytest.mark.parametrize(("catalogue_loss", "source"), [(True, "head"), (False, "backbone")])
+def test_heads_auto_level0_follows_how_the_heads_were_trained(
+    tiny_model, monkeypatch, catalogue_loss, source
+):
+    model, _ = tiny_model
+    monkeypatch.setattr(model, "config", replace(model.config, heads_item_loss=catalogue_loss))
+    values, offsets = _histories(model, [4, 9, 1], seed=3)
+    auto = heads.decode(model, values, offsets, k=12, trie=_trie(model))
+    chosen = heads.decode(model, values, offsets, k=12, trie=_trie(model), level0=source)
+    assert torch.equal(auto.items, chosen.items) and torch.equal(auto.scores, chosen.scores)
 
 
 def test_dense_equals_brute_force(tiny_model):
@@ -206,8 +220,6 @@ def test_tied_draft_head_starts_as_the_item_softmax_and_learns_a_correction(tiny
     """draft_tied: the head's out layers start at 0, so with a catalogue-wide beam `nezha`
     scores every item by the item softmax at the history state (level 0 + the item objective's
     conditionals telescope), i.e. ranks as `dense` does; its training loss reaches the head."""
-    from dataclasses import replace
-
     from genrec_spec.models.rec_layout import train_layout
 
     base, data = tiny_model

@@ -92,6 +92,7 @@ def test_checkpoint_round_trip(tiny_model, tmp_path):
         "item_temperature",
         "item_levels_residual",
         "draft_tied",
+        "heads_item_loss",
     ):
         del old["model_config"][option]
     path.write_text(json.dumps(old))
@@ -100,6 +101,7 @@ def test_checkpoint_round_trip(tiny_model, tmp_path):
     assert (old_config.item_weight, old_config.level0_from_items) == (0.0, False)
     assert not old_config.item_tied_levels and old_config.item_temperature == 0.0
     assert not old_config.item_levels_residual and not old_config.draft_tied
+    assert not old_config.heads_item_loss
     # A manifest with a model option this code lacks (a newer or patched version wrote it).
     path.write_text(json.dumps(old | {"model_config": old["model_config"] | {"warp": 2.0}}))
     with pytest.raises(CheckpointError, match=r"does not know: \['warp'\].*retrain"):
@@ -171,6 +173,7 @@ def test_shipped_configs_load_and_ml1m_is_the_default():
             item_levels_residual=True,
             draft_tied=True,
             heads_item_loss=True,
+            detach_heads=True,
         )
         == RecommenderConfig()
     )
