@@ -69,9 +69,10 @@ def _sum_of_code_scores(
     item_codes: Tensor,  # [I, J] int64 codes of every item
 ) -> Tensor:  # [B, I]
     """Item score = sum over its J positions of log p(code): one sparse product with the items'
-    code incidence matrix (J nonzeros per item). Gathering [B, I] per position instead took ~9x
-    as long at batch 1 and ~14x-37x at batch 64, with 4 and 32 positions on ML-1M's 3,706 items
-    (and its backward, an indexed accumulate, ~5x as long in training)."""
+    code incidence matrix (J nonzeros per item). Gathering [B, I] per position instead took
+    7.5-9x as long at batch 1 and 14x-37x at batch 64, with 4 and 32 positions on ML-1M's 3,706
+    items, and forward + backward of the 32-digit catalogue loss (128 states; the gather's
+    backward is an indexed accumulate) 5-7x as long (one thread, beside a training run)."""
     incidence = _code_incidence(item_codes, log_probs.shape[-1], log_probs.dtype)
     return (incidence @ log_probs.flatten(1).T).T
 
