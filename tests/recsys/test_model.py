@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from genrec_spec.kernels import ancestor_mask
-from genrec_spec.models.rec_heads import ParallelLevelHeads
+from genrec_spec.models.rec_heads import LongIdHeads, ParallelLevelHeads, _IndependentCodeHeads
 from genrec_spec.models.rec_item_scores import item_log_likelihoods
 from genrec_spec.models.rec_layout import prefix_forest, train_layout
 from genrec_spec.models.recommender import RecommenderInputError
@@ -479,6 +479,24 @@ def test_catalogue_loss_fits_the_item_distribution_per_code_loss_does_not():
     # the distribution the decoder ranks by.
     assert _fit_level_heads(item_loss=True) < 0.02
     assert _fit_level_heads(item_loss=False) > 0.04
+
+
+@pytest.mark.parametrize("sizes", [[5, 5, 5, 5], [5, 3, 4, 2]])
+def test_long_id_catalogue_loss_equals_the_summed_digit_log_probs_loss(sizes):
+    # LongIdHeads composes the items' output rows instead of softmaxing each digit: the same
+    # loss and gradients as the catalogue softmax of summed digit log-probs, padded digits too.
+    torch.manual_seed(0)
+    heads = LongIdHeads(6, sizes)
+    codes = torch.stack([torch.randint(0, s, (9,)) for s in sizes], dim=1)  # [I, Q]
+    h, items = torch.randn(7, 6), torch.randint(0, 9, (7,))  # [M, D], [M]
+    composed = heads.catalogue_loss(h, codes, items)
+    summed = _IndependentCodeHeads.catalogue_loss(heads, h, codes, items)
+    torch.testing.assert_close(composed, summed)
+    params = list(heads.parameters())
+    for a, b in zip(
+        torch.autograd.grad(composed, params), torch.autograd.grad(summed, params), strict=True
+    ):
+        torch.testing.assert_close(a, b)
 
 
 def test_bad_input_raises_clear_errors(tiny_model):
