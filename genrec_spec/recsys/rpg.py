@@ -85,9 +85,7 @@ class ItemTable:
 
 
 def item_table(model) -> ItemTable:
-    heads, long_ids = model.long_id_heads, model.long_ids  # long_ids: [I, Q]
-    rows = long_ids + torch.arange(long_ids.shape[1], device=long_ids.device) * heads.vmax
-    return ItemTable(heads.out.weight[rows].sum(dim=1), heads.out.bias[rows].sum(dim=1))
+    return ItemTable(*model.long_id_heads.item_table(model.long_ids))
 
 
 def build_item_graph(model, config: RpgConfig) -> ItemGraph:
