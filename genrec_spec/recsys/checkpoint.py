@@ -75,7 +75,7 @@ def load_checkpoint(
         )
     # Checkpoints written before the item objective (or level 0 / levels 1.. from it, or its
     # cosine logits, the history-state query of the tied levels, the tied draft head, the heads'
-    # catalogue loss) existed were trained without it.
+    # catalogue loss, their training on every n-th position) existed were trained without it.
     before = {
         "item_weight": 0.0,
         "level0_from_items": False,
@@ -84,6 +84,7 @@ def load_checkpoint(
         "item_levels_residual": False,
         "draft_tied": False,
         "heads_item_loss": False,
+        "head_position_stride": 0,
     }
     model_config = before | manifest["model_config"]
     unknown = sorted(set(model_config) - {f.name for f in fields(RecommenderConfig)})

@@ -155,6 +155,40 @@ def test_item_objective_is_the_next_item_cross_entropy(tiny_model):
         )
 
 
+@pytest.mark.parametrize("stride", [1, 2])
+def test_heads_learn_from_every_nth_history_position(tiny_model, stride):
+    """head_position_stride n: the parallel and long-ID heads' catalogue losses are the mean,
+    over every n-th history position (users in order, positions in order), of the cross-entropy
+    of the next item under their summed code log-probs at that position's history state."""
+    from dataclasses import replace
+
+    from genrec_spec.models.recommender import SemanticIdRecommender
+
+    base, data = tiny_model
+    config = replace(base.config, heads_item_loss=True, head_position_stride=stride)
+    model = SemanticIdRecommender(
+        config, data.item_codes, data.codebook_sizes, data.long_ids, data.long_id_sizes
+    ).eval()
+    windows, offsets = _histories(model, [6, 13, 1], seed=4)
+    layout = train_layout(windows, offsets, model.num_levels - 1, 3, torch.Generator())
+    losses = model.forward_train(layout)
+    heads = (("parallel", model.parallel_heads, model.item_codes),)
+    heads += (("long_id", model.long_id_heads, model.long_ids),)
+    for name, head, table in heads:
+        terms = []
+        for b in range(3):
+            seq = windows[offsets[b] : offsets[b + 1]]
+            for t in range(len(seq)):
+                hidden = model.encode_history(seq[:t], torch.tensor([0, t])).hidden  # [1, D]
+                terms.append(-head.score_items(hidden, table).log_softmax(dim=-1)[0, seq[t]])
+        want = torch.stack(terms[::stride]).mean()
+        torch.testing.assert_close(losses[name], want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RecommenderInputError, match="head_position_stride"):
+        SemanticIdRecommender(
+            replace(config, head_position_stride=-1), data.item_codes, data.codebook_sizes
+        )
+
+
 def test_level0_from_items_is_the_item_softmax_marginal(tiny_model, tmp_path):
     """level0_from_items: level 0's log-probs are the item objective's log-probs summed over
     each level-0 cluster (a code no item has: -inf), trained through the item objective alone

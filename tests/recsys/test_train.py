@@ -93,6 +93,7 @@ def test_checkpoint_round_trip(tiny_model, tmp_path):
         "item_levels_residual",
         "draft_tied",
         "heads_item_loss",
+        "head_position_stride",
     ):
         del old["model_config"][option]
     path.write_text(json.dumps(old))
@@ -101,7 +102,7 @@ def test_checkpoint_round_trip(tiny_model, tmp_path):
     assert (old_config.item_weight, old_config.level0_from_items) == (0.0, False)
     assert not old_config.item_tied_levels and old_config.item_temperature == 0.0
     assert not old_config.item_levels_residual and not old_config.draft_tied
-    assert not old_config.heads_item_loss
+    assert not old_config.heads_item_loss and old_config.head_position_stride == 0
     # A manifest with a model option this code lacks (a newer or patched version wrote it).
     path.write_text(json.dumps(old | {"model_config": old["model_config"] | {"warp": 2.0}}))
     with pytest.raises(CheckpointError, match=r"does not know: \['warp'\].*retrain"):
@@ -174,6 +175,7 @@ def test_shipped_configs_load_and_ml1m_is_the_default():
             draft_tied=True,
             heads_item_loss=True,
             detach_heads=True,
+            head_position_stride=2,
         )
         == RecommenderConfig()
     )
