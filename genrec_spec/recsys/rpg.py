@@ -11,9 +11,10 @@ backbone pass, and an item's score is the sum of its digits' log-probabilities. 
   (so the beam only improves); the walk stops after `steps` steps or when no row's beam changed.
   The top K of the last beam is the answer. Cost per user: S + steps * W * G item scores instead
   of I, which pays only when the catalogue is much larger than that: on ML-1M's 3.7K items the
-  defaults score ~2.2K items per user, find ~92% of exact mode's top 10 and take 1.4-1.9x as
-  long as exact mode at batch 1 (its per-step sorts cost more than one [D, I] product), so
-  prefer ``mode="exact"`` at these catalogue sizes.
+  defaults score ~2.2K items per user, find 85% of exact mode's top 10 on the default model
+  (test users; 92% on an earlier one) and take 1.4-1.9x as long as exact mode at batch 1 (its
+  per-step sorts cost more than one [D, I] product), so prefer ``mode="exact"`` at these
+  catalogue sizes.
 
 The graph. With u = proj(h) the heads' shared projection, W_q / b_q the output rows / biases of
 digit q and d_q(i) item i's digit q, an item's score is an inner product plus a constant:
