@@ -892,11 +892,13 @@ class SemanticIdRecommender(nn.Module):
             losses["item"] = F.cross_entropy(self.item_scores(states), layout.next_items[real])
             total = total + self.config.item_weight * losses["item"]
 
-        # The heads learn from the history states at a stratified subset of the branch anchors:
-        # their training cost (the long-ID head has Q x V outputs) would otherwise dominate.
+        # The draft head learns from the history states at a stratified subset of the branch
+        # anchors, to bound its cost (per state: the item scores its tied logits read, a GRU
+        # step per level); the parallel and long-ID heads from the same states, or with
+        # head_position_stride from every n-th history position.
         stride = max(1, branches // self.config.head_branches)
         head_rows = has_branch[:, ::stride]  # [B, P']
-        anchor_h = anchor_h[:, ::stride][head_rows]  # [M, D] states the heads learn from
+        anchor_h = anchor_h[:, ::stride][head_rows]  # [M, D] the subset's states
         target_codes = branch_codes[:, ::stride][head_rows]  # [M, L]
         target_items = branch_items[:, ::stride][head_rows]  # [M]
         code_h, code_items = anchor_h, target_items  # [M', D], [M'] for the code heads
