@@ -152,13 +152,13 @@ class RecommenderConfig:
     head_branches: int = 8
     # n >= 1: the parallel and long-ID heads learn from every n-th history position's state (the
     # item objective learns from every one) instead of the head_branches anchors per row. ML-1M,
-    # the previous default's frozen backbone, 2 more epochs of its heads: every position (~25x
-    # the states a step) took the long-ID heads' valid NDCG@10 from 0.1171 to 0.1339 (the item
-    # objective's 0.1362) and the parallel heads' from 0.0778 to 0.0861; the anchors alone ended
-    # at 0.1159 / 0.0777. Each epoch cost 87 s more (the heads' [states, items] softmaxes), so
-    # the default takes every second position: trained jointly (11 epochs in the 43-minute
-    # budget instead of 13), test rpg NDCG@10 went from 12% to 3.8% below beam's, heads from 42%
-    # to 34% below.
+    # the previous default's frozen backbone, 2 more epochs of its heads: every position (~13x
+    # the states a step: ~1,730 against ~134) took the long-ID heads' valid NDCG@10 from 0.1171
+    # to 0.1339 (the item objective's 0.1362) and the parallel heads' from 0.0778 to 0.0861; the
+    # anchors alone ended at 0.1159 / 0.0777. Each epoch took 87 s more (187 against 100 s with
+    # the backbone frozen), so the default takes every second position: trained jointly (11
+    # epochs in the 43-minute budget instead of 13), test rpg NDCG@10 went from 12% to 3.8% below
+    # beam's, heads from 42% to 34% below.
     head_position_stride: int = 2
     attention_backend: str = "auto"  # tree_attention backend at inference
 
@@ -869,6 +869,7 @@ class SemanticIdRecommender(nn.Module):
         losses: dict[str, Tensor] = {}
         real = layout.next_items >= 0  # [B, T]
         states = h[:, :tokens][real]  # [R, D] every real history position
+        state_items = layout.next_items[real]  # [R] the item each of them predicts
         if not self.config.level0_from_items:  # else the item objective trains level 0
             losses["level_0"] = F.cross_entropy(
                 self.code_heads[0](states), next_codes[..., 0][real]
@@ -889,7 +890,7 @@ class SemanticIdRecommender(nn.Module):
             losses[f"level_{level}"] = F.nll_loss(log_probs, branch_codes[..., level][has_branch])
         total = sum(losses.values())
         if self.config.item_weight:
-            losses["item"] = F.cross_entropy(self.item_scores(states), layout.next_items[real])
+            losses["item"] = F.cross_entropy(self.item_scores(states), state_items)
             total = total + self.config.item_weight * losses["item"]
 
         # The draft head learns from the history states at a stratified subset of the branch
@@ -904,7 +905,7 @@ class SemanticIdRecommender(nn.Module):
         code_h, code_items = anchor_h, target_items  # [M', D], [M'] for the code heads
         if self.config.head_position_stride:
             every = self.config.head_position_stride
-            code_h, code_items = states[::every], layout.next_items[real][::every]
+            code_h, code_items = states[::every], state_items[::every]
         if self.config.detach_heads:
             anchor_h, code_h = anchor_h.detach(), code_h.detach()
         code_heads = (  # (name, head, its code table [I, J], loss weight)

@@ -126,6 +126,15 @@ def test_training_layout_matches_inference(tiny_model, tied):
         torch.testing.assert_close(losses[f"level_{level}"], expected, atol=1e-5, rtol=1e-5)
 
 
+def _position_states(model, windows, offsets):
+    """(history state [1, D], next item) at every position of every window, users in order:
+    what forward_train's per-position losses read, encoded one prefix at a time."""
+    for b in range(len(offsets) - 1):
+        seq = windows[offsets[b] : offsets[b + 1]]
+        for t in range(len(seq)):
+            yield model.encode_history(seq[:t], torch.tensor([0, t])).hidden, seq[t]
+
+
 def test_item_objective_is_the_next_item_cross_entropy(tiny_model):
     """item_weight > 0 adds SASRec's loss: the cross-entropy of the next item over the catalogue
     from each history state (encode_history's hidden state . the item table), weighted into
@@ -140,12 +149,10 @@ def test_item_objective_is_the_next_item_cross_entropy(tiny_model):
     windows, offsets = _histories(model, [6, 13, 1], seed=4)
     layout = train_layout(windows, offsets, model.num_levels - 1, 3, torch.Generator())
     losses = model.forward_train(layout)
-    terms = []
-    for b in range(3):
-        seq = windows[offsets[b] : offsets[b + 1]]
-        for t in range(len(seq)):
-            hidden = model.encode_history(seq[:t], torch.tensor([0, t])).hidden  # [1, D]
-            terms.append(-model.item_scores(hidden).log_softmax(dim=-1)[0, seq[t]])
+    terms = [
+        -model.item_scores(hidden).log_softmax(dim=-1)[0, item]
+        for hidden, item in _position_states(model, windows, offsets)
+    ]
     torch.testing.assert_close(losses["item"], torch.stack(terms).mean(), atol=1e-5, rtol=1e-5)
     others = sum(v for name, v in losses.items() if name not in ("item", "loss"))
     torch.testing.assert_close(losses["loss"], others + 0.5 * losses["item"])
@@ -175,12 +182,10 @@ def test_heads_learn_from_every_nth_history_position(tiny_model, stride):
     heads = (("parallel", model.parallel_heads, model.item_codes),)
     heads += (("long_id", model.long_id_heads, model.long_ids),)
     for name, head, table in heads:
-        terms = []
-        for b in range(3):
-            seq = windows[offsets[b] : offsets[b + 1]]
-            for t in range(len(seq)):
-                hidden = model.encode_history(seq[:t], torch.tensor([0, t])).hidden  # [1, D]
-                terms.append(-head.score_items(hidden, table).log_softmax(dim=-1)[0, seq[t]])
+        terms = [
+            -head.score_items(hidden, table).log_softmax(dim=-1)[0, item]
+            for hidden, item in _position_states(model, windows, offsets)
+        ]
         want = torch.stack(terms[::stride]).mean()
         torch.testing.assert_close(losses[name], want, atol=1e-5, rtol=1e-5)
     with pytest.raises(RecommenderInputError, match="head_position_stride"):
