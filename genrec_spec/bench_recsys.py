@@ -20,6 +20,15 @@ Columns:
                  must be 1.00
   overlap        mean |top-K ∩ beam's top-K| / K
 
+Below the table, two floors timed in the same batch-1 rotation (work, not decoders), each with
+the most any decoder of its kind could gain over beam on this machine (beam's p50 / its p50):
+  history pass   `encode_history` alone, the first step of every decoder: no decoder that
+                 reads the user's history can be faster
+  exact floor    the history and every prefix beam scored (its beams of lengths 1..L-1) in
+                 ONE fused pass: an exact decoder must have the target's log-probs at those
+                 prefixes to select beam's beams, so even a free, perfect draft and free
+                 selection cannot beat this
+
 Timing: at batch 1 the decoders take turns user by user, the order rotating every user; at
 batch B they take turns batch by batch. Drift of this shared machine then hits every decoder
 alike. ``--history-cache`` times returning users instead: every decoder reads histories
@@ -45,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from genrec_spec.recsys.beam import beam_width_for, item_trie
+from genrec_spec.recsys.beam import beam_tree, beam_width_for, item_trie, search
 from genrec_spec.recsys.evaluate import load_model_and_data, options_for, sample_users
 from genrec_spec.recsys.history_cache import CachedRecommender, HistoryCache, rows_of
 from genrec_spec.recsys.recommend import get_decoder
@@ -104,6 +113,15 @@ class Row:
     overlap: float  # mean |top-K ∩ beam's| / K
 
 
+@dataclass(frozen=True)
+class Floors:
+    """Batch-1 p50s of work every decoder of a kind must do (module docstring)."""
+
+    history_ms: float  # the history pass alone
+    exact_ms: float  # the history and beam's prefixes in one fused pass
+    exact_nodes: float  # beam's prefixes per request in that pass
+
+
 def make_decoders(names: tuple[str, ...], beam_width: int) -> dict:
     """name -> decode(model, values, offsets, *, k, trie) with the row's options bound."""
     runners = {}
@@ -144,9 +162,31 @@ def _timed(decode, model, users, k, trie):
     return time.perf_counter() - start, time.thread_time() - cpu, out
 
 
-def benchmark(model, histories, settings: BenchRecsysConfig, log=lambda line: None) -> list[Row]:
+@torch.no_grad()
+def _timed_floor(name: str, model, users, prefixes: tuple) -> float:
+    """Wall seconds of one floor's work (module docstring) for `users`."""
+    start = time.perf_counter()
+    if name == "history":
+        model.encode_history(users.values, users.offsets)
+    else:
+        model.encode_history_and_tree(users.values, users.offsets, *prefixes)
+    return time.perf_counter() - start
+
+
+def beam_prefixes(model, users, trie, width: int) -> tuple:
+    """The tree of every prefix beam scores for `users` (its beams of lengths 1..L-1):
+    codes, levels, parents, each [B, (L-1) W]."""
+    with torch.no_grad():
+        history, _ = search(model, model.encode_history(users.values, users.offsets), trie, width)
+    return beam_tree(history[:-1])
+
+
+def benchmark(
+    model, histories, settings: BenchRecsysConfig, log=lambda line: None
+) -> tuple[list[Row], Floors]:
     """Every decoder of `settings` on the same users of `histories` (a split with its users
-    already chosen): batch-1 latency over settings.users users, throughput at each batch size."""
+    already chosen): batch-1 latency over settings.users users, throughput at each batch size;
+    and the floors, timed with the batch-1 requests."""
     trie = item_trie(model)
     names = ["beam"] + [n for n in settings.decoders or decoders_of(model) if n != "beam"]
     width = beam_width_for(settings.k, settings.beam_width, model.num_items)
@@ -158,20 +198,27 @@ def benchmark(model, histories, settings: BenchRecsysConfig, log=lambda line: No
         if "graph_build_s" in out.stats:
             log(f"{name}: item graph built in {out.stats['graph_build_s']:.2f} s (once per model)")
 
-    def targets(users) -> dict:  # name -> what the decoder reads the users' histories from
+    def targets(users, views) -> dict:  # view -> what it reads the users' histories from
         if settings.history_cache:
-            return returning_users(model, users, names)
-        return dict.fromkeys(names, model)
+            return returning_users(model, users, views)
+        return dict.fromkeys(views, model)
 
+    floors = {"history": [], "exact": []}  # floor -> batch-1 seconds
+    exact_nodes = []
     latency = {n: [] for n in names}
     cpu = {n: [] for n in names}
     stats = {n: [] for n in names}
     lists = {n: [] for n in names}
     batch1 = min(settings.users, len(histories))
-    target = targets(histories.select(torch.arange(batch1)))
+    target = targets(histories.select(torch.arange(batch1)), names + list(floors))
     for user in range(batch1):
         one = histories.select(torch.tensor([user]))
-        for name in _rotations(names, user):
+        prefixes = beam_prefixes(model, one, trie, width)  # untimed: the exact floor's tree
+        exact_nodes.append(prefixes[0].numel())
+        for name in _rotations(names + list(floors), user):
+            if name in floors:
+                floors[name].append(_timed_floor(name, target[name], one, prefixes))
+                continue
             seconds, cpu_seconds, out = _timed(runners[name], target[name], one, k, trie)
             latency[name].append(seconds)
             cpu[name].append(cpu_seconds)
@@ -188,7 +235,7 @@ def benchmark(model, histories, settings: BenchRecsysConfig, log=lambda line: No
         for repeat in range(settings.repeats):
             seconds = {n: 0.0 for n in names}
             for b, part in enumerate(parts):
-                target = targets(part)  # fresh caches: every repeat times returning users
+                target = targets(part, names)  # fresh caches: every repeat times returning users
                 for name in _rotations(names, repeat * len(parts) + b):
                     seconds[name] += _timed(runners[name], target[name], part, k, trie)[0]
             for name in names:
@@ -222,7 +269,11 @@ def benchmark(model, histories, settings: BenchRecsysConfig, log=lambda line: No
                 overlap=float(shared.any(dim=2).float().sum(dim=1).mean() / k),
             )
         )
-    return rows
+    return rows, Floors(
+        history_ms=statistics.median(floors["history"]) * 1e3,
+        exact_ms=statistics.median(floors["exact"]) * 1e3,
+        exact_nodes=statistics.mean(exact_nodes),
+    )
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -243,6 +294,17 @@ def format_table(rows: list[Row], batch_sizes: tuple[int, ...]) -> str:
             line += f"{r.users_per_s[s]:>14.1f}{r.throughput_speedup[s]:>8.2f}x"
         lines.append(line + f"{r.same_as_beam:>6.2f}{r.overlap:>9.2f}")
     return "\n".join(lines)
+
+
+def format_floors(floors: Floors, beam_p50_ms: float) -> str:
+    history, exact = floors.history_ms, floors.exact_ms
+    return (
+        f"floors at batch 1 (beam's p50 over them: the most a decoder of the kind can gain here):\n"
+        f"  history pass alone: p50 {history:.2f} ms, {beam_p50_ms / history:.2f}x "
+        "(any decoder that reads the history)\n"
+        f"  exact floor, the history and beam's {floors.exact_nodes:.0f} prefixes in one pass: "
+        f"p50 {exact:.2f} ms, {beam_p50_ms / exact:.2f}x (any decoder with beam's exact output)"
+    )
 
 
 # --- command line ------------------------------------------------------------------------------
@@ -326,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
     histories = split.select(sample_users(len(split), needed, settings.seed))
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
-    rows = benchmark(
+    rows, floors = benchmark(
         model, histories, settings, log=lambda line: print(line, file=sys.stderr, flush=True)
     )
     load_after = os.getloadavg()[0]
@@ -348,12 +410,14 @@ def run(args: argparse.Namespace) -> int:
             "encoded whole"
         )
     print(format_table(rows, settings.batch_sizes))
+    print(format_floors(floors, rows[0].p50_ms))
     if args.json:
         report = {
             "ckpt": str(args.ckpt),
             "settings": asdict(settings),
             "load_average": [load_before, load_after],
             "rows": [asdict(r) for r in rows],
+            "floors": asdict(floors),
         }
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     return 0

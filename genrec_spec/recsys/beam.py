@@ -176,6 +176,27 @@ def finish(
     return items, scores
 
 
+def search(
+    model,  # SemanticIdRecommender
+    state,  # HistoryState of B users (`model.encode_history`)
+    trie: PrefixTrie,
+    width: int,  # W
+) -> tuple[list[Beams], int]:  # the beams of every length 1..L, tree nodes scored
+    """The beam search from an encoded history: one `score_tree` pass per level after the
+    first (the benchmark's exact floor reads the prefixes it scored: `beam_tree(beams[:-1])`)."""
+    batch = state.lengths.numel()
+    beams = extend(start_beams(batch, trie), state.level0_log_probs[:, None], trie, 0, width)
+    history, nodes_scored = [beams], 0
+    for level in range(1, model.num_levels):
+        codes, levels, parents = beam_tree(history)
+        # [B, W, Vmax]: only the current beams' log-probs; earlier prefixes are their context
+        out = model.score_tree(state, codes, levels, parents, last=beams.nodes.shape[1])
+        nodes_scored += codes.numel()
+        beams = extend(beams, out, trie, level, width)
+        history.append(beams)
+    return history, nodes_scored
+
+
 @torch.no_grad()
 def decode(
     model,  # SemanticIdRecommender
@@ -190,17 +211,8 @@ def decode(
     width = beam_width_for(k, beam_width, model.num_items)
     check_trie(model, trie)
     state = model.encode_history(values, offsets)
-    batch = state.lengths.numel()
-    beams = extend(start_beams(batch, trie), state.level0_log_probs[:, None], trie, 0, width)
-    history, nodes_scored = [beams], 0
-    for level in range(1, model.num_levels):
-        codes, levels, parents = beam_tree(history)
-        # [B, W, Vmax]: only the current beams' log-probs; earlier prefixes are their context
-        out = model.score_tree(state, codes, levels, parents, last=beams.nodes.shape[1])
-        nodes_scored += codes.numel()
-        beams = extend(beams, out, trie, level, width)
-        history.append(beams)
-    items, scores = finish(beams, trie, k)
+    history, nodes_scored = search(model, state, trie, width)
+    items, scores = finish(history[-1], trie, k)
     return Recommendations(
         items=items,
         scores=scores,

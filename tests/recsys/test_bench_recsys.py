@@ -7,8 +7,10 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from genrec_spec import bench_recsys
+from genrec_spec.recsys import beam
 from genrec_spec.recsys.checkpoint import save_checkpoint
 
 
@@ -46,6 +48,33 @@ def test_bench_recsys_quick(tiny_model, tmp_path, capsys):
     for row in rows.values():
         assert row["p99_ms"] >= row["p50_ms"] > 0 and row["cpu_p50_ms"] > 0
         assert row["users_per_s"]["3"] > 0 and 0 <= row["overlap"] <= 1
+    floors = report["floors"]
+    assert floors["history_ms"] > 0 and floors["exact_ms"] > 0
+    assert floors["exact_nodes"] == (model.num_levels - 1) * 4  # beam's W prefixes a level
+    assert "history pass alone" in table and "exact floor" in table
+
+
+def test_exact_floor_holds_what_beam_needs(tiny_model):
+    """The exact floor's one pass scores every prefix beam needs: beam's selection replayed on
+    its log-probs alone gives beam's top-K (so no exact decoder can do less target work)."""
+    model, data = tiny_model
+    trie, width, k = beam.item_trie(model), 4, 3
+    users = data.test.select(torch.arange(5))
+    codes, levels, parents = bench_recsys.beam_prefixes(model, users, trie, width)
+    with torch.no_grad():
+        state, log_probs = model.encode_history_and_tree(
+            users.values, users.offsets, codes, levels, parents
+        )
+    beams = beam.extend(beam.start_beams(5, trie), state.level0_log_probs[:, None], trie, 0, width)
+    start = 0  # the tree holds beam's beams of lengths 1..L-1, one length after the other
+    for level in range(1, model.num_levels):
+        count = beams.nodes.shape[1]
+        beams = beam.extend(beams, log_probs[:, start : start + count], trie, level, width)
+        start += count
+    items, scores = beam.finish(beams, trie, k)
+    want = beam.decode(model, users.values, users.offsets, k=k, trie=trie, beam_width=width)
+    assert torch.equal(items, want.items)
+    torch.testing.assert_close(scores, want.scores)
 
 
 def test_bench_recsys_default_beam_width_is_beams(tiny_model, tmp_path, capsys):
