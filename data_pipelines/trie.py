@@ -146,6 +146,14 @@ class PrefixTrie:
         found = (node >= 0) & (code >= 0) & (code < self.stride) & (self.edge_keys[pos] == key)
         return torch.where(found, pos + 1, -1)
 
+    def has_choice(
+        self,
+        node: torch.Tensor,  # [...] int64, -1 = invalid
+    ) -> torch.Tensor:  # [...] bool, True where the node has more than one child
+        """Whether a prefix's next code is a choice; with one child it is forced."""
+        safe = node.clamp(min=0)
+        return (node >= 0) & (self.child_offsets[safe + 1] - self.child_offsets[safe] > 1)
+
     def allowed_mask(
         self,
         node: torch.Tensor,  # [B] int64 nodes at `level` (0 = root); -1 = invalid

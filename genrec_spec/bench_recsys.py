@@ -24,21 +24,10 @@ Below the table, two floors timed in the same batch-1 rotation (work, not decode
 the most any decoder of its kind could gain over beam on this machine (beam's p50 / its p50):
   history pass   `encode_history` alone, the first step of every decoder: no decoder that
                  reads the user's history can be faster
-  exact floor    the history and every prefix beam scored (its beams of lengths 1..L-1) in
-                 ONE fused pass: an exact decoder must have the target's log-probs at those
-                 prefixes to select beam's beams, so even a free, perfect draft and free
-                 selection cannot beat this
-
-Timing: at batch 1 the decoders take turns user by user, the order rotating every user; at
-batch B they take turns batch by batch. Drift of this shared machine then hits every decoder
-alike. ``--history-cache`` times returning users instead: every decoder reads histories
-through a history cache (`recsys.history_cache`, what ``serve`` keeps) holding each user's history
-without its newest item, so a request encodes that item only (histories past the model's context
-slide and are encoded whole). Each decoder first runs once untimed (warm-up; the rpg item graph
-is built there and its build time is reported apart). ``torch.set_num_threads(1)`` by default:
-one thread is fastest for one small model on 2 cores. Example (the README's table):
-
-    genrec-spec bench recsys --ckpt CKPT --users 200 --k 10 --beam-width 20
+  exact floor    the history and every prefix whose scores beam's selection reads (its beams
+                 of lengths 1..L-1 with a choice of next code), with their ancestors, in ONE
+                 fused pass: an exact decoder must have those scores, so even a free, perfect
+                 draft and free selection cannot beat this
 """
 
 from __future__ import annotations
@@ -54,18 +43,30 @@ from pathlib import Path
 
 import torch
 
-from genrec_spec.recsys.beam import beam_tree, beam_width_for, item_trie, search
+from genrec_spec.recsys.beam import beam_width_for, item_trie, search
 from genrec_spec.recsys.evaluate import load_model_and_data, options_for, sample_users
 from genrec_spec.recsys.history_cache import CachedRecommender, HistoryCache, rows_of
 from genrec_spec.recsys.recommend import get_decoder
+from genrec_spec.recsys.scoring import PrefixTree, TrieIndex, prefix_tree
 
 # Benchmark rows that are a registered decoder with fixed options.
 VARIANTS: dict[str, tuple[str, dict]] = {
     "rpg-exact": ("rpg", {"mode": "exact"}),
     # spec_beam drafting from the NEZHA head after the history pass (follow-ups for misses only)
     "spec-nezha": ("spec_beam", {"draft": "nezha", "lookahead": 0}),
+    "spec-items": ("spec_beam", {"draft": "items", "lookahead": 0}),
 }
-DECODERS = ("beam", "spec_beam", "spec-nezha", "heads", "rpg", "rpg-exact", "nezha", "dense")
+DECODERS = (
+    "beam",
+    "spec_beam",
+    "spec-nezha",
+    "spec-items",
+    "heads",
+    "rpg",
+    "rpg-exact",
+    "nezha",
+    "dense",
+)
 
 
 def decoders_of(model) -> tuple[str, ...]:
@@ -119,7 +120,7 @@ class Floors:
 
     history_ms: float  # the history pass alone
     exact_ms: float  # the history and beam's prefixes in one fused pass
-    exact_nodes: float  # beam's prefixes per request in that pass
+    exact_nodes: float  # tree nodes per request in that pass
 
 
 def make_decoders(names: tuple[str, ...], beam_width: int) -> dict:
@@ -163,22 +164,31 @@ def _timed(decode, model, users, k, trie):
 
 
 @torch.no_grad()
-def _timed_floor(name: str, model, users, prefixes: tuple) -> float:
+def _timed_floor(name: str, model, users, prefixes: PrefixTree) -> float:
     """Wall seconds of one floor's work (module docstring) for `users`."""
     start = time.perf_counter()
     if name == "history":
         model.encode_history(users.values, users.offsets)
     else:
-        model.encode_history_and_tree(users.values, users.offsets, *prefixes)
+        model.encode_history_and_tree(
+            users.values, users.offsets, prefixes.codes, prefixes.levels, prefixes.parents
+        )
     return time.perf_counter() - start
 
 
-def beam_prefixes(model, users, trie, width: int) -> tuple:
-    """The tree of every prefix beam scores for `users` (its beams of lengths 1..L-1):
-    codes, levels, parents, each [B, (L-1) W]."""
+def needed_prefixes(model, users, trie, width: int) -> PrefixTree:
+    """The prefixes whose scores beam's selection reads for `users` (its beams of lengths
+    1..L-1 with a choice of next code: `TrieIndex.to_score`), with their ancestors, as one tree
+    per row."""
+    index = TrieIndex.of(trie)
     with torch.no_grad():
-        history, _ = search(model, model.encode_history(users.values, users.offsets), trie, width)
-    return beam_tree(history[:-1])
+        state = model.encode_history(users.values, users.offsets)
+        history, _, _ = search(model, state, trie, width)
+    nodes = torch.cat([beams.nodes for beams in history[:-1]], dim=1)  # [B, (L-1) W]
+    rows = torch.arange(len(nodes))[:, None].expand_as(nodes)
+    member = torch.zeros(len(nodes), index.scorable, dtype=torch.bool)
+    member[rows[nodes >= 0], nodes[nodes >= 0]] = True
+    return prefix_tree(index, member & index.to_score(model))
 
 
 def benchmark(
@@ -213,8 +223,8 @@ def benchmark(
     target = targets(histories.select(torch.arange(batch1)), names + list(floors))
     for user in range(batch1):
         one = histories.select(torch.tensor([user]))
-        prefixes = beam_prefixes(model, one, trie, width)  # untimed: the exact floor's tree
-        exact_nodes.append(prefixes[0].numel())
+        prefixes = needed_prefixes(model, one, trie, width)  # untimed: the exact floor's tree
+        exact_nodes.append(prefixes.real_nodes)
         for name in _rotations(names + list(floors), user):
             if name in floors:
                 floors[name].append(_timed_floor(name, target[name], one, prefixes))
@@ -302,8 +312,8 @@ def format_floors(floors: Floors, beam_p50_ms: float) -> str:
         f"floors at batch 1 (beam's p50 over them: the most a decoder of the kind can gain here):\n"
         f"  history pass alone: p50 {history:.2f} ms, {beam_p50_ms / history:.2f}x "
         "(any decoder that reads the history)\n"
-        f"  exact floor, the history and beam's {floors.exact_nodes:.0f} prefixes in one pass: "
-        f"p50 {exact:.2f} ms, {beam_p50_ms / exact:.2f}x (any decoder with beam's exact output)"
+        f"  exact floor, the history and the {floors.exact_nodes:.0f} prefixes beam reads in one "
+        f"pass: p50 {exact:.2f} ms, {beam_p50_ms / exact:.2f}x (any decoder of beam's exact output)"
     )
 
 

@@ -345,6 +345,14 @@ class SemanticIdRecommender(nn.Module):
     def num_levels(self) -> int:  # L
         return len(self.codebook_sizes)
 
+    @property
+    def forced_codes_free(self) -> bool:
+        """True when the code levels are normalised over each prefix's children only
+        (item_tied_levels): a prefix with one child gives it log-prob exactly 0, so a decoder
+        need not score it. On ML-1M 81% of the length-2 prefixes and 95% of the length-3 ones
+        have one child (beam at W = 20 meets ~8 and ~2 of 20 with a choice)."""
+        return self.config.item_tied_levels
+
     def item_scores(self, hidden: Tensor) -> Tensor:
         """hidden [B, D] (a HistoryState's) -> [B, I] SASRec-style next-item logits."""
         return self._item_query(hidden) @ self._item_table().T

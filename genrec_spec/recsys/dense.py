@@ -23,13 +23,17 @@ from genrec_spec.recsys.heads import rank_catalogue
 from genrec_spec.recsys.types import Recommendations
 
 
-def item_log_probs(model, state: HistoryState) -> Tensor:  # [B, I]
-    """log p(item | history) of every catalogue item under the model's item objective."""
+def check_item_objective(model, what: str = "the dense decoder") -> None:
     if not model.config.item_weight:
         raise DecodeOptionError(
-            "the dense decoder needs a model trained with the item objective; train with "
+            f"{what} needs a model trained with the item objective; train with "
             'model.item_weight > 0 (e.g. 1.0) or use decoder "beam"'
         )
+
+
+def item_log_probs(model, state: HistoryState) -> Tensor:  # [B, I]
+    """log p(item | history) of every catalogue item under the model's item objective."""
+    check_item_objective(model)
     return model.item_scores(state.hidden).log_softmax(dim=-1)
 
 

@@ -33,6 +33,7 @@ from genrec_spec.models.recommender import RecommenderInputError
 from genrec_spec.recsys.beam import item_trie
 
 _INDEXES = DerivedCache()  # PrefixTrie -> its TrieIndex
+_ITEM_PREFIXES = DerivedCache()  # PrefixTrie -> its items' prefix nodes
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class TrieIndex:
     code: Tensor  # [n] int64 last code of each node's prefix (0 for the root)
     level: Tensor  # [n] int64 level of that code (prefix length - 1; -1 for the root)
     scorable: int  # nodes 0..scorable-1 have a next level to score (prefix length <= L-1)
+    choice: Tensor  # [scorable] bool, the node has more than one child (`PrefixTrie.has_choice`)
 
     @classmethod
     def of(cls, trie: PrefixTrie) -> TrieIndex:
@@ -58,7 +60,15 @@ class TrieIndex:
         code = torch.cat([nodes[:1] * 0, trie.child_codes])
         starts = torch.tensor(trie.level_starts[1:], device=trie.device)
         level = torch.bucketize(nodes, starts, right=True) - 1
-        return cls(parent, code, level, trie.level_starts[trie.levels])
+        scorable = trie.level_starts[trie.levels]
+        return cls(parent, code, level, scorable, trie.has_choice(nodes[:scorable]))
+
+    def to_score(self, model) -> Tensor:  # [scorable] bool
+        """The nodes whose next level the model must score: those with a choice when its forced
+        codes are free (`forced_codes_free`: log-prob 0), else all."""
+        if model.forced_codes_free:
+            return self.choice
+        return torch.ones_like(self.choice)
 
     def with_ancestors(self, member: Tensor) -> Tensor:  # [B, >= scorable] bool -> [B, scorable]
         """The membership mask closed under ancestors (the root excluded)."""
@@ -81,6 +91,13 @@ def prefix_nodes(
         node = trie.child(node, flat[:, level])
         out.append(node)
     return torch.stack(out, dim=1).reshape(*codes.shape[:-1], trie.levels - 1)
+
+
+def item_prefixes(trie: PrefixTrie, item_codes: Tensor) -> Tensor:  # [I] ... -> [I, L-1]
+    """`prefix_nodes` of a whole catalogue's codes, computed once per trie and code table."""
+    return _ITEM_PREFIXES.get(
+        trie, (trie.edge_keys, item_codes), lambda: prefix_nodes(trie, item_codes)
+    )
 
 
 @dataclass(frozen=True)

@@ -69,17 +69,19 @@ from genrec_spec.recsys.beam import (
     finish,
     start_beams,
 )
+from genrec_spec.recsys.dense import check_item_objective, item_log_probs
 from genrec_spec.recsys.nezha import draft_head_of, head_beams
 from genrec_spec.recsys.scoring import (
     PrefixTree,
     TrieIndex,
     check_candidates,
+    item_prefixes,
     prefix_nodes,
     prefix_tree,
 )
 from genrec_spec.recsys.types import Recommendations
 
-DRAFTS = ("frontier", "none", "nezha")
+DRAFTS = ("frontier", "none", "nezha", "items")
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,39 @@ def head_draft(
     return member
 
 
+def item_draft(
+    model,  # SemanticIdRecommender trained with the item objective
+    state,  # HistoryState of B users
+    beams: Beams,  # [B, W] the exact level-0 beams
+    trie: PrefixTrie,
+    width: int,  # prefixes drafted per prefix length
+) -> Tensor:  # [B, scorable] bool: the level-0 beams and the most probable deeper prefixes
+    """The "items" draft: at every prefix length 2..L-1 the `width` prefixes to score under
+    which the item objective (`dense`'s distribution: one [B, D] x [D, I] product) puts the most
+    probability. On a model whose code levels are tied to that objective a prefix's beam score
+    is close to the log of that mass, so these are the prefixes the beam tends to keep."""
+    index = TrieIndex.of(trie)
+    probs = item_log_probs(model, state).exp()  # [B, I]
+    deeper = item_prefixes(trie, model.item_codes)[:, 1:]  # [I, L-2] their longer prefixes
+    mass = probs.new_zeros(probs.shape[0], index.scorable)  # [B, scorable]
+    mass.scatter_add_(
+        1, deeper.T.reshape(1, -1).expand(len(probs), -1), probs.repeat(1, deeper.shape[1])
+    )
+    member = torch.zeros_like(mass, dtype=torch.bool)
+    real = beams.nodes >= 0
+    member[torch.arange(len(probs))[:, None].expand_as(real)[real], beams.nodes[real]] = True
+    for depth in range(2, trie.levels):
+        low, high = trie.level_starts[depth], trie.level_starts[depth + 1]
+        top = mass[:, low:high].topk(min(width, high - low), dim=1).indices + low
+        member.scatter_(1, top, True)
+    return member
+
+
+# Drafts made after the history pass: name -> (model, state, level-0 beams, trie, width) -> the
+# [B, scorable] bool prefixes drafted.
+AFTER_HISTORY = {"nezha": head_draft, "items": item_draft}
+
+
 def children_of(
     trie: PrefixTrie,
     member: Tensor,  # [B, scorable] bool a set of trie nodes per row
@@ -206,8 +241,10 @@ def decode(
         raise DecodeOptionError(f"lookahead must be an integer >= 0 (levels), got {lookahead!r}")
     if draft_width is not None and draft_width < 1:
         raise DecodeOptionError(f"draft_width must be >= 1, got {draft_width}")
-    if draft == "nezha":
-        draft_head_of(model)  # raises before any work when the model has no draft head
+    if draft == "nezha":  # these raise before any work when the model lacks what the draft reads
+        draft_head_of(model)
+    if draft == "items":
+        check_item_objective(model, "the items draft")
     check_trie(model, trie)
     batch = offsets.numel() - 1
     draft_codes = None
@@ -215,7 +252,8 @@ def decode(
         check_candidates(model, draft_items, batch)
         draft_codes = model.item_codes[draft_items]
     index = TrieIndex.of(trie)
-    first = prefix_tree(index, draft_member(trie, index, batch, draft, draft_codes))
+    to_score = index.to_score(model)  # [scorable] the prefixes whose next code is not free
+    first = prefix_tree(index, draft_member(trie, index, batch, draft, draft_codes) & to_score)
     state, log_probs = model.encode_history_and_tree(
         values, offsets, first.codes, first.levels, first.parents
     )
@@ -226,14 +264,18 @@ def decode(
 
     beams = extend(start_beams(batch, trie), state.level0_log_probs[:, None], trie, 0, width)
     drafted = first.slots >= 0  # [B, scorable] prefixes some draft proposed
-    if draft == "nezha":  # scored with the first follow-up, beside the level-0 beams it needs
-        drafted = drafted | head_draft(model, state, beams, trie, draft_width or 2 * width)
+    if draft in AFTER_HISTORY:  # scored with the first follow-up, beside the level-0 beams
+        drafted = drafted | AFTER_HISTORY[draft](
+            model, state, beams, trie, draft_width or 2 * width
+        )
+    drafted &= to_score
     for level in range(1, model.num_levels):
         slot = scored.lookup(beams.nodes)  # [B, W]
         real = beams.nodes >= 0
-        needed = needed + real.sum()
-        hits = hits + (real & drafted.gather(1, beams.nodes.clamp(min=0))).sum()
-        missing = real & (slot < 0)
+        need = real & to_score[beams.nodes.clamp(min=0)]  # [B, W] beams with a code to score
+        needed = needed + need.sum()
+        hits = hits + (need & drafted.gather(1, beams.nodes.clamp(min=0))).sum()
+        missing = need & (slot < 0)
         if bool(missing.any()):  # a follow-up pass only when some row needs one
             want = drafted & (scored.slots < 0)
             want[rows.expand_as(missing)[missing], beams.nodes[missing]] = True
@@ -241,13 +283,15 @@ def decode(
             below[rows.expand_as(real)[real], beams.nodes[real]] = True
             for _ in range(lookahead):  # descendants of the beams the next levels can need
                 below = children_of(trie, below)
-                want |= below & (scored.slots < 0)
+                want |= below & (scored.slots < 0) & to_score
             tree = prefix_tree(index, want)
             out = model.score_tree(state, tree.codes, tree.levels, tree.parents)
             scored = scored.add(tree, out)
             passes, nodes_scored = passes + 1, nodes_scored + tree.real_nodes
             slot = scored.lookup(beams.nodes)
-        beams = extend(beams, scored.log_probs[rows, slot.clamp(min=0)], trie, level, width)
+        # A beam with one child gives it log-prob 0 (`forced_codes_free`), scored or not.
+        step = scored.log_probs[rows, slot.clamp(min=0)].masked_fill(~need[..., None], 0.0)
+        beams = extend(beams, step, trie, level, width)
     items, scores = finish(beams, trie, k)
     return Recommendations(
         items=items,

@@ -123,6 +123,70 @@ def test_nezha_draft_equals_beam(seed, sizes, items):
             assert 0.0 < got.stats["draft_hit_rate"] <= 1.0  # level-0 beams are always drafted
 
 
+def test_forced_codes_cost_nothing(monkeypatch):
+    """Levels normalised over a prefix's children (tied levels) give a prefix's only child
+    log-prob exactly 0: beam skips a level where no beam has a choice and returns bitwise what
+    scoring every level returns; spec_beam, which never scores such prefixes, returns the same
+    with every draft."""
+    model = _random_model(6, (8, 8, 8), 60, "residual")  # 512 IDs, 60 items: few collisions
+    assert model.forced_codes_free
+    trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+    values, offsets = _histories(model, users=12, seed=6)
+    settings = [(1, 1), (5, 8), (10, 30)]  # k, beam width
+    fast = [beam.decode(model, values, offsets, k=k, trie=trie, beam_width=w) for k, w in settings]
+    one_user = [  # each user alone at width 1: its collision code is nearly always forced
+        beam.decode(
+            model,
+            values[offsets[u] : offsets[u + 1]],
+            torch.stack([offsets[0], offsets[u + 1] - offsets[u]]),
+            k=1,
+            trie=trie,
+            beam_width=1,
+        )
+        for u in range(12)
+    ]
+    with monkeypatch.context() as patched:
+        patched.setattr(SemanticIdRecommender, "forced_codes_free", property(lambda _: False))
+        full = [
+            beam.decode(model, values, offsets, k=k, trie=trie, beam_width=w) for k, w in settings
+        ]
+    for got, want in zip(fast, full, strict=True):
+        assert torch.equal(got.items, want.items) and torch.equal(got.scores, want.scores)
+        assert want.stats["target_passes"] == model.num_levels
+    assert min(out.stats["target_passes"] for out in one_user) < model.num_levels  # a level skipped
+    for (k, width), want in zip(settings, fast, strict=True):
+        for draft in ("frontier", "none", "nezha", "items"):
+            got = spec_beam.decode(
+                model, values, offsets, k=k, trie=trie, beam_width=width, draft=draft, lookahead=0
+            )
+            assert same_top_k(want, got).all(), (k, width, draft)
+
+
+@pytest.mark.parametrize(("seed", "sizes", "items"), MODELS)
+def test_items_draft_equals_beam(seed, sizes, items):
+    """The item objective's draft only decides what is scored early: beam's list, whether the
+    draft holds every needed prefix (wide) or few (width 1: follow-ups)."""
+    model = _random_model(seed, sizes, items, "residual")
+    trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+    values, offsets = _histories(model, users=12, seed=seed)
+    for k, width in [(1, 1), (5, 10), (30, 45)]:
+        want = beam.decode(model, values, offsets, k=k, trie=trie, beam_width=width)
+        for draft_width in (1, None, 200):
+            got = spec_beam.decode(
+                model,
+                values,
+                offsets,
+                k=k,
+                trie=trie,
+                beam_width=width,
+                draft="items",
+                draft_width=draft_width,
+                lookahead=0,
+            )
+            assert same_top_k(want, got).all(), (k, width, draft_width)
+            assert 0.0 < got.stats["draft_hit_rate"] <= 1.0
+
+
 @pytest.mark.parametrize("drafted", [1, 3, "all"])
 def test_item_drafts_that_hit_and_miss(drafted):
     """Drafting every item's prefixes needs no follow-up (one pass, every needed prefix
