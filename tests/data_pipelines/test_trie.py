@@ -42,9 +42,11 @@ def test_matches_set_of_tuples_oracle(table, data):
         if length < len(sizes):
             node = trie.node_of(queries)
             allowed = trie.allowed_mask(node, length)  # [2B, V]
-            for q, row in zip(queries.tolist(), allowed.tolist(), strict=True):
+            choice = trie.has_choice(node).tolist()  # [2B]
+            for q, row, more in zip(queries.tolist(), allowed.tolist(), choice, strict=True):
                 valid = {r[length] for r in ids if r[:length] == tuple(q)}
                 assert {c for c, ok in enumerate(row) if ok} == valid
+                assert more == (len(valid) > 1)
         else:
             items = trie.item_of(queries).tolist()
             assert items == [
