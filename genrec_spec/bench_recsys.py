@@ -1,9 +1,10 @@
 """Recommendation decoding benchmark: ``genrec-spec bench recsys --ckpt CKPT``.
 
 In one process and one run, on the same users of the held-out split and the same checkpoint,
-it times every decoder (``beam``, ``spec_beam`` with its default frontier draft, ``spec-nezha``
-drafting from the NEZHA head, ``heads``, ``rpg`` over its item graph, ``rpg-exact`` scoring
-every item, ``nezha``, and ``dense`` where the checkpoint has the item objective) with the same
+it times every decoder (``beam``, ``spec_beam`` with its default draft, ``spec-frontier`` and
+``spec-nezha`` with its frontier and NEZHA-head drafts, ``heads``, ``rpg`` over its item graph,
+``rpg-exact`` scoring every item, ``nezha``, and ``dense`` where the checkpoint has the item
+objective) with the same
 K and the same beam width (given to every decoder that has one: beam, spec_beam, nezha; by
 default beam's own, max(K, 20)).
 
@@ -52,15 +53,16 @@ from genrec_spec.recsys.scoring import PrefixTree, TrieIndex, prefix_tree
 # Benchmark rows that are a registered decoder with fixed options.
 VARIANTS: dict[str, tuple[str, dict]] = {
     "rpg-exact": ("rpg", {"mode": "exact"}),
-    # spec_beam drafting from the NEZHA head after the history pass (follow-ups for misses only)
-    "spec-nezha": ("spec_beam", {"draft": "nezha", "lookahead": 0}),
-    "spec-items": ("spec_beam", {"draft": "items", "lookahead": 0}),
+    # spec_beam with its other drafts (its default, "auto", drafts "items" on models with the
+    # item objective): the whole first code level scored with the history; the NEZHA head's beam
+    "spec-frontier": ("spec_beam", {"draft": "frontier"}),
+    "spec-nezha": ("spec_beam", {"draft": "nezha"}),
 }
 DECODERS = (
     "beam",
     "spec_beam",
+    "spec-frontier",
     "spec-nezha",
-    "spec-items",
     "heads",
     "rpg",
     "rpg-exact",

@@ -118,8 +118,12 @@ class PrefixTree:
 def prefix_tree(index: TrieIndex, member: Tensor) -> PrefixTree:
     """member: [B, >= scorable] bool, the trie nodes wanted per row; their ancestors are added
     (a node's score depends on its whole prefix). Padding nodes are harmless level-0 roots."""
-    member = index.with_ancestors(member)
     batch = member.shape[0]
+    if not bool(member[:, 1 : index.scorable].any()):  # nothing wanted (a draft made later)
+        none = torch.zeros(batch, 0, dtype=torch.long, device=member.device)
+        unscored = torch.full((batch, index.scorable), -1, dtype=torch.long, device=member.device)
+        return PrefixTree(nodes=none, codes=none, levels=none, parents=none, slots=unscored)
+    member = index.with_ancestors(member)
     slots = member.long().cumsum(dim=1) - 1  # [B, scorable] position among the row's nodes
     rows, nodes = torch.nonzero(member, as_tuple=True)  # row-major, ascending node ids
     width = int(member.sum(dim=1).max()) if batch else 0

@@ -81,20 +81,36 @@ from genrec_spec.recsys.scoring import (
 )
 from genrec_spec.recsys.types import Recommendations
 
-DRAFTS = ("frontier", "none", "nezha", "items")
+DRAFTS = ("auto", "frontier", "items", "nezha", "none")
 
 
 @dataclass(frozen=True)
 class SpecBeamConfig:
     """Defaults of the `spec_beam` options."""
 
-    # What is drafted: "frontier" (pass 1 scores it with the history), "nezha" (after the
-    # history pass, rides on the first follow-up) or "none".
-    draft: str = "frontier"
-    draft_width: int | None = None  # beam width of the "nezha" draft; None = 2 W
+    # What is drafted: "frontier" (pass 1 scores it with the history), "items" or "nezha" (after
+    # the history pass, they ride on the first follow-up), "none", or "auto": "items" when the
+    # model has the item objective, else "frontier".
+    draft: str = "auto"
+    draft_width: int | None = None  # "items": prefixes per length; "nezha": beam width; None: 2 W
     # Levels of the current beams' descendants a follow-up pass also scores (0: only the
-    # missing prefixes; 1: their children; L - 2: all the decode can still need).
-    lookahead: int = 1
+    # missing prefixes; 1: their children; L - 2: all the decode can still need). None: 0 with
+    # a draft made after the history pass (follow-ups for its misses only), else 1.
+    lookahead: int | None = None
+
+
+def resolve_draft(model, draft: str) -> str:
+    """The draft "auto" stands for on this model; raises on an unknown draft or one the model
+    cannot make, before any work."""
+    if draft not in DRAFTS:
+        raise DecodeOptionError(f"unknown draft {draft!r}; valid drafts: {', '.join(DRAFTS)}")
+    if draft == "auto":
+        draft = "items" if model.config.item_weight else "frontier"
+    if draft == "nezha":
+        draft_head_of(model)
+    if draft == "items":
+        check_item_objective(model, "the items draft")
+    return draft
 
 
 @dataclass(frozen=True)
@@ -123,8 +139,6 @@ def draft_member(
     draft: str,
     draft_codes: Tensor | None,  # [B, R, L] int64 Semantic IDs of items whose prefixes are drafted
 ) -> Tensor:  # [B, scorable] bool trie nodes to score in the first pass
-    if draft not in DRAFTS:
-        raise DecodeOptionError(f"unknown draft {draft!r}; valid drafts: {', '.join(DRAFTS)}")
     member = torch.zeros(batch, index.scorable, dtype=torch.bool, device=trie.device)
     if draft == "frontier":
         member[:, 1 : trie.level_starts[2]] = True  # every length-1 prefix
@@ -232,19 +246,18 @@ def decode(
     beam_width: int | None = None,  # W >= k; None = beam's default, max(k, 20)
     draft: str = SpecBeamConfig.draft,
     draft_items: Tensor | None = None,  # [B, R] int64 items whose prefixes pass 1 also scores
-    lookahead: int = SpecBeamConfig.lookahead,  # descendant levels per follow-up (module doc)
-    draft_width: int | None = SpecBeamConfig.draft_width,  # "nezha" draft's beam width
+    lookahead: int | None = SpecBeamConfig.lookahead,  # descendant levels per follow-up
+    draft_width: int | None = SpecBeamConfig.draft_width,  # "items" / "nezha" draft's width
 ) -> Recommendations:
     start_time = time.perf_counter()
     width = beam_width_for(k, beam_width, model.num_items)
+    draft = resolve_draft(model, draft)
+    if lookahead is None:
+        lookahead = 0 if draft in AFTER_HISTORY else 1
     if not isinstance(lookahead, int) or lookahead < 0:  # a bool is 0 or 1
         raise DecodeOptionError(f"lookahead must be an integer >= 0 (levels), got {lookahead!r}")
     if draft_width is not None and draft_width < 1:
         raise DecodeOptionError(f"draft_width must be >= 1, got {draft_width}")
-    if draft == "nezha":  # these raise before any work when the model lacks what the draft reads
-        draft_head_of(model)
-    if draft == "items":
-        check_item_objective(model, "the items draft")
     check_trie(model, trie)
     batch = offsets.numel() - 1
     draft_codes = None

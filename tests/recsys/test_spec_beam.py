@@ -4,6 +4,8 @@ miss (follow-up passes); then a model trained on real ML-100K."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -230,8 +232,15 @@ def test_bad_options_raise():
     model = _random_model(0, (5, 4), 60)
     trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
     values, offsets = _histories(model, users=2, seed=0)
-    with pytest.raises(DecodeOptionError, match="valid drafts: frontier, none, nezha"):
+    with pytest.raises(DecodeOptionError, match="valid drafts: auto, frontier, items, nezha, none"):
         spec_beam.decode(model, values, offsets, k=3, trie=trie, draft="heads")
+    config = replace(model.config, item_weight=0.0, level0_from_items=False, draft_tied=False)
+    no_items = SemanticIdRecommender(config, model.item_codes, model.codebook_sizes).eval()
+    with pytest.raises(DecodeOptionError, match="the items draft needs a model trained with"):
+        spec_beam.decode(no_items, values, offsets, k=3, trie=trie, draft="items")
+    # "auto": the item objective's draft where the model has one, else the first code level
+    assert spec_beam.resolve_draft(model, "auto") == "items"
+    assert spec_beam.resolve_draft(no_items, "auto") == "frontier"
     with pytest.raises(ValueError, match="candidate item indices must lie in"):
         bad = torch.tensor([[0], [model.num_items]])
         spec_beam.decode(model, values, offsets, k=3, trie=trie, draft_items=bad)
