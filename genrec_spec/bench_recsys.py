@@ -294,12 +294,12 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def format_table(rows: list[Row], batch_sizes: tuple[int, ...]) -> str:
-    head = f"{'decoder':<10}{'p50 ms':>8}{'p99 ms':>8}{'cpu p50':>8}{'speedup':>9}{'passes':>7}"
+    head = f"{'decoder':<14}{'p50 ms':>8}{'p99 ms':>8}{'cpu p50':>8}{'speedup':>9}{'passes':>7}"
     head += f"{'nodes':>7}{'hit':>6}"
     head += "".join(f"{f'users/s@{s}':>14}{'speedup':>9}" for s in batch_sizes)
     lines = [head + f"{'same':>6}{'overlap':>9}"]
     for r in rows:
-        line = f"{r.decoder:<10}{r.p50_ms:>8.2f}{r.p99_ms:>8.2f}{r.cpu_p50_ms:>8.2f}"
+        line = f"{r.decoder:<14}{r.p50_ms:>8.2f}{r.p99_ms:>8.2f}{r.cpu_p50_ms:>8.2f}"
         line += f"{r.speedup:>8.2f}x{r.passes:>7.2f}{r.nodes:>7.0f}"
         line += f"{r.hit_rate:>6.2f}" if r.hit_rate is not None else f"{'-':>6}"
         for s in batch_sizes:

@@ -174,6 +174,16 @@ class HistoryState:
     level0_log_probs: Tensor  # [B, V0] log-probs of the next item's level-0 code
     truncated: Tensor  # [B] bool, True where the history was longer than max_len
 
+    def rows(self, index: Tensor) -> HistoryState:  # index [b] int64 -> the state of b rows
+        return HistoryState(
+            keys=self.keys[:, index],
+            values=self.values[:, index],
+            lengths=self.lengths[index],
+            hidden=self.hidden[index],
+            level0_log_probs=self.level0_log_probs[index],
+            truncated=self.truncated[index],
+        )
+
 
 class Block(nn.Module):
     """Pre-norm transformer block; attention itself is done by the caller (`attend`), which is

@@ -120,13 +120,20 @@ class ScoredNodes:
     slots: Tensor  # [B, scorable] int64 index into log_probs' node axis; -1 = not scored
     log_probs: Tensor  # [B, N, Vmax] next-level log-probs of the scored nodes
 
-    def add(self, tree: PrefixTree, log_probs: Tensor) -> ScoredNodes:
+    def add(
+        self,
+        rows: Tensor,  # [b] int64 the rows the tree is of
+        tree: PrefixTree,  # of those b rows
+        log_probs: Tensor,  # [b, N', Vmax] its log-probs
+    ) -> ScoredNodes:
         """Nodes already scored keep their first value (a rescored ancestor is only context)."""
-        new = torch.where(tree.slots >= 0, tree.slots + self.log_probs.shape[1], -1)
-        return ScoredNodes(
-            slots=torch.where(self.slots >= 0, self.slots, new),
-            log_probs=torch.cat([self.log_probs, log_probs], dim=1),
-        )
+        batch, known, vocab = self.log_probs.shape
+        new = torch.where(tree.slots >= 0, tree.slots + known, -1)  # [b, scorable]
+        slots = self.slots.clone()
+        slots[rows] = torch.where(slots[rows] >= 0, slots[rows], new)
+        grown = log_probs.new_zeros(batch, log_probs.shape[1], vocab)  # other rows: never read
+        grown[rows] = log_probs
+        return ScoredNodes(slots=slots, log_probs=torch.cat([self.log_probs, grown], dim=1))
 
     def lookup(self, nodes: Tensor) -> Tensor:  # nodes: [B, W] -> [B, W] slot, -1 = unscored
         return torch.where(nodes >= 0, self.slots.gather(1, nodes.clamp(min=0)), -1)
@@ -297,9 +304,12 @@ def decode(
             for _ in range(lookahead):  # descendants of the beams the next levels can need
                 below = children_of(trie, below)
                 want |= below & (scored.slots < 0) & to_score
-            tree = prefix_tree(index, want)
-            out = model.score_tree(state, tree.codes, tree.levels, tree.parents)
-            scored = scored.add(tree, out)
+            # Only the rows with something to score take part (in a batch, few rows miss).
+            busy = want.any(dim=1).nonzero().squeeze(1)  # [b]
+            tree = prefix_tree(index, want[busy])
+            some = state if len(busy) == batch else state.rows(busy)
+            out = model.score_tree(some, tree.codes, tree.levels, tree.parents)
+            scored = scored.add(busy, tree, out)
             passes, nodes_scored = passes + 1, nodes_scored + tree.real_nodes
             slot = scored.lookup(beams.nodes)
         # A beam with one child gives it log-prob 0 (`forced_codes_free`), scored or not.
