@@ -1,48 +1,52 @@
 """Lossless speculative beam search over Semantic IDs: `beam`'s exact top-K in fewer passes.
 
-    decode(model, values, offsets, *, k, trie, beam_width=None, draft="frontier",
-           draft_items=None, lookahead=1, draft_width=None) -> Recommendations
+    decode(model, values, offsets, *, k, trie, beam_width=None, draft="auto",
+           draft_items=None, lookahead=None, draft_width=None) -> Recommendations
 
 Trie-constrained beam search needs, at level l, the target's log-probs of level l at each of the
 W beams (prefixes of length l). Which prefixes those are is known only after level l - 1 was
 selected, so `beam` pays one sequential target pass per level. Here:
 
 1. Draft: pick trie prefixes the beam is likely to need. Before any target pass: `"frontier"`
-   (default) takes the whole first level of the trie (every level-0 code), so whichever codes
-   the target ranks top-W, they are scored; `draft_items` adds the prefixes of given items (any
-   retrieval result). After the history pass: `"nezha"` runs the model's NEZHA draft head's
-   trie-constrained beam (width `draft_width`, default 2 W) from the exact level-0 beams down
-   to prefixes of length L - 1. `"none"` drafts nothing.
+   takes the whole first level of the trie (every level-0 code), so whichever codes the target
+   ranks top-W, they are scored; `draft_items` adds the prefixes of given items (any retrieval
+   result). After the history pass: `"items"` takes, at every prefix length 2..L-1, the
+   `draft_width` (default 2 W) prefixes under which the model's item objective puts the most
+   probability (one [B, D] x [D, I] product: on a model whose code levels are tied to that
+   objective a prefix's beam score is close to the log of that mass); `"nezha"` runs the
+   model's NEZHA draft head's trie-constrained beam (width `draft_width`, default 2 W) from the
+   exact level-0 beams down to prefixes of length L - 1. `"none"` drafts nothing. `"auto"`
+   (default): "items" on a model with the item objective, else "frontier".
 2. One fused target pass scores the history AND the pre-history draft
    (`model.encode_history_and_tree`).
 3. Beam selection runs level by level on the target's exact log-probs looked up at the beams'
    nodes, through the very `beam.extend` of plain beam search (same candidates, same
    tie-breaking), so the result is `beam`'s up to float rounding.
-4. Beams whose prefix is unscored get a follow-up `score_tree` pass: the missing prefixes, the
-   not yet scored "nezha" draft (so the first follow-up is the draft's pass), and the
-   unscored descendants of every current beam `lookahead` levels down (1: the children, the
-   only prefixes the next level can need; L - 2: all the rest of the decode can need, so at
-   most one follow-up), plus their ancestors as context.
+4. Beams whose prefix is unscored get a follow-up `score_tree` pass, of the rows that have
+   any: the missing prefixes, the not yet scored post-history draft (so the first follow-up is
+   that draft's pass), and the unscored descendants of every current beam `lookahead` levels
+   down (1: the children, the only prefixes the next level can need; L - 2: all the rest of
+   the decode can need, so at most one follow-up; default 0 after a post-history draft, else
+   1), plus their ancestors as context.
 
-With 3 code levels + the collision code (L = 4) and the frontier draft, pass 1 covers levels 0
-and 1, the follow-up at level 2 covers levels 2 and 3: 2 sequential passes instead of 4,
-whatever the model says.
+On a model whose code levels are normalised over a prefix's children (`forced_codes_free`), a
+prefix with one child gives it log-prob exactly 0, so such prefixes are never drafted, needed
+or scored (on ML-1M 81% of the length-2 prefixes and 95% of the length-3 ones). With 3 code
+levels + the collision code (L = 4) and the frontier draft, pass 1 covers levels 0 and 1, the
+follow-up at level 2 covers levels 2 and 3: 2 sequential passes instead of 4, whatever the
+model says.
 
-Measured on a 2-core CPU at batch 1 (trained ML-100K and ML-1M models: 2 layers, width 64;
-W = 20): a pass's fixed cost is only about what 70 extra tree nodes cost (the nodes'
-feed-forward and attention are real compute), and this module's bookkeeping (membership masks,
-prefix trees) costs ~1.5-2 ms, so exactness does not come cheap: the frontier draft (256 extra
-nodes) runs at ~0.8x `beam`'s latency, "none" with lookahead 2 (~640 nodes) ~0.5x. The
-"nezha" draft found 51-62% of the needed prefixes on ML-100K (draft width W-2W; the level-0
-beams it always holds included) and 87-96% on ML-1M (2W-4W), yet some needed prefix is missed
-for nearly every user, so it saves at most one pass (3.3-4 passes) and runs at ~0.65x. A head
-tied to the item objective (`draft_tied`, ML-1M, 2W) holds 99.7% of them: 2.14 passes at batch
-1 (W = 20, about beam's latency), but in a batch any row's miss costs every row the follow-ups
-(batch 64, W = 200: 4 passes, ~2x beam's time, the frontier draft 1.3x), and a pass-bound
-accelerator never gains over the frontier's fixed 2 passes; so "frontier" stays the default. Even an
-oracle draft (exactly the prefixes beam needs: ONE pass, ~100 nodes) measured only 1.35x at
-W = 20 and 1.23x at W = 50, since the history pass and the per-level selection stay. The saving
-pays where a pass's fixed cost dominates a tree node's (an accelerator; not measured here).
+Measured (`genrec-spec bench recsys`, the ML-1M default model, W = 20, K = 10, a 2-core CPU at
+one thread, medians of 3 runs): at batch 1 the "items" draft holds every prefix the beam needs
+for ~88% of users (2.12 passes, 44 tree nodes) and runs at ~1.27x `beam`'s latency with the same
+lists; the NEZHA head's draft holds them as often (2.02 passes) but its own beam costs what
+the saved passes save (~1.03x); the frontier (260 nodes) ~0.7x. The bench's exact floor, the
+history and the ~31 prefixes beam reads scored in ONE fused pass with no draft and no
+selection, is ~2.1x: no exact decoder gets more on this CPU, where a tree node costs real
+compute (its feed-forward, attention and the tied levels' item windows) and a pass little
+more than its nodes. In batches (64, 256) the draft's nodes cost more than beam's saved passes
+(~0.8x). The saving pays where a pass's fixed cost dominates a node's (an accelerator; not
+measured here).
 
 Stats: "target_passes", "nodes_scored" (real tree nodes over all passes), "draft_nodes"
 (prefixes drafted), "draft_hit_rate" (needed prefixes that some draft proposed), "wall_time_s",
@@ -180,10 +184,11 @@ def item_draft(
     trie: PrefixTrie,
     width: int,  # prefixes drafted per prefix length
 ) -> Tensor:  # [B, scorable] bool: the level-0 beams and the most probable deeper prefixes
-    """The "items" draft: at every prefix length 2..L-1 the `width` prefixes to score under
-    which the item objective (`dense`'s distribution: one [B, D] x [D, I] product) puts the most
-    probability. On a model whose code levels are tied to that objective a prefix's beam score
-    is close to the log of that mass, so these are the prefixes the beam tends to keep."""
+    """The "items" draft: at every prefix length 2..L-1 the `width` prefixes under which the
+    item objective (`dense`'s distribution: one [B, D] x [D, I] product) puts the most
+    probability (the caller drops those whose next code is forced). On a model whose code
+    levels are tied to that objective a prefix's beam score is close to the log of that mass, so
+    these are the prefixes the beam tends to keep."""
     index = TrieIndex.of(trie)
     probs = item_log_probs(model, state).exp()  # [B, I]
     deeper = item_prefixes(trie, model.item_codes)[:, 1:]  # [I, L-2] their longer prefixes
@@ -193,7 +198,8 @@ def item_draft(
     )
     member = torch.zeros_like(mass, dtype=torch.bool)
     real = beams.nodes >= 0
-    member[torch.arange(len(probs))[:, None].expand_as(real)[real], beams.nodes[real]] = True
+    rows = torch.arange(len(probs), device=probs.device)[:, None].expand_as(real)
+    member[rows[real], beams.nodes[real]] = True
     for depth in range(2, trie.levels):
         low, high = trie.level_starts[depth], trie.level_starts[depth + 1]
         top = mass[:, low:high].topk(min(width, high - low), dim=1).indices + low
