@@ -177,12 +177,16 @@ def score(
     paths = prefix_nodes(trie, codes)  # [B, C, L-1] trie node of each candidate's prefixes
     member = torch.zeros(batch, index.scorable, dtype=torch.bool, device=candidates.device)
     member.scatter_(1, paths.flatten(1), True)
-    tree = prefix_tree(index, member)
+    # Prefixes whose next code is forced give it log-prob 0 (`TrieIndex.to_score`): not scored.
+    tree = prefix_tree(index, member & index.to_score(model))
     state, out = model.encode_history_and_tree(
         values, offsets, tree.codes, tree.levels, tree.parents
     )
     total = state.level0_log_probs.gather(1, codes[:, :, 0])  # [B, C]
+    if not out.shape[1]:  # every deeper code of every candidate is forced
+        return total
+    rows = torch.arange(batch, device=candidates.device)[:, None]
     for level in range(1, model.num_levels):
-        at = tree.slots.gather(1, paths[:, :, level - 1])  # [B, C] tree node of the prefix
-        total += out[torch.arange(batch, device=at.device)[:, None], at, codes[:, :, level]]
+        at = tree.slots.gather(1, paths[:, :, level - 1])  # [B, C] tree node; -1: forced
+        total += out[rows, at.clamp(min=0), codes[:, :, level]].masked_fill(at < 0, 0.0)
     return total

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
-from genrec_spec.models.recommender import RecommenderInputError
+from genrec_spec.models.recommender import RecommenderInputError, SemanticIdRecommender
 from genrec_spec.recsys.scoring import (
     TrieIndex,
     prefix_nodes,
@@ -37,8 +39,13 @@ def _alone(model, history: torch.Tensor, item: int) -> float:
 
 
 @pytest.mark.parametrize("lengths", [[4], [6, 0, 20, 3]])  # empty and truncated rows too
-def test_score_equals_each_candidate_alone(tiny_model, lengths):
-    model, _ = tiny_model
+@pytest.mark.parametrize("tied", [False, True])  # tied levels: forced codes are not scored
+def test_score_equals_each_candidate_alone(tiny_model, lengths, tied):
+    model, data = tiny_model
+    if tied:
+        config = replace(model.config, level0_from_items=True, item_tied_levels=True)
+        model = SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).eval()
+    assert model.forced_codes_free == tied
     values, offsets = _histories(model, lengths, seed=len(lengths))
     g = torch.Generator().manual_seed(1)
     # 6 candidates per row from 5 items: repeats and shared prefixes.
