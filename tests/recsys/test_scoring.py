@@ -60,6 +60,26 @@ def test_score_equals_each_candidate_alone(tiny_model, lengths, tied):
             assert got[b, c].item() == pytest.approx(want, abs=1e-5)
 
 
+def test_score_when_every_deeper_code_is_forced(tiny_model):
+    """Items alone under their level-0 code on a tied model: no prefix is scored (an empty
+    tree) and each item's log-likelihood is its level-0 log-prob, as its chain of codes gives."""
+    model, _ = tiny_model
+    config = replace(model.config, level0_from_items=True, item_tied_levels=True)
+    items = 6
+    codes = torch.zeros(items, model.num_levels, dtype=torch.long)
+    codes[:, 0] = torch.arange(items)  # one item per level-0 code: every deeper code forced
+    sizes = [items, *model.codebook_sizes[1:]]
+    forced = SemanticIdRecommender(config, codes, sizes).eval()
+    values, offsets = _histories(forced, [3, 5], seed=7)
+    candidates = torch.tensor([[0, 5, 2], [1, 1, 4]])
+    got = score(forced, values, offsets, candidates)
+    for b in range(2):
+        history = values[offsets[b] : offsets[b + 1]]
+        for c in range(3):
+            want = _alone(forced, history, int(candidates[b, c]))
+            assert got[b, c].item() == pytest.approx(want, abs=1e-5)
+
+
 def test_score_is_one_forward_pass(tiny_model):
     """Every block runs once: history and all candidates go through the model together."""
     model, _ = tiny_model
