@@ -4,9 +4,8 @@ In one process and one run, on the same users of the held-out split and the same
 it times every decoder (``beam``, ``spec_beam`` with its default draft, ``spec-frontier`` and
 ``spec-nezha`` with its frontier and NEZHA-head drafts, ``heads``, ``rpg`` over its item graph,
 ``rpg-exact`` scoring every item, ``nezha``, and ``dense`` where the checkpoint has the item
-objective) with the same
-K and the same beam width (given to every decoder that has one: beam, spec_beam, nezha; by
-default beam's own, max(K, 20)).
+objective) with the same K and the same beam width (given to every decoder that has one: beam,
+spec_beam, nezha; by default beam's own, max(K, 20)).
 
 Columns:
   p50 / p99      latency per request at batch 1 (one user per call), milliseconds
@@ -29,6 +28,18 @@ the most any decoder of its kind could gain over beam on this machine (beam's p5
                  of lengths 1..L-1 with a choice of next code), with their ancestors, in ONE
                  fused pass: an exact decoder must have those scores, so even a free, perfect
                  draft and free selection cannot beat this
+
+Timing: at batch 1 the decoders (and the floors) take turns user by user, the order rotating
+every user; at batch B they take turns batch by batch. Drift of this shared machine then hits
+every decoder alike. ``--history-cache`` times returning users instead: every decoder reads
+histories through a history cache (`recsys.history_cache`, what ``serve`` keeps) holding each
+user's history without its newest item, so a request encodes that item only (histories past the
+model's context slide and are encoded whole). Each decoder first runs once untimed (warm-up; the
+rpg item graph is built there and its build time is reported apart).
+``torch.set_num_threads(1)`` by default: one thread is fastest for one small model on 2 cores.
+Example (the README's table):
+
+    genrec-spec bench recsys --ckpt CKPT --users 200 --k 10 --beam-width 20
 """
 
 from __future__ import annotations
