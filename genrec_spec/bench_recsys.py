@@ -198,8 +198,8 @@ def needed_prefixes(model, users, trie, width: int) -> PrefixTree:
         state = model.encode_history(users.values, users.offsets)
         history, _, _ = search(model, state, trie, width)
     nodes = torch.cat([beams.nodes for beams in history[:-1]], dim=1)  # [B, (L-1) W]
-    rows = torch.arange(len(nodes))[:, None].expand_as(nodes)
-    member = torch.zeros(len(nodes), index.scorable, dtype=torch.bool)
+    rows = torch.arange(len(nodes), device=nodes.device)[:, None].expand_as(nodes)
+    member = torch.zeros(len(nodes), index.scorable, dtype=torch.bool, device=nodes.device)
     member[rows[nodes >= 0], nodes[nodes >= 0]] = True
     return prefix_tree(index, member & index.to_score(model))
 
