@@ -59,7 +59,7 @@ from genrec_spec.recsys.beam import beam_width_for, item_trie, search
 from genrec_spec.recsys.evaluate import load_model_and_data, options_for, sample_users
 from genrec_spec.recsys.history_cache import CachedRecommender, HistoryCache, rows_of
 from genrec_spec.recsys.recommend import get_decoder
-from genrec_spec.recsys.scoring import PrefixTree, TrieIndex, prefix_tree
+from genrec_spec.recsys.scoring import PrefixTree, TrieIndex, node_mask, prefix_tree
 
 # Benchmark rows that are a registered decoder with fixed options.
 VARIANTS: dict[str, tuple[str, dict]] = {
@@ -198,10 +198,7 @@ def needed_prefixes(model, users, trie, width: int) -> PrefixTree:
         state = model.encode_history(users.values, users.offsets)
         history, _, _ = search(model, state, trie, width)
     nodes = torch.cat([beams.nodes for beams in history[:-1]], dim=1)  # [B, (L-1) W]
-    rows = torch.arange(len(nodes), device=nodes.device)[:, None].expand_as(nodes)
-    member = torch.zeros(len(nodes), index.scorable, dtype=torch.bool, device=nodes.device)
-    member[rows[nodes >= 0], nodes[nodes >= 0]] = True
-    return prefix_tree(index, member & index.to_score(model))
+    return prefix_tree(index, node_mask(nodes, index.scorable) & index.to_score(model))
 
 
 def benchmark(

@@ -93,6 +93,14 @@ def prefix_nodes(
     return torch.stack(out, dim=1).reshape(*codes.shape[:-1], trie.levels - 1)
 
 
+def node_mask(
+    nodes: Tensor,  # [B, N] int64 trie nodes per row, each < scorable; -1 = none
+    scorable: int,
+) -> Tensor:  # [B, scorable] bool, True at each row's nodes
+    spare = torch.zeros(nodes.shape[0], scorable + 1, dtype=torch.bool, device=nodes.device)
+    return spare.scatter_(1, torch.where(nodes >= 0, nodes, scorable), True)[:, :scorable]
+
+
 def item_prefixes(trie: PrefixTrie, item_codes: Tensor) -> Tensor:  # [I] ... -> [I, L-1]
     """`prefix_nodes` of a whole catalogue's codes, computed once per trie and code table."""
     return _ITEM_PREFIXES.get(

@@ -81,6 +81,7 @@ from genrec_spec.recsys.scoring import (
     TrieIndex,
     check_candidates,
     item_prefixes,
+    node_mask,
     prefix_nodes,
     prefix_tree,
 )
@@ -168,14 +169,8 @@ def head_draft(
 ) -> Tensor:  # [B, scorable] bool: the level-0 beams and every prefix the draft beam keeps
     """The "nezha" draft: the draft head's beam (`nezha.head_beams`) from the exact level-0
     beams down to prefixes of length L - 1, guessing the target's beams of levels 1..L-2."""
-    member = torch.zeros(
-        beams.nodes.shape[0], trie.level_starts[trie.levels], dtype=torch.bool, device=trie.device
-    )
-    rows = torch.arange(beams.nodes.shape[0], device=trie.device)[:, None]
-    for found in [beams, *head_beams(model, state, beams, trie, width, model.num_levels - 1)]:
-        real = found.nodes >= 0
-        member[rows.expand_as(real)[real], found.nodes[real]] = True
-    return member
+    found = [beams, *head_beams(model, state, beams, trie, width, model.num_levels - 1)]
+    return node_mask(torch.cat([b.nodes for b in found], dim=1), trie.level_starts[trie.levels])
 
 
 def item_draft(
@@ -197,10 +192,7 @@ def item_draft(
     mass.scatter_add_(
         1, deeper.T.reshape(1, -1).expand(len(probs), -1), probs.repeat(1, deeper.shape[1])
     )
-    member = torch.zeros_like(mass, dtype=torch.bool)
-    real = beams.nodes >= 0
-    rows = torch.arange(len(probs), device=probs.device)[:, None].expand_as(real)
-    member[rows[real], beams.nodes[real]] = True
+    member = node_mask(beams.nodes, index.scorable)
     for depth in range(2, trie.levels):
         low, high = trie.level_starts[depth], trie.level_starts[depth + 1]
         top = mass[:, low:high].topk(min(width, high - low), dim=1).indices + low
@@ -305,9 +297,8 @@ def decode(
         missing = need & (slot < 0)
         if bool(missing.any()):  # a follow-up pass only when some row needs one
             want = drafted & (scored.slots < 0)
-            want[rows.expand_as(missing)[missing], beams.nodes[missing]] = True
-            below = torch.zeros_like(want)
-            below[rows.expand_as(real)[real], beams.nodes[real]] = True
+            want |= node_mask(beams.nodes.masked_fill(~missing, -1), index.scorable)
+            below = node_mask(beams.nodes, index.scorable)
             for _ in range(lookahead):  # descendants of the beams the next levels can need
                 below = children_of(trie, below)
                 want |= below & (scored.slots < 0) & to_score

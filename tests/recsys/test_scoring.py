@@ -11,6 +11,7 @@ from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.recommender import RecommenderInputError, SemanticIdRecommender
 from genrec_spec.recsys.scoring import (
     TrieIndex,
+    node_mask,
     prefix_nodes,
     prefix_tree,
     score,
@@ -158,3 +159,8 @@ def test_score_tree_rejects_a_tree_deeper_than_the_code_levels(tiny_model):
     chain = torch.arange(depth).expand(2, -1)
     with pytest.raises(ValueError, match="more than max_depth"):
         model.score_tree(state, chain * 0, (chain % (model.num_levels - 1)), chain - 1)
+
+
+def test_node_mask_marks_each_rows_nodes():
+    nodes = torch.tensor([[2, -1, 2, 0], [-1, -1, -1, -1]])  # repeats and padding
+    assert node_mask(nodes, 4).tolist() == [[True, False, True, False], [False] * 4]
