@@ -4,6 +4,7 @@ miss (follow-up passes); then a model trained on real ML-100K."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -100,15 +101,18 @@ def test_spec_beam_equals_beam(seed, sizes, items, item_levels):
 
 
 @pytest.mark.parametrize(("seed", "sizes", "items"), MODELS)
-def test_nezha_draft_equals_beam(seed, sizes, items):
-    """The draft head's guesses only decide what is scored early: the list stays beam's, and
-    every needed prefix is scored by the last level's pass at the latest."""
-    model = _random_model(seed, sizes, items)
+@pytest.mark.parametrize(("draft", "item_levels"), [("nezha", "none"), ("items", "residual")])
+def test_post_history_draft_equals_beam(seed, sizes, items, draft, item_levels):
+    """A draft made after the history pass (the NEZHA head's beam, the item objective's mass)
+    only decides what is scored early: the list stays beam's whether the draft holds every needed
+    prefix (wide) or few (width 1: follow-ups), and every needed prefix is scored by the last
+    level's pass at the latest."""
+    model = _random_model(seed, sizes, items, item_levels)
     trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
     values, offsets = _histories(model, users=12, seed=seed)
-    for k, width, draft_width in [(1, 1, None), (5, 10, 3), (30, 45, 90)]:
+    for k, width in [(1, 1), (5, 10), (30, 45)]:
         want = beam.decode(model, values, offsets, k=k, trie=trie, beam_width=width)
-        for lookahead in (0, 1):
+        for draft_width, lookahead in itertools.product((1, 3, None, 200), (0, 1)):
             got = spec_beam.decode(
                 model,
                 values,
@@ -116,11 +120,11 @@ def test_nezha_draft_equals_beam(seed, sizes, items):
                 k=k,
                 trie=trie,
                 beam_width=width,
-                draft="nezha",
+                draft=draft,
                 draft_width=draft_width,
                 lookahead=lookahead,
             )
-            assert same_top_k(want, got).all(), (k, width, lookahead)
+            assert same_top_k(want, got).all(), (k, width, draft_width, lookahead)
             assert 2 <= got.stats["target_passes"] <= model.num_levels
             assert 0.0 < got.stats["draft_hit_rate"] <= 1.0  # level-0 beams are always drafted
 
@@ -162,31 +166,6 @@ def test_forced_codes_cost_nothing(monkeypatch):
                 model, values, offsets, k=k, trie=trie, beam_width=width, draft=draft, lookahead=0
             )
             assert same_top_k(want, got).all(), (k, width, draft)
-
-
-@pytest.mark.parametrize(("seed", "sizes", "items"), MODELS)
-def test_items_draft_equals_beam(seed, sizes, items):
-    """The item objective's draft only decides what is scored early: beam's list, whether the
-    draft holds every needed prefix (wide) or few (width 1: follow-ups)."""
-    model = _random_model(seed, sizes, items, "residual")
-    trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
-    values, offsets = _histories(model, users=12, seed=seed)
-    for k, width in [(1, 1), (5, 10), (30, 45)]:
-        want = beam.decode(model, values, offsets, k=k, trie=trie, beam_width=width)
-        for draft_width in (1, None, 200):
-            got = spec_beam.decode(
-                model,
-                values,
-                offsets,
-                k=k,
-                trie=trie,
-                beam_width=width,
-                draft="items",
-                draft_width=draft_width,
-                lookahead=0,
-            )
-            assert same_top_k(want, got).all(), (k, width, draft_width)
-            assert 0.0 < got.stats["draft_hit_rate"] <= 1.0
 
 
 @pytest.mark.parametrize("drafted", [1, 3, "all"])
