@@ -38,11 +38,11 @@ model says.
 
 Measured (`genrec-spec bench recsys`, the ML-1M default model, W = 20, K = 10, a 2-core CPU at
 one thread, medians of 3 runs): at batch 1 the "items" draft holds every prefix the beam needs
-for ~88% of users (2.12 passes, 44 tree nodes) and runs at ~1.23x `beam`'s latency with the same
-lists; the NEZHA head's draft holds them as often (2.02 passes) but its own beam costs what
-the saved passes save (~1.01x); the frontier (260 nodes) ~0.7x. The bench's exact floor, the
-history and the ~31 prefixes beam reads scored in ONE fused pass with no draft and no
-selection, is ~2.1x: no exact decoder gets more on this CPU, where a tree node costs real
+for 90% of users (2.12 passes on average, 44 tree nodes) and runs at ~1.23x `beam`'s latency
+with the same lists; the NEZHA head's draft holds slightly more (2.02 passes) but its own beam
+costs what the saved passes save (~1.01x); the frontier (260 nodes) ~0.7x. The bench's exact
+floor, the history and the ~31 prefixes beam reads scored in ONE fused pass with no draft and
+no selection, is ~2.1x: no exact decoder gets more on this CPU, where a tree node costs real
 compute (its feed-forward, attention and the tied levels' item windows) and a pass little
 more than its nodes. In batches (64, 256) the draft's nodes cost more than beam's saved passes
 (~0.8x). Wider beams gain more: at W = 100 1.49x, at W = 200 1.78x at batch 1 and 2.13x at
