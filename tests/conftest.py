@@ -117,7 +117,7 @@ def tiny_recommender_config():
     """The tiny test recommender: every head and the item objective (dot-product logits),
     dropout 0, level 0 from its own code head, levels 1.. from theirs (tests of
     level0_from_items, item_tied_levels and item_temperature turn them on)."""
-    from genrec_spec.models.recommender import RecommenderConfig
+    from genrec_spec.models.recsys.recommender import RecommenderConfig
 
     return RecommenderConfig(
         dim=16,
@@ -139,7 +139,7 @@ def tiny_recommender_config():
 def tiny_model(tiny_data_dir: Path):
     """(model in eval mode with dropout 0, all heads and the item objective, its
     PreparedData)."""
-    from genrec_spec.models.recommender import SemanticIdRecommender
+    from genrec_spec.models.recsys.recommender import SemanticIdRecommender
     from genrec_spec.recsys.data import load_prepared
 
     torch.manual_seed(0)
@@ -156,7 +156,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     """A checkpoint folder of an untrained tiny model (all heads) on its own tiny data folder,
     with the manifest `genrec-spec train` writes (data path and hash), for product tests that
     load from disk; read-only, shared by the session."""
-    from genrec_spec.models.recommender import SemanticIdRecommender
+    from genrec_spec.models.recsys.recommender import SemanticIdRecommender
     from genrec_spec.recsys.checkpoint import save_checkpoint
     from genrec_spec.recsys.data import load_prepared
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from genrec_spec import demo
+from genrec_spec.jobs import demo
 
 REPO = Path(__file__).resolve().parent.parent
 

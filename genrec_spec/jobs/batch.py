@@ -52,9 +52,9 @@ from torch import Tensor
 from tqdm import tqdm
 
 from genrec_spec.jobs.batch_store import open_store
-from genrec_spec.recsys.beam import item_trie
 from genrec_spec.recsys.checkpoint import MANIFEST, WEIGHTS
 from genrec_spec.recsys.data import Histories
+from genrec_spec.recsys.decoders.beam import item_trie
 from genrec_spec.recsys.evaluate import check_options, load_model_and_data
 from genrec_spec.recsys.recommend import get_decoder
 from genrec_spec.recsys.types import Recommendations

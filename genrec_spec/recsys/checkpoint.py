@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from genrec_spec.data_pipelines.atomic import atomic_dir
-from genrec_spec.models.recommender import RecommenderConfig, SemanticIdRecommender
+from genrec_spec.models.recsys.recommender import RecommenderConfig, SemanticIdRecommender
 
 CHECKPOINT_VERSION = 1
 WEIGHTS = "model.safetensors"

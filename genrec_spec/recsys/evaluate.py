@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from genrec_spec.recsys.beam import item_trie
 from genrec_spec.recsys.checkpoint import load_checkpoint
 from genrec_spec.recsys.data import load_prepared
+from genrec_spec.recsys.decoders.beam import item_trie
 from genrec_spec.recsys.metrics import DEFAULT_KS, ranking_metrics, ranks_from_topk
 from genrec_spec.recsys.recommend import decode_excluding, get_decoder
 

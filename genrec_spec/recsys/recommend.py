@@ -46,18 +46,18 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from genrec_spec.recsys.beam import item_trie
+from genrec_spec.recsys.decoders.beam import item_trie
 from genrec_spec.recsys.history_cache import CachedRecommender, HistoryCache
 from genrec_spec.recsys.types import Recommendations
 
 # name -> "module:function", every function with the signature of `recsys.types`.
 DECODERS: dict[str, str] = {
-    "beam": "genrec_spec.recsys.beam:decode",
-    "spec_beam": "genrec_spec.recsys.spec_beam:decode",
-    "heads": "genrec_spec.recsys.heads:decode",
-    "rpg": "genrec_spec.recsys.rpg:decode",
-    "nezha": "genrec_spec.recsys.nezha:decode",
-    "dense": "genrec_spec.recsys.dense:decode",
+    "beam": "genrec_spec.recsys.decoders.beam:decode",
+    "spec_beam": "genrec_spec.recsys.decoders.spec_beam:decode",
+    "heads": "genrec_spec.recsys.decoders.heads:decode",
+    "rpg": "genrec_spec.recsys.decoders.rpg:decode",
+    "nezha": "genrec_spec.recsys.decoders.nezha:decode",
+    "dense": "genrec_spec.recsys.decoders.dense:decode",
 }
 
 

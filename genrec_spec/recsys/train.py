@@ -81,7 +81,7 @@ class TrainConfig:
 def load_config(path: Path | None, overrides: dict | None = None):
     """(RecommenderConfig, TrainConfig) from a JSON file (None: defaults) and `overrides`
     ({"train": {...}, "model": {...}}); unknown sections or keys raise, listing the valid ones."""
-    from genrec_spec.models.recommender import RecommenderConfig
+    from genrec_spec.models.recsys.recommender import RecommenderConfig
 
     raw = {}
     if path is not None:

@@ -22,11 +22,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from genrec_spec.models.rec_item_scores import item_log_likelihoods
-from genrec_spec.models.rec_layout import train_layout
-from genrec_spec.models.recommender import RecommenderConfig, SemanticIdRecommender
-from genrec_spec.recsys import nezha
-from genrec_spec.recsys.beam import beam_width_for, item_trie
+from genrec_spec.models.recsys.item_scores import item_log_likelihoods
+from genrec_spec.models.recsys.layout import train_layout
+from genrec_spec.models.recsys.recommender import RecommenderConfig, SemanticIdRecommender
 from genrec_spec.recsys.checkpoint import load_checkpoint, save_checkpoint
 from genrec_spec.recsys.data import (
     Histories,
@@ -35,6 +33,8 @@ from genrec_spec.recsys.data import (
     load_prepared,
     training_windows,
 )
+from genrec_spec.recsys.decoders import nezha
+from genrec_spec.recsys.decoders.beam import beam_width_for, item_trie
 from genrec_spec.recsys.metrics import per_user_metrics, ranks_from_topk
 from genrec_spec.recsys.train import TrainConfig
 

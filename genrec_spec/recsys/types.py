@@ -4,8 +4,8 @@ A decoder is a function
 
     decode(model, values, offsets, *, k, trie, **options) -> Recommendations
 
-with `model` a `genrec_spec.models.recommender.SemanticIdRecommender`, the B users' histories as
-item indices `values [M]` + `offsets [B+1]` (oldest first), `trie` the valid-ID
+with `model` a `genrec_spec.models.recsys.recommender.SemanticIdRecommender`, the B users'
+histories as item indices `values [M]` + `offsets [B+1]` (oldest first), `trie` the valid-ID
 `genrec_spec.data_pipelines.trie.PrefixTrie` of the catalogue, and decoder-specific options
 (beam width, draft source, ...). Decoders never return an item outside the catalogue or the same
 item twice in a row; a row with fewer than K reachable items is padded with item -1 and score

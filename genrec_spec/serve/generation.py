@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from genrec_spec.decode import generate
-from genrec_spec.generate_cli import make_proposer
-from genrec_spec.types import SamplingParams
+from genrec_spec.cli.generate import make_proposer
+from genrec_spec.core.decode import generate
+from genrec_spec.core.types import SamplingParams
 
 LLMS = ("smollm2",)
 
@@ -41,7 +41,7 @@ class TextGenerator:
     def load(cls, name: str) -> TextGenerator:
         if name not in LLMS:
             raise ValueError(f"unknown LLM {name!r}; this service can load {', '.join(LLMS)}")
-        from genrec_spec.models.smollm2 import load_smollm2
+        from genrec_spec.models.llm.smollm2 import load_smollm2
 
         return cls(*load_smollm2())
 

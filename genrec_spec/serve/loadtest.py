@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from genrec_spec.serve.serve_cli import API_KEY_ENV, is_loopback
+from genrec_spec.cli.serve import API_KEY_ENV, is_loopback
 
 MAX_CONCURRENCY = 1024  # most clients of one level (module docstring)
 

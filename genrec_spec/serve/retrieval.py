@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from genrec_spec.recsys.beam import item_trie
+from genrec_spec.recsys.decoders.beam import item_trie
 from genrec_spec.recsys.evaluate import decoder_options, load_model_and_data
 from genrec_spec.recsys.history_cache import HistoryCache
 from genrec_spec.recsys.recommend import DECODERS, fetch_size, get_decoder, recommend

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from genrec_spec.sampling import probabilities
+from genrec_spec.core.sampling import probabilities
 
 
 class HashLM:
@@ -116,7 +116,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def smollm2_model():
     """The real SmolLM2-135M-Instruct as a native Llama, and its tokenizer (loaded once)."""
-    from genrec_spec.models.smollm2 import load_smollm2
+    from genrec_spec.models.llm.smollm2 import load_smollm2
 
     return load_smollm2()
 

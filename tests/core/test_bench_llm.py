@@ -12,7 +12,7 @@ from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
 from genrec_spec import CallableTarget
-from genrec_spec.bench_llm import (
+from genrec_spec.bench.llm import (
     HF_BATCH_1,
     METHODS,
     BenchLLMConfig,
@@ -21,9 +21,9 @@ from genrec_spec.bench_llm import (
     make_runners,
     time_methods,
 )
-from genrec_spec.greedy_check import compare_greedy, first_divergence
-from genrec_spec.models.llama import Llama
-from genrec_spec.types import SamplingParams
+from genrec_spec.core.greedy_check import compare_greedy, first_divergence
+from genrec_spec.core.types import SamplingParams
+from genrec_spec.models.llm.llama import Llama
 
 VOCAB = 8
 
@@ -142,8 +142,8 @@ def test_no_controller_drafts_full_depth(tiny_pair):
 def draft_cache(tiny_pair, tmp_path_factory):
     """A cache folder holding a one-layer draft model trained briefly for the tiny target, where
     the benchmark's distilled and hf-assist methods look for it (drafters/draft)."""
-    from genrec_spec.drafters.distill import DistillConfig, train_distilled
-    from genrec_spec.drafters.selfdistill import load_or_distill, load_or_prefill
+    from genrec_spec.llm.training.distill import DistillConfig, train_distilled
+    from genrec_spec.llm.training.selfdistill import load_or_distill, load_or_prefill
 
     native, _ = tiny_pair
     cache = tmp_path_factory.mktemp("cache")
@@ -189,7 +189,7 @@ def test_benchmark_on_request_methods(tiny_pair, draft_cache, monkeypatch):
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    from genrec_spec import bench_llm
+    from genrec_spec.bench import llm as bench_llm
 
     parser = argparse.ArgumentParser()
     bench_llm.add_arguments(parser)
@@ -197,7 +197,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def test_settings_and_bad_input():
-    from genrec_spec.bench_llm import settings_from
+    from genrec_spec.bench.llm import settings_from
 
     c = BenchLLMConfig()
     quick = settings_from(parse(["--quick", "--n", "3", "--methods", "ngram,none,hf"]))
@@ -234,8 +234,8 @@ def test_settings_and_bad_input():
 def test_bench_llm_cli_on_smollm2(smollm2_model, monkeypatch, tmp_path, capsys):
     """The command end to end on the real model: every method of batch 2 (uneven prompts),
     greedy; all exact."""
-    from genrec_spec import bench_llm
-    from genrec_spec.models import smollm2
+    from genrec_spec.bench import llm as bench_llm
+    from genrec_spec.models.llm import smollm2
 
     monkeypatch.setattr(smollm2, "load_smollm2", lambda: smollm2_model)
     out, prompts = tmp_path / "bench.json", tmp_path / "prompts.txt"
@@ -256,7 +256,7 @@ def test_bench_llm_cli_on_smollm2(smollm2_model, monkeypatch, tmp_path, capsys):
 def test_settings_for_the_gemma3_target():
     """--model gemma3: cross-tokenizer drafting and HF's universal assisted generation by
     default; methods that need the native SmolLM2 are refused, as cross is on SmolLM2."""
-    from genrec_spec.bench_llm import GEMMA3_METHODS, settings_from
+    from genrec_spec.bench.llm import GEMMA3_METHODS, settings_from
 
     gemma = settings_from(parse(["--model", "gemma3"]))
     assert gemma.model == "gemma3" and gemma.methods == GEMMA3_METHODS
@@ -272,7 +272,7 @@ def test_llama_cpp_without_its_package_says_how_to_get_it(monkeypatch):
     """llama-cpp is on request and needs llama-cpp-python, which is not a dependency."""
     import sys
 
-    from genrec_spec.bench_llm import llama_cpp
+    from genrec_spec.bench.llm import llama_cpp
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed
     with pytest.raises(RuntimeError, match="pip install llama-cpp-python"):

@@ -12,8 +12,8 @@ from genrec_spec import (
     as_target,
     generate,
 )
-from genrec_spec.controller import SpeculationController
-from genrec_spec.proposers import DraftModelProposer, PromptLookup
+from genrec_spec.core.controller import SpeculationController
+from genrec_spec.llm.proposers import DraftModelProposer, PromptLookup
 
 
 def feed(controller, steps, rate):

@@ -19,13 +19,13 @@ from genrec_spec import (
     TypicalAcceptance,
     generate,
 )
-from genrec_spec.proposers import (
+from genrec_spec.core.sampling import probabilities
+from genrec_spec.llm.proposers import (
     DraftModelProposer,
     LookaheadProposer,
     PromptLookup,
     TrieProposer,
 )
-from genrec_spec.sampling import probabilities
 
 VOCAB, LENGTH = 8, 3
 PROMPTS = [[1, 2, 3, 1, 2], [5, 4]]

@@ -10,13 +10,13 @@ from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
 from genrec_spec import CallableTarget, ControllerConfig, HFTarget, NativeTarget, generate
-from genrec_spec.models.llama import Llama, LlamaConfig
-from genrec_spec.proposers import (
+from genrec_spec.llm.proposers import (
     DraftModelProposer,
     LookaheadProposer,
     PromptLookup,
     TrieProposer,
 )
+from genrec_spec.models.llm.llama import Llama, LlamaConfig
 
 VOCAB = 61
 PROMPTS = [[5, 9, 2, 33, 7, 5, 9, 2, 8], [4, 60], [12, 3, 3, 40, 22, 3]]

@@ -6,18 +6,18 @@ import pytest
 import torch
 
 from genrec_spec import ControllerConfig, NativeTarget, generate
-from genrec_spec.greedy_check import compare_greedy
-from genrec_spec.models.quantized_draft import QuantizedDraft
-from genrec_spec.models.smollm2 import smollm2_gguf_path
-from genrec_spec.proposers import (
+from genrec_spec.core.greedy_check import compare_greedy
+from genrec_spec.core.types import DecodeInputError
+from genrec_spec.llm.proposers import (
     DraftModelProposer,
     LookaheadProposer,
     PromptLookup,
     TrieProposer,
     layer_skip_copy,
 )
-from genrec_spec.proposers.quantized import QuantizedSelfProposer
-from genrec_spec.types import DecodeInputError
+from genrec_spec.llm.proposers.quantized import QuantizedSelfProposer
+from genrec_spec.models.llm.quantized_draft import QuantizedDraft
+from genrec_spec.models.llm.smollm2 import smollm2_gguf_path
 
 pytestmark = pytest.mark.slow
 
@@ -79,8 +79,8 @@ def test_generate_cli(smollm2_model, monkeypatch, capsys, tmp_path):
     import argparse
     import json
 
-    from genrec_spec import generate_cli
-    from genrec_spec.models import smollm2
+    from genrec_spec.cli import generate as generate_cli
+    from genrec_spec.models.llm import smollm2
 
     monkeypatch.setattr(smollm2, "load_smollm2", lambda: smollm2_model)
     monkeypatch.setenv("GENREC_SPEC_CACHE", str(tmp_path))

@@ -6,10 +6,11 @@ import torch
 from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
-from genrec_spec import CallableTarget, DraftTree, HFTarget, NativeTarget, controller
-from genrec_spec.controller import cached_pass_cost, measure_pass_cost
-from genrec_spec.models.llama import Llama, LlamaConfig
-from genrec_spec.types import DecodeInputError
+from genrec_spec import CallableTarget, DraftTree, HFTarget, NativeTarget
+from genrec_spec.core import controller
+from genrec_spec.core.controller import cached_pass_cost, measure_pass_cost
+from genrec_spec.core.types import DecodeInputError
+from genrec_spec.models.llm.llama import Llama, LlamaConfig
 
 VOCAB = 50
 PROMPTS = torch.tensor([[3, 7, 9, 11, 2], [5, 8, 0, 0, 0], [1, 2, 3, 4, 0]])
@@ -157,7 +158,7 @@ def test_hf_target_applies_a_sliding_window():
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     from genrec_spec import generate
-    from genrec_spec.proposers import PromptLookup
+    from genrec_spec.llm.proposers import PromptLookup
 
     config = Gemma3TextConfig(
         vocab_size=VOCAB,

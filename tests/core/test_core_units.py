@@ -11,8 +11,8 @@ from genrec_spec import (
     SamplingParams,
     TypicalAcceptance,
 )
-from genrec_spec.sampling import probabilities, sample, sample_without_replacement
-from genrec_spec.tree import (
+from genrec_spec.core.sampling import probabilities, sample, sample_without_replacement
+from genrec_spec.core.tree import (
     chain,
     from_lists,
     paths,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from genrec_spec.prompts import (
+from genrec_spec.llm.prompts import (
     PromptConfig,
     PromptError,
     fortune_prompts,
@@ -73,7 +73,7 @@ def test_real_fortunes_split():
 
 
 def test_prompt_files_and_chat_template(tmp_path):
-    from genrec_spec.models.smollm2 import load_smollm2_tokenizer
+    from genrec_spec.models.llm.smollm2 import load_smollm2_tokenizer
 
     tokenizer = load_smollm2_tokenizer()
     lines = tmp_path / "prompts.txt"

@@ -237,7 +237,7 @@ def test_output_folder_guards(tiny_checkpoint, tmp_path):
 @pytest.fixture(scope="module")
 def many_users_checkpoint(tmp_path_factory, tiny_prepared) -> Path:
     """An untrained tiny model on 800 users: enough decoder calls to kill a run midway."""
-    from genrec_spec.models.recommender import RecommenderConfig, SemanticIdRecommender
+    from genrec_spec.models.recsys.recommender import RecommenderConfig, SemanticIdRecommender
     from genrec_spec.recsys.checkpoint import save_checkpoint
     from genrec_spec.recsys.data import load_prepared
 

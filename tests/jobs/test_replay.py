@@ -171,7 +171,7 @@ def test_beam_and_spec_beam_replay_to_identical_lists(tiny_checkpoint):
 @pytest.fixture(scope="module")
 def second_checkpoint(tiny_checkpoint, tmp_path_factory) -> Path:
     """Another tiny model (other initial weights) on the same data as `tiny_checkpoint`."""
-    from genrec_spec.models.recommender import SemanticIdRecommender
+    from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 
     model, data = load_model_and_data(tiny_checkpoint)
     torch.manual_seed(1)

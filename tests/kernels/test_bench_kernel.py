@@ -3,7 +3,7 @@ import argparse
 import pytest
 import torch
 
-from genrec_spec import bench_kernel
+from genrec_spec.bench import kernel as bench_kernel
 from genrec_spec.kernels import tree_depths
 
 

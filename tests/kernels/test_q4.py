@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from genrec_spec.kernels.q4 import q4_matmul, vectorized
-from genrec_spec.models.q4 import quantize_q4
+from genrec_spec.models.llm.q4 import quantize_q4
 
 
 def case(n: int, k: int, m: int, seed: int = 0):
@@ -104,7 +104,7 @@ def test_bad_input_is_refused():
 
 
 def test_bench_q4_times_every_method_on_every_matrix(capsys):
-    from genrec_spec.bench_q4 import MATRICES
+    from genrec_spec.bench.q4 import MATRICES
     from genrec_spec.cli import main
 
     assert (

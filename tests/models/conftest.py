@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from genrec_spec.models.kv_cache import StaticKVCache
-from genrec_spec.models.llama import Llama, LlamaConfig
+from genrec_spec.models.llm.kv_cache import StaticKVCache
+from genrec_spec.models.llm.llama import Llama, LlamaConfig
 
 TINY = LlamaConfig(
     vocab_size=61,
@@ -116,7 +116,7 @@ def tiny_llama() -> Llama:
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (native, from the shipped GGUF) and its tokenizer."""
-    from genrec_spec.models.smollm2 import load_smollm2
+    from genrec_spec.models.llm.smollm2 import load_smollm2
 
     return load_smollm2()
 
@@ -126,6 +126,6 @@ def hf_smollm2():
     """transformers' own LlamaForCausalLM on transformers' own conversion of the same GGUF."""
     from transformers import AutoModelForCausalLM
 
-    from genrec_spec.models.smollm2 import smollm2_hf_dir
+    from genrec_spec.models.llm.smollm2 import smollm2_hf_dir
 
     return AutoModelForCausalLM.from_pretrained(smollm2_hf_dir(), dtype=torch.float32).eval()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from genrec_spec.models.kv_cache import KVCacheError
+from genrec_spec.models.llm.kv_cache import KVCacheError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

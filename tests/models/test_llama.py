@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from genrec_spec.models.llama import Llama, LlamaConfig, LlamaError, linear
+from genrec_spec.models.llm.llama import Llama, LlamaConfig, LlamaError, linear
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -217,7 +217,7 @@ def test_linear_matches_f_linear(shape, strided):
 def test_linear_prepacked_path_matches_and_follows_weight_updates(rows):
     """Without gradients, 3+ rows go through oneDNN's prepacked weights: F.linear's values, and
     a weight changed in place (an optimiser step, load_state_dict) is packed again."""
-    from genrec_spec.models import llama
+    from genrec_spec.models.llm import llama
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch build has no oneDNN: linear takes F.linear")

@@ -5,7 +5,7 @@ the shipped SmolLM2 GGUF's codes are exactly the weights the fp32 target was loa
 import pytest
 import torch
 
-from genrec_spec.models.q4 import GROUP, Q4Codes, Q4Error, cat_codes, quantize_q4
+from genrec_spec.models.llm.q4 import GROUP, Q4Codes, Q4Error, cat_codes, quantize_q4
 
 
 def random_matrix(n: int, k: int, seed: int) -> torch.Tensor:
@@ -51,8 +51,8 @@ def test_bad_shape_is_refused():
 def test_smollm2_codes_are_the_loaded_weights():
     """Every Q4_1 matrix of the shipped file, q/k rows un-permuted, dequantises to exactly the
     fp32 weight ``read_gguf`` gives: the draft holds the target's own weights."""
-    from genrec_spec.models.llama_loading import read_gguf, read_gguf_q4
-    from genrec_spec.models.smollm2 import smollm2_gguf_path
+    from genrec_spec.models.llm.llama_loading import read_gguf, read_gguf_q4
+    from genrec_spec.models.llm.smollm2 import smollm2_gguf_path
 
     codes = read_gguf_q4(smollm2_gguf_path())
     _, weights = read_gguf(smollm2_gguf_path())
@@ -66,7 +66,7 @@ def write_tiny_gguf(path, model) -> None:
     embeddings as Q8_0 and the norms as F32, q/k rows permuted as llama.cpp's converter does."""
     import gguf
 
-    from genrec_spec.models.llama_loading import LAYER_NAMES, TOP_NAMES
+    from genrec_spec.models.llm.llama_loading import LAYER_NAMES, TOP_NAMES
 
     c = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -112,10 +112,10 @@ def test_gguf_q4_0_and_q4_1_codes_draft_their_model(tmp_path):
     exactly the weights the target loads, and their draft decodes to plain greedy decoding's
     tokens (B = 3, uneven prompts), accepting deep."""
     from genrec_spec import ControllerConfig, generate
-    from genrec_spec.models.llama import Llama, LlamaConfig
-    from genrec_spec.models.llama_loading import read_gguf_q4
-    from genrec_spec.models.quantized_draft import QuantizedDraft
-    from genrec_spec.proposers.quantized import QuantizedSelfProposer
+    from genrec_spec.llm.proposers.quantized import QuantizedSelfProposer
+    from genrec_spec.models.llm.llama import Llama, LlamaConfig
+    from genrec_spec.models.llm.llama_loading import read_gguf_q4
+    from genrec_spec.models.llm.quantized_draft import QuantizedDraft
 
     config = LlamaConfig(
         64, 64, 2, 4, 2, 128, rope_theta=500.0, max_seq_len=64, tie_embeddings=True

@@ -4,8 +4,8 @@ transformers, and a tree pass equal to running each branch alone."""
 import pytest
 import torch
 
-from genrec_spec.models.llama import Llama
-from genrec_spec.models.smollm2 import smollm2_hf_dir
+from genrec_spec.models.llm.llama import Llama
+from genrec_spec.models.llm.smollm2 import smollm2_hf_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 

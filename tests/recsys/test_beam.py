@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
-from genrec_spec.recsys import beam
+from genrec_spec.recsys.decoders import beam
+from genrec_spec.recsys.decoders.spec_beam import same_top_k
 from genrec_spec.recsys.scoring import score
-from genrec_spec.recsys.spec_beam import same_top_k
 from genrec_spec.recsys.types import Recommendations
 
 

@@ -10,10 +10,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from genrec_spec import bench_recsys
-from genrec_spec.models.recommender import SemanticIdRecommender
-from genrec_spec.recsys import beam
+from genrec_spec.bench import recsys as bench_recsys
+from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 from genrec_spec.recsys.checkpoint import save_checkpoint
+from genrec_spec.recsys.decoders import beam
 from genrec_spec.recsys.scoring import TrieIndex
 
 

@@ -10,10 +10,11 @@ import math
 import pytest
 import torch
 
+from genrec_spec.cli import recommend as recommend_cli
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.recsys import evaluate as ev
-from genrec_spec.recsys import heads, nezha, recommend_cli
 from genrec_spec.recsys.checkpoint import save_checkpoint
+from genrec_spec.recsys.decoders import heads, nezha
 
 
 @pytest.fixture

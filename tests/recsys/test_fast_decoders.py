@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
-from genrec_spec.models.recommender import (
+from genrec_spec.models.recsys.recommender import (
     RecommenderConfig,
     RecommenderInputError,
     SemanticIdRecommender,
 )
-from genrec_spec.recsys import dense, heads, nezha, rpg
-from genrec_spec.recsys.beam import DecodeOptionError
+from genrec_spec.recsys.decoders import dense, heads, nezha, rpg
+from genrec_spec.recsys.decoders.beam import DecodeOptionError
 
 DECODERS = {
     "heads": (heads.decode, {}),
@@ -220,7 +220,7 @@ def test_tied_draft_head_starts_as_the_item_softmax_and_learns_a_correction(tiny
     """draft_tied: the head's out layers start at 0, so with a catalogue-wide beam `nezha`
     scores every item by the item softmax at the history state (level 0 + the item objective's
     conditionals telescope), i.e. ranks as `dense` does; its training loss reaches the head."""
-    from genrec_spec.models.rec_layout import train_layout
+    from genrec_spec.models.recsys.layout import train_layout
 
     base, data = tiny_model
     config = replace(base.config, level0_from_items=True, item_temperature=0.05, draft_tied=True)

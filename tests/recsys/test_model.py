@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from genrec_spec.kernels import ancestor_mask
-from genrec_spec.models.rec_heads import LongIdHeads, ParallelLevelHeads, _IndependentCodeHeads
-from genrec_spec.models.rec_item_scores import item_log_likelihoods
-from genrec_spec.models.rec_layout import prefix_forest, train_layout
-from genrec_spec.models.recommender import RecommenderInputError
+from genrec_spec.models.recsys.heads import LongIdHeads, ParallelLevelHeads, _IndependentCodeHeads
+from genrec_spec.models.recsys.item_scores import item_log_likelihoods
+from genrec_spec.models.recsys.layout import prefix_forest, train_layout
+from genrec_spec.models.recsys.recommender import RecommenderInputError
 
 
 def _histories(model, lengths: list[int], seed: int = 0):
@@ -93,7 +93,7 @@ def test_training_layout_matches_inference(tiny_model, tied):
     code levels tied to the item objective too)."""
     from dataclasses import replace
 
-    from genrec_spec.models.recommender import SemanticIdRecommender
+    from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 
     model, data = tiny_model
     if tied:
@@ -141,7 +141,7 @@ def test_item_objective_is_the_next_item_cross_entropy(tiny_model):
     the total; without an item table it is refused."""
     from dataclasses import replace
 
-    from genrec_spec.models.recommender import SemanticIdRecommender
+    from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 
     base, data = tiny_model
     config = replace(base.config, item_weight=0.5)
@@ -169,7 +169,7 @@ def test_heads_learn_from_every_nth_history_position(tiny_model, stride):
     of the next item under their summed code log-probs at that position's history state."""
     from dataclasses import replace
 
-    from genrec_spec.models.recommender import SemanticIdRecommender
+    from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 
     base, data = tiny_model
     config = replace(base.config, heads_item_loss=True, head_position_stride=stride)
@@ -201,7 +201,7 @@ def test_level0_from_items_is_the_item_softmax_marginal(tiny_model, tmp_path):
     refused without the item objective."""
     from dataclasses import replace
 
-    from genrec_spec.models.recommender import SemanticIdRecommender
+    from genrec_spec.models.recsys.recommender import SemanticIdRecommender
     from genrec_spec.recsys.checkpoint import load_checkpoint, save_checkpoint
 
     base, data = tiny_model
@@ -245,7 +245,7 @@ def test_item_tied_levels_are_item_softmax_conditionals(tiny_model, temperature,
     the node's query is the history state's plus the node's (random here) correction."""
     from dataclasses import replace
 
-    from genrec_spec.models.recommender import SemanticIdRecommender
+    from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 
     def item_logits(rows, hidden, node=None):  # [I', D], [D], node state [D] -> [I']
         if temperature:
@@ -330,7 +330,7 @@ def test_item_levels_residual_starts_as_the_item_softmax(tiny_model):
     item softmax at the history state (what `dense` ranks by): the levels telescope."""
     from dataclasses import replace
 
-    from genrec_spec.models.recommender import SemanticIdRecommender
+    from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 
     base, data = tiny_model
     config = replace(
@@ -367,7 +367,7 @@ def test_unit_item_keys_follow_the_weights(tiny_model):
     under autograd the gradient reaches the table."""
     from dataclasses import replace
 
-    from genrec_spec.models.recommender import SemanticIdRecommender
+    from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 
     base, data = tiny_model
     config = replace(base.config, item_temperature=0.05)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import genrec_spec
+from genrec_spec.recsys.decoders.spec_beam import same_top_k
 from genrec_spec.recsys.recommend import DECODERS, RecommendInputError, recommend
-from genrec_spec.recsys.spec_beam import same_top_k
 
 
 def _available(name: str) -> bool:

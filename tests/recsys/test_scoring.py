@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
-from genrec_spec.models.recommender import RecommenderInputError, SemanticIdRecommender
+from genrec_spec.models.recsys.recommender import RecommenderInputError, SemanticIdRecommender
 from genrec_spec.recsys.scoring import (
     TrieIndex,
     node_mask,

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
-from genrec_spec.models.recommender import RecommenderConfig, SemanticIdRecommender
-from genrec_spec.recsys import beam, spec_beam
-from genrec_spec.recsys.beam import DecodeOptionError
-from genrec_spec.recsys.spec_beam import same_top_k
+from genrec_spec.models.recsys.recommender import RecommenderConfig, SemanticIdRecommender
+from genrec_spec.recsys.decoders import beam, spec_beam
+from genrec_spec.recsys.decoders.beam import DecodeOptionError
+from genrec_spec.recsys.decoders.spec_beam import same_top_k
 from genrec_spec.recsys.types import Recommendations
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from genrec_spec.data_pipelines.errors import DataError
-from genrec_spec.models.rec_item_scores import item_log_likelihoods
+from genrec_spec.models.recsys.item_scores import item_log_likelihoods
 from genrec_spec.recsys.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from genrec_spec.recsys.data import load_prepared
 from genrec_spec.recsys.train import TrainConfig, add_arguments, load_config, run
@@ -156,7 +156,7 @@ def test_heads_after_a_frozen_backbone(tiny_data_dir, tmp_path):
 def test_shipped_configs_load_and_ml1m_is_the_default():
     from dataclasses import replace
 
-    from genrec_spec.models.recommender import RecommenderConfig
+    from genrec_spec.models.recsys.recommender import RecommenderConfig
     from genrec_spec.recsys.train import TrainConfig
 
     assert load_config(REPO / "configs" / "ml-1m.json") == (RecommenderConfig(), TrainConfig())

@@ -1,0 +1,443 @@
+"""Recommendation decoding benchmark: ``genrec-spec bench recsys --ckpt CKPT``.
+
+In one process and one run, on the same users of the held-out split and the same checkpoint,
+it times every decoder (``beam``, ``spec_beam`` with its default draft, ``spec-frontier`` and
+``spec-nezha`` with its frontier and NEZHA-head drafts, ``heads``, ``rpg`` over its item graph,
+``rpg-exact`` scoring every item, ``nezha``, and ``dense`` where the checkpoint has the item
+objective) with the same K and the same beam width (given to every decoder that has one: beam,
+spec_beam, nezha; by default beam's own, max(K, 20)).
+
+Columns:
+  p50 / p99      latency per request at batch 1 (one user per call), milliseconds
+  cpu p50        the same requests' median CPU time (this thread's), which a loaded shared
+                 machine inflates less than wall time
+  speedup        beam's p50 / this decoder's p50
+  passes         sequential backbone passes per request (beam: one per code level)
+  nodes          tree nodes scored per request (beam's prefixes, spec_beam's drafts)
+  hit            spec_beam's draft hit rate: needed prefixes found in its drafts
+  users/s @B     throughput at batch B (median over repeats) and its speedup over beam's
+  same           fraction of users whose top-K equals beam's (items and order); spec_beam
+                 must be 1.00
+  overlap        mean |top-K ∩ beam's top-K| / K
+
+Below the table, two floors timed in the same batch-1 rotation (work, not decoders), each with
+the most any decoder of its kind could gain over beam on this machine (beam's p50 / its p50):
+  history pass   `encode_history` alone, the first step of every decoder: no decoder that
+                 reads the user's history can be faster
+  exact floor    the history and every prefix whose scores beam's selection reads (its beams
+                 of lengths 1..L-1 with a choice of next code), with their ancestors, in ONE
+                 fused pass: an exact decoder must have those scores, so even a free, perfect
+                 draft and free selection cannot beat this
+
+Timing: at batch 1 the decoders (and the floors) take turns user by user, the order rotating
+every user; at batch B they take turns batch by batch. Drift of this shared machine then hits
+every decoder alike. ``--history-cache`` times returning users instead: every decoder reads
+histories through a history cache (`recsys.history_cache`, what ``serve`` keeps) holding each
+user's history without its newest item, so a request encodes that item only (histories past the
+model's context slide and are encoded whole). Each decoder first runs once untimed (warm-up; the
+rpg item graph is built there and its build time is reported apart).
+``torch.set_num_threads(1)`` by default: one thread is fastest for one small model on 2 cores.
+Example (the README's table):
+
+    genrec-spec bench recsys --ckpt CKPT --users 200 --k 10 --beam-width 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from genrec_spec.recsys.decoders.beam import beam_width_for, item_trie, search
+from genrec_spec.recsys.evaluate import load_model_and_data, options_for, sample_users
+from genrec_spec.recsys.history_cache import CachedRecommender, HistoryCache, rows_of
+from genrec_spec.recsys.recommend import get_decoder
+from genrec_spec.recsys.scoring import PrefixTree, TrieIndex, node_mask, prefix_tree
+
+# Benchmark rows that are a registered decoder with fixed options.
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "rpg-exact": ("rpg", {"mode": "exact"}),
+    # spec_beam with its other drafts (its default, "auto", drafts "items" on models with the
+    # item objective): the whole first code level scored with the history; the NEZHA head's beam
+    "spec-frontier": ("spec_beam", {"draft": "frontier"}),
+    "spec-nezha": ("spec_beam", {"draft": "nezha"}),
+}
+DECODERS = (
+    "beam",
+    "spec_beam",
+    "spec-frontier",
+    "spec-nezha",
+    "heads",
+    "rpg",
+    "rpg-exact",
+    "nezha",
+    "dense",
+)
+
+
+def decoders_of(model) -> tuple[str, ...]:
+    """Every benchmark row the checkpoint can run: `dense` needs the item objective."""
+    return tuple(n for n in DECODERS if n != "dense" or model.config.item_weight)
+
+
+@dataclass(frozen=True)
+class BenchRecsysConfig:
+    """Defaults of ``genrec-spec bench recsys``."""
+
+    # "beam" is always run: it is the baseline; None = every row the checkpoint can run
+    decoders: tuple[str, ...] | None = None
+    split: str = "test"
+    k: int = 10
+    beam_width: int | None = None  # of beam, spec_beam and nezha; None = beam's max(k, 20)
+    users: int = 200  # users timed at batch 1 (a fixed random subset of the split)
+    batch_sizes: tuple[int, ...] = (64, 256)
+    batches: int = 2  # batches per batch size and repeat (same users for every decoder)
+    repeats: int = 3  # throughput repeats (median)
+    threads: int = 1
+    seed: int = 0
+    # Time returning users: each decoder reads histories through a history cache that holds
+    # every user's history without its last item (their previous request).
+    history_cache: bool = False
+    # --quick: a smoke test of every decoder and both timings in seconds.
+    quick_users: int = 4
+    quick_batch_sizes: tuple[int, ...] = (3,)
+    quick_repeats: int = 1
+
+
+@dataclass(frozen=True)
+class Row:
+    decoder: str
+    p50_ms: float
+    p99_ms: float
+    cpu_p50_ms: float  # median CPU time of this thread per batch-1 request
+    speedup: float  # beam's p50 / p50
+    passes: float  # sequential backbone passes per batch-1 request
+    nodes: float  # tree nodes scored per batch-1 request
+    hit_rate: float | None  # mean draft hit rate per batch-1 request (drafting decoders only)
+    users_per_s: dict[int, float]  # batch size -> median throughput
+    throughput_speedup: dict[int, float]  # batch size -> over beam
+    same_as_beam: float  # fraction of batch-1 users with beam's exact top-K
+    overlap: float  # mean |top-K ∩ beam's| / K
+
+
+@dataclass(frozen=True)
+class Floors:
+    """Batch-1 p50s of work every decoder of a kind must do (module docstring)."""
+
+    history_ms: float  # the history pass alone
+    exact_ms: float  # the history and beam's prefixes in one fused pass
+    exact_nodes: float  # tree nodes per request in that pass
+
+
+def make_decoders(names: tuple[str, ...], beam_width: int) -> dict:
+    """name -> decode(model, values, offsets, *, k, trie) with the row's options bound."""
+    runners = {}
+    for name in names:
+        base, options = VARIANTS.get(name, (name, {}))
+        decode = get_decoder(base)
+        options = options | options_for(decode, {"beam_width": beam_width})
+
+        def bound(model, values, offsets, *, k, trie, _decode=decode, _options=options):
+            return _decode(model, values, offsets, k=k, trie=trie, **_options)
+
+        runners[name] = bound
+    return runners
+
+
+def _rotations(names: list[str], turn: int) -> list[str]:
+    return names[turn % len(names) :] + names[: turn % len(names)]
+
+
+def returning_users(model, users, names: list[str]) -> dict:
+    """name -> the model seen through a history cache of its own (`recsys.history_cache`) that
+    holds each user's history without its last item, as their previous request left it: a
+    timed request then encodes only its newest item (a history past the context slides, so it is
+    encoded whole)."""
+    previous = [row[:-1] for row in rows_of(users.values, users.offsets)]
+    views = {}
+    for name in names:
+        cache = HistoryCache(model, max_bytes=1 << 40)  # holds every user asked for
+        cache.encode_rows(previous)
+        views[name] = CachedRecommender(cache)
+    return views
+
+
+def _timed(decode, model, users, k, trie):
+    """(wall seconds, CPU seconds of this thread, Recommendations) of one call."""
+    start, cpu = time.perf_counter(), time.thread_time()
+    out = decode(model, users.values, users.offsets, k=k, trie=trie)
+    return time.perf_counter() - start, time.thread_time() - cpu, out
+
+
+@torch.no_grad()
+def _timed_floor(name: str, model, users, prefixes: PrefixTree) -> float:
+    """Wall seconds of one floor's work (module docstring) for `users`."""
+    start = time.perf_counter()
+    if name == "history":
+        model.encode_history(users.values, users.offsets)
+    else:
+        model.encode_history_and_tree(
+            users.values, users.offsets, prefixes.codes, prefixes.levels, prefixes.parents
+        )
+    return time.perf_counter() - start
+
+
+def needed_prefixes(model, users, trie, width: int) -> PrefixTree:
+    """The prefixes whose scores beam's selection reads for `users` (its beams of lengths
+    1..L-1 with a choice of next code: `TrieIndex.to_score`), with their ancestors, as one tree
+    per row."""
+    index = TrieIndex.of(trie)
+    with torch.no_grad():
+        state = model.encode_history(users.values, users.offsets)
+        history, _, _ = search(model, state, trie, width)
+    nodes = torch.cat([beams.nodes for beams in history[:-1]], dim=1)  # [B, (L-1) W]
+    return prefix_tree(index, node_mask(nodes, index.scorable) & index.to_score(model))
+
+
+def benchmark(
+    model, histories, settings: BenchRecsysConfig, log=lambda line: None
+) -> tuple[list[Row], Floors]:
+    """Every decoder of `settings` on the same users of `histories` (a split with its users
+    already chosen): batch-1 latency over settings.users users, throughput at each batch size;
+    and the floors, timed with the batch-1 requests."""
+    trie = item_trie(model)
+    names = ["beam"] + [n for n in settings.decoders or decoders_of(model) if n != "beam"]
+    width = beam_width_for(settings.k, settings.beam_width, model.num_items)
+    runners = make_decoders(tuple(names), width)
+    k = settings.k
+    first = histories.select(torch.tensor([0]))
+    for name in names:  # untimed warm-up: first-call allocations, the rpg item graph
+        out = runners[name](model, first.values, first.offsets, k=k, trie=trie)
+        if "graph_build_s" in out.stats:
+            log(f"{name}: item graph built in {out.stats['graph_build_s']:.2f} s (once per model)")
+
+    def targets(users, views) -> dict:  # view -> what it reads the users' histories from
+        if settings.history_cache:
+            return returning_users(model, users, views)
+        return dict.fromkeys(views, model)
+
+    floors = {"history": [], "exact": []}  # floor -> batch-1 seconds
+    exact_nodes = []
+    latency = {n: [] for n in names}
+    cpu = {n: [] for n in names}
+    stats = {n: [] for n in names}
+    lists = {n: [] for n in names}
+    batch1 = min(settings.users, len(histories))
+    target = targets(histories.select(torch.arange(batch1)), names + list(floors))
+    for user in range(batch1):
+        one = histories.select(torch.tensor([user]))
+        prefixes = needed_prefixes(model, one, trie, width)  # untimed: the exact floor's tree
+        exact_nodes.append(prefixes.real_nodes)
+        for name in _rotations(names + list(floors), user):
+            if name in floors:
+                floors[name].append(_timed_floor(name, target[name], one, prefixes))
+                continue
+            seconds, cpu_seconds, out = _timed(runners[name], target[name], one, k, trie)
+            latency[name].append(seconds)
+            cpu[name].append(cpu_seconds)
+            stats[name].append(out.stats)
+            lists[name].append(out.items)
+        if (user + 1) % 50 == 0:
+            log(f"batch 1: {user + 1}/{batch1} users")
+
+    throughput = {n: {} for n in names}
+    for size in settings.batch_sizes:
+        count = min(len(histories), size * settings.batches)
+        parts = [histories.select(p) for p in torch.arange(count).split(size)]
+        repeats = {n: [] for n in names}
+        for repeat in range(settings.repeats):
+            seconds = {n: 0.0 for n in names}
+            for b, part in enumerate(parts):
+                target = targets(part, names)  # fresh caches: every repeat times returning users
+                for name in _rotations(names, repeat * len(parts) + b):
+                    seconds[name] += _timed(runners[name], target[name], part, k, trie)[0]
+            for name in names:
+                repeats[name].append(count / seconds[name])
+            log(f"batch {size} repeat {repeat + 1}/{settings.repeats} done")
+        throughput = {n: throughput[n] | {size: statistics.median(repeats[n])} for n in names}
+
+    beam_items = torch.cat(lists["beam"])  # [U, K]
+    beam_p50 = statistics.median(latency["beam"])
+    rows = []
+    for name in names:
+        items = torch.cat(lists[name])
+        shared = (items[:, :, None] == beam_items[:, None, :]) & (items[:, :, None] >= 0)
+        p50 = statistics.median(latency[name])
+        hits = [s["draft_hit_rate"] for s in stats[name] if "draft_hit_rate" in s]
+        rows.append(
+            Row(
+                decoder=name,
+                p50_ms=p50 * 1e3,
+                p99_ms=_percentile(latency[name], 0.99) * 1e3,
+                cpu_p50_ms=statistics.median(cpu[name]) * 1e3,
+                speedup=beam_p50 / p50,
+                passes=statistics.mean(s.get("target_passes", 0) for s in stats[name]),
+                nodes=statistics.mean(s.get("nodes_scored", 0) for s in stats[name]),
+                hit_rate=statistics.mean(hits) if hits else None,
+                users_per_s=throughput[name],
+                throughput_speedup={
+                    s: throughput[name][s] / throughput["beam"][s] for s in throughput[name]
+                },
+                same_as_beam=float((items == beam_items).all(dim=1).float().mean()),
+                overlap=float(shared.any(dim=2).float().sum(dim=1).mean() / k),
+            )
+        )
+    return rows, Floors(
+        history_ms=statistics.median(floors["history"]) * 1e3,
+        exact_ms=statistics.median(floors["exact"]) * 1e3,
+        exact_nodes=statistics.mean(exact_nodes),
+    )
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """The q-quantile by linear interpolation (statistics.quantiles needs 2+ values)."""
+    return float(torch.tensor(values, dtype=torch.float64).quantile(q))
+
+
+def format_table(rows: list[Row], batch_sizes: tuple[int, ...]) -> str:
+    head = f"{'decoder':<14}{'p50 ms':>8}{'p99 ms':>8}{'cpu p50':>8}{'speedup':>9}{'passes':>7}"
+    head += f"{'nodes':>7}{'hit':>6}"
+    head += "".join(f"{f'users/s@{s}':>14}{'speedup':>9}" for s in batch_sizes)
+    lines = [head + f"{'same':>6}{'overlap':>9}"]
+    for r in rows:
+        line = f"{r.decoder:<14}{r.p50_ms:>8.2f}{r.p99_ms:>8.2f}{r.cpu_p50_ms:>8.2f}"
+        line += f"{r.speedup:>8.2f}x{r.passes:>7.2f}{r.nodes:>7.0f}"
+        line += f"{r.hit_rate:>6.2f}" if r.hit_rate is not None else f"{'-':>6}"
+        for s in batch_sizes:
+            line += f"{r.users_per_s[s]:>14.1f}{r.throughput_speedup[s]:>8.2f}x"
+        lines.append(line + f"{r.same_as_beam:>6.2f}{r.overlap:>9.2f}")
+    return "\n".join(lines)
+
+
+def format_floors(floors: Floors, beam_p50_ms: float) -> str:
+    history, exact = floors.history_ms, floors.exact_ms
+    return (
+        f"floors at batch 1 (beam's p50 over them: the most a decoder of the kind can gain here):\n"
+        f"  history pass alone: p50 {history:.2f} ms, {beam_p50_ms / history:.2f}x "
+        "(any decoder that reads the history)\n"
+        f"  exact floor, the history and the {floors.exact_nodes:.0f} prefixes beam reads in one "
+        f"pass: p50 {exact:.2f} ms, {beam_p50_ms / exact:.2f}x (any decoder of beam's exact output)"
+    )
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    c = BenchRecsysConfig()
+    parser.add_argument("--ckpt", required=True, type=Path, help="checkpoint folder (train)")
+    parser.add_argument("--data", type=Path, help="prepared data (default: the trained-on one)")
+    parser.add_argument("--split", default=c.split, choices=["valid", "test"])
+    parser.add_argument(
+        "--decoders",
+        help=f"comma-separated, of {','.join(DECODERS)} (beam always runs; default: every one "
+        "the checkpoint can run, dense only with the item objective)",
+    )
+    parser.add_argument("--k", type=int, default=c.k, help="recommendations per user")
+    parser.add_argument(
+        "--beam-width", type=int, default=c.beam_width, help="W >= k (default max(k, 20))"
+    )
+    parser.add_argument("--users", type=int, help=f"batch-1 users (default {c.users})")
+    parser.add_argument("--batch-sizes", help="comma-separated (default 64,256)")
+    parser.add_argument("--batches", type=int, default=c.batches, help="batches per size")
+    parser.add_argument("--repeats", type=int, help=f"throughput repeats (default {c.repeats})")
+    parser.add_argument("--threads", type=int, default=c.threads, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=c.seed, help="draws the users")
+    parser.add_argument(
+        "--history-cache",
+        action="store_true",
+        help="time returning users: histories cached without their newest item",
+    )
+    parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke test: {c.quick_users} users, batch {c.quick_batch_sizes}, one repeat",
+    )
+
+
+def settings_from(args: argparse.Namespace) -> BenchRecsysConfig:
+    c = BenchRecsysConfig()
+
+    def pick(value, quick, default):
+        return value if value is not None else quick if args.quick else default
+
+    names = tuple(dict.fromkeys(x.strip() for x in (args.decoders or "").split(",") if x.strip()))
+    unknown = [n for n in names if n not in DECODERS]
+    if unknown:
+        raise ValueError(f"unknown decoders {unknown}; choose from {','.join(DECODERS)}")
+    try:
+        sizes = tuple(int(x) for x in args.batch_sizes.split(",")) if args.batch_sizes else None
+    except ValueError:
+        raise ValueError(f"--batch-sizes {args.batch_sizes!r}: give integers like 64,256") from None
+    settings = replace(
+        c,
+        decoders=names or None,
+        split=args.split,
+        k=args.k,
+        beam_width=args.beam_width,
+        users=pick(args.users, c.quick_users, c.users),
+        batch_sizes=pick(sizes, c.quick_batch_sizes, c.batch_sizes),
+        batches=args.batches,
+        repeats=pick(args.repeats, c.quick_repeats, c.repeats),
+        threads=args.threads,
+        seed=args.seed,
+        history_cache=args.history_cache,
+    )
+    counts = (settings.k, settings.users, settings.batches, settings.repeats, settings.threads)
+    if not settings.batch_sizes or min(counts + settings.batch_sizes) < 1:
+        raise ValueError("--k, --users, --batches, --repeats, --threads, --batch-sizes: >= 1")
+    if settings.beam_width is not None and settings.beam_width < settings.k:
+        raise ValueError(f"--beam-width {settings.beam_width} must be >= --k {settings.k}")
+    return settings
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    torch.set_num_threads(settings.threads)
+    model, data = load_model_and_data(args.ckpt, args.data)
+    split = getattr(data, settings.split)
+    needed = max(settings.users, max(settings.batch_sizes) * settings.batches)
+    histories = split.select(sample_users(len(split), needed, settings.seed))
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    rows, floors = benchmark(
+        model, histories, settings, log=lambda line: print(line, file=sys.stderr, flush=True)
+    )
+    load_after = os.getloadavg()[0]
+    width = beam_width_for(settings.k, settings.beam_width, model.num_items)
+    print(
+        f"{data.manifest.get('name', data.path)} {settings.split} split, {model.num_items} "
+        f"items, K={settings.k}, beam width {width}, cpu, {settings.threads} "
+        f"thread(s): batch 1 over {min(settings.users, len(histories))} users, throughput "
+        f"{settings.batches} batch(es) per size, median of {settings.repeats}; "
+        f"{time.perf_counter() - started:.0f} s, load average {load_before:.2f} -> "
+        f"{load_after:.2f}"
+    )
+    if settings.history_cache:
+        lengths = histories.offsets.diff()[: settings.users]
+        slid = int((lengths > model.config.max_len).sum())
+        print(
+            f"returning users through a history cache: {len(lengths) - slid} histories extended "
+            f"by their newest item, {slid} longer than the context ({model.config.max_len}) "
+            "encoded whole"
+        )
+    print(format_table(rows, settings.batch_sizes))
+    print(format_floors(floors, rows[0].p50_ms))
+    if args.json:
+        report = {
+            "ckpt": str(args.ckpt),
+            "settings": asdict(settings),
+            "load_average": [load_before, load_after],
+            "rows": [asdict(r) for r in rows],
+            "floors": asdict(floors),
+        }
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    return 0

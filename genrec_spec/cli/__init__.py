@@ -1,0 +1,102 @@
+"""The `genrec-spec` command: one subcommand per job, each defined in its own module.
+
+Every subcommand module exposes `add_arguments(parser)` and `run(args) -> int`; this file only
+wires them together and turns bad-input errors into one clear line and a non-zero exit code.
+Only the module of the subcommand being run is imported, so `genrec-spec --help` stays fast and
+no job pays for another's imports (torch, faiss, transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "prepare": (
+        "genrec_spec.data_pipelines.prepare",
+        "raw interactions -> leave-one-out split -> item embeddings -> semantic IDs",
+    ),
+    "train": ("genrec_spec.recsys.train", "train the Semantic-ID recommender on a prepared folder"),
+    "recommend": (
+        "genrec_spec.cli.recommend",
+        "top-K items for one user or history from a checkpoint",
+    ),
+    "evaluate": (
+        "genrec_spec.recsys.evaluate",
+        "HR/NDCG/MRR@K of a decoder on the valid or test split",
+    ),
+    "batch": (
+        "genrec_spec.cli.batch",
+        "batch candidate generation: top-K for many users to parquet shards (local or Ray)",
+    ),
+    "replay": (
+        "genrec_spec.cli.replay",
+        "offline A/B replay of two decoders or checkpoints with bootstrap CIs and a report",
+    ),
+    "serve": ("genrec_spec.cli.serve", "the online retrieval service (FastAPI on uvicorn)"),
+    "loadtest": (
+        "genrec_spec.serve.loadtest",
+        "load-test a running service: p50/p99 latency and requests/s per concurrency",
+    ),
+    "generate": ("genrec_spec.cli.generate", "LLM text generation with a speculative method"),
+    "train-drafter": (
+        "genrec_spec.cli.train_drafter",
+        "train an LLM drafter (Medusa heads, EAGLE) on the target's own continuations",
+    ),
+    "bench": (
+        "genrec_spec.cli.bench",
+        "benchmarks: kernel | llm | recsys, ratios against a same-run baseline",
+    ),
+    "demo": ("genrec_spec.jobs.demo", "the main job on the embedded default (ML-100K)"),
+}
+
+# Errors that mean "the input was wrong": printed as one line, exit code 2. Anything else is a bug
+# and keeps its traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError)
+
+
+def add_subcommands(
+    parser: argparse.ArgumentParser, table: dict[str, tuple[str, str]], argv: list[str]
+) -> None:
+    """Add one subparser per entry of `table`; import and configure only the one named in argv."""
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    for name, (module_name, help_text) in table.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            cmd.description = module.__doc__
+            cmd.formatter_class = argparse.RawDescriptionHelpFormatter
+            if hasattr(module, "COMMANDS"):  # a group of subcommands, e.g. `bench kernel`
+                add_subcommands(cmd, module.COMMANDS, argv[argv.index(name) + 1 :])
+            else:
+                module.add_arguments(cmd)
+                cmd.set_defaults(_run=module.run, _prog=cmd.prog)
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Nothing can be fetched from a model hub here; a hub lookup would only waste time.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="genrec-spec",
+        description="Lossless speculative decoding for generative recommenders and LLMs.",
+    )
+    add_subcommands(parser, COMMANDS, argv)
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except USER_ERRORS as exc:
+        print(f"{args._prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{args._prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""How deep to draft each step, and when not to speculate at all.
+
+The model (deterministic, so seeded runs stay reproducible; no wall-clock timing while decoding;
+a measured ``pass_cost`` table makes the depths, and so which random draws a sampled run makes,
+depend on the machine the table was timed on: ``cached_pass_cost`` times it once per machine,
+so seeded runs there repeat):
+- tokens per row per step with draft depth k and per-token acceptance a: 1 + a + ... + a^m
+  (geometric: the path survives each further draft token with probability a), where
+  m = reach * k is the depth the drafter actually reaches (an n-gram drafter often finds
+  shorter continuations, or none);
+- cost of a step relative to a plain decoding step: the target forward grows with the tokens it
+  scores, cost(B * (1 + n_k)) / cost(B), with B the batch size and n_k the tree's nodes below
+  the root; plus ``draft_cost * k`` for drafters that run a model once per draft level. cost(n)
+  is ``pass_cost``, a measured table (``measure_pass_cost``: on a CPU it is far from linear,
+  e.g. SmolLM2 at one thread scores 2 tokens as fast as 1 and 3 at 1.4x; ``cached_pass_cost``
+  keeps it per model shape and machine), or else the linear
+  model 1 + c * n with c = ``token_cost``, the cost of one more token relative to the forward's
+  fixed cost.
+The first step drafts at full depth to measure; then each step drafts to the depth
+k <= proposer.k with the best modelled speedup, or not at all when no depth beats
+``min_speedup``; so speculation switches itself off for large batches
+(scoring B * n tokens no longer hides behind the fixed cost) and for low acceptance. While off
+it probes again every ``probe_every`` steps to notice acceptance coming back.
+
+The acceptance a is a running estimate, accepted / (accepted + rejections) over exponentially
+decayed counts of accepted draft tokens and of rejections (a rejection is a row whose path
+stopped before its tree's deepest draft): the maximum-likelihood estimate for a geometric law,
+started from a prior worth ``prior_weight`` pseudo-observations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from genrec_spec.core.targets import as_target
+from genrec_spec.core.types import DecodeInputError, DraftTree
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    adaptive: bool = True  # False: always draft to the proposer's full depth k
+    # Cost of one more scored token / fixed cost of a forward. 0.1 fits a small model on CPU
+    # (8 tokens cost ~2x one, 64 ~5x); on a GPU it is nearer 0.01.
+    token_cost: float = 0.1
+    # Measured cost of a forward over n = 1, 2, ... scored tokens (all rows) relative to one
+    # (``measure_pass_cost``); extended past its end at its average slope. Empty: token_cost.
+    pass_cost: tuple[float, ...] = ()
+    smoothing: float = 0.8  # decay per step of the acceptance counts (weight of the past)
+    prior_acceptance: float = 0.6  # acceptance assumed before any evidence ...
+    prior_weight: float = 2.0  # ... worth this many accepted-or-rejected draft tokens
+    min_speedup: float = 1.05  # speculate only when the modelled speedup exceeds this
+    probe_every: int = 8  # while off, speculate once every this many steps
+
+
+class SpeculationController:
+    """Chooses each step's draft depth (its ``budget``) from the running acceptance."""
+
+    def __init__(
+        self, config: ControllerConfig, k_max: int, draft_cost: float, batch_size: int
+    ) -> None:
+        self.config = config
+        self.k_max = k_max
+        self.draft_cost = draft_cost
+        self.batch_size = batch_size
+        self.accepted = config.prior_weight * config.prior_acceptance  # decayed counts
+        self.rejected = config.prior_weight * (1 - config.prior_acceptance)
+        # Learnt from the trees seen: nodes per unit of budget, and the fraction of the budget
+        # the average row's draft reaches.
+        self.nodes_per_level = 1.0
+        self.reach = 1.0
+        self.last_depth = k_max
+        self.steps_off = 0
+        self.measured = False  # no speculative step seen yet: draft once at full depth
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def speedup(self, k: int) -> float:
+        """Modelled tokens per unit cost at draft depth k, relative to plain decoding."""
+        batch, a = self.batch_size, self.acceptance
+        depth = self.reach * k
+        tokens = depth + 1 if a >= 1 else (1 - a ** (depth + 1)) / (1 - a)
+        forward = self.pass_cost(batch * (1 + self.nodes_per_level * k)) / self.pass_cost(batch)
+        return tokens / (forward + self.draft_cost * k)
+
+    def pass_cost(self, scored: float) -> float:
+        """Modelled cost of a forward over ``scored`` tokens, in the units of ``pass_cost`` (a
+        one-token forward = 1) or of the linear model."""
+        table = self.config.pass_cost
+        if not table:
+            return 1 + self.config.token_cost * scored
+        if scored <= len(table):  # between measured sizes: interpolate
+            low = max(int(scored), 1)
+            high = min(low + 1, len(table))
+            return table[low - 1] + (scored - low) * (table[high - 1] - table[low - 1])
+        slope = (table[-1] - table[0]) / max(len(table) - 1, 1)
+        return table[-1] + (scored - len(table)) * slope
+
+    def budget(self) -> int:
+        if self.k_max == 0 or not self.config.adaptive or not self.measured:
+            return self.k_max
+        best = max(range(self.k_max + 1), key=self.speedup)
+        if best > 0 and self.speedup(best) >= self.config.min_speedup:
+            self.steps_off = 0
+            self.last_depth = best
+            return best
+        self.steps_off += 1
+        return self.last_depth if self.steps_off % self.config.probe_every == 0 else 0
+
+    def update(
+        self,
+        budget: int,
+        num_nodes: int,
+        rows: int,
+        drafted: float,
+        accepted: float,
+        rejected: float,
+    ) -> None:
+        """Record one step: its budget and tree size, and over its `rows` active rows the sum
+        of their draft depths, the accepted draft tokens and the rejections."""
+        if budget == 0 or rows == 0:
+            return
+        self.measured = True
+        keep = self.config.smoothing
+        self.accepted = keep * self.accepted + accepted
+        self.rejected = keep * self.rejected + rejected
+        self.nodes_per_level = keep * self.nodes_per_level + (1 - keep) * (num_nodes - 1) / budget
+        self.reach = keep * self.reach + (1 - keep) * drafted / (rows * budget)
+
+
+@torch.no_grad()
+def measure_pass_cost(
+    model: Any, max_tokens: int = 16, context: int = 128, repeats: int = 5
+) -> tuple[float, ...]:  # cost of a forward over n = 1 .. max_tokens tokens / over 1
+    """Time ``model``'s forward (any target ``generate`` takes) over a chain of n = 1 ..
+    ``max_tokens`` nodes after a ``context``-token prompt, one row; medians of ``repeats`` after
+    a warm-up, relative to n = 1. For ``ControllerConfig.pass_cost``; run with the threads and
+    load decoding will see."""
+    target = as_target(model)
+    grown = max_tokens * (repeats + 2)  # each pass commits its root; the last adds max_tokens
+    context = min(context, target.max_length - grown)  # a short model keeps a shorter prompt
+    if context < 1:
+        raise DecodeInputError(
+            f"a target of max length {target.max_length} cannot time {max_tokens} tokens",
+            "pass a smaller max_tokens or repeats",
+        )
+    prompt = torch.ones(1, context, dtype=torch.long)  # the content does not change the time
+    capacity = context + grown
+    cache = target.prefill(prompt, torch.tensor([context]), capacity)
+    root = torch.zeros(1, 1, dtype=torch.long)
+    trees = [
+        DraftTree(torch.ones(1, n, dtype=torch.long), torch.arange(-1, n - 1)[None])
+        for n in range(1, max_tokens + 1)
+    ]
+    samples: list[list[float]] = [[] for _ in trees]
+    # Round-robin over the sizes, first round discarded as warm-up, so a slow spell of a
+    # noisy machine lands on every size alike instead of skewing one size's median.
+    for round_ in range(repeats + 1):
+        for tree, times in zip(trees, samples, strict=True):
+            start = time.perf_counter()
+            target.score_tree(cache, tree)
+            if round_:
+                times.append(time.perf_counter() - start)
+            target.commit(cache, root, torch.ones(1, dtype=torch.long))  # keep the root only
+    medians = [statistics.median(times) for times in samples]
+    return tuple(t / medians[0] for t in medians)
+
+
+# Part of cached_pass_cost's key: bump it when the targets' kernels change what a pass of n
+# tokens costs (2: models/llama.linear takes 3+ rows through oneDNN's prepacked weights).
+PASS_COST_KERNELS = 2
+
+
+def cached_pass_cost(model: Any, folder: Path | None = None) -> tuple[float, ...]:
+    """``measure_pass_cost(model)``, timed once per model shape and machine and kept in
+    ``folder`` (default ``$GENREC_SPEC_CACHE/pass_cost``): the table depends on the weights'
+    shapes, the thread count, the CPU or GPU, the torch build and our kernels
+    (``PASS_COST_KERNELS``), not on the weights' values, so those make the key. A cache file
+    that cannot be read is timed again and replaced."""
+    if folder is None:
+        from genrec_spec.models.llm.smollm2 import cache_dir
+
+        folder = cache_dir() / "pass_cost"
+    file = Path(folder) / f"{_machine_key(model)}.json"
+    try:
+        table = tuple(float(c) for c in json.loads(file.read_text())["pass_cost"])
+        if table and table[0] == 1.0:
+            return table
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # absent or unreadable: measure
+    table = measure_pass_cost(model)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    partial = file.with_name(f"{file.name}.{os.getpid()}.tmp")  # complete files only
+    partial.write_text(json.dumps({"pass_cost": table, "measured": time.time()}))
+    partial.replace(file)
+    return table
+
+
+def _machine_key(model: Any) -> str:
+    """A digest of what a forward's timing depends on (see ``cached_pass_cost``)."""
+    if not isinstance(model, torch.nn.Module):
+        raise DecodeInputError(
+            f"cached_pass_cost keys its cache on a torch module's weight shapes, got "
+            f"{type(model).__name__}",
+            "pass the model itself, or time a wrapped target with measure_pass_cost",
+        )
+    parameters = list(model.parameters())
+    device = parameters[0].device if parameters else torch.device("cpu")
+    processor = platform.processor() or platform.machine()
+    if device.type == "cuda":
+        processor = torch.cuda.get_device_name(device)
+    elif Path("/proc/cpuinfo").is_file():  # platform.processor() is often just "x86_64"
+        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line]
+        processor = names[0] if names else processor
+    what = [
+        type(model).__qualname__,
+        [(tuple(p.shape), str(p.dtype)) for p in parameters],
+        torch.get_num_threads(),
+        device.type,
+        processor,
+        torch.__version__,
+        PASS_COST_KERNELS,
+    ]
+    return hashlib.sha256(repr(what).encode()).hexdigest()[:20]

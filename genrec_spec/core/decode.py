@@ -1,0 +1,249 @@
+"""The one decoding loop: propose a tree -> score it in one target forward -> accept a path ->
+commit the KV cache -> repeat. Plain autoregressive decoding is the same loop with the
+root-only tree.
+
+Every row of the batch moves at its own pace (its own accepted length, prompt length, end of
+sequence); finished rows stay in the batch, frozen, until all rows are done. The loop reads
+values on the host once per step (finished rows, NaN check, controller counts).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from genrec_spec.core.acceptance import AcceptanceRule, GreedyMatch, RejectionSampling
+from genrec_spec.core.controller import ControllerConfig, SpeculationController
+from genrec_spec.core.targets import Target, as_target
+from genrec_spec.core.tree import root_only
+from genrec_spec.core.types import (
+    DecodeInputError,
+    DecodeState,
+    DecodeStats,
+    Generation,
+    Proposer,
+    SamplingParams,
+    write_ragged,
+)
+
+
+def pack_prompts(
+    input_ids: Tensor | Sequence[Sequence[int]] | Sequence[Tensor],
+    prompt_lengths: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Prompts as right-padded tokens [B, T] and lengths [B]. Accepts a [B, T] tensor (with
+    optional prompt_lengths [B] for right padding) or one token sequence per row."""
+    if isinstance(input_ids, Tensor):
+        if input_ids.dim() != 2:
+            raise DecodeInputError(
+                f"input_ids has shape {tuple(input_ids.shape)}",
+                "pass a [B, T] tensor of token ids or a list of prompts",
+            )
+        tokens = input_ids.long()
+        lengths = (
+            torch.full((tokens.shape[0],), tokens.shape[1], device=tokens.device)
+            if prompt_lengths is None
+            else prompt_lengths.to(tokens.device).long()
+        )
+    else:
+        rows = [row.tolist() if isinstance(row, Tensor) else list(row) for row in input_ids]
+        if not rows:
+            raise DecodeInputError("no prompts given", "pass at least one prompt")
+        width = max(len(row) for row in rows)
+        lengths = torch.tensor([len(row) for row in rows])
+        tokens = torch.tensor(
+            [row + [0] * (width - len(row)) for row in rows], dtype=torch.long
+        ).view(len(rows), width)
+    if tokens.shape[0] == 0 or tokens.shape[1] == 0 or bool((lengths < 1).any()):
+        raise DecodeInputError(
+            "a prompt is empty", "give every row at least one token (e.g. a BOS token)"
+        )
+    if bool((lengths > tokens.shape[1]).any()) or bool((tokens < 0).any()):
+        raise DecodeInputError(
+            "prompt_lengths exceed the tokens given, or a token id is < 0",
+            "pass prompt_lengths <= input_ids.shape[1] and ids >= 0",
+        )
+    return tokens, lengths
+
+
+def _check_limits(target: Target, lengths: Tensor, max_new_tokens: int) -> None:
+    if max_new_tokens < 1:
+        raise DecodeInputError(f"max_new_tokens is {max_new_tokens}", "ask for at least 1 token")
+    longest = int(lengths.max())
+    if longest + max_new_tokens > target.max_length:
+        raise DecodeInputError(
+            f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the "
+            f"target's context of {target.max_length} tokens",
+            "shorten the prompt or lower max_new_tokens",
+        )
+
+
+def _check_vocab(target: Target, tokens: Tensor) -> None:
+    if int(tokens.max()) >= target.vocab_size:
+        raise DecodeInputError(
+            f"token id {int(tokens.max())} is outside the target's vocabulary of "
+            f"{target.vocab_size}",
+            "tokenize with the target's own tokenizer",
+        )
+
+
+def generate(
+    target: object,
+    input_ids: Tensor | Sequence[Sequence[int]],
+    *,
+    proposer: Proposer | None = None,
+    sampling: SamplingParams | None = None,
+    max_new_tokens: int = 64,
+    generator: torch.Generator | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    prompt_lengths: Tensor | None = None,
+    acceptance: AcceptanceRule | None = None,
+    controller: ControllerConfig | None = None,
+) -> Generation:
+    """Generate up to max_new_tokens per row (fewer where an eos token ends the row).
+
+    target: a Target, a genrec_spec Llama, a transformers causal LM (see ``as_target``).
+    input_ids: [B, T] tensor (+ prompt_lengths [B] when right-padded) or one list per row.
+    proposer: the drafter; None is plain autoregressive decoding.
+    acceptance: defaults to GreedyMatch for greedy sampling, else RejectionSampling (both
+    lossless: the output is distributed exactly as plain decoding with ``sampling``).
+    Returns the generated tokens (ragged values + offsets) and DecodeStats.
+    """
+    sampling = sampling or SamplingParams()
+    target = as_target(target)
+    tokens, lengths = pack_prompts(input_ids, prompt_lengths)
+    device = getattr(target, "device", tokens.device)
+    tokens, lengths = tokens.to(device), lengths.to(device)
+    _check_limits(target, lengths, max_new_tokens)
+    vocab_known = target.vocab_size is not None  # a CallableTarget learns it at prefill
+    if vocab_known:
+        _check_vocab(target, tokens)
+    rule = acceptance or (GreedyMatch() if sampling.greedy else RejectionSampling())
+    eos = None if eos_token_id is None else torch.as_tensor(eos_token_id, device=device).flatten()
+    started = time.perf_counter()
+    with torch.inference_mode():
+        batch, width = tokens.shape
+        cache = target.prefill(
+            tokens, lengths, width + max_new_tokens, getattr(proposer, "hidden_layers", ())
+        )
+        if not vocab_known:
+            _check_vocab(target, tokens)
+        state = DecodeState(
+            tokens=torch.cat([tokens, tokens.new_zeros(batch, max_new_tokens)], dim=1),
+            lengths=lengths,
+            prompt_lengths=lengths,
+            finished=torch.zeros(batch, dtype=torch.bool, device=tokens.device),
+            sampling=sampling,
+            generator=generator,
+            vocab_size=target.vocab_size,
+            max_new_tokens=max_new_tokens,
+            cache=cache,
+        )
+        if proposer is not None:  # first: a proposer may size its draft cost by the batch
+            proposer.begin(state)
+        k_max = proposer.k if proposer is not None else 0
+        control = SpeculationController(
+            controller or ControllerConfig(), k_max, getattr(proposer, "draft_cost", 0.0), batch
+        )
+        counters = torch.zeros(2 + 2 * k_max, dtype=torch.long, device=tokens.device)
+        forwards = speculative = 0
+        longest = int(lengths.max())  # host-side bound on state.lengths.max()
+        while True:
+            # Never draft past the target's context or past the last token still wanted.
+            budget = min(control.budget(), target.max_length - longest, max_new_tokens - 1)
+            tree = proposer.propose(state, budget) if budget > 0 else root_only(state.roots)
+            logits = target.score_tree(cache, tree)  # [B, N, V]
+            accepted = rule(tree, logits, sampling, generator)
+            counts, done = _emitted(state, accepted, eos)
+            active = ~state.finished
+            # The one host read of the step (the rest feeds the controller).
+            read = [
+                done.all(),
+                torch.isnan(logits).any(),
+                _nan_draft(tree),
+                counts.max(),
+                active.sum(),
+                (accepted.draft_depth * active).sum(),
+                (accepted.num_accepted * active).sum(),
+                ((accepted.num_accepted < accepted.draft_depth) & active).sum(),
+            ]
+            all_done, nan_logits, nan_draft, widest, *observed = torch.stack(
+                [x.long() for x in read]
+            ).tolist()
+            if nan_logits or nan_draft:
+                culprit = "target's logits" if nan_logits else "proposer's draft probabilities"
+                raise DecodeInputError(
+                    f"the {culprit} contain NaN",
+                    "check the model's weights and dtype (fp16 overflow is a common cause)",
+                )
+            target.commit(cache, accepted.path[:, :widest], counts)
+            state.tokens = write_ragged(
+                state.tokens, state.lengths, accepted.tokens[:, :widest], counts
+            )
+            state.lengths = state.lengths + counts
+            state.finished, state.counts = done, counts
+            state.tree, state.logits, state.speculated = tree, logits, budget > 0
+            longest += widest
+            forwards, speculative = forwards + 1, speculative + (budget > 0)
+            counters += _step_counters(accepted, counts, active, k_max)
+            control.update(budget, tree.num_nodes, *observed)
+            if proposer is not None:
+                proposer.observe(state, accepted)
+            if all_done:
+                break
+        values, offsets = _outputs(state)
+    row_steps, generated, *per_position = counters.tolist()
+    stats = DecodeStats(
+        target_forwards=forwards,
+        speculative_forwards=speculative,
+        generated_tokens=generated,
+        row_steps=row_steps,
+        drafted_per_position=tuple(per_position[:k_max]),
+        accepted_per_position=tuple(per_position[k_max:]),
+        wall_time_s=time.perf_counter() - started,
+    )
+    return Generation(values=values, offsets=offsets, stats=stats)
+
+
+def _nan_draft(tree) -> Tensor:  # [] bool
+    if tree.draft_probs is None:
+        return torch.zeros((), dtype=torch.bool, device=tree.tokens.device)
+    return torch.isnan(tree.draft_probs).any()
+
+
+def _emitted(state: DecodeState, accepted, eos: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Tokens each row emits this step ([B]; 0 for finished rows), cut at max_new_tokens and
+    after an eos token, and which rows are finished afterwards ([B] bool)."""
+    remaining = state.max_new_tokens - (state.lengths - state.prompt_lengths)
+    counts = torch.minimum(accepted.num_accepted + 1, remaining)
+    hit_eos = torch.zeros_like(state.finished)
+    if eos is not None:
+        slots = torch.arange(accepted.tokens.shape[1], device=counts.device)
+        is_eos = torch.isin(accepted.tokens, eos) & (slots < counts[:, None])
+        hit_eos = is_eos.any(1)
+        counts = torch.where(hit_eos, is_eos.long().argmax(1) + 1, counts)
+    counts = torch.where(state.finished, 0, counts)
+    done = state.finished | hit_eos | (counts >= remaining)
+    return counts, done
+
+
+def _step_counters(accepted, counts: Tensor, active: Tensor, k_max: int) -> Tensor:
+    """[2 + 2K] per-step increments: row-steps, generated tokens, then drafted and accepted
+    row-steps per draft position 1..K."""
+    position = torch.arange(1, k_max + 1, device=counts.device)
+    drafted = ((accepted.draft_depth[:, None] >= position) & active[:, None]).sum(0)
+    kept = ((accepted.num_accepted[:, None] >= position) & active[:, None]).sum(0)
+    head = torch.stack([active.sum(), counts.sum()])
+    return torch.cat([head, drafted, kept])
+
+
+def _outputs(state: DecodeState) -> tuple[Tensor, Tensor]:
+    """Generated tokens as ragged values [sum] and offsets [B + 1]."""
+    column = torch.arange(state.tokens.shape[1], device=state.tokens.device)
+    mask = (column >= state.prompt_lengths[:, None]) & (column < state.lengths[:, None])
+    sizes = state.lengths - state.prompt_lengths
+    offsets = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)])
+    return state.tokens[mask], offsets

@@ -1,0 +1,123 @@
+"""PinRec-style decoding: every code level from one backbone pass, top-K over the whole catalogue.
+
+The parallel level heads (`models/rec_heads.ParallelLevelHeads`) predict all L code levels of the
+next item independently from the last history state h. An item's score is the sum of its levels'
+log-probabilities, log p(c_0 | h) + ... + log p(c_{L-1} | h), so one backbone pass and L gathers
+of [B, I] score every catalogue item: no tree, no beam, one sequential pass instead of beam
+search's L. Every catalogue item is scored, so the top-K is exact under this factorised model;
+what it gives up against `beam` is the conditioning of deeper levels on the earlier ones. (The
+heads' sparse product with the items' code incidence matrix, `score_items`, which training and
+validation use, took longer at batch 1 on ML-1M: 0.23 against 0.18 ms per call, in one process;
+at batch 64 it was 4x faster, 0.62 against 2.63 ms, a few % of a request.)
+
+Level 0 from the backbone's own level-0 head (`level0="backbone"`) is free in the same pass and
+is trained at every history position, where the parallel heads see only the sampled branch
+positions: with heads trained on per-code cross-entropy it ranks better (ML-100K). Heads trained
+on the catalogue cross-entropy of their summed levels (`model.heads_item_loss`) fit their own
+level 0 together with the others, and their own sum ranks better: ML-1M default, valid split,
+all 6,040 users, HR@10 / NDCG@10 0.1338 / 0.0756 against 0.1276 / 0.0723 with the backbone's
+level 0. So the default, `level0="auto"`, is "head" for such models and "backbone" otherwise;
+`level0="head"` is the pure PinRec model.
+
+Scores are raw sums of log-probabilities (not renormalised over the catalogue: that would shift
+every item of a row by the same constant and change no ranking).
+
+Shape letters: B users, M history items, I items, L code levels, K recommendations.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from genrec_spec.data_pipelines.trie import PrefixTrie
+from genrec_spec.models.recsys.recommender import HistoryState
+from genrec_spec.recsys.decoders.beam import DecodeOptionError, beam_width_for, check_trie
+from genrec_spec.recsys.types import Recommendations
+
+LEVEL0_SOURCES = ("auto", "backbone", "head")
+
+
+@dataclass(frozen=True)
+class HeadsConfig:
+    """Options of the `heads` decoder."""
+
+    # level-0 log-probs from "backbone" (its level-0 head), "head", or "auto" (see above)
+    level0: str = "auto"
+
+
+def check_decode_args(model, k: int, trie: PrefixTrie) -> None:
+    """The checks every decoder makes first (beam's): 1 <= k <= I, a trie of this catalogue."""
+    beam_width_for(k, k, model.num_items)  # a list of k items is a beam of width k
+    check_trie(model, trie)
+
+
+def item_scores(
+    model,  # SemanticIdRecommender with parallel heads
+    state,  # HistoryState of B users
+    level0: str = HeadsConfig.level0,
+) -> Tensor:  # [B, I] sum over levels of log p(item's code at that level)
+    if model.parallel_heads is None:
+        raise DecodeOptionError(
+            "the heads decoder needs the model's parallel level heads; train with "
+            'model.parallel_heads = true or use decoder "beam"'
+        )
+    if level0 not in LEVEL0_SOURCES:
+        raise DecodeOptionError(f"level0 must be one of {LEVEL0_SOURCES}, got {level0!r}")
+    if level0 == "auto":
+        level0 = "head" if model.config.heads_item_loss else "backbone"
+    codes = model.item_codes  # [I, L]
+    score = state.level0_log_probs[:, codes[:, 0]] if level0 == "backbone" else 0.0  # [B, I]
+    # Level by level over each level's own codebook (what `ParallelLevelHeads.log_probs` stacks
+    # and pads for the training loss): fewer ops, and no level 0 when the backbone gives it.
+    for level, mlp in enumerate(model.parallel_heads.mlp):
+        if level or level0 == "head":
+            score = score + mlp(state.hidden).log_softmax(dim=-1)[:, codes[:, level]]
+    return score
+
+
+@torch.no_grad()
+def decode(
+    model,  # SemanticIdRecommender
+    values: Tensor,  # [M] int64 item indices of B histories, oldest first
+    offsets: Tensor,  # [B+1] int64
+    *,
+    k: int,
+    trie: PrefixTrie,
+    level0: str = HeadsConfig.level0,
+) -> Recommendations:
+    """Top-K catalogue items by the parallel heads' summed level log-probs (one backbone pass)."""
+    return rank_catalogue(
+        model, values, offsets, k, trie, lambda state: item_scores(model, state, level0)
+    )
+
+
+def rank_catalogue(
+    model,  # SemanticIdRecommender
+    values: Tensor,  # [M] int64 item indices of B histories, oldest first
+    offsets: Tensor,  # [B+1] int64
+    k: int,
+    trie: PrefixTrie,
+    score: Callable[[HistoryState], Tensor],  # state -> [B, I] a score of every item
+) -> Recommendations:
+    """Top-K catalogue items by `score` after one backbone pass: the body of the decoders that
+    score the whole catalogue from the history state (`heads`, `dense`)."""
+    check_decode_args(model, k, trie)
+    start = time.perf_counter()
+    state = model.encode_history(values, offsets)
+    top = score(state).topk(k, dim=1)
+    return Recommendations(
+        items=top.indices,
+        scores=top.values,
+        stats={
+            "target_passes": 1,
+            "nodes_scored": 0,
+            "items_scored_per_user": model.num_items,
+            "wall_time_s": time.perf_counter() - start,
+            "truncated_histories": int(state.truncated.sum()),
+        },
+    )
