@@ -55,10 +55,11 @@ from pathlib import Path
 
 import torch
 
+from genrec_spec.recsys.checkpoint import load_model_and_data
+from genrec_spec.recsys.data import sample_users
 from genrec_spec.recsys.decoders.beam import beam_width_for, item_trie, search
-from genrec_spec.recsys.evaluate import load_model_and_data, options_for, sample_users
+from genrec_spec.recsys.decoders.registry import DECODERS, get_decoder, options_for
 from genrec_spec.recsys.history_cache import CachedRecommender, HistoryCache, rows_of
-from genrec_spec.recsys.recommend import get_decoder
 from genrec_spec.recsys.scoring import PrefixTree, TrieIndex, node_mask, prefix_tree
 
 # Benchmark rows that are a registered decoder with fixed options.
@@ -69,22 +70,17 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "spec-frontier": ("spec_beam", {"draft": "frontier"}),
     "spec-nezha": ("spec_beam", {"draft": "nezha"}),
 }
-DECODERS = (
-    "beam",
-    "spec_beam",
-    "spec-frontier",
-    "spec-nezha",
-    "heads",
-    "rpg",
-    "rpg-exact",
-    "nezha",
-    "dense",
+# Every registered decoder, each followed by its variants.
+ROWS = tuple(
+    row
+    for name in DECODERS
+    for row in (name, *(v for v, (base, _) in VARIANTS.items() if base == name))
 )
 
 
 def decoders_of(model) -> tuple[str, ...]:
     """Every benchmark row the checkpoint can run: `dense` needs the item objective."""
-    return tuple(n for n in DECODERS if n != "dense" or model.config.item_weight)
+    return tuple(n for n in ROWS if n != "dense" or model.config.item_weight)
 
 
 @dataclass(frozen=True)
@@ -337,7 +333,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", default=c.split, choices=["valid", "test"])
     parser.add_argument(
         "--decoders",
-        help=f"comma-separated, of {','.join(DECODERS)} (beam always runs; default: every one "
+        help=f"comma-separated, of {','.join(ROWS)} (beam always runs; default: every one "
         "the checkpoint can run, dense only with the item objective)",
     )
     parser.add_argument("--k", type=int, default=c.k, help="recommendations per user")
@@ -370,9 +366,9 @@ def settings_from(args: argparse.Namespace) -> BenchRecsysConfig:
         return value if value is not None else quick if args.quick else default
 
     names = tuple(dict.fromkeys(x.strip() for x in (args.decoders or "").split(",") if x.strip()))
-    unknown = [n for n in names if n not in DECODERS]
+    unknown = [n for n in names if n not in ROWS]
     if unknown:
-        raise ValueError(f"unknown decoders {unknown}; choose from {','.join(DECODERS)}")
+        raise ValueError(f"unknown decoders {unknown}; choose from {','.join(ROWS)}")
     try:
         sizes = tuple(int(x) for x in args.batch_sizes.split(",")) if args.batch_sizes else None
     except ValueError:

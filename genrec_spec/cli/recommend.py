@@ -22,7 +22,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from genrec_spec.recsys.evaluate import load_model_and_data, parse_option
+from genrec_spec.recsys.checkpoint import load_model_and_data
+from genrec_spec.recsys.decoders.registry import decoder_names, parse_option
 from genrec_spec.recsys.recommend import recommend
 
 
@@ -104,9 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     who.add_argument("--user", help="a user id of the data: recommend from all they did")
     who.add_argument("--history", help='item ids, comma-separated, oldest first ("" = none)')
     parser.add_argument("--k", type=int, default=10, help="recommendations")
-    parser.add_argument(
-        "--decoder", default="beam", help="beam, heads, rpg, nezha, spec_beam, dense"
-    )
+    parser.add_argument("--decoder", default="beam", help=f"one of {decoder_names()}")
     parser.add_argument(
         "--option",
         type=parse_option,

@@ -5,6 +5,7 @@ The manifest names the data the model was trained on (`data.data_hash` from the 
 folder's manifest, and its path), the catalogue sizes needed to rebuild the model, the model and
 training configs, metrics per epoch, versions and wall time. The weights hold the item codes
 (and long IDs), so a checkpoint alone is enough to decode Semantic IDs back to item indices.
+`load_model_and_data` loads a checkpoint with the prepared data it was trained on.
 """
 
 from __future__ import annotations
@@ -20,14 +21,12 @@ from safetensors.torch import load_file, save_file
 
 from genrec_spec.data_pipelines.atomic import atomic_dir
 from genrec_spec.models.recsys.recommender import RecommenderConfig, SemanticIdRecommender
+from genrec_spec.recsys.data import PreparedData, load_prepared
+from genrec_spec.recsys.errors import CheckpointError
 
 CHECKPOINT_VERSION = 1
 WEIGHTS = "model.safetensors"
 MANIFEST = "manifest.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be read."""
 
 
 def save_checkpoint(
@@ -64,14 +63,15 @@ def load_checkpoint(
     for name in (MANIFEST, WEIGHTS):
         if not (path / name).is_file():
             raise CheckpointError(
-                f"checkpoint folder {path} has no {name}; train one with "
-                f"`genrec-spec train --data DIR --out {path}`"
+                f"checkpoint folder {path} has no {name}",
+                f"train one with `genrec-spec train --data DIR --out {path}`",
             )
     manifest = json.loads((path / MANIFEST).read_text())
     if manifest.get("checkpoint_version") != CHECKPOINT_VERSION:
         raise CheckpointError(
             f"{path} has checkpoint version {manifest.get('checkpoint_version')}, this code "
-            f"reads version {CHECKPOINT_VERSION}; retrain it with `genrec-spec train`"
+            f"reads version {CHECKPOINT_VERSION}",
+            "retrain it with `genrec-spec train`",
         )
     # Checkpoints written before the item objective (or level 0 / levels 1.. from it, or its
     # cosine logits, the history-state query of the tied levels, the tied draft head, the heads'
@@ -91,8 +91,8 @@ def load_checkpoint(
     if unknown:
         raise CheckpointError(
             f"{path} was trained with model options this code does not know: {unknown} (a "
-            "newer or patched genrec_spec wrote it); load it with that version or retrain it "
-            "with `genrec-spec train`"
+            "newer or patched genrec_spec wrote it)",
+            "load it with that version or retrain it with `genrec-spec train`",
         )
     tensors = load_file(str(path / WEIGHTS))
     catalogue = manifest["catalogue"]
@@ -105,6 +105,23 @@ def load_checkpoint(
     )
     model.load_state_dict(tensors)
     return model.to(device).eval(), manifest
+
+
+def load_model_and_data(
+    ckpt: Path | str, data_dir: Path | str | None = None
+) -> tuple[SemanticIdRecommender, PreparedData]:
+    """(model in eval mode, PreparedData) of a checkpoint; the data folder defaults to the one
+    it was trained on and must be that data (same hash: item indices must mean the same items)."""
+    model, manifest = load_checkpoint(ckpt)
+    trained_on = manifest.get("data", {})
+    data = load_prepared(data_dir if data_dir is not None else trained_on.get("path", ""))
+    if trained_on.get("data_hash") != data.data_hash:
+        raise CheckpointError(
+            f"checkpoint {ckpt} was trained on data {trained_on.get('data_hash')} but "
+            f"{data.path} holds data {data.data_hash}",
+            "pass --data with the folder it was trained on",
+        )
+    return model, data
 
 
 def versions() -> dict[str, str | None]:

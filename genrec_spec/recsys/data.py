@@ -2,7 +2,8 @@
 
 `load_prepared(dir)` reads the item table (Semantic IDs, long IDs) and the three splits as
 ragged values + offsets. `epoch_batches` cuts one epoch of training users into batches and
-`training_windows` cuts each user's train sequence to a window the model can read.
+`training_windows` cuts each user's train sequence to a window the model can read;
+`sample_users` draws the fixed user subsets that evaluation and benchmarks read.
 
 Shape letters: U users of a split, B users of a batch, M history items, I items, L code levels,
 Q long-ID digits.
@@ -150,6 +151,16 @@ def _read_split(file: Path) -> Histories:
     )
 
 
+def sample_users(count: int, users: int, seed: int) -> Tensor:  # [U] int64 rows of a split
+    """A fixed random subset of `users` of `count` rows (all rows when users is 0), in order."""
+    if users < 0:
+        raise DataError(f"--users must be >= 0, got {users}", "pass 0 (every user) or a count")
+    if users == 0 or users >= count:
+        return torch.arange(count)
+    rows = torch.randperm(count, generator=torch.Generator().manual_seed(seed))[:users]
+    return rows.sort().values
+
+
 def epoch_batches(
     lengths: Tensor,  # [U] train items per user; users with none are skipped
     batch_size: int,
@@ -177,7 +188,7 @@ def training_windows(
     """Cut every sequence longer than `window` to `window` consecutive items. "random" shows
     a long user's older items too over the epochs; "last" always trains on the most recent."""
     if mode not in WINDOW_MODES:
-        raise ValueError(f"unknown window mode {mode!r}; use one of {WINDOW_MODES}")
+        raise DataError(f"unknown window mode {mode!r}", f"use one of {WINDOW_MODES}")
     lengths = histories.lengths  # [B]
     slack = (lengths - window).clamp(min=0)  # [B] possible start positions - 1
     if mode == "random":

@@ -25,7 +25,6 @@ Shape letters: U users evaluated, B users of a batch, K list length.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import sys
 import time
@@ -35,11 +34,18 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from genrec_spec.recsys.checkpoint import load_checkpoint
-from genrec_spec.recsys.data import load_prepared
+from genrec_spec.recsys.checkpoint import load_model_and_data
+from genrec_spec.recsys.data import sample_users
 from genrec_spec.recsys.decoders.beam import item_trie
+from genrec_spec.recsys.decoders.registry import (
+    check_options,
+    decoder_names,
+    get_decoder,
+    options_for,
+    parse_option,
+)
 from genrec_spec.recsys.metrics import DEFAULT_KS, ranking_metrics, ranks_from_topk
-from genrec_spec.recsys.recommend import decode_excluding, get_decoder
+from genrec_spec.recsys.recommend import decode_excluding
 
 
 @dataclass(frozen=True)
@@ -54,54 +60,6 @@ class EvaluateConfig:
     seed: int = 0  # draws the user subset
     threads: int = 1  # torch CPU threads (one is fastest for small models on 2 cores)
     exclude_history: bool = False  # leave the history items the model reads out of the lists
-
-
-def load_model_and_data(ckpt: Path | str, data_dir: Path | str | None = None):
-    """(model in eval mode, PreparedData) of a checkpoint; the data folder defaults to the one
-    it was trained on and must be that data (same hash: item indices must mean the same items)."""
-    model, manifest = load_checkpoint(ckpt)
-    trained_on = manifest.get("data", {})
-    data = load_prepared(data_dir if data_dir is not None else trained_on.get("path", ""))
-    if trained_on.get("data_hash") != data.data_hash:
-        raise ValueError(
-            f"checkpoint {ckpt} was trained on data {trained_on.get('data_hash')} but "
-            f"{data.path} holds data {data.data_hash}; pass --data with the folder it was "
-            "trained on"
-        )
-    return model, data
-
-
-def decoder_options(decode) -> list[str]:
-    """The names of a decoder's own options (its keyword-only parameters but k and trie)."""
-    return [
-        p.name
-        for p in inspect.signature(decode).parameters.values()
-        if p.kind == p.KEYWORD_ONLY and p.name not in ("k", "trie")
-    ]
-
-
-def options_for(decode, options: dict) -> dict:
-    """The subset of `options` that `decode` takes."""
-    accepted = decoder_options(decode)
-    return {name: value for name, value in options.items() if name in accepted}
-
-
-def check_options(decoders: dict, options: dict) -> None:
-    """Every option must be taken by at least one of the decoders (a typo otherwise)."""
-    unused = set(options) - {n for d in decoders.values() for n in options_for(d, options)}
-    if unused:
-        takes = "; ".join(f"{n}: {decoder_options(d)}" for n, d in decoders.items())
-        raise ValueError(f"no listed decoder takes the option(s) {sorted(unused)}; {takes}")
-
-
-def sample_users(count: int, users: int, seed: int) -> Tensor:  # [U] int64 rows of a split
-    """A fixed random subset of `users` of `count` rows (all rows when users is 0), in order."""
-    if users < 0:
-        raise ValueError(f"--users must be >= 0 (0 = every user), got {users}")
-    if users == 0 or users >= count:
-        return torch.arange(count)
-    rows = torch.randperm(count, generator=torch.Generator().manual_seed(seed))[:users]
-    return rows.sort().values
 
 
 @torch.no_grad()
@@ -184,22 +142,6 @@ def format_table(results: dict[str, dict], ks: tuple[int, ...]) -> str:
 # --- command line ------------------------------------------------------------------------------
 
 
-def parse_option(text: str) -> tuple[str, object]:
-    """NAME=VALUE with VALUE read as an int, a float, true/false, or else a string."""
-    name, sep, raw = text.partition("=")
-    if not sep or not name.strip():
-        raise argparse.ArgumentTypeError(f"--option {text!r} must look like NAME=VALUE")
-    raw = raw.strip()
-    if raw.lower() in ("true", "false"):
-        return name.strip(), raw.lower() == "true"
-    for kind in (int, float):
-        try:
-            return name.strip(), kind(raw)
-        except ValueError:
-            continue
-    return name.strip(), raw
-
-
 def _int_list(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(x) for x in text.split(",") if x.strip())
@@ -225,7 +167,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--decoder",
         type=_name_list,
         default=c.decoders,
-        help="decoder name(s), comma-separated: beam, heads, rpg, nezha, spec_beam, dense",
+        help=f"decoder name(s), comma-separated: {decoder_names()}",
     )
     parser.add_argument("--k", type=_int_list, default=c.ks, help="cut-offs, e.g. 10,50,200")
     parser.add_argument("--users", type=int, default=c.users, help="random subset; 0 = all")

@@ -5,8 +5,8 @@
 `histories` is a list of item-index lists (one per user, oldest first) or a pair
 (values [M], offsets [B+1]); `options` go to the decoder (e.g. `beam_width=50`, `draft="none"`,
 `trie=` another `PrefixTrie` of the catalogue; by default `beam.item_trie(model)`, built once
-per model). Decoders are looked up by name in
-`DECODERS` and imported only when asked for.
+per model). Decoders are looked up by name in the registry
+(`recsys.decoders.registry.DECODERS`) and imported only when asked for.
 
 Bad input and edge cases:
 - an item index outside the catalogue, a non-integer id, malformed offsets: `RecommendInputError`
@@ -38,7 +38,6 @@ Shape letters: B users, M history items, K recommendations.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import numbers
 from collections.abc import Sequence
@@ -47,32 +46,12 @@ import torch
 from torch import Tensor
 
 from genrec_spec.recsys.decoders.beam import item_trie
+from genrec_spec.recsys.decoders.registry import get_decoder
+from genrec_spec.recsys.errors import RecommendInputError
 from genrec_spec.recsys.history_cache import CachedRecommender, HistoryCache
 from genrec_spec.recsys.types import Recommendations
 
-# name -> "module:function", every function with the signature of `recsys.types`.
-DECODERS: dict[str, str] = {
-    "beam": "genrec_spec.recsys.decoders.beam:decode",
-    "spec_beam": "genrec_spec.recsys.decoders.spec_beam:decode",
-    "heads": "genrec_spec.recsys.decoders.heads:decode",
-    "rpg": "genrec_spec.recsys.decoders.rpg:decode",
-    "nezha": "genrec_spec.recsys.decoders.nezha:decode",
-    "dense": "genrec_spec.recsys.decoders.dense:decode",
-}
-
-
-class RecommendInputError(ValueError):
-    """Bad input to `recommend` (histories, k, decoder name or options)."""
-
-
-def get_decoder(name: str):
-    """The decode function registered under `name`."""
-    if name not in DECODERS:
-        raise RecommendInputError(
-            f"unknown decoder {name!r}; valid decoders: {', '.join(DECODERS)}"
-        )
-    module, function = DECODERS[name].split(":")
-    return getattr(importlib.import_module(module), function)
+MAP_IDS = "map raw ids to item indices (items.parquet item_index) first"
 
 
 def as_values_offsets(
@@ -84,30 +63,37 @@ def as_values_offsets(
     if isinstance(histories, tuple) and len(histories) == 2 and isinstance(histories[0], Tensor):
         values, offsets = (t.to(device) for t in histories)
         if values.dtype.is_floating_point or offsets.dtype.is_floating_point:
-            raise RecommendInputError("history values and offsets must be integer tensors")
+            raise RecommendInputError(
+                f"history values and offsets must be integer tensors, got {values.dtype} and "
+                f"{offsets.dtype}",
+                "pass int64 tensors of item indices and row offsets",
+            )
         values, offsets = values.long(), offsets.long()
     else:
         rows = [list(row) for row in histories]
         if not rows:
-            raise RecommendInputError("histories is empty; pass one item list per user")
+            raise RecommendInputError("histories is empty", "pass one item list per user")
         flat = [item for row in rows for item in row]
         bad = [i for i in flat if not isinstance(i, numbers.Integral) or isinstance(i, bool)]
         if bad:
             raise RecommendInputError(
-                f"history items must be integer item indices, got {bad[:5]}; map raw ids to "
-                "item indices (items.parquet item_index) first"
+                f"history items must be integer item indices, got {bad[:5]}", MAP_IDS
             )
         values = torch.tensor([int(i) for i in flat], dtype=torch.long, device=device)
         lengths = torch.tensor([len(row) for row in rows], dtype=torch.long, device=device)
         offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
     if offsets.dim() != 1 or offsets.numel() < 2 or int(offsets[0]) != 0:
-        raise RecommendInputError(f"offsets must be [B+1] starting at 0, got {offsets.tolist()}")
+        raise RecommendInputError(
+            f"offsets must be [B+1] starting at 0, got {offsets.tolist()}",
+            "pass offsets [0, len(row 0), len(row 0) + len(row 1), ...]",
+        )
     if values.numel():
         outside = values[(values < 0) | (values >= num_items)]
         if outside.numel():
             raise RecommendInputError(
                 f"unknown item indices {outside[:10].tolist()}: the catalogue holds item "
-                f"indices 0..{num_items - 1}; map raw ids to item indices first"
+                f"indices 0..{num_items - 1}",
+                MAP_IDS,
             )
     return values, offsets
 
@@ -152,19 +138,21 @@ def recommend(
     if history_cache is not None:
         if history_cache.model is not model:
             raise RecommendInputError(
-                "history_cache holds another model's histories; make one HistoryCache per model"
+                "history_cache holds another model's histories", "make one HistoryCache per model"
             )
         model = CachedRecommender(history_cache)
     if not 1 <= k <= model.num_items:
         raise RecommendInputError(
-            f"k must lie in 1..{model.num_items} (the catalogue size), got {k}"
+            f"k must lie in 1..{model.num_items} (the catalogue size), got {k}",
+            f"ask for 1 to {model.num_items} items (a list cannot hold more items than exist)",
         )
     accepted = inspect.signature(decode).parameters
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         valid = [n for n, p in accepted.items() if p.kind == p.KEYWORD_ONLY and n != "k"]
         raise RecommendInputError(
-            f"decoder {decoder!r} takes no option(s) {unknown}; its options: {valid}"
+            f"decoder {decoder!r} takes no option(s) {unknown}; its options: {valid}",
+            "drop the option or correct its name",
         )
     device = model.item_codes.device
     values, offsets = as_values_offsets(histories, model.num_items, device)
@@ -194,7 +182,8 @@ def decode_excluding(
     if drop_offsets.numel() != offsets.numel():
         raise RecommendInputError(
             f"exclude holds {drop_offsets.numel() - 1} item lists for {offsets.numel() - 1} "
-            "histories; pass one list per history (an empty list excludes nothing)"
+            "histories",
+            "pass one list per history (an empty list excludes nothing)",
         )
     device = values.device
     rows = torch.repeat_interleave(

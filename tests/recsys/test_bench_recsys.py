@@ -34,7 +34,7 @@ def test_bench_recsys_quick(tiny_model, tmp_path, capsys):
     table = capsys.readouterr().out
     report = json.loads(out.read_text())
     rows = {row["decoder"]: row for row in report["rows"]}
-    assert list(rows) == list(bench_recsys.DECODERS)  # beam first, then every decoder
+    assert list(rows) == list(bench_recsys.ROWS)  # beam first, then every decoder
     for name in rows:
         assert name in table
     settings = report["settings"]

@@ -14,7 +14,10 @@ from genrec_spec.cli import recommend as recommend_cli
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.recsys import evaluate as ev
 from genrec_spec.recsys.checkpoint import save_checkpoint
+from genrec_spec.recsys.data import sample_users
 from genrec_spec.recsys.decoders import heads, nezha
+from genrec_spec.recsys.decoders.registry import parse_option
+from genrec_spec.recsys.errors import DecodeOptionError
 
 
 @pytest.fixture
@@ -92,21 +95,21 @@ def test_exclude_history_ranks_only_items_outside_the_read_history(tiny_model):
 def test_count_invalid_and_user_subsets():
     items = torch.tensor([[3, 1, -1, -1], [2, 9, 2, 0], [5, 4, 3, 2]])  # 9 outside, 2 repeated
     assert ev.count_invalid(items, num_items=6) == 2
-    rows = ev.sample_users(50, 10, seed=1)
-    assert torch.equal(rows, ev.sample_users(50, 10, seed=1))
+    rows = sample_users(50, 10, seed=1)
+    assert torch.equal(rows, sample_users(50, 10, seed=1))
     assert len(rows.unique()) == 10 and bool((rows[1:] > rows[:-1]).all())
-    assert torch.equal(ev.sample_users(5, 0, seed=1), torch.arange(5))
+    assert torch.equal(sample_users(5, 0, seed=1), torch.arange(5))
     with pytest.raises(ValueError, match="users"):
-        ev.sample_users(5, -1, seed=0)
+        sample_users(5, -1, seed=0)
 
 
 def test_parse_option():
-    assert ev.parse_option("beam_width=50") == ("beam_width", 50)
-    assert ev.parse_option("x=0.5") == ("x", 0.5)
-    assert ev.parse_option("lookahead=false") == ("lookahead", False)
-    assert ev.parse_option(" draft = none ") == ("draft", "none")  # a string, not None
-    with pytest.raises(argparse.ArgumentTypeError, match="NAME=VALUE"):
-        ev.parse_option("beam_width")
+    assert parse_option("beam_width=50") == ("beam_width", 50)
+    assert parse_option("x=0.5") == ("x", 0.5)
+    assert parse_option("lookahead=false") == ("lookahead", False)
+    assert parse_option(" draft = none ") == ("draft", "none")  # a string, not None
+    with pytest.raises(DecodeOptionError, match="NAME=VALUE"):
+        parse_option("beam_width")
 
 
 def test_evaluate_command(tiny_ckpt, tmp_path, capsys):
@@ -119,7 +122,7 @@ def test_evaluate_command(tiny_ckpt, tmp_path, capsys):
     assert "heads" in table and "rpg" in table and "ndcg@10" in table
     report = json.loads(out.read_text())
     assert report["users"] == 10 and report["options"] == {"mode": "exact"}
-    rows = ev.sample_users(len(data.valid), 10, seed=0)
+    rows = sample_users(len(data.valid), 10, seed=0)
     expected = ev.evaluate(model, data.valid.select(rows), heads.decode, ks=(5, 10))
     for name in ("hr@5", "ndcg@10", "mrr"):
         assert report["results"]["heads"][name] == pytest.approx(expected[name])

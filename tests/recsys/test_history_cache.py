@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from genrec_spec.recsys.decoders.registry import DECODERS
 from genrec_spec.recsys.history_cache import HistoryCache
-from genrec_spec.recsys.recommend import DECODERS, RecommendInputError, recommend
+from genrec_spec.recsys.recommend import RecommendInputError, recommend
 
 
 def _calls(model) -> list[list[list[int]]]:

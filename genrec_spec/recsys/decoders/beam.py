@@ -30,15 +30,12 @@ from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
+from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.types import Recommendations
 
 DEFAULT_MIN_BEAM_WIDTH = 20  # beam width when none is given: max(k, this)
 
 _TRIES = DerivedCache()  # item_codes table -> the trie of its items
-
-
-class DecodeOptionError(ValueError):
-    """A decoder option that cannot work (beam width < k, k < 1, a mismatched trie, ...)."""
 
 
 @dataclass(frozen=True)
@@ -54,14 +51,17 @@ class Beams:
 def beam_width_for(k: int, beam_width: int | None, num_items: int) -> int:
     """The beam width to use; raises on k < 1, a width below k, or k over the catalogue."""
     if k < 1:
-        raise DecodeOptionError(f"k must be >= 1, got {k}")
+        raise DecodeOptionError(f"k must be >= 1, got {k}", "ask for at least one item")
     if k > num_items:
         raise DecodeOptionError(
-            f"k = {k} is larger than the catalogue ({num_items} items); ask for k <= {num_items}"
+            f"k = {k} is larger than the catalogue ({num_items} items)",
+            f"ask for k <= {num_items}",
         )
     width = max(k, DEFAULT_MIN_BEAM_WIDTH) if beam_width is None else int(beam_width)
     if width < k:
-        raise DecodeOptionError(f"beam_width {width} must be >= k = {k}")
+        raise DecodeOptionError(
+            f"beam_width {width} must be >= k = {k}", f"pass beam_width >= {k} or leave it unset"
+        )
     return width
 
 
@@ -84,8 +84,8 @@ def check_trie(model, trie: PrefixTrie) -> None:
     ):
         raise DecodeOptionError(
             f"trie (codebook sizes {tuple(trie.codebook_sizes)}, {len(trie.leaf_items)} items) "
-            f"does not match the model ({tuple(model.codebook_sizes)}, {model.num_items} items); "
-            "pass genrec_spec.recsys.decoders.beam.item_trie(model)"
+            f"does not match the model ({tuple(model.codebook_sizes)}, {model.num_items} items)",
+            "pass genrec_spec.recsys.decoders.beam.item_trie(model)",
         )
 
 

@@ -18,16 +18,16 @@ from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.recsys.recommender import HistoryState
-from genrec_spec.recsys.decoders.beam import DecodeOptionError
 from genrec_spec.recsys.decoders.heads import rank_catalogue
+from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.types import Recommendations
 
 
 def check_item_objective(model, what: str = "the dense decoder") -> None:
     if not model.config.item_weight:
         raise DecodeOptionError(
-            f"{what} needs a model trained with the item objective; train with "
-            'model.item_weight > 0 (e.g. 1.0) or use decoder "beam"'
+            f"{what} needs a model trained with the item objective",
+            'train with model.item_weight > 0 (e.g. 1.0) or use decoder "beam"',
         )
 
 

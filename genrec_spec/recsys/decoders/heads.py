@@ -36,7 +36,8 @@ from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.recsys.recommender import HistoryState
-from genrec_spec.recsys.decoders.beam import DecodeOptionError, beam_width_for, check_trie
+from genrec_spec.recsys.decoders.beam import beam_width_for, check_trie
+from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.types import Recommendations
 
 LEVEL0_SOURCES = ("auto", "backbone", "head")
@@ -63,11 +64,14 @@ def item_scores(
 ) -> Tensor:  # [B, I] sum over levels of log p(item's code at that level)
     if model.parallel_heads is None:
         raise DecodeOptionError(
-            "the heads decoder needs the model's parallel level heads; train with "
-            'model.parallel_heads = true or use decoder "beam"'
+            "the heads decoder needs the model's parallel level heads",
+            'train with model.parallel_heads = true or use decoder "beam"',
         )
     if level0 not in LEVEL0_SOURCES:
-        raise DecodeOptionError(f"level0 must be one of {LEVEL0_SOURCES}, got {level0!r}")
+        raise DecodeOptionError(
+            f"level0 must be one of {LEVEL0_SOURCES}, got {level0!r}",
+            'pass level0="auto" (the default), "backbone" or "head"',
+        )
     if level0 == "auto":
         level0 = "head" if model.config.heads_item_loss else "backbone"
     codes = model.item_codes  # [I, L]

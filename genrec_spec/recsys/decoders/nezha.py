@@ -27,21 +27,21 @@ from torch import Tensor
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.recsys.decoders.beam import (
     Beams,
-    DecodeOptionError,
     beam_width_for,
     check_trie,
     extend,
     finish,
     start_beams,
 )
+from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.types import Recommendations
 
 
 def draft_head_of(model):  # -> the model's RecurrentDraftHead
     if model.draft_head is None:
         raise DecodeOptionError(
-            "the nezha decoder and draft need the model's draft head; train with "
-            'model.draft_head = true or use decoder "beam"'
+            "the nezha decoder and draft need the model's draft head",
+            'train with model.draft_head = true or use decoder "beam"',
         )
     return model.draft_head
 

@@ -47,8 +47,8 @@ from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
-from genrec_spec.recsys.decoders.beam import DecodeOptionError
 from genrec_spec.recsys.decoders.heads import check_decode_args
+from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.types import Recommendations
 
 MODES = ("graph", "exact")
@@ -233,13 +233,20 @@ def decode(
     check_decode_args(model, k, trie)
     if model.long_id_heads is None:
         raise DecodeOptionError(
-            "the rpg decoder needs long-ID heads: prepare the data with --long-id-digits > 0 and "
-            'train with model.long_id_heads = true, or use decoder "beam"'
+            "the rpg decoder needs long-ID heads",
+            "prepare the data with --long-id-digits > 0 and train with model.long_id_heads = "
+            'true, or use decoder "beam"',
         )
     if mode not in MODES:
-        raise DecodeOptionError(f"rpg mode must be one of {MODES}, got {mode!r}")
+        raise DecodeOptionError(
+            f"rpg mode must be one of {MODES}, got {mode!r}", 'pass mode="graph" or "exact"'
+        )
     if min(beam, steps, degree, seeds) < 1:
-        raise DecodeOptionError("rpg beam, steps, degree and seeds must all be >= 1")
+        raise DecodeOptionError(
+            f"rpg beam, steps, degree and seeds must all be >= 1, got {beam}, {steps}, "
+            f"{degree}, {seeds}",
+            "pass positive counts or leave them unset",
+        )
     config = RpgConfig(mode=mode, beam=beam, steps=steps, degree=degree, seeds=seeds)
     stats: dict = {}
     table = TABLES.get(model)  # built before the clock starts, like the graph: one-off costs

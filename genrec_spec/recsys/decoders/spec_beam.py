@@ -67,7 +67,6 @@ from torch import Tensor
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.recsys.decoders.beam import (
     Beams,
-    DecodeOptionError,
     beam_width_for,
     check_trie,
     extend,
@@ -76,6 +75,7 @@ from genrec_spec.recsys.decoders.beam import (
 )
 from genrec_spec.recsys.decoders.dense import check_item_objective, item_log_probs
 from genrec_spec.recsys.decoders.nezha import draft_head_of, head_beams
+from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.scoring import (
     PrefixTree,
     TrieIndex,
@@ -109,7 +109,10 @@ def resolve_draft(model, draft: str) -> str:
     """The draft "auto" stands for on this model; raises on an unknown draft or one the model
     cannot make, before any work."""
     if draft not in DRAFTS:
-        raise DecodeOptionError(f"unknown draft {draft!r}; valid drafts: {', '.join(DRAFTS)}")
+        raise DecodeOptionError(
+            f"unknown draft {draft!r}; valid drafts: {', '.join(DRAFTS)}",
+            'pass one of them, or leave draft unset ("auto")',
+        )
     if draft == "auto":
         draft = "items" if model.config.item_weight else "frontier"
     if draft == "nezha":
@@ -261,9 +264,15 @@ def decode(
     if lookahead is None:
         lookahead = 0 if draft in AFTER_HISTORY else 1
     if not isinstance(lookahead, int) or lookahead < 0:  # a bool is 0 or 1
-        raise DecodeOptionError(f"lookahead must be an integer >= 0 (levels), got {lookahead!r}")
+        raise DecodeOptionError(
+            f"lookahead must be an integer >= 0 (levels), got {lookahead!r}",
+            "pass 0, 1, ... or leave it unset",
+        )
     if draft_width is not None and draft_width < 1:
-        raise DecodeOptionError(f"draft_width must be >= 1, got {draft_width}")
+        raise DecodeOptionError(
+            f"draft_width must be >= 1, got {draft_width}",
+            "pass a positive width or leave it unset",
+        )
     check_trie(model, trie)
     batch = offsets.numel() - 1
     draft_codes = None

@@ -1,0 +1,56 @@
+"""The decoder registry is the one list: every decoder resolves, and every help text, the service
+schema and the benchmark's rows name every registered decoder."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import typing
+
+import pytest
+
+from genrec_spec.recsys.decoders.registry import (
+    DECODERS,
+    decoder_options,
+    get_decoder,
+    runs_on,
+)
+from genrec_spec.recsys.errors import RecommendInputError
+
+# Subcommand modules whose help lists the decoders.
+HELP_MODULES = (
+    "genrec_spec.recsys.evaluate",
+    "genrec_spec.cli.recommend",
+    "genrec_spec.cli.batch",
+    "genrec_spec.cli.replay",
+    "genrec_spec.bench.recsys",
+    "genrec_spec.serve.loadtest",
+)
+
+
+@pytest.mark.parametrize("module_name", HELP_MODULES)
+def test_every_help_text_names_every_decoder(module_name):
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(parser)
+    text = " ".join(parser.format_help().split())  # argparse wraps long help lines
+    missing = [name for name in DECODERS if name not in text]
+    assert not missing, f"{module_name} --help leaves out {missing}"
+
+
+def test_service_schema_reads_the_registry():
+    from genrec_spec.serve.schemas import DecoderName
+
+    assert typing.get_args(DecoderName) == tuple(DECODERS)
+
+
+def test_every_decoder_resolves_and_unknown_names_are_listed(tiny_model):
+    model, _ = tiny_model  # every head and the item objective
+    for name, info in DECODERS.items():
+        decode = get_decoder(name)
+        assert decode.__module__ == info.function.split(":")[0]
+        assert "beam_width" not in decoder_options(decode) or name in ("beam", "spec_beam", "nezha")
+        assert (runs_on(model, name) or name == "dense") and info.help
+    assert [n for n, info in DECODERS.items() if info.lossless] == ["beam", "spec_beam"]
+    with pytest.raises(RecommendInputError, match="valid decoders: beam, spec_beam, heads"):
+        get_decoder("tiger")
