@@ -61,26 +61,26 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from genrec_spec.cli.generate import (
-    CROSS_METHODS,
+from genrec_spec.cli.generate import add_tree_arguments
+from genrec_spec.core.controller import ControllerConfig, measure_pass_cost
+from genrec_spec.core.decode import generate, pack_prompts
+from genrec_spec.core.greedy_check import compare_greedy
+from genrec_spec.core.types import DecodeStats, SamplingParams
+from genrec_spec.llm.methods import (
+    CROSS,
     MODEL_FREE,
     PASS_COSTS,
-    TRAINED_METHODS,
-    add_tree_arguments,
+    TRAINED,
+    UNTRAINED,
     check_tree_options,
     controller_for,
     load_target,
     make_proposer,
 )
-from genrec_spec.cli.generate import METHODS as METHODS_OF_GENERATE
-from genrec_spec.core.controller import ControllerConfig, measure_pass_cost
-from genrec_spec.core.decode import generate, pack_prompts
-from genrec_spec.core.greedy_check import compare_greedy
-from genrec_spec.core.types import DecodeStats, SamplingParams
 
 # Ours: model-free and draft-model methods, the trained drafters (their weights come from the
 # cache: `genrec-spec train-drafter`) and cross-tokenizer drafting (the Gemma-3 target only).
-OURS, TRAINED, CROSS = METHODS_OF_GENERATE, TRAINED_METHODS, CROSS_METHODS
+OURS = UNTRAINED
 HF = ("hf", "hf-lookup")
 # On request: HF's early exit (slow here) and its generate with our trained draft model
 # (`train-drafter --kind draft`) as its assistant.

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from genrec_spec.cli.generate import make_proposer
 from genrec_spec.core.decode import generate
 from genrec_spec.core.types import SamplingParams
+from genrec_spec.llm.methods import make_proposer
 
 LLMS = ("smollm2",)
 

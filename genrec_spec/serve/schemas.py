@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
-from genrec_spec.cli.generate import METHODS
+from genrec_spec.llm.methods import UNTRAINED as METHODS
 from genrec_spec.recsys.recommend import DECODERS
 
 DecoderName = Literal[tuple(DECODERS)]

@@ -188,7 +188,7 @@ def test_bad_input(kit):
 
 
 def test_cli_refuses_mismatched_methods():
-    from genrec_spec.cli.generate import check_method
+    from genrec_spec.llm.methods import check_method
 
     check_method("gemma3", "cross")
     with pytest.raises(DecodeInputError, match="pick one of none, ngram, trie, lookahead, cross"):
@@ -203,7 +203,7 @@ def test_gemma3_target_smollm2_draft_greedy(real_tokenizers):
     drafts accepted; and Hugging Face's universal assisted generation (the benchmark's hf-uag
     options) gives the same text at batch 1. ~30 s (plus ~60 s once to convert Gemma-3)."""
     from genrec_spec.bench.llm import BenchLLMConfig, hf_assistance
-    from genrec_spec.cli.generate import cross_tokenizer_proposer
+    from genrec_spec.llm.methods import cross_tokenizer_proposer
     from genrec_spec.models.llm.gemma3 import load_gemma3
 
     model, gemma = load_gemma3()

@@ -9,7 +9,7 @@ import torch
 
 from genrec_spec import ControllerConfig, SamplingParams
 from genrec_spec.cli import train_drafter as train_cli
-from genrec_spec.cli.generate import make_proposer
+from genrec_spec.llm.methods import make_proposer
 from genrec_spec.llm.proposers import Eagle2Proposer
 from genrec_spec.llm.training.checkpoint import DrafterError
 from genrec_spec.llm.training.eagle import load_eagle, token_loss

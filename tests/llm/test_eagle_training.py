@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from genrec_spec.cli import train_drafter as train_cli
-from genrec_spec.cli.generate import make_proposer
 from genrec_spec.core.types import DecodeInputError
+from genrec_spec.llm.methods import make_proposer
 from genrec_spec.llm.proposers import Eagle2Proposer, EagleProposer
 from genrec_spec.llm.training.checkpoint import DrafterError
 from genrec_spec.llm.training.eagle import (

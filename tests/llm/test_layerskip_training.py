@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from genrec_spec.cli import train_drafter as train_cli
-from genrec_spec.cli.generate import make_proposer
+from genrec_spec.llm.methods import make_proposer
 from genrec_spec.llm.training.checkpoint import DrafterError
 from genrec_spec.llm.training.layerskip import (
     LayerSkipConfig,

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from genrec_spec.cli.generate import make_proposer
+from genrec_spec.llm.methods import make_proposer
 from genrec_spec.llm.training.checkpoint import DrafterError, load_drafter
 from genrec_spec.llm.training.medusa import IGNORE, evaluate, head_labels, load_medusa
 from genrec_spec.llm.training.selfdistill import distill, load_or_distill

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from genrec_spec import ControllerConfig, SamplingParams, generate
-from genrec_spec.cli.generate import make_proposer
+from genrec_spec.llm.methods import make_proposer
 from genrec_spec.llm.proposers import MTPProposer, MTPTreeProposer
 from genrec_spec.llm.proposers.mtp import CHAIN_DEPTH
 from genrec_spec.llm.training.checkpoint import DrafterError
