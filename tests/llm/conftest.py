@@ -151,15 +151,22 @@ def assert_greedy(
     return out
 
 
-def train_cli_settings(argv: list[str]) -> tuple[object, str]:
-    """``train-drafter``'s config for the arguments ``argv`` and the command line it records."""
+def train_job(argv: list[str]) -> object:
+    """``train-drafter``'s settings (a ``DrafterJob``) for the arguments ``argv``."""
     from genrec_spec.cli import train_drafter as train_cli
 
     parser = argparse.ArgumentParser()
     train_cli.add_arguments(parser)
-    args = parser.parse_args(argv)
-    config = train_cli.drafter_config(args)
-    return config, train_cli.command_line(args, config)
+    return train_cli.job_of(parser.parse_args(argv))
+
+
+def train_cli_settings(argv: list[str]) -> tuple[object, str]:
+    """``train-drafter``'s config for the arguments ``argv`` and the command line it records."""
+    from genrec_spec.llm.training.pipeline import command_line, drafter_config
+
+    job = train_job(argv)
+    config = drafter_config(job)
+    return config, command_line(job, config)
 
 
 @contextmanager
@@ -195,6 +202,7 @@ def kit() -> SimpleNamespace:
         assert_exact=assert_exact,
         assert_greedy=assert_greedy,
         train_cli=train_cli_settings,
+        train_job=train_job,
         EXACT_VOCAB=EXACT_VOCAB,
         EXACT_LENGTH=EXACT_LENGTH,
     )

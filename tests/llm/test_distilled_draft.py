@@ -5,7 +5,6 @@ transformers model; decoding with it (`generate --method distilled`) is lossless
 plain greedy at batch 3 with uneven prompts, rejection sampling reproduces the target's exact
 distribution; clear errors for a missing folder or another target."""
 
-import argparse
 import json
 from types import SimpleNamespace
 
@@ -13,7 +12,6 @@ import pytest
 import torch
 
 from genrec_spec import ControllerConfig, SamplingParams, generate
-from genrec_spec.cli import train_drafter as train_cli
 from genrec_spec.llm.methods import make_proposer
 from genrec_spec.llm.proposers import DraftModelProposer
 from genrec_spec.llm.training.checkpoint import DrafterError
@@ -141,14 +139,11 @@ def test_missing_draft_and_other_target(trained_draft, kit, tmp_path):
         load_distilled(trained_draft.folder, other)
 
 
-def test_train_cli_settings():
+def test_train_cli_settings(kit):
     """--kind draft and --kind distilled train the same draft; flags override the defaults and
     the recorded command spells every setting out."""
-    parser = argparse.ArgumentParser()
-    train_cli.add_arguments(parser)
-    args = parser.parse_args(["--kind", "distilled", "--init-layers", "0,5", "--batch-rows", "2"])
-    config = train_cli.drafter_config(args)
+    argv = ["--kind", "distilled", "--init-layers", "0,5", "--batch-rows", "2"]
+    config, command = kit.train_cli(argv)
     assert config == DistillConfig(layers=(0, 5), batch_rows=2)
-    command = train_cli.command_line(args, config)
     assert "--kind distilled" in command and "--batch-rows 2 --init-layers 0,5" in command
-    assert train_cli.drafter_config(parser.parse_args(["--kind", "draft"])) == DistillConfig()
+    assert kit.train_cli(["--kind", "draft"])[0] == DistillConfig()

@@ -2,13 +2,10 @@
 step equals the drafter fed its own previous feature, as when drafting), training that lowers
 every step's loss, lossless decoding (greedy equality, exact distribution) and the CLI."""
 
-import argparse
-
 import pytest
 import torch
 
 from genrec_spec import ControllerConfig, SamplingParams
-from genrec_spec.cli import train_drafter as train_cli
 from genrec_spec.llm.methods import make_proposer
 from genrec_spec.llm.proposers import Eagle2Proposer
 from genrec_spec.llm.training.checkpoint import DrafterError
@@ -170,11 +167,8 @@ def test_missing_or_other_drafter(trained_eagle, tmp_path):
         make_proposer("eagle3", model, drafter=trained_eagle.folder)
 
 
-def test_train_cli_settings():
-    parser = argparse.ArgumentParser()
-    train_cli.add_arguments(parser)
-    args = parser.parse_args(["--kind", "eagle3", "--steps", "7", "--unroll", "2"])
-    config = train_cli.drafter_config(args)
+def test_train_cli_settings(kit):
+    config, command = kit.train_cli(["--kind", "eagle3", "--steps", "7", "--unroll", "2"])
     assert config == Eagle3Config(steps=7, unroll=2)
-    assert "--kind eagle3" in train_cli.command_line(args, config)
-    assert "--batch-rows 8 --unroll 2 --draft-vocab 8192" in train_cli.command_line(args, config)
+    assert "--kind eagle3" in command
+    assert "--batch-rows 8 --unroll 2 --draft-vocab 8192" in command

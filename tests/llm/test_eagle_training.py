@@ -2,13 +2,11 @@
 positions, the draft vocabulary, training that lowers the loss, the checkpoint round trip, and
 clear errors for a missing drafter folder (for eagle and eagle2, which share the drafter)."""
 
-import argparse
 import json
 
 import pytest
 import torch
 
-from genrec_spec.cli import train_drafter as train_cli
 from genrec_spec.core.types import DecodeInputError
 from genrec_spec.llm.methods import make_proposer
 from genrec_spec.llm.proposers import Eagle2Proposer, EagleProposer
@@ -21,6 +19,7 @@ from genrec_spec.llm.training.eagle import (
     load_eagle,
 )
 from genrec_spec.llm.training.medusa import MedusaConfig
+from genrec_spec.llm.training.pipeline import prompts_of
 from genrec_spec.llm.training.selfdistill import load_or_prefill
 from genrec_spec.models.llm.eagle_drafter import EagleDrafter
 
@@ -143,25 +142,19 @@ def test_drafter_of_another_kind(trained, trained_eagle):
         make_proposer("medusa", trained_eagle.model, drafter=trained_eagle.folder)
 
 
-def test_train_cli_settings():
+def test_train_cli_settings(kit):
     """--kind picks the config (eagle2 trains the eagle drafter), flags override defaults, and
     the recorded command spells every setting out."""
-    parser = argparse.ArgumentParser()
-    train_cli.add_arguments(parser)
-    args = parser.parse_args(["--kind", "eagle2", "--steps", "7", "--draft-vocab", "0"])
-    config = train_cli.drafter_config(args)
+    config, command = kit.train_cli(["--kind", "eagle2", "--steps", "7", "--draft-vocab", "0"])
     assert config == EagleConfig(steps=7, draft_vocab=0)
-    command = train_cli.command_line(args, config)
     assert "--kind eagle2" in command and "--steps 7 --lr 0.001" in command
     assert "--batch-rows 8 --draft-vocab 0" in command
     assert "--prompts humaneval:123,pystdlib:600 " in command  # EAGLE's default corpora
-    medusa = train_cli.drafter_config(parser.parse_args(["--kind", "medusa"]))
-    assert medusa == MedusaConfig()
+    assert kit.train_cli(["--kind", "medusa"])[0] == MedusaConfig()
     # EAGLE-3 shares EAGLE's corpora, the other kinds default to HumanEval alone; --prompts
     # overrides any default
-    eagle3 = parser.parse_args(["--kind", "eagle3"])
-    assert train_cli.prompts_of(eagle3) == "humaneval:123,pystdlib:600"
+    assert prompts_of(kit.train_job(["--kind", "eagle3"])) == "humaneval:123,pystdlib:600"
     for kind in ("medusa", "mtp", "draft", "distilled", "layerskip"):
-        assert train_cli.prompts_of(parser.parse_args(["--kind", kind])) == "humaneval:123"
-    given = parser.parse_args(["--kind", "eagle", "--prompts", "pystdlib:5"])
-    assert train_cli.prompts_of(given) == "pystdlib:5"
+        assert prompts_of(kit.train_job(["--kind", kind])) == "humaneval:123"
+    given = kit.train_job(["--kind", "eagle", "--prompts", "pystdlib:5"])
+    assert prompts_of(given) == "pystdlib:5"

@@ -2,13 +2,11 @@
 beats plain early exit on held-out rows, the checkpoint round trip and the manifest, the chain
 statistics, and a clear error when no head was trained."""
 
-import argparse
 import json
 
 import pytest
 import torch
 
-from genrec_spec.cli import train_drafter as train_cli
 from genrec_spec.llm.methods import make_proposer
 from genrec_spec.llm.training.checkpoint import DrafterError
 from genrec_spec.llm.training.layerskip import (
@@ -77,14 +75,10 @@ def test_missing_drafter_names_the_command(trained_layerskip, tmp_path):
     assert command in str(err.value)
 
 
-def test_train_cli_settings():
+def test_train_cli_settings(kit):
     """--kind layerskip picks its config, --layers sets n, and the recorded command spells every
     setting out."""
-    parser = argparse.ArgumentParser()
-    train_cli.add_arguments(parser)
-    args = parser.parse_args(["--kind", "layerskip", "--layers", "8", "--steps", "9"])
-    config = train_cli.drafter_config(args)
+    config, command = kit.train_cli(["--kind", "layerskip", "--layers", "8", "--steps", "9"])
     assert config == LayerSkipConfig(n_layers=8, steps=9)
-    command = train_cli.command_line(args, config)
     assert "--kind layerskip" in command and "--steps 9 --lr 0.002" in command
     assert "--layers 8 --batch-positions 256 --draft-vocab 8192" in command
