@@ -1,60 +1,31 @@
-"""Recommendation decoding benchmark: ``genrec-spec bench recsys --ckpt CKPT``.
+"""Recommendation decoding benchmark (``genrec-spec bench recsys``; its help explains the table).
 
-In one process and one run, on the same users of the held-out split and the same checkpoint,
-it times every decoder (``beam``, ``spec_beam`` with its default draft, ``spec-frontier`` and
-``spec-nezha`` with its frontier and NEZHA-head drafts, ``heads``, ``rpg`` over its item graph,
-``rpg-exact`` scoring every item, ``nezha``, and ``dense`` where the checkpoint has the item
-objective) with the same K and the same beam width (given to every decoder that has one: beam,
-spec_beam, nezha; by default beam's own, max(K, 20)).
+    rows, floors = benchmark(model, histories, BenchRecsysConfig(...))
+    text, report = bench_checkpoint(ckpt, data_dir, BenchRecsysConfig(...))
 
-Columns:
-  p50 / p99      latency per request at batch 1 (one user per call), milliseconds
-  cpu p50        the same requests' median CPU time (this thread's), which a loaded shared
-                 machine inflates less than wall time
-  speedup        beam's p50 / this decoder's p50
-  passes         sequential backbone passes per request (beam: one per code level)
-  nodes          tree nodes scored per request (beam's prefixes, spec_beam's drafts)
-  hit            spec_beam's draft hit rate: needed prefixes found in its drafts
-  users/s @B     throughput at batch B (median over repeats) and its speedup over beam's
-  same           fraction of users whose top-K equals beam's (items and order); spec_beam
-                 must be 1.00
-  overlap        mean |top-K ∩ beam's top-K| / K
-
-Below the table, two floors timed in the same batch-1 rotation (work, not decoders), each with
-the most any decoder of its kind could gain over beam on this machine (beam's p50 / its p50):
-  history pass   `encode_history` alone, the first step of every decoder: no decoder that
-                 reads the user's history can be faster
-  exact floor    the history and every prefix whose scores beam's selection reads (its beams
-                 of lengths 1..L-1 with a choice of next code), with their ancestors, in ONE
-                 fused pass: an exact decoder must have those scores, so even a free, perfect
-                 draft and free selection cannot beat this
-
-Timing: at batch 1 the decoders (and the floors) take turns user by user, the order rotating
-every user; at batch B they take turns batch by batch. Drift of this shared machine then hits
-every decoder alike. ``--history-cache`` times returning users instead: every decoder reads
-histories through a history cache (`recsys.history_cache`, what ``serve`` keeps) holding each
-user's history without its newest item, so a request encodes that item only (histories past the
-model's context slide and are encoded whole). Each decoder first runs once untimed (warm-up; the
-rpg item graph is built there and its build time is reported apart).
-``torch.set_num_threads(1)`` by default: one thread is fastest for one small model on 2 cores.
-Example (the README's table):
-
-    genrec-spec bench recsys --ckpt CKPT --users 200 --k 10 --beam-width 20
+In one process and one run, on the same users of a held-out split, every benchmark row (each
+registered decoder, and variants of some with fixed options: `VARIANTS`) is timed with the same
+K and beam width: batch-1 latency (p50, p99, CPU time), throughput at each batch size, and its
+lists against beam's. Two floors, work rather than decoders, are timed in the same batch-1
+rotation: the history pass alone, and the history with every prefix beam's selection reads in
+one fused pass (no exact decoder can beat it). The decoders take turns user by user (batch by
+batch for throughput), the order rotating, so drift of a shared machine hits each alike; with
+`history_cache` every row reads histories through a history cache holding each user's history
+without its newest item (returning users). Each row first runs once untimed (warm-up).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from genrec_spec.errors import GenrecError
 from genrec_spec.recsys.checkpoint import load_model_and_data
 from genrec_spec.recsys.data import sample_users
 from genrec_spec.recsys.decoders.beam import beam_width_for, item_trie, search
@@ -83,6 +54,10 @@ def decoders_of(model) -> tuple[str, ...]:
     return tuple(n for n in ROWS if n != "dense" or model.config.item_weight)
 
 
+class BenchInputError(GenrecError):
+    """Benchmark settings that cannot run (an unknown row, counts below 1, a width below k)."""
+
+
 @dataclass(frozen=True)
 class BenchRecsysConfig:
     """Defaults of ``genrec-spec bench recsys``."""
@@ -105,6 +80,23 @@ class BenchRecsysConfig:
     quick_users: int = 4
     quick_batch_sizes: tuple[int, ...] = (3,)
     quick_repeats: int = 1
+
+    def __post_init__(self) -> None:
+        unknown = [n for n in self.decoders or () if n not in ROWS]
+        if unknown:
+            raise BenchInputError(f"unknown decoders {unknown}", f"choose from {','.join(ROWS)}")
+        counts = (self.k, self.users, self.batches, self.repeats, self.threads)
+        if not self.batch_sizes or min(counts + self.batch_sizes) < 1:
+            raise BenchInputError(
+                f"--k {self.k}, --users {self.users}, --batches {self.batches}, --repeats "
+                f"{self.repeats}, --threads {self.threads}, --batch-sizes {self.batch_sizes}",
+                "give each a value >= 1",
+            )
+        if self.beam_width is not None and self.beam_width < self.k:
+            raise BenchInputError(
+                f"--beam-width {self.beam_width} is below --k {self.k}",
+                f"pass --beam-width >= {self.k} or leave it unset",
+            )
 
 
 @dataclass(frozen=True)
@@ -323,117 +315,46 @@ def format_floors(floors: Floors, beam_p50_ms: float) -> str:
     )
 
 
-# --- command line ------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    c = BenchRecsysConfig()
-    parser.add_argument("--ckpt", required=True, type=Path, help="checkpoint folder (train)")
-    parser.add_argument("--data", type=Path, help="prepared data (default: the trained-on one)")
-    parser.add_argument("--split", default=c.split, choices=["valid", "test"])
-    parser.add_argument(
-        "--decoders",
-        help=f"comma-separated, of {','.join(ROWS)} (beam always runs; default: every one "
-        "the checkpoint can run, dense only with the item objective)",
-    )
-    parser.add_argument("--k", type=int, default=c.k, help="recommendations per user")
-    parser.add_argument(
-        "--beam-width", type=int, default=c.beam_width, help="W >= k (default max(k, 20))"
-    )
-    parser.add_argument("--users", type=int, help=f"batch-1 users (default {c.users})")
-    parser.add_argument("--batch-sizes", help="comma-separated (default 64,256)")
-    parser.add_argument("--batches", type=int, default=c.batches, help="batches per size")
-    parser.add_argument("--repeats", type=int, help=f"throughput repeats (default {c.repeats})")
-    parser.add_argument("--threads", type=int, default=c.threads, help="torch CPU threads")
-    parser.add_argument("--seed", type=int, default=c.seed, help="draws the users")
-    parser.add_argument(
-        "--history-cache",
-        action="store_true",
-        help="time returning users: histories cached without their newest item",
-    )
-    parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"smoke test: {c.quick_users} users, batch {c.quick_batch_sizes}, one repeat",
-    )
-
-
-def settings_from(args: argparse.Namespace) -> BenchRecsysConfig:
-    c = BenchRecsysConfig()
-
-    def pick(value, quick, default):
-        return value if value is not None else quick if args.quick else default
-
-    names = tuple(dict.fromkeys(x.strip() for x in (args.decoders or "").split(",") if x.strip()))
-    unknown = [n for n in names if n not in ROWS]
-    if unknown:
-        raise ValueError(f"unknown decoders {unknown}; choose from {','.join(ROWS)}")
-    try:
-        sizes = tuple(int(x) for x in args.batch_sizes.split(",")) if args.batch_sizes else None
-    except ValueError:
-        raise ValueError(f"--batch-sizes {args.batch_sizes!r}: give integers like 64,256") from None
-    settings = replace(
-        c,
-        decoders=names or None,
-        split=args.split,
-        k=args.k,
-        beam_width=args.beam_width,
-        users=pick(args.users, c.quick_users, c.users),
-        batch_sizes=pick(sizes, c.quick_batch_sizes, c.batch_sizes),
-        batches=args.batches,
-        repeats=pick(args.repeats, c.quick_repeats, c.repeats),
-        threads=args.threads,
-        seed=args.seed,
-        history_cache=args.history_cache,
-    )
-    counts = (settings.k, settings.users, settings.batches, settings.repeats, settings.threads)
-    if not settings.batch_sizes or min(counts + settings.batch_sizes) < 1:
-        raise ValueError("--k, --users, --batches, --repeats, --threads, --batch-sizes: >= 1")
-    if settings.beam_width is not None and settings.beam_width < settings.k:
-        raise ValueError(f"--beam-width {settings.beam_width} must be >= --k {settings.k}")
-    return settings
-
-
-def run(args: argparse.Namespace) -> int:
-    settings = settings_from(args)
+def bench_checkpoint(
+    ckpt: Path | str,
+    data_dir: Path | str | None,
+    settings: BenchRecsysConfig,
+    log: Callable[[str], None] = lambda line: None,
+) -> tuple[str, dict]:  # (the printed report, the JSON report)
+    """`benchmark` on a checkpoint's split: the users drawn, the machine's load around the run,
+    and the report as text (a header, the table, the floors) and as JSON."""
     torch.set_num_threads(settings.threads)
-    model, data = load_model_and_data(args.ckpt, args.data)
+    model, data = load_model_and_data(ckpt, data_dir)
     split = getattr(data, settings.split)
     needed = max(settings.users, max(settings.batch_sizes) * settings.batches)
     histories = split.select(sample_users(len(split), needed, settings.seed))
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
-    rows, floors = benchmark(
-        model, histories, settings, log=lambda line: print(line, file=sys.stderr, flush=True)
-    )
+    rows, floors = benchmark(model, histories, settings, log)
     load_after = os.getloadavg()[0]
     width = beam_width_for(settings.k, settings.beam_width, model.num_items)
-    print(
+    lines = [
         f"{data.manifest.get('name', data.path)} {settings.split} split, {model.num_items} "
         f"items, K={settings.k}, beam width {width}, cpu, {settings.threads} "
         f"thread(s): batch 1 over {min(settings.users, len(histories))} users, throughput "
         f"{settings.batches} batch(es) per size, median of {settings.repeats}; "
         f"{time.perf_counter() - started:.0f} s, load average {load_before:.2f} -> "
         f"{load_after:.2f}"
-    )
+    ]
     if settings.history_cache:
         lengths = histories.offsets.diff()[: settings.users]
         slid = int((lengths > model.config.max_len).sum())
-        print(
+        lines.append(
             f"returning users through a history cache: {len(lengths) - slid} histories extended "
             f"by their newest item, {slid} longer than the context ({model.config.max_len}) "
             "encoded whole"
         )
-    print(format_table(rows, settings.batch_sizes))
-    print(format_floors(floors, rows[0].p50_ms))
-    if args.json:
-        report = {
-            "ckpt": str(args.ckpt),
-            "settings": asdict(settings),
-            "load_average": [load_before, load_after],
-            "rows": [asdict(r) for r in rows],
-            "floors": asdict(floors),
-        }
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
-    return 0
+    lines += [format_table(rows, settings.batch_sizes), format_floors(floors, rows[0].p50_ms)]
+    report = {
+        "ckpt": str(ckpt),
+        "settings": asdict(settings),
+        "load_average": [load_before, load_after],
+        "rows": [asdict(r) for r in rows],
+        "floors": asdict(floors),
+    }
+    return "\n".join(lines), report

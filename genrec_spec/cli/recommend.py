@@ -19,83 +19,8 @@ import argparse
 import json
 from pathlib import Path
 
-import pandas as pd
-import torch
-
-from genrec_spec.recsys.checkpoint import load_model_and_data
-from genrec_spec.recsys.decoders.registry import decoder_names, parse_option
-from genrec_spec.recsys.recommend import recommend
-
-
-def user_history(data, user_id: str) -> list[int]:
-    """Every known interaction of a user (test history + test target), as item indices."""
-    test = data.test
-    try:
-        row = test.user_ids.index(user_id)
-    except ValueError:
-        examples = ", ".join(test.user_ids[:5])
-        raise ValueError(
-            f"unknown user id {user_id!r}: the data has {len(test)} users (e.g. {examples}); "
-            "pass --history ID,ID,... for a user it does not know"
-        ) from None
-    history = test.values[test.offsets[row] : test.offsets[row + 1]].tolist()
-    return history + [int(test.targets[row])]
-
-
-def item_indices(data, item_ids: list[str]) -> list[int]:
-    """Raw item ids -> item indices; every unknown id is named in the error."""
-    index = {item: i for i, item in enumerate(data.item_ids)}
-    unknown = [item for item in item_ids if item not in index]
-    if unknown:
-        examples = ", ".join(data.item_ids[:5])
-        raise ValueError(
-            f"{len(unknown)} unknown item id(s) in --history: {', '.join(unknown[:10])}; the "
-            f"catalogue has {len(data.item_ids)} items (ids like {examples})"
-        )
-    return [index[item] for item in item_ids]
-
-
-def item_texts(data) -> list[str] | None:
-    """The items' text (e.g. title and genres) from items.parquet, if it has a text column."""
-    items = pd.read_parquet(data.path / "items.parquet")
-    if "text" not in items:
-        return None
-    return items.sort_values("item_index")["text"].astype(str).tolist()
-
-
-def recommend_one(
-    model,
-    data,
-    history: list[int],
-    k: int,
-    decoder: str,
-    options: dict,
-    exclude_seen: bool = False,
-) -> dict:
-    """The JSON-able answer for one history of item indices."""
-    exclude = [history] if exclude_seen else None  # repeats count once (an item mask)
-    out = recommend(model, [history], k=k, decoder=decoder, exclude=exclude, **options)
-    texts = item_texts(data)
-    items = []
-    ranked = zip(out.items[0].tolist(), out.scores[0].tolist(), strict=True)
-    for rank, (item, score) in enumerate(ranked, 1):
-        if item < 0:  # fewer than k items reachable
-            continue
-        entry = {"rank": rank, "item_id": data.item_ids[item], "score": score}
-        if texts is not None:
-            entry["text"] = texts[item]
-        items.append(entry)
-    return {
-        "decoder": decoder,
-        "k": k,
-        "history_length": len(history),
-        "history_used": min(len(history), model.config.max_len),
-        "truncated": bool(out.stats.get("truncated_histories", 0)),
-        "cold_start": not history,
-        "exclude_seen": exclude_seen,
-        "items": items,
-        "stats": out.stats,
-    }
+from genrec_spec.cli.evaluate import option_argument
+from genrec_spec.recsys.decoders.registry import decoder_names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decoder", default="beam", help=f"one of {decoder_names()}")
     parser.add_argument(
         "--option",
-        type=parse_option,
+        type=option_argument,
         action="append",
         default=[],
         metavar="NAME=VALUE",
@@ -122,19 +47,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    torch.set_num_threads(args.threads)
-    model, data = load_model_and_data(args.ckpt, args.data)
-    if args.user is not None:
-        history = user_history(data, args.user)
-    else:
-        history = item_indices(data, [x.strip() for x in args.history.split(",") if x.strip()])
-    answer = recommend_one(
-        model, data, history, args.k, args.decoder, dict(args.option), args.exclude_seen
+    from genrec_spec.recsys.recommend_user import recommend_for
+
+    history = None
+    if args.history is not None:
+        history = [x.strip() for x in args.history.split(",") if x.strip()]
+    answer = recommend_for(
+        args.ckpt,
+        args.data,
+        user_id=args.user,
+        history_ids=history,
+        k=args.k,
+        decoder=args.decoder,
+        options=dict(args.option),
+        exclude_seen=args.exclude_seen,
+        threads=args.threads,
     )
-    if args.user is not None:
-        answer = {"user_id": args.user} | answer
     if args.json:
         print(json.dumps(answer, indent=1))
         return 0

@@ -1,33 +1,31 @@
-"""Ranking quality of recommendation decoders on a held-out split: ``genrec-spec evaluate``.
+"""Ranking quality of recommendation decoders on a held-out split (``genrec-spec evaluate``).
 
-    genrec-spec evaluate --ckpt CKPT --split test --decoder beam,heads,rpg,nezha --k 10,50,200
+    evaluate(model, histories, decode, ks=(10, 50, 200)) -> metrics
+    evaluate_checkpoint(ckpt, data_dir, EvaluateConfig(...), options) -> (header, report)
 
 Protocol (time-ordered leave-one-out, ranked against the full catalogue): every user of the
-split (or a fixed random subset, ``--users N``) gets a top-max(K) list from the decoder, which
-chooses among all catalogue items; the user's held-out next item is looked up in that list and
-HR@K, NDCG@K and MRR (over the whole list) are averaged over users (`recsys.metrics`). All
-decoders of one run see the same users. The table also gives each decoder's wall time per
-user, its sequential backbone passes per batch, and the count of invalid or repeated items in its
-lists (always 0 for a correct decoder).
+split (or a fixed random subset, `EvaluateConfig.users`) gets a top-max(K) list from the
+decoder, which chooses among all catalogue items; the user's held-out next item is looked up in
+that list and HR@K, NDCG@K and MRR (over the whole list) are averaged over users
+(`recsys.metrics`). All decoders of one run see the same users. The report also gives each
+decoder's wall time per user, its sequential backbone passes per batch, and the count of invalid
+or repeated items in its lists (always 0 for a correct decoder).
 
-``--exclude-history`` leaves each user's history items out of the ranking: the items the model
-reads (its most recent ``max_len``), dropped from a longer list (`recommend.decode_excluding`).
-That is the protocol of the HSTU repository whose ML-1M table the README compares against (its
-evaluation filters the ids of the model's input sequence, `filter_invalid_ids`, by default, "as
-in SASRec"); a MovieLens user rates a movie once, so the held-out item is never among them.
+`exclude_history` leaves each user's history items out of the ranking: the items the model
+reads (its most recent ``max_len``), dropped from a longer list (`recommend.decode_excluding`),
+the HSTU repository's protocol (it filters the ids of the model's input sequence,
+`filter_invalid_ids`, "as in SASRec"); a MovieLens user rates a movie once, so the held-out item
+is never among them.
 
-Decoder options go through ``--option NAME=VALUE`` (repeatable), given to every listed decoder
-that takes an option of that name, e.g. ``--option beam_width=50 --option mode=exact``.
+Decoder options are given to every listed decoder that takes an option of that name.
 
 Shape letters: U users evaluated, B users of a batch, K list length.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,13 +35,8 @@ from torch import Tensor
 from genrec_spec.recsys.checkpoint import load_model_and_data
 from genrec_spec.recsys.data import sample_users
 from genrec_spec.recsys.decoders.beam import item_trie
-from genrec_spec.recsys.decoders.registry import (
-    check_options,
-    decoder_names,
-    get_decoder,
-    options_for,
-    parse_option,
-)
+from genrec_spec.recsys.decoders.registry import check_options, get_decoder, options_for
+from genrec_spec.recsys.errors import RecommendInputError
 from genrec_spec.recsys.metrics import DEFAULT_KS, ranking_metrics, ranks_from_topk
 from genrec_spec.recsys.recommend import decode_excluding
 
@@ -78,9 +71,14 @@ def evaluate(
     hr@K / ndcg@K for every K, mrr, plus users, wall_s_per_user, target_passes_per_batch and
     invalid_items (items outside the catalogue or repeated within a list)."""
     if histories.targets is None:
-        raise ValueError("the split has no held-out targets; evaluate the valid or test split")
+        raise RecommendInputError(
+            "the split has no held-out targets", "evaluate the valid or test split"
+        )
     if len(histories) == 0 or batch_size < 1:
-        raise ValueError("evaluate needs at least one user and a batch size >= 1")
+        raise RecommendInputError(
+            f"evaluate got {len(histories)} users and batch size {batch_size}",
+            "pass at least one user and a batch size >= 1",
+        )
     if trie is None:
         trie = item_trie(model)
     k = max(ks)
@@ -139,67 +137,25 @@ def format_table(results: dict[str, dict], ks: tuple[int, ...]) -> str:
     return "\n".join(lines)
 
 
-# --- command line ------------------------------------------------------------------------------
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of integers"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give one or more cut-offs >= 1")
-    return values
-
-
-def _name_list(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    c = EvaluateConfig()
-    parser.add_argument("--ckpt", required=True, type=Path, help="checkpoint folder (train)")
-    parser.add_argument("--data", type=Path, help="prepared data (default: the trained-on one)")
-    parser.add_argument("--split", default=c.split, choices=["valid", "test"])
-    parser.add_argument(
-        "--decoder",
-        type=_name_list,
-        default=c.decoders,
-        help=f"decoder name(s), comma-separated: {decoder_names()}",
-    )
-    parser.add_argument("--k", type=_int_list, default=c.ks, help="cut-offs, e.g. 10,50,200")
-    parser.add_argument("--users", type=int, default=c.users, help="random subset; 0 = all")
-    parser.add_argument("--batch-size", type=int, default=c.batch_size)
-    parser.add_argument("--seed", type=int, default=c.seed, help="draws the --users subset")
-    parser.add_argument("--threads", type=int, default=c.threads, help="torch CPU threads")
-    parser.add_argument(
-        "--option",
-        type=parse_option,
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="decoder option, given to every listed decoder that takes it (repeatable)",
-    )
-    parser.add_argument(
-        "--exclude-history",
-        action="store_true",
-        help="leave the history items the model reads out of each list (the HSTU protocol)",
-    )
-    parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    torch.set_num_threads(args.threads)
-    decoders = {name: get_decoder(name) for name in args.decoder}
-    options = dict(args.option)
+def evaluate_checkpoint(
+    ckpt: Path | str,
+    data_dir: Path | str | None,
+    config: EvaluateConfig,
+    options: dict,  # decoder options, each given to the decoders that take it
+    log: Callable[[str], None] = lambda line: None,
+) -> tuple[str, dict]:  # (a header line naming what was evaluated, the report)
+    """Every decoder of `config` on the same users of a checkpoint's split: the report holds
+    ckpt, split, users, options, exclude_history and results (decoder -> `evaluate`'s metrics)."""
+    if config.threads < 1:
+        raise RecommendInputError(
+            f"--threads must be >= 1, got {config.threads}", "pass --threads 1 or more"
+        )
+    torch.set_num_threads(config.threads)
+    decoders = {name: get_decoder(name) for name in config.decoders}
     check_options(decoders, options)
-    model, data = load_model_and_data(args.ckpt, args.data)
-    split = getattr(data, args.split)
-    histories = split.select(sample_users(len(split), args.users, args.seed))
+    model, data = load_model_and_data(ckpt, data_dir)
+    split = getattr(data, config.split)
+    histories = split.select(sample_users(len(split), config.users, config.seed))
     results = {}
     for name, decode in decoders.items():
         start = time.perf_counter()
@@ -207,28 +163,24 @@ def run(args: argparse.Namespace) -> int:
             model,
             histories,
             decode,
-            ks=args.k,
-            batch_size=args.batch_size,
-            exclude_history=args.exclude_history,
+            ks=config.ks,
+            batch_size=config.batch_size,
+            exclude_history=config.exclude_history,
             **options_for(decode, options),
         )
-        seconds = time.perf_counter() - start
-        print(f"{name}: {len(histories)} users in {seconds:.0f} s", file=sys.stderr, flush=True)
-    print(
-        f"{data.manifest.get('name', data.path)} {args.split} split, {len(histories)} users, "
-        f"full catalogue ({model.num_items} items), lists of {max(args.k)}"
-        + (", history items excluded" if args.exclude_history else "")
+        log(f"{name}: {len(histories)} users in {time.perf_counter() - start:.0f} s")
+    header = (
+        f"{data.manifest.get('name', data.path)} {config.split} split, {len(histories)} users, "
+        f"full catalogue ({model.num_items} items), lists of {max(config.ks)}"
+        + (", history items excluded" if config.exclude_history else "")
         + (f", options {options}" if options else "")
     )
-    print(format_table(results, args.k))
-    if args.json:
-        report = {
-            "ckpt": str(args.ckpt),
-            "split": args.split,
-            "users": len(histories),
-            "options": options,
-            "exclude_history": args.exclude_history,
-            "results": results,
-        }
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
-    return 0
+    report = {
+        "ckpt": str(ckpt),
+        "split": config.split,
+        "users": len(histories),
+        "options": options,
+        "exclude_history": config.exclude_history,
+        "results": results,
+    }
+    return header, report

@@ -1,4 +1,4 @@
-"""The training loop of `genrec-spec train` (see `train.py` for the command and its config).
+"""The training loop of `genrec-spec train` (its config: `train_config.py`).
 
 One step: a global batch of users (the same on every process) -> each process takes its share
 -> training windows -> one tree per user (`rec_layout.train_layout`) -> `forward_train` losses
@@ -36,7 +36,7 @@ from genrec_spec.recsys.data import (
 from genrec_spec.recsys.decoders import nezha
 from genrec_spec.recsys.decoders.beam import beam_width_for, item_trie
 from genrec_spec.recsys.metrics import per_user_metrics, ranks_from_topk
-from genrec_spec.recsys.train import TrainConfig
+from genrec_spec.recsys.train_config import TrainConfig
 
 EVAL_K = 10
 

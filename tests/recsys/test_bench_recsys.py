@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from genrec_spec.bench import recsys as bench_recsys
+from genrec_spec.cli import bench_recsys as bench_cli
 from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 from genrec_spec.recsys.checkpoint import save_checkpoint
 from genrec_spec.recsys.decoders import beam
@@ -19,7 +20,7 @@ from genrec_spec.recsys.scoring import TrieIndex
 
 def _args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    bench_recsys.add_arguments(parser)
+    bench_cli.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -30,7 +31,7 @@ def test_bench_recsys_quick(tiny_model, tmp_path, capsys):
     )
     out = tmp_path / "bench.json"
     argv = ["--ckpt", str(tmp_path / "ckpt"), "--quick", "--k", "3", "--beam-width", "4"]
-    assert bench_recsys.run(_args(argv + ["--json", str(out)])) == 0
+    assert bench_cli.run(_args(argv + ["--json", str(out)])) == 0
     table = capsys.readouterr().out
     report = json.loads(out.read_text())
     rows = {row["decoder"]: row for row in report["rows"]}
@@ -97,7 +98,7 @@ def test_bench_recsys_default_beam_width_is_beams(tiny_model, tmp_path, capsys):
         tmp_path / "ckpt", model, {"data": {"path": str(data.path), "data_hash": data.data_hash}}
     )
     argv = ["--ckpt", str(tmp_path / "ckpt"), "--quick", "--k", "25", "--decoders", "beam,nezha"]
-    assert bench_recsys.run(_args(argv)) == 0
+    assert bench_cli.run(_args(argv)) == 0
     assert "K=25, beam width 25," in capsys.readouterr().out
 
 
@@ -105,7 +106,7 @@ def test_bench_recsys_bad_settings(tmp_path):
     base = ["--ckpt", str(tmp_path)]
     for bad in (["--decoders", "beam,fast"], ["--k", "5", "--beam-width", "4"], ["--users", "0"]):
         with pytest.raises(ValueError):
-            bench_recsys.settings_from(_args(base + bad))
+            bench_cli.settings_from(_args(base + bad))
 
 
 def test_bench_recsys_returning_users(tiny_model, tmp_path, capsys):
@@ -118,7 +119,7 @@ def test_bench_recsys_returning_users(tiny_model, tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = ["--ckpt", str(tmp_path / "ckpt"), "--quick", "--k", "3", "--history-cache"]
     argv += ["--decoders", "beam,spec_beam,heads", "--json", str(out)]
-    assert bench_recsys.run(_args(argv)) == 0
+    assert bench_cli.run(_args(argv)) == 0
     text = capsys.readouterr().out
     assert "returning users through a history cache:" in text and "extended by their newest" in text
     rows = {row["decoder"]: row for row in json.loads(out.read_text())["rows"]}

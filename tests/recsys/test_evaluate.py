@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from genrec_spec.cli import evaluate as evaluate_cli
 from genrec_spec.cli import recommend as recommend_cli
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.recsys import evaluate as ev
@@ -18,6 +19,7 @@ from genrec_spec.recsys.data import sample_users
 from genrec_spec.recsys.decoders import heads, nezha
 from genrec_spec.recsys.decoders.registry import parse_option
 from genrec_spec.recsys.errors import DecodeOptionError
+from genrec_spec.recsys.recommend_user import user_history
 
 
 @pytest.fixture
@@ -110,6 +112,8 @@ def test_parse_option():
     assert parse_option(" draft = none ") == ("draft", "none")  # a string, not None
     with pytest.raises(DecodeOptionError, match="NAME=VALUE"):
         parse_option("beam_width")
+    with pytest.raises(argparse.ArgumentTypeError, match="NAME=VALUE"):  # --option's parse
+        evaluate_cli.option_argument("beam_width")
 
 
 def test_evaluate_command(tiny_ckpt, tmp_path, capsys):
@@ -117,7 +121,7 @@ def test_evaluate_command(tiny_ckpt, tmp_path, capsys):
     out = tmp_path / "eval.json"
     argv = ["--ckpt", str(ckpt), "--split", "valid", "--decoder", "heads,rpg", "--k", "5,10"]
     argv += ["--users", "10", "--batch-size", "4", "--option", "mode=exact", "--json", str(out)]
-    assert ev.run(_args(ev, argv)) == 0
+    assert evaluate_cli.run(_args(evaluate_cli, argv)) == 0
     table = capsys.readouterr().out
     assert "heads" in table and "rpg" in table and "ndcg@10" in table
     report = json.loads(out.read_text())
@@ -131,15 +135,17 @@ def test_evaluate_command(tiny_ckpt, tmp_path, capsys):
 def test_evaluate_bad_input(tiny_ckpt, tiny_prepared, tmp_path):
     ckpt, model, data = tiny_ckpt
     with pytest.raises(ValueError, match="no listed decoder takes"):
-        ev.run(_args(ev, ["--ckpt", str(ckpt), "--decoder", "heads", "--option", "beam=3"]))
+        evaluate_cli.run(
+            _args(evaluate_cli, ["--ckpt", str(ckpt), "--decoder", "heads", "--option", "beam=3"])
+        )
     other = tiny_prepared(tmp_path / "other", seed=1)
     with pytest.raises(ValueError, match="trained on data"):
-        ev.run(_args(ev, ["--ckpt", str(ckpt), "--data", str(other)]))
+        evaluate_cli.run(_args(evaluate_cli, ["--ckpt", str(ckpt), "--data", str(other)]))
     with pytest.raises(ValueError, match="targets"):
         ev.evaluate(model, data.train, heads.decode)
     for bad in (["--k", "0"], ["--k", "a,b"], ["--option", "novalue"]):
         with pytest.raises(SystemExit):
-            _args(ev, ["--ckpt", str(ckpt), *bad])
+            _args(evaluate_cli, ["--ckpt", str(ckpt), *bad])
 
 
 def test_recommend_command(tiny_ckpt, capsys):
@@ -152,7 +158,7 @@ def test_recommend_command(tiny_ckpt, capsys):
     ids = [entry["item_id"] for entry in answer["items"]]
     assert len(set(ids)) == 4 and set(ids) <= set(data.item_ids)
     # --user reads the whole known history: the same answer as giving it by hand.
-    history = recommend_cli.user_history(data, user)
+    history = user_history(data, user)
     assert history[-1] == int(data.test.targets[2])
     raw = ",".join(data.item_ids[i] for i in history)
     argv = ["--ckpt", str(ckpt), "--history", raw, "--k", "4", "--decoder", "nezha", "--json"]

@@ -240,7 +240,7 @@ def ml100k_model(ml100k_dir, tmp_path_factory):
     """A short training run on real ML-100K (~30-40 s): a model with real, peaked and uneven
     code distributions."""
     from genrec_spec.recsys.checkpoint import load_checkpoint
-    from genrec_spec.recsys.train import TrainConfig
+    from genrec_spec.recsys.train_config import TrainConfig
     from genrec_spec.recsys.trainer import train
 
     out = tmp_path_factory.mktemp("spec_beam") / "ckpt"

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from genrec_spec.cli.train import add_arguments, run
 from genrec_spec.data_pipelines.errors import DataError
 from genrec_spec.models.recsys.item_scores import item_log_likelihoods
 from genrec_spec.recsys.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from genrec_spec.recsys.data import load_prepared
-from genrec_spec.recsys.train import TrainConfig, add_arguments, load_config, run
+from genrec_spec.recsys.train_config import TrainConfig, load_config
 from genrec_spec.recsys.trainer import _epochs_that_fit, _warmup_cosine, train
 
 REPO = Path(__file__).resolve().parents[2]
@@ -157,7 +158,6 @@ def test_shipped_configs_load_and_ml1m_is_the_default():
     from dataclasses import replace
 
     from genrec_spec.models.recsys.recommender import RecommenderConfig
-    from genrec_spec.recsys.train import TrainConfig
 
     assert load_config(REPO / "configs" / "ml-1m.json") == (RecommenderConfig(), TrainConfig())
     model_config, train_config = load_config(REPO / "configs" / "ml-100k-demo.json")
@@ -228,7 +228,7 @@ def test_two_processes_match_one(tiny_prepared, tmp_path, free_port):
     script = tmp_path / "train_cli.py"
     script.write_text(
         "import argparse, sys\n"
-        "from genrec_spec.recsys.train import add_arguments, run\n"
+        "from genrec_spec.cli.train import add_arguments, run\n"
         "p = argparse.ArgumentParser(); add_arguments(p); sys.exit(run(p.parse_args()))\n"
     )
     # Loopback only: `--standalone` advertises socket.getfqdn() as the master address, and where

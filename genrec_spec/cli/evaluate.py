@@ -1,0 +1,114 @@
+"""Ranking quality of recommendation decoders on a held-out split: ``genrec-spec evaluate``.
+
+    genrec-spec evaluate --ckpt CKPT --split test --decoder beam,heads,rpg,nezha --k 10,50,200
+
+Protocol (time-ordered leave-one-out, ranked against the full catalogue): every user of the
+split (or a fixed random subset, ``--users N``) gets a top-max(K) list from the decoder, which
+chooses among all catalogue items; the user's held-out next item is looked up in that list and
+HR@K, NDCG@K and MRR (over the whole list) are averaged over users (`recsys.metrics`). All
+decoders of one run see the same users. The table also gives each decoder's wall time per
+user, its sequential backbone passes per batch, and the count of invalid or repeated items in its
+lists (always 0 for a correct decoder).
+
+``--exclude-history`` leaves each user's history items out of the ranking: the items the model
+reads (its most recent ``max_len``), dropped from a longer list (`recommend.decode_excluding`).
+That is the protocol of the HSTU repository (its evaluation filters the ids of the model's input
+sequence, `filter_invalid_ids`, by default, "as in SASRec"); a MovieLens user rates a movie
+once, so the held-out item is never among them.
+
+Decoder options go through ``--option NAME=VALUE`` (repeatable), given to every listed decoder
+that takes an option of that name, e.g. ``--option beam_width=50 --option mode=exact``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from genrec_spec.recsys.decoders.registry import decoder_names, parse_option
+from genrec_spec.recsys.errors import DecodeOptionError
+from genrec_spec.recsys.evaluate import EvaluateConfig, evaluate_checkpoint, format_table
+
+
+def option_argument(text: str) -> tuple[str, object]:
+    """argparse type of ``--option NAME=VALUE`` (`registry.parse_option`)."""
+    try:
+        return parse_option(text)
+    except DecodeOptionError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more cut-offs >= 1")
+    return values
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    c = EvaluateConfig()
+    parser.add_argument("--ckpt", required=True, type=Path, help="checkpoint folder (train)")
+    parser.add_argument("--data", type=Path, help="prepared data (default: the trained-on one)")
+    parser.add_argument("--split", default=c.split, choices=["valid", "test"])
+    parser.add_argument(
+        "--decoder",
+        type=_name_list,
+        default=c.decoders,
+        help=f"decoder name(s), comma-separated: {decoder_names()}",
+    )
+    parser.add_argument("--k", type=_int_list, default=c.ks, help="cut-offs, e.g. 10,50,200")
+    parser.add_argument("--users", type=int, default=c.users, help="random subset; 0 = all")
+    parser.add_argument("--batch-size", type=int, default=c.batch_size)
+    parser.add_argument("--seed", type=int, default=c.seed, help="draws the --users subset")
+    parser.add_argument("--threads", type=int, default=c.threads, help="torch CPU threads")
+    parser.add_argument(
+        "--option",
+        type=option_argument,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="decoder option, given to every listed decoder that takes it (repeatable)",
+    )
+    parser.add_argument(
+        "--exclude-history",
+        action="store_true",
+        help="leave the history items the model reads out of each list (the HSTU protocol)",
+    )
+    parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = EvaluateConfig(
+        split=args.split,
+        decoders=args.decoder,
+        ks=args.k,
+        users=args.users,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        threads=args.threads,
+        exclude_history=args.exclude_history,
+    )
+    options = dict(args.option)
+    header, report = evaluate_checkpoint(
+        args.ckpt,
+        args.data,
+        config,
+        options,
+        log=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    print(header)
+    print(format_table(report["results"], args.k))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    return 0

@@ -1,0 +1,121 @@
+"""One user's recommendations by raw ids, in and out (what ``genrec-spec recommend`` prints).
+
+Ids are the raw ids of the prepared data (``items.parquet`` item_id, ``user_id`` of the splits).
+A known user stands for every interaction the data holds of them (the test split's history plus
+its held-out item), oldest first; a history is given as item ids, oldest first. An unknown id is
+an error that names it. An empty history is the cold-start case (the same list for every new
+user); a history longer than the model's context keeps its most recent items, and the answer
+says so (``truncated``). ``exclude_seen`` leaves the history's items out of the list.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from genrec_spec.recsys.checkpoint import load_model_and_data
+from genrec_spec.recsys.errors import RecommendInputError
+from genrec_spec.recsys.recommend import recommend
+
+
+def user_history(data, user_id: str) -> list[int]:
+    """Every known interaction of a user (test history + test target), as item indices."""
+    test = data.test
+    try:
+        row = test.user_ids.index(user_id)
+    except ValueError:
+        examples = ", ".join(test.user_ids[:5])
+        raise RecommendInputError(
+            f"unknown user id {user_id!r}: the data has {len(test)} users (e.g. {examples})",
+            "pass --history ID,ID,... for a user it does not know",
+        ) from None
+    history = test.values[test.offsets[row] : test.offsets[row + 1]].tolist()
+    return history + [int(test.targets[row])]
+
+
+def item_indices(data, item_ids: list[str]) -> list[int]:
+    """Raw item ids -> item indices; every unknown id is named in the error."""
+    index = {item: i for i, item in enumerate(data.item_ids)}
+    unknown = [item for item in item_ids if item not in index]
+    if unknown:
+        examples = ", ".join(data.item_ids[:5])
+        raise RecommendInputError(
+            f"{len(unknown)} unknown item id(s) in --history: {', '.join(unknown[:10])}",
+            f"use item ids of the catalogue ({len(data.item_ids)} items, ids like {examples})",
+        )
+    return [index[item] for item in item_ids]
+
+
+def item_texts(data) -> list[str] | None:
+    """The items' text (e.g. title and genres) from items.parquet, if it has a text column."""
+    items = pd.read_parquet(data.path / "items.parquet")
+    if "text" not in items:
+        return None
+    return items.sort_values("item_index")["text"].astype(str).tolist()
+
+
+def recommend_one(
+    model,
+    data,
+    history: list[int],
+    k: int,
+    decoder: str,
+    options: dict,
+    exclude_seen: bool = False,
+) -> dict:
+    """The JSON-able answer for one history of item indices."""
+    exclude = [history] if exclude_seen else None  # repeats count once (an item mask)
+    out = recommend(model, [history], k=k, decoder=decoder, exclude=exclude, **options)
+    texts = item_texts(data)
+    items = []
+    ranked = zip(out.items[0].tolist(), out.scores[0].tolist(), strict=True)
+    for rank, (item, score) in enumerate(ranked, 1):
+        if item < 0:  # fewer than k items reachable
+            continue
+        entry = {"rank": rank, "item_id": data.item_ids[item], "score": score}
+        if texts is not None:
+            entry["text"] = texts[item]
+        items.append(entry)
+    return {
+        "decoder": decoder,
+        "k": k,
+        "history_length": len(history),
+        "history_used": min(len(history), model.config.max_len),
+        "truncated": bool(out.stats.get("truncated_histories", 0)),
+        "cold_start": not history,
+        "exclude_seen": exclude_seen,
+        "items": items,
+        "stats": out.stats,
+    }
+
+
+def recommend_for(
+    ckpt: Path | str,
+    data_dir: Path | str | None,
+    *,
+    user_id: str | None = None,  # a user of the data, or
+    history_ids: list[str] | None = None,  # raw item ids, oldest first ([] = a new user)
+    k: int = 10,
+    decoder: str = "beam",
+    options: dict | None = None,
+    exclude_seen: bool = False,
+    threads: int = 1,  # torch CPU threads
+) -> dict:
+    """The answer (`recommend_one`, with `user_id` first when given) for one user or history of
+    a checkpoint."""
+    if threads < 1:
+        raise RecommendInputError(f"--threads must be >= 1, got {threads}", "pass 1 or more")
+    if (user_id is None) == (history_ids is None):
+        raise RecommendInputError(
+            "give exactly one of a user id or a history", "pass --user ID or --history IDS"
+        )
+    torch.set_num_threads(threads)
+    model, data = load_model_and_data(ckpt, data_dir)
+    if user_id is not None:
+        history = user_history(data, user_id)
+    else:
+        history = item_indices(data, history_ids)
+    answer = recommend_one(model, data, history, k, decoder, options or {}, exclude_seen)
+    return answer if user_id is None else {"user_id": user_id} | answer
