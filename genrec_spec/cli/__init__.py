@@ -38,7 +38,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "serve": ("genrec_spec.cli.serve", "the online retrieval service (FastAPI on uvicorn)"),
     "loadtest": (
-        "genrec_spec.serve.loadtest",
+        "genrec_spec.cli.loadtest",
         "load-test a running service: p50/p99 latency and requests/s per concurrency",
     ),
     "generate": ("genrec_spec.cli.generate", "LLM text generation with a speculative method"),

@@ -19,7 +19,8 @@ import argparse
 from pathlib import Path
 
 from genrec_spec.jobs.batch import ENGINES, BatchConfig, format_summary, run_batch
-from genrec_spec.recsys.evaluate import parse_option
+from genrec_spec.cli.evaluate import option_argument as parse_option
+from genrec_spec.recsys.decoders.registry import decoder_names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", required=True, type=Path, help="output folder (created)")
     parser.add_argument("--k", type=int, default=c.k, help="items per user")
-    parser.add_argument("--decoder", default=c.decoder, help="beam, spec_beam, heads, rpg, nezha")
+    parser.add_argument("--decoder", default=c.decoder, help=f"one of {decoder_names()}")
     parser.add_argument(
         "--option",
         type=parse_option,

@@ -24,12 +24,10 @@ import argparse
 import shlex
 from pathlib import Path
 
-import torch
-
-from genrec_spec.data_pipelines.atomic import atomic_dir
-from genrec_spec.jobs.replay import ReplayConfig, parse_arm, run_replay
+from genrec_spec.jobs.replay import ReplayConfig, parse_arm
 from genrec_spec.jobs.replay_events import SPLITS
-from genrec_spec.jobs.replay_report import FILES, write_report
+from genrec_spec.jobs.replay_report import FILES, replay_to_folder
+from genrec_spec.recsys.decoders.registry import decoder_names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,8 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ckpt", required=True, type=Path, help="checkpoint of arm A (and B)")
     parser.add_argument("--ckpt-b", type=Path, help="checkpoint of arm B (same data as --ckpt)")
     parser.add_argument("--data", type=Path, help="prepared data (default: the trained-on one)")
-    parser.add_argument("--a", required=True, help='arm A, e.g. "decoder=beam,beam_width=20"')
-    parser.add_argument("--b", required=True, help='arm B, e.g. "decoder=spec_beam"')
+    parser.add_argument(
+        "--a",
+        required=True,
+        help=f'arm A, e.g. "decoder=beam,beam_width=20"; decoders: {decoder_names()}',
+    )
+    parser.add_argument(
+        "--b", required=True, help=f'arm B, e.g. "decoder=spec_beam"; decoders: {decoder_names()}'
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--split", choices=SPLITS, help="replay this split's held-out items")
     source.add_argument(
@@ -68,9 +72,6 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    torch.set_num_threads(args.threads)
     config = ReplayConfig(
         k=args.k,
         users=args.users,
@@ -78,13 +79,18 @@ def run(args: argparse.Namespace) -> int:
         bootstrap=args.bootstrap,
         batch_size=args.batch_size,
     )
-    arm_a = parse_arm(args.a, args.ckpt, "--a")
-    arm_b = parse_arm(args.b, args.ckpt_b or args.ckpt, "--b")
-    with atomic_dir(args.out, overwrite=args.overwrite) as tmp:
-        result = run_replay(
-            arm_a, arm_b, config, split=args.split, log=args.log, data_dir=args.data
-        )
-        write_report(result, tmp, command_line(args))
+    result = replay_to_folder(
+        parse_arm(args.a, args.ckpt, "--a"),
+        parse_arm(args.b, args.ckpt_b or args.ckpt, "--b"),
+        config,
+        args.out,
+        command_line(args),
+        overwrite=args.overwrite,
+        split=args.split,
+        log=args.log,
+        data_dir=args.data,
+        threads=args.threads,
+    )
     print("\n".join(result.summary["verdict"]))
     print(f"wrote {', '.join(FILES)} to {args.out}")
     return 0

@@ -21,16 +21,12 @@ needs the header ``X-API-Key``; /healthz, /readyz and /metrics stay open. Endpoi
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
-import sys
 from pathlib import Path
-
-API_KEY_ENV = "GENREC_SPEC_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from genrec_spec.serve.config import ServeConfig
+    from genrec_spec.serve.config import API_KEY_ENV, ServeConfig
     from genrec_spec.serve.generation import LLMS
 
     c = ServeConfig()
@@ -60,12 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-    import uvicorn
-
-    from genrec_spec.serve.app import create_app
-    from genrec_spec.serve.config import ServeConfig
-    from genrec_spec.serve.retrieval import Retriever
+    from genrec_spec.serve.app import run_service
+    from genrec_spec.serve.config import API_KEY_ENV, ServeConfig
 
     config = ServeConfig(
         host=args.host,
@@ -80,30 +72,12 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
         history_cache_mb=args.history_cache_mb,
     )
-    torch.set_num_threads(config.threads)
-    retriever = Retriever.load(args.ckpt, args.data, config.max_k, config.history_cache_mb << 20)
-    if config.api_key is None and not is_loopback(config.host):
-        print(
-            f"warning: serving on {config.host} without an API key; anyone who can reach it "
-            f"can use it (set --api-key or ${API_KEY_ENV})",
-            file=sys.stderr,
-        )
-    app = create_app(config, retriever, llm=args.llm)
-    uvicorn.run(
-        app,
-        host=config.host,
-        port=config.port,
+    run_service(
+        config,
+        args.ckpt,
+        args.data,
+        args.llm,
         log_level=args.log_level,
         access_log=args.access_log,
     )
     return 0
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` names this machine only ("localhost" or a loopback address)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False

@@ -15,14 +15,11 @@ float32), ``decoder``, ``model_hash`` (sha256 of the checkpoint's files) and ``d
 prepared data's manifest hash); see `batch_store` for the folder layout and the exactly-once
 protocol. ``pd.read_parquet(DIR)`` reads all rows.
 
-Plan: the users, in the order given, are cut into ``--shards`` contiguous near-equal slices
-(fewer when there are fewer users), each slice into chunks of ``--batch-size`` users. The plan
-follows from the arguments alone, so a rerun redoes exactly the shards the manifest lacks. A
-chunk is one decoder call in either engine, so both engines decode the same batches and write
-the same rows. The arguments that decide the rows (model and data hashes, users, k, decoder,
-options, shards, batch size) are stored in the manifest; once a shard is complete, a rerun into
-the same folder with other values is refused. Execution settings (engine, Ray address, actors,
-threads) may change between runs.
+Plan (`batch_chunks`): the users, in the order given, are cut into ``--shards`` slices, each
+into chunks of ``--batch-size`` users, one decoder call each in either engine. The arguments
+that decide the rows (model and data hashes, users, k, decoder, options, shards, batch size) are
+stored in the manifest; once a shard is complete, a rerun into the same folder with other values
+is refused. Execution settings (engine, Ray address, actors, threads) may change between runs.
 
 Engines yield (chunk, recommendations) in any order; this module (the driver, one process) keeps
 the chunks of each shard and writes the shard once all of them are in. With one writer, exactly-
@@ -40,92 +37,37 @@ import json
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import torch
-from torch import Tensor
 from tqdm import tqdm
 
+from genrec_spec.jobs.batch_chunks import (
+    ENGINES,
+    BatchConfig,
+    BatchInputError,
+    Chunk,
+    ChunkDecoder,
+    model_hash,
+    plan_shards,
+    run_local,
+)
+from genrec_spec.jobs.batch_ray import check_ray_address, run_ray
 from genrec_spec.jobs.batch_store import open_store
-from genrec_spec.recsys.checkpoint import MANIFEST, WEIGHTS
+from genrec_spec.recsys.checkpoint import load_model_and_data
 from genrec_spec.recsys.data import Histories
-from genrec_spec.recsys.decoders.beam import item_trie
-from genrec_spec.recsys.evaluate import check_options, load_model_and_data
-from genrec_spec.recsys.recommend import get_decoder
+from genrec_spec.recsys.decoders.registry import check_options, get_decoder
 from genrec_spec.recsys.types import Recommendations
 
-ENGINES = ("local", "ray")
 # Decoder stats that add up over chunks (the rest, e.g. rates, are per call).
 COUNTED_STATS = ("target_passes", "nodes_scored", "draft_nodes", "truncated_histories")
 
 
-@dataclass(frozen=True)
-class BatchConfig:
-    """Defaults of ``genrec-spec batch``."""
-
-    k: int = 50  # items per user
-    decoder: str = "beam"  # a name of recsys.recommend.DECODERS
-    shards: int = 16  # output files; also the unit of resumption
-    batch_size: int = 64  # users per decoder call (a chunk)
-    engine: str = "local"  # "local" (in this process) or "ray" (Ray Data actor pool)
-    ray_address: str | None = None  # a running Ray cluster (HOST:PORT); None = start Ray here
-    actors: int = 2  # Ray actors, each holding one model copy and using one CPU
-    ray_cpus: int = 2  # CPUs of the Ray started here (ignored with ray_address)
-    ray_timeout_s: float = 5.0  # how long a --ray-address may take to answer a connect
-    threads: int = 1  # torch CPU threads per process (driver or actor)
-    progress: bool = True  # tqdm bar on stderr
-
-
-class BatchInputError(ValueError):
-    """Bad arguments or users for the batch job."""
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """The users of one decoder call: the `index`-th batch of shard `shard`."""
-
-    shard: int
-    index: int
-    user_ids: list[str]  # [B]
-    values: Tensor  # [M] int64 item indices, oldest first within a user
-    offsets: Tensor  # [B+1] int64
-
-
-class ChunkDecoder:
-    """A decoder bound to a model and the catalogue's trie: what an engine runs per chunk."""
-
-    def __init__(self, model, decoder: str, k: int, options: dict) -> None:
-        self.model, self.k, self.options = model, k, options
-        self.decode = get_decoder(decoder)
-        self.trie = item_trie(model)
-
-    @torch.no_grad()
-    def __call__(self, values: Tensor, offsets: Tensor) -> Recommendations:  # [M], [B+1]
-        return self.decode(self.model, values, offsets, k=self.k, trie=self.trie, **self.options)
-
-
-def run_local(
-    decoder: ChunkDecoder, chunks: list[Chunk]
-) -> Iterator[tuple[Chunk, Recommendations]]:
-    """The local engine: every chunk in order, in this process."""
-    for chunk in chunks:
-        yield chunk, decoder(chunk.values, chunk.offsets)
-
-
 # --- inputs ------------------------------------------------------------------------------------
-
-
-def model_hash(ckpt: Path) -> str:
-    """sha256 (16 hex digits) of a checkpoint's manifest and weights: the model's identity."""
-    digest = hashlib.sha256()
-    for name in (MANIFEST, WEIGHTS):
-        digest.update((Path(ckpt) / name).read_bytes())
-    return digest.hexdigest()[:16]
 
 
 def read_user_ids(users: str | Path) -> list[str]:
@@ -183,23 +125,6 @@ def select_users(data, users: str | Path) -> Histories:
     return known.select(torch.tensor([row[user] for user in user_ids]))
 
 
-def plan_shards(
-    histories: Histories, shards: int, batch_size: int
-) -> tuple[list[int], dict[int, list[Chunk]]]:
-    """([shards] users per shard, shard -> its chunks): contiguous slices of the user order."""
-    count = min(shards, len(histories))
-    bounds = [s * len(histories) // count for s in range(count + 1)]
-    chunks = {}
-    for shard in range(count):
-        rows = torch.arange(bounds[shard], bounds[shard + 1]).split(batch_size)
-        parts = [histories.select(r) for r in rows]
-        chunks[shard] = [
-            Chunk(shard, i, part.user_ids, part.values, part.offsets)
-            for i, part in enumerate(parts)
-        ]
-    return [bounds[s + 1] - bounds[s] for s in range(count)], chunks
-
-
 def check_config(config: BatchConfig, options: dict) -> None:
     for name in ("k", "shards", "batch_size", "actors", "ray_cpus", "threads"):
         if getattr(config, name) < 1:
@@ -225,17 +150,16 @@ def run_batch(
     ckpt: Path | str,
     users: str | Path,  # a parquet file with user_id, or "all"
     out: Path | str,
-    config: BatchConfig = BatchConfig(),
+    config: BatchConfig | None = None,  # None: the defaults
     *,
     data_dir: Path | str | None = None,  # default: the folder the checkpoint was trained on
     options: dict | None = None,  # decoder options, e.g. {"beam_width": 20}
 ) -> dict:
     """Write (or finish) the candidates of `users` into `out`; returns this run's summary."""
+    config = config or BatchConfig()
     options = dict(options or {})
     check_config(config, options)
     if config.engine == "ray":
-        from genrec_spec.jobs.batch_ray import check_ray_address
-
         check_ray_address(config.ray_address, config.ray_timeout_s)
     torch.set_num_threads(config.threads)
     model, data = load_model_and_data(ckpt, data_dir)
@@ -259,8 +183,6 @@ def run_batch(
         done_before = sum(shard_users) - sum(len(c.user_ids) for c in pending)
         start = time.perf_counter()
         if config.engine == "ray":
-            from genrec_spec.jobs.batch_ray import run_ray
-
             results = run_ray(Path(ckpt), hashes["model_hash"], pending, config, options)
         else:
             results = run_local(ChunkDecoder(model, config.decoder, config.k, options), pending)

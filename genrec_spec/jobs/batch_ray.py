@@ -29,7 +29,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from genrec_spec.jobs.batch import BatchConfig, BatchInputError, Chunk, ChunkDecoder, model_hash
+from genrec_spec.jobs.batch_chunks import (
+    BatchConfig,
+    BatchInputError,
+    Chunk,
+    ChunkDecoder,
+    model_hash,
+)
 from genrec_spec.recsys.checkpoint import load_checkpoint
 from genrec_spec.recsys.types import Recommendations
 

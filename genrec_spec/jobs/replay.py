@@ -45,18 +45,13 @@ from genrec_spec.jobs.replay_events import (
     read_log,
     split_events,
 )
-from genrec_spec.recsys.checkpoint import load_checkpoint
+from genrec_spec.recsys.checkpoint import load_checkpoint, load_model_and_data
 from genrec_spec.recsys.data import Histories
 from genrec_spec.recsys.decoders.beam import item_trie
+from genrec_spec.recsys.decoders.registry import decoder_options, get_decoder, parse_option
 from genrec_spec.recsys.decoders.spec_beam import same_top_k
-from genrec_spec.recsys.evaluate import (
-    count_invalid,
-    decoder_options,
-    load_model_and_data,
-    parse_option,
-)
+from genrec_spec.recsys.evaluate import count_invalid
 from genrec_spec.recsys.metrics import per_user_metrics, ranks_from_topk
-from genrec_spec.recsys.recommend import get_decoder
 from genrec_spec.recsys.types import Recommendations
 
 ARM_SYNTAX = 'decoder=NAME[,OPTION=VALUE...], e.g. "decoder=beam,beam_width=20"'

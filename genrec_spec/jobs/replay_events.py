@@ -31,8 +31,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from genrec_spec.recsys.data import Histories
-from genrec_spec.recsys.evaluate import sample_users
+from genrec_spec.recsys.data import Histories, sample_users
 
 LOG_COLUMNS = ("user_id", "timestamp", "item_id")
 SPLITS = ("valid", "test")

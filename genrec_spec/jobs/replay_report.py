@@ -25,10 +25,13 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import torch
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from genrec_spec.jobs.replay import ReplayResult, arm_text
+from genrec_spec.data_pipelines.atomic import atomic_dir
+from genrec_spec.jobs.replay import Arm, ReplayConfig, ReplayResult, arm_text, run_replay
+from genrec_spec.jobs.replay_events import ReplayInputError
 
 FILES = ("report.html", "metrics.json", "per_user.parquet")
 COLORS = {"A": "#4c72b0", "B": "#dd8452"}
@@ -40,6 +43,30 @@ th { background: #eee; } td:first-child, th:first-child { text-align: left; }
 pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; }
 img { max-width: 100%; }
 """
+
+
+def replay_to_folder(
+    arm_a: Arm,
+    arm_b: Arm,
+    config: ReplayConfig,
+    out: Path,
+    command: str,  # the command line that reproduces the run, kept in the report
+    *,
+    overwrite: bool = False,
+    split: str | None = None,
+    log: Path | None = None,
+    data_dir: Path | None = None,
+    threads: int = 1,  # torch CPU threads
+) -> ReplayResult:
+    """Run the replay (`run_replay`) and write its three files into `out`, atomically: nothing
+    is left there on failure."""
+    if threads < 1:
+        raise ReplayInputError(f"--threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        result = run_replay(arm_a, arm_b, config, split=split, log=log, data_dir=data_dir)
+        write_report(result, tmp, command)
+    return result
 
 
 def write_report(result: ReplayResult, folder: Path, command: str) -> None:

@@ -21,11 +21,13 @@ answer within ``timeout_s``). A 500 ("internal") is a bug.
 
 from __future__ import annotations
 
+import sys
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
 
-from genrec_spec.serve.config import ServeConfig
+from genrec_spec.serve.config import API_KEY_ENV, ServeConfig, is_loopback
 from genrec_spec.serve.errors import add_exception_handlers
 from genrec_spec.serve.middleware import BodyLimit, time_requests
 from genrec_spec.serve.retrieval import Retriever
@@ -66,3 +68,29 @@ def create_app(
         own |= {route.path for route in router.routes}
     app.state.known_paths = own - {None}  # the paths the latency histogram names
     return app
+
+
+def run_service(
+    config: ServeConfig,
+    ckpt: Path | str,
+    data_dir: Path | str | None = None,  # default: the folder the checkpoint was trained on
+    llm: str | None = None,
+    *,
+    log_level: str = "info",
+    access_log: bool = False,
+) -> None:
+    """Load the recommender (a bad checkpoint or data folder fails here, before anything is
+    served), then serve on config.host:config.port with uvicorn until stopped."""
+    import torch
+    import uvicorn
+
+    torch.set_num_threads(config.threads)
+    retriever = Retriever.load(ckpt, data_dir, config.max_k, config.history_cache_mb << 20)
+    if config.api_key is None and not is_loopback(config.host):
+        print(
+            f"warning: serving on {config.host} without an API key; anyone who can reach it "
+            f"can use it (set --api-key or ${API_KEY_ENV})",
+            file=sys.stderr,
+        )
+    app = create_app(config, retriever, llm=llm)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, access_log=access_log)

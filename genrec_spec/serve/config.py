@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
+
+API_KEY_ENV = "GENREC_SPEC_API_KEY"  # where `serve` and `loadtest` read the key by default
+API_KEY_HEADER = "X-API-Key"  # the request header that carries it
 
 
 @dataclass(frozen=True)
@@ -45,3 +49,13 @@ class ServeConfig:
                 "limits must be >= 1, waits >= 0, the timeout > 0, the body limit >= 1024 "
                 "bytes and the port in 0..65535"
             )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine only ("localhost" or a loopback address)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

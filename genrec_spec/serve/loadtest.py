@@ -1,32 +1,18 @@
-"""Load-test a running retrieval service: ``genrec-spec loadtest``.
+"""Load-test a running retrieval service (``genrec-spec loadtest``, whose help describes the
+method): `run_loadtest` fetches the service's users, sends a few uncounted warm-up requests, then
+runs one closed-loop level per concurrency (`run_level`: each client its own connection, every
+client sends its next request when its last one is answered) and returns the report.
 
-    genrec-spec loadtest --url http://127.0.0.1:8080 --concurrency 1,8,64 --seconds 10 \\
-        --decoder beam --k 10 [--api-key KEY]
-
-For each concurrency C in turn, C workers send ``POST /v1/recommend`` back to back (closed
-loop: a worker sends its next request when its last one is answered) for ``--seconds``, and at
-most ``--max-requests`` requests per level; a request unanswered after ``--timeout-s`` counts
-as an error, so a level lasts at most seconds + timeout. Each request names a user drawn
-uniformly (seeded) from the service's own data, fetched once from ``GET /v1/users``. Reported
-per level: requests, errors (non-200 answers by status, transport failures by name), p50 and
-p99 latency of the answered requests as the client saw them, and requests per second (answers
-of any status over the level's wall time). A few warm-up requests go first, uncounted.
-
-Only loopback URLs are accepted (127.0.0.0/8, ::1, localhost): this tool loads one's own
-service, never someone else's. The client runs on the same machine as the service and shares its
-CPU: on a small machine its numbers are a lower bound of the service's capacity. A level has at
-most ``MAX_CONCURRENCY`` (1024) clients: each holds its own connection (a file descriptor on both
-sides) and all are opened before the level starts, and far past the service's --max-queue (256
-by default) a level would measure only 503s.
+Only loopback URLs are accepted (`check_url`): this tool loads one's own service, never someone
+else's. A level has at most ``MAX_CONCURRENCY`` clients: each holds its own connection (a file
+descriptor on both sides) and all are opened before the level starts, and far past the
+service's queue limit a level would measure only 503s.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import math
-import os
 import random
 import ssl
 import time
@@ -34,14 +20,17 @@ from collections import Counter
 from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass
 from functools import partial
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 
-from genrec_spec.cli.serve import API_KEY_ENV, is_loopback
+from genrec_spec.serve.config import API_KEY_HEADER, is_loopback
 
 MAX_CONCURRENCY = 1024  # most clients of one level (module docstring)
+
+
+class LoadtestError(ValueError):
+    """Bad arguments or an unusable service (not loopback, no users)."""
 
 
 @dataclass(frozen=True)
@@ -58,9 +47,13 @@ class LoadtestConfig:
     warmup: int = 5  # uncounted requests before the first level
     seed: int = 0  # draws the users
 
-
-class LoadtestError(ValueError):
-    """Bad arguments or an unusable service (not loopback, no users)."""
+    def __post_init__(self) -> None:
+        if not 0 < self.seconds <= 3600 or self.max_requests < 1 or self.timeout_s <= 0:
+            raise LoadtestError(
+                "--seconds must lie in (0, 3600], --max-requests >= 1 and --timeout-s > 0"
+            )
+        if self.warmup < 0 or self.k < 1:
+            raise LoadtestError("--warmup must be >= 0 and --k >= 1")
 
 
 def check_url(url: str) -> str:
@@ -148,7 +141,7 @@ async def run_level(
 
 
 async def load_test(url: str, config: LoadtestConfig, api_key: str | None) -> list[dict]:
-    headers = {"X-API-Key": api_key} if api_key else {}
+    headers = {API_KEY_HEADER: api_key} if api_key else {}
     rng = random.Random(config.seed)
     make_client = partial(
         httpx.AsyncClient,
@@ -184,72 +177,22 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _concurrency_levels(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list") from None
-    if not values or min(values) < 1 or max(values) > MAX_CONCURRENCY:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give one or more counts from 1 to {MAX_CONCURRENCY} (the most clients "
-            "one level may open)"
-        )
-    return values
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    c = LoadtestConfig()
-    parser.add_argument("--url", required=True, help="the service, e.g. http://127.0.0.1:8080")
-    parser.add_argument(
-        "--concurrency",
-        type=_concurrency_levels,
-        default=c.concurrency,
-        help=f"clients of each level, e.g. 1,8,64 (at most {MAX_CONCURRENCY})",
-    )
-    parser.add_argument("--seconds", type=float, default=c.seconds, help="per level")
-    parser.add_argument("--max-requests", type=int, default=c.max_requests, help="per level")
-    parser.add_argument(
-        "--decoder", default=c.decoder, help="beam, heads, rpg, nezha, spec_beam, dense"
-    )
-    parser.add_argument("--k", type=int, default=c.k)
-    parser.add_argument("--exclude-seen", action="store_true", help="leave seen items out")
-    parser.add_argument("--timeout-s", type=float, default=c.timeout_s, help="per request")
-    parser.add_argument("--warmup", type=int, default=c.warmup, help="uncounted requests")
-    parser.add_argument("--seed", type=int, default=c.seed, help="draws the users")
-    parser.add_argument("--api-key", help=f"X-API-Key to send (default: ${API_KEY_ENV})")
-    parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
-
-
-def run(args: argparse.Namespace) -> int:
-    url = check_url(args.url)
-    if not 0 < args.seconds <= 3600 or args.max_requests < 1 or args.timeout_s <= 0:
-        raise LoadtestError(
-            "--seconds must lie in (0, 3600], --max-requests >= 1 and --timeout-s > 0"
-        )
-    if args.warmup < 0 or args.k < 1:
-        raise LoadtestError("--warmup must be >= 0 and --k >= 1")
-    config = LoadtestConfig(
-        concurrency=args.concurrency,
-        seconds=args.seconds,
-        max_requests=args.max_requests,
-        decoder=args.decoder,
-        k=args.k,
-        exclude_seen=args.exclude_seen,
-        timeout_s=args.timeout_s,
-        warmup=args.warmup,
-        seed=args.seed,
-    )
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+def run_loadtest(url: str, config: LoadtestConfig, api_key: str | None = None) -> dict:
+    """Load-test the service at `url` (loopback only), level by level: the report, with the
+    url, the config and one result per concurrency level."""
+    url = check_url(url)
     try:
         results = asyncio.run(load_test(url, config, api_key))
     except httpx.HTTPError as exc:  # the users or warm-up requests failed: no service there
         raise LoadtestError(f"cannot reach {url}: {type(exc).__name__}: {exc}") from None
-    print(
-        f"{url} /v1/recommend decoder={config.decoder} k={config.k} "
-        f"exclude_seen={config.exclude_seen}, {config.seconds:g} s per level"
+    return {"url": url, "config": asdict(config), "results": results}
+
+
+def format_report(report: dict) -> str:
+    """What was asked and the table of results."""
+    c = report["config"]
+    head = (
+        f"{report['url']} /v1/recommend decoder={c['decoder']} k={c['k']} "
+        f"exclude_seen={c['exclude_seen']}, {c['seconds']:g} s per level"
     )
-    print(format_table(results))
-    if args.json:
-        report = {"url": url, "config": asdict(config), "results": results}
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
-    return 0
+    return head + "\n" + format_table(report["results"])

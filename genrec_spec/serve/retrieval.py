@@ -24,10 +24,11 @@ from pathlib import Path
 
 import torch
 
+from genrec_spec.recsys.checkpoint import load_model_and_data
 from genrec_spec.recsys.decoders.beam import item_trie
-from genrec_spec.recsys.evaluate import decoder_options, load_model_and_data
+from genrec_spec.recsys.decoders.registry import DECODERS, decoder_options, get_decoder
 from genrec_spec.recsys.history_cache import HistoryCache
-from genrec_spec.recsys.recommend import DECODERS, fetch_size, get_decoder, recommend
+from genrec_spec.recsys.recommend import fetch_size, recommend
 from genrec_spec.serve.schemas import RecommendRequest
 
 JSON_TYPES = (bool, int, float, str, type(None))

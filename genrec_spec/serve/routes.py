@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import APIKeyHeader
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from genrec_spec.serve.config import API_KEY_HEADER
 from genrec_spec.serve.errors import ERRORS, ServiceError
 from genrec_spec.serve.generation import GenerateQuery
 from genrec_spec.serve.schemas import (
@@ -24,8 +25,6 @@ from genrec_spec.serve.schemas import (
     UsersResponse,
 )
 from genrec_spec.serve.state import ServiceState
-
-API_KEY_HEADER = "X-API-Key"
 
 
 def service(request: Request) -> ServiceState:

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from genrec_spec.llm.methods import UNTRAINED as METHODS
-from genrec_spec.recsys.recommend import DECODERS
+from genrec_spec.recsys.decoders.registry import DECODERS
 
 DecoderName = Literal[tuple(DECODERS)]
 # "plain" is a readable alias of the CLI's "none" (plain autoregressive decoding).

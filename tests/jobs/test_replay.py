@@ -17,9 +17,9 @@ import torch
 from genrec_spec.cli import main
 from genrec_spec.jobs import replay as rp
 from genrec_spec.jobs import replay_events as ev
-from genrec_spec.recsys.checkpoint import save_checkpoint
-from genrec_spec.recsys.evaluate import evaluate, load_model_and_data
-from genrec_spec.recsys.recommend import get_decoder
+from genrec_spec.recsys.checkpoint import load_model_and_data, save_checkpoint
+from genrec_spec.recsys.decoders.registry import get_decoder
+from genrec_spec.recsys.evaluate import evaluate
 
 FAST = ["--bootstrap", "200", "--batch-size", "5"]
 

@@ -8,7 +8,8 @@ import httpx
 import pytest
 import torch
 
-from genrec_spec.recsys.recommend import DECODERS, recommend
+from genrec_spec.recsys.decoders.registry import DECODERS
+from genrec_spec.recsys.recommend import recommend
 from genrec_spec.serve.batcher import MicroBatcher, QueueFullError
 
 

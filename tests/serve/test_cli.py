@@ -10,14 +10,15 @@ import time
 import httpx
 import pytest
 
+from genrec_spec.cli import loadtest as loadtest_cli
 from genrec_spec.cli import main
 from genrec_spec.serve import loadtest
 
 
 def _loadtest(*argv: str) -> int:
     parser = argparse.ArgumentParser()
-    loadtest.add_arguments(parser)
-    return loadtest.run(parser.parse_args(list(argv)))
+    loadtest_cli.add_arguments(parser)
+    return loadtest_cli.run(parser.parse_args(list(argv)))
 
 
 def test_loadtest_reports_every_level(start_service, tmp_path, capsys):
@@ -55,7 +56,7 @@ def test_loadtest_refuses_other_hosts(url, capsys):
 def test_loadtest_concurrency_is_capped(capsys):
     cap = loadtest.MAX_CONCURRENCY
     assert cap == 1024
-    assert loadtest._concurrency_levels(f"1,{cap}") == (1, cap)
+    assert loadtest_cli._concurrency_levels(f"1,{cap}") == (1, cap)
     for levels in (f"1,{cap + 1}", "0", "100000"):  # refused while parsing: no client is made
         with pytest.raises(SystemExit) as exit_:
             main(["loadtest", "--url", "http://127.0.0.1:9", "--concurrency", levels])
