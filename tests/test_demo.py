@@ -1,13 +1,12 @@
 """The main job (`genrec-spec demo`) end to end on real MovieLens-100K, with one training epoch."""
 
 import json
-from argparse import Namespace
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from genrec_spec.jobs import demo
+from genrec_spec.jobs.demo import run_demo
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -18,7 +17,7 @@ def test_demo_runs_every_step_and_reports_exactness(tmp_path, capsys):
     config["train"] |= {"epochs": 1, "valid_users": 100}
     (tmp_path / "config.json").write_text(json.dumps(config))
     out = tmp_path / "demo"
-    assert demo.run(Namespace(out=out, k=10, config=tmp_path / "config.json")) == 0
+    run_demo(out, k=10, config=tmp_path / "config.json")
 
     printed = capsys.readouterr().out
     for step in ("prepare", "train", "batch", "replay"):

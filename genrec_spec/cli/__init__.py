@@ -50,7 +50,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "genrec_spec.cli.bench",
         "benchmarks: kernel | llm | recsys, ratios against a same-run baseline",
     ),
-    "demo": ("genrec_spec.jobs.demo", "the main job on the embedded default (ML-100K)"),
+    "demo": ("genrec_spec.cli.demo", "the main job on the embedded default (ML-100K)"),
 }
 
 # Errors that mean "the input was wrong": printed as one line, exit code 2. Anything else is a bug

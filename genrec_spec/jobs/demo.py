@@ -1,59 +1,89 @@
 """The main job on the embedded default, MovieLens-100K from the installed data wheel, end to end:
 
 1. `prepare`: split, item-text embeddings, semantic IDs;
-2. `train`: the demo recommender (`configs/ml-100k-demo.json`, ~3 minutes on 2 cores);
+2. `train`: the demo recommender (`configs/ml-100k-demo.json`);
 3. `batch`: top-K candidates of every user with the lossless `spec_beam` decoder, as parquet;
 4. `replay`: `beam` against `spec_beam` on the test split (HR/NDCG/MRR with paired bootstrap
    intervals, latency, list overlap), written as a self-contained HTML report.
 
-Each step is the CLI command of the same name (its own summary is printed as it runs); the demo
-ends with one summary: the test metrics, spec_beam's speedup over beam, and the exactness check
-(spec_beam's lists must equal beam's for every user).
+Each step calls the library function behind the CLI command of the same name and prints that
+command line and the step's own summary; the demo ends with one summary: the test metrics,
+spec_beam's speedup over beam, and the exactness check (spec_beam's lists must equal beam's for
+every user).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
 from pathlib import Path
+
+from genrec_spec.data_pipelines.prepare import PrepareConfig, prepare
+from genrec_spec.data_pipelines.prepare import format_summary as format_prepared
+from genrec_spec.jobs.batch import format_summary as format_batch
+from genrec_spec.jobs.batch import run_batch
+from genrec_spec.jobs.batch_chunks import BatchConfig
+from genrec_spec.jobs.replay import ReplayConfig, parse_arm
+from genrec_spec.jobs.replay_report import FILES, replay_to_folder
+from genrec_spec.recsys.train_config import load_config
+from genrec_spec.recsys.trainer import train
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "ml-100k-demo.json"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--out", type=Path, default=Path("runs/demo"), help="demo output folder (replaced)"
+def step(arguments: str) -> str:
+    """Print the command line a step stands for (the `genrec-spec` command that does the same);
+    returns it."""
+    command = f"genrec-spec {arguments}"
+    print(f"\n$ {command}", flush=True)
+    return command
+
+
+def run_demo(out: Path, k: int = 10, config: Path = CONFIG) -> dict:
+    """Run the four steps into `out` (replaced), then print the summary; returns the replay's
+    summary (its metrics.json without the command line)."""
+    out = Path(out)
+    data, ckpt = out / "data", out / "model"
+    candidates, report = out / "candidates", out / "replay"
+
+    step(f"prepare --dataset ml-100k --out {data} --overwrite")
+    print(format_prepared(prepare("ml-100k", data, PrepareConfig(), overwrite=True), data))
+
+    step(f"train --data {data} --out {ckpt} --config {config} --overwrite --no-progress")
+    model_config, train_config = load_config(config, {"train": {"progress": False}})
+    manifest = train(data, ckpt, model_config, train_config, overwrite=True)
+    best = manifest["best"]
+    print(
+        f"best epoch {best['epoch']}: valid hr@10 {best['hr@10']:.4f} ndcg@10 "
+        f"{best['ndcg@10']:.4f}; {manifest['wall_time_s']:.0f} s; checkpoint {ckpt}"
     )
-    parser.add_argument("--k", type=int, default=10, help="list length and metric cut-off")
-    parser.add_argument(
-        "--config", type=Path, default=CONFIG, help="training config (default: the demo's)"
+
+    shutil.rmtree(candidates, ignore_errors=True)  # the batch job resumes, never replaces
+    step(
+        f"batch --ckpt {ckpt} --users all --out {candidates} --k {k} --decoder spec_beam "
+        "--no-progress"
     )
+    batch_config = BatchConfig(k=k, decoder="spec_beam", progress=False)
+    print(format_batch(run_batch(ckpt, "all", candidates, batch_config)))
 
+    arm_a, arm_b = "decoder=beam", "decoder=spec_beam"
+    command = step(
+        f"replay --ckpt {ckpt} --a {arm_a} --b {arm_b} --split test --k {k} --out {report} "
+        "--overwrite"
+    )
+    result = replay_to_folder(
+        parse_arm(arm_a, ckpt, "--a"),
+        parse_arm(arm_b, ckpt, "--b"),
+        ReplayConfig(k=k),
+        report,
+        command,
+        overwrite=True,
+        split="test",
+    )
+    print("\n".join(result.summary["verdict"]))
+    print(f"wrote {', '.join(FILES)} to {report}")
 
-def run(args: argparse.Namespace) -> int:
-    from genrec_spec.cli import main
-
-    data, ckpt = args.out / "data", args.out / "model"
-    batch, report = args.out / "candidates", args.out / "replay"
-    steps = [
-        ["prepare", "--dataset", "ml-100k", "--out", str(data), "--overwrite"],
-        ["train", "--data", str(data), "--out", str(ckpt), "--config", str(args.config)]
-        + ["--overwrite", "--no-progress"],
-        ["batch", "--ckpt", str(ckpt), "--users", "all", "--out", str(batch)]
-        + ["--k", str(args.k), "--decoder", "spec_beam", "--no-progress"],
-        ["replay", "--ckpt", str(ckpt), "--a", "decoder=beam", "--b", "decoder=spec_beam"]
-        + ["--split", "test", "--k", str(args.k), "--out", str(report), "--overwrite"],
-    ]
-    shutil.rmtree(batch, ignore_errors=True)  # the batch job resumes, never replaces: start anew
-    for step in steps:
-        print(f"\n$ genrec-spec {' '.join(step)}", flush=True)
-        code = main(step)
-        if code:
-            return code
-    metrics = json.loads((report / "metrics.json").read_text())
-    print("\n" + summary(metrics, args.k, report))
-    return 0
+    print("\n" + summary(result.summary, k, report))
+    return result.summary
 
 
 def summary(metrics: dict, k: int, report: Path) -> str:
