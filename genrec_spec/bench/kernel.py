@@ -21,9 +21,7 @@ K/V read once, tree Q/K/V read once, output written once) divided by the time; `
 the largest absolute difference from the reference's output.
 """
 
-import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from genrec_spec.bench.errors import BenchError
 from genrec_spec.kernels import ancestor_bitmask, ancestor_mask, tree_attention
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -120,7 +119,7 @@ def parse_shape(text: str, tree: str) -> Case:
     try:
         batch, root, nodes = (int(x) for x in text.lower().split("x"))
     except ValueError:
-        raise ValueError(f"shape {text!r} is not BxSxN (e.g. 8x2048x64)") from None
+        raise BenchError(f"shape {text!r} is not BxSxN", "write it as e.g. 8x2048x64") from None
     return Case(batch, root, nodes, tree)
 
 
@@ -230,72 +229,72 @@ def median_seconds(
     return statistics.median(times), out
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    c = BenchConfig()
-    parser.add_argument("--quick", action="store_true", help=f"only {c.quick_shapes}")
-    parser.add_argument("--shapes", nargs="+", help="BxSxN shapes (default: a grid per device)")
-    parser.add_argument("--trees", nargs="+", choices=list(TREES), default=list(c.trees))
-    parser.add_argument("--heads", help=f"Hq/Hkv (default {c.cpu_heads} CPU, {c.gpu_heads} GPU)")
-    parser.add_argument("--head-dim", type=int, default=c.head_dim)
-    parser.add_argument("--dtype", choices=list(DTYPES), help="default float32 CPU, bf16 GPU")
-    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--repeats", type=int, default=c.repeats, help="timed calls (>= 1)")
-    parser.add_argument("--warmup", type=int, default=c.warmup)
-    parser.add_argument("--threads", type=int, default=c.threads, help="torch CPU threads")
+@dataclass(frozen=True)
+class KernelBench:
+    """One run's choices; None picks the device's default from BenchConfig."""
+
+    shapes: tuple[str, ...] | None = None  # BxSxN; None: the device's grid (quick: quick_shapes)
+    quick: bool = False
+    heads: str | None = None  # "Hq/Hkv"
+    dtype: str | None = None  # a key of DTYPES
+    device: str | None = None  # "cpu" or "cuda"; None: cuda when available
 
 
-def run(args: argparse.Namespace) -> int:
-    c = BenchConfig()
-    if args.repeats < 1 or args.warmup < 0:
-        raise ValueError(f"--repeats {args.repeats} / --warmup {args.warmup}: need >= 1 / >= 0")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+def benchmark(
+    run: KernelBench = KernelBench(),
+    config: BenchConfig = BenchConfig(),
+    out: Callable[[str], None] = print,
+) -> None:
+    """Time every method on every shape x tree of the run and print one line per method (``out``
+    receives the lines: a header, the column names, then the rows)."""
+    if config.repeats < 1 or config.warmup < 0:
+        raise BenchError(
+            f"--repeats {config.repeats} / --warmup {config.warmup}",
+            "use --repeats >= 1 and --warmup >= 0",
+        )
+    device = torch.device(run.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
-    torch.set_num_threads(args.threads)
-    hq, hkv = (int(h) for h in (args.heads or (c.gpu_heads if cuda else c.cpu_heads)).split("/"))
-    dtype = DTYPES[args.dtype or (c.gpu_dtype if cuda else c.cpu_dtype)]
-    shapes = args.shapes or (
-        c.quick_shapes if args.quick else c.gpu_shapes if cuda else c.cpu_shapes
+    torch.set_num_threads(config.threads)
+    heads = run.heads or (config.gpu_heads if cuda else config.cpu_heads)
+    hq, hkv = (int(h) for h in heads.split("/"))
+    dtype = DTYPES[run.dtype or (config.gpu_dtype if cuda else config.cpu_dtype)]
+    shapes = run.shapes or (
+        config.quick_shapes if run.quick else config.gpu_shapes if cuda else config.cpu_shapes
     )
-    cases = [parse_shape(shape, tree) for shape in shapes for tree in args.trees]
+    cases = [parse_shape(shape, tree) for shape in shapes for tree in config.trees]
     baseline = "sdpa-dense" if cuda else "reference"
-    name = torch.cuda.get_device_name(device) if cuda else f"cpu, {args.threads} thread(s)"
-    print(f"tree attention on {name}: Hq/Hkv {hq}/{hkv}, D {args.head_dim}, {dtype}, "
-          f"median of {args.repeats}; speedup over {baseline}")  # fmt: skip
-    print(f"{'tree':>8} {'B':>3} {'S':>5} {'N':>4}  {'method':<13} {'ms':>9} {'speedup':>8} "
-          f"{'GB/s':>8} {'max err':>8}")  # fmt: skip
+    name = torch.cuda.get_device_name(device) if cuda else f"cpu, {config.threads} thread(s)"
+    out(f"tree attention on {name}: Hq/Hkv {hq}/{hkv}, D {config.head_dim}, {dtype}, "
+        f"median of {config.repeats}; speedup over {baseline}")  # fmt: skip
+    out(f"{'tree':>8} {'B':>3} {'S':>5} {'N':>4}  {'method':<13} {'ms':>9} {'speedup':>8} "
+        f"{'GB/s':>8} {'max err':>8}")  # fmt: skip
     for case in cases:
-        x = make_inputs(case, hq, hkv, args.head_dim, dtype, device)
-        methods = prepare_methods(x, cuda)
-        timed, failed = {}, {}
-        for method, fn in methods.items():
-            try:
-                timed[method] = median_seconds(fn, args.repeats, args.warmup, cuda)
-            except Exception as error:  # torch.compile may find no kernel for a shape
-                if method != "flex":
-                    raise
-                failed[method] = f"failed to compile: {type(error).__name__}"
-        expected, floor = timed["reference"][1].float(), bytes_floor(x)
-        head = f"{case.tree:>8} {case.batch:>3} {case.root:>5} {case.nodes:>4}"
-        for method, (seconds, out) in timed.items():
-            error = (out.float() - expected).abs().max().item()
-            speedup = timed[baseline][0] / seconds
-            print(f"{head}  {method:<13} {seconds * 1e3:>9.3f} {speedup:>7.2f}x "
-                  f"{floor / seconds / 1e9:>8.2f} {error:>8.1e}")  # fmt: skip
-        for method, reason in failed.items():
-            print(f"{head}  {method:<13} {reason}")
-        del x, methods, timed, expected
-    return 0
+        x = make_inputs(case, hq, hkv, config.head_dim, dtype, device)
+        for line in time_case(case, x, baseline, config, cuda):
+            out(line)
+        del x
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m genrec_spec.bench.kernel",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def time_case(
+    case: Case, x: dict[str, torch.Tensor], baseline: str, config: BenchConfig, cuda: bool
+) -> list[str]:
+    """Every method on one case's inputs: a table line each (ms, speedup over ``baseline``,
+    GB/s over the bytes floor, max error against the reference), or why it could not run."""
+    timed, failed = {}, {}
+    for method, fn in prepare_methods(x, cuda).items():
+        try:
+            timed[method] = median_seconds(fn, config.repeats, config.warmup, cuda)
+        except Exception as error:  # torch.compile may find no kernel for a shape
+            if method != "flex":
+                raise
+            failed[method] = f"failed to compile: {type(error).__name__}"
+    expected, floor = timed["reference"][1].float(), bytes_floor(x)
+    head = f"{case.tree:>8} {case.batch:>3} {case.root:>5} {case.nodes:>4}"
+    lines = []
+    for method, (seconds, result) in timed.items():
+        error = (result.float() - expected).abs().max().item()
+        speedup = timed[baseline][0] / seconds
+        lines.append(f"{head}  {method:<13} {seconds * 1e3:>9.3f} {speedup:>7.2f}x "
+                     f"{floor / seconds / 1e9:>8.2f} {error:>8.1e}")  # fmt: skip
+    lines += [f"{head}  {method:<13} {reason}" for method, reason in failed.items()]
+    return lines

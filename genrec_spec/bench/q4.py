@@ -15,12 +15,13 @@ are medians over repeats; ``speedup`` is over aten-int4; ``Gw/s`` is weights per
 input and the dequantised matrix, relative to the largest output.
 """
 
-import argparse
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from genrec_spec.bench.errors import BenchError
 from genrec_spec.bench.kernel import median_seconds
 from genrec_spec.models.llm.q4 import Q4Codes, quantize_q4
 
@@ -56,51 +57,70 @@ def methods_for(codes: list[Q4Codes]) -> dict[str, Callable]:
     }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rows", default="1,8", help="rows of x (batch sizes), comma-separated")
-    parser.add_argument("--layers", type=int, default=30, help="layers in the `layers` case")
-    parser.add_argument("--repeats", type=int, default=20, help="timed calls (>= 1)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+@dataclass(frozen=True)
+class Q4BenchConfig:
+    """Defaults of ``genrec-spec bench q4``."""
+
+    rows: tuple[int, ...] = (1, 8)  # rows of x (batch sizes)
+    layers: int = 30  # layers in the `layers` case
+    repeats: int = 20  # timed calls per method; the median is reported
+    warmup: int = 3  # untimed calls first
+    threads: int = 1  # torch CPU threads
 
 
-def run(args: argparse.Namespace) -> int:
-    rows = [int(r) for r in args.rows.split(",")]
-    if args.repeats < 1 or args.layers < 1 or min(rows) < 1:
-        raise ValueError("--repeats, --layers and --rows must be >= 1")
-    torch.set_num_threads(args.threads)
+def benchmark(config: Q4BenchConfig = Q4BenchConfig(), out: Callable[[str], None] = print) -> None:
+    """Time every method on every matrix (and the ``layers`` sequence) for each row count and
+    print one line per method (``out`` receives the lines: a header, the column names, the
+    rows)."""
+    if config.repeats < 1 or config.layers < 1 or min(config.rows, default=0) < 1:
+        raise BenchError(
+            f"--repeats {config.repeats}, --layers {config.layers}, --rows {config.rows}",
+            "--repeats, --layers and --rows must be >= 1",
+        )
+    torch.set_num_threads(config.threads)
     generator = torch.Generator().manual_seed(0)
 
     def random_codes(name: str) -> Q4Codes:
         return quantize_q4(torch.randn(MATRICES[name], generator=generator) * 0.05)
 
     cases = {name: [random_codes(name)] for name in MATRICES}
-    cases["layers"] = [random_codes(m) for _ in range(args.layers) for m in LAYER_MATRICES]
-    print(f"4-bit matmul on cpu, {args.threads} thread(s), SmolLM2-135M's shapes (layers: "
-          f"{args.layers} x {len(LAYER_MATRICES)} matrices), median of {args.repeats}; "
-          "speedup over aten-int4")  # fmt: skip
-    print(f"{'matrix':>8} {'M':>3}  {'method':<10} {'ms':>8} {'speedup':>8} {'Gw/s':>7} "
-          f"{'max err':>8}")  # fmt: skip
+    cases["layers"] = [random_codes(m) for _ in range(config.layers) for m in LAYER_MATRICES]
+    out(f"4-bit matmul on cpu, {config.threads} thread(s), SmolLM2-135M's shapes (layers: "
+        f"{config.layers} x {len(LAYER_MATRICES)} matrices), median of {config.repeats}; "
+        "speedup over aten-int4")  # fmt: skip
+    out(f"{'matrix':>8} {'M':>3}  {'method':<10} {'ms':>8} {'speedup':>8} {'Gw/s':>7} "
+        f"{'max err':>8}")  # fmt: skip
     for name, codes in cases.items():
-        weights = sum(c.codes.numel() for c in codes)
         methods = methods_for(codes)
-        for m in rows:
-            sizes = {c.codes.shape[1] for c in codes}
-            x = {k: torch.randn(m, k, generator=generator) for k in sizes}  # [M, K] per K
-            xb = {k: v.bfloat16() for k, v in x.items()}
-            exact = [xb[c.codes.shape[1]].double() @ c.dequantize().double().T for c in codes]
-            scale = max(float(e.abs().max()) for e in exact)
-            timed = {
-                method: median_seconds(
-                    lambda f=f, x=x, xb=xb: f(x, xb), args.repeats, args.warmup, False
-                )
-                for method, f in methods.items()
-            }
-            for method, (seconds, outs) in timed.items():
-                error = max(
-                    float((o.double() - e).abs().max()) for o, e in zip(outs, exact, strict=True)
-                )
-                print(f"{name:>8} {m:>3}  {method:<10} {seconds * 1e3:>8.3f} "
-                      f"{timed['aten-int4'][0] / seconds:>7.2f}x {weights / seconds / 1e9:>7.1f} "
-                      f"{error / scale:>8.1e}")  # fmt: skip
-    return 0
+        for m in config.rows:
+            for line in time_rows(name, codes, methods, m, config, generator):
+                out(line)
+
+
+def time_rows(
+    name: str,
+    codes: list[Q4Codes],
+    methods: dict[str, Callable],
+    m: int,
+    config: Q4BenchConfig,
+    generator: torch.Generator,
+) -> list[str]:
+    """Every method on random x of ``m`` rows: a table line each (ms, speedup over aten-int4,
+    weights per second, max error relative to the largest exact output)."""
+    weights = sum(c.codes.numel() for c in codes)
+    sizes = {c.codes.shape[1] for c in codes}
+    x = {k: torch.randn(m, k, generator=generator) for k in sizes}  # [M, K] per K
+    xb = {k: v.bfloat16() for k, v in x.items()}
+    exact = [xb[c.codes.shape[1]].double() @ c.dequantize().double().T for c in codes]
+    scale = max(float(e.abs().max()) for e in exact)
+    timed = {
+        method: median_seconds(lambda f=f: f(x, xb), config.repeats, config.warmup, False)
+        for method, f in methods.items()
+    }
+    lines = []
+    for method, (seconds, outs) in timed.items():
+        error = max(float((o.double() - e).abs().max()) for o, e in zip(outs, exact, strict=True))
+        lines.append(f"{name:>8} {m:>3}  {method:<10} {seconds * 1e3:>8.3f} "
+                     f"{timed['aten-int4'][0] / seconds:>7.2f}x {weights / seconds / 1e9:>7.1f} "
+                     f"{error / scale:>8.1e}")  # fmt: skip
+    return lines

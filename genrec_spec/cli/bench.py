@@ -3,19 +3,19 @@ repeats): these machines are noisy, so absolute times from different runs do not
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "kernel": (
-        "genrec_spec.bench.kernel",
+        "genrec_spec.cli.bench_kernel",
         "shared-context tree attention: reference vs CPU split path (vs Triton/SDPA/Flex on GPU)",
     ),
     "llm": (
-        "genrec_spec.bench.llm",
+        "genrec_spec.cli.bench_llm",
         "SmolLM2 decoding: plain vs every speculative method vs Hugging Face, same run",
     ),
     "q4": (
-        "genrec_spec.bench.q4",
+        "genrec_spec.cli.bench_q4",
         "the 4-bit CPU matmul of the quant draft vs ATen's int4 kernel vs fp32, SmolLM2's shapes",
     ),
     "recsys": (
-        "genrec_spec.bench.recsys",
+        "genrec_spec.cli.bench_recsys",
         "recommendation decoders: batch-1 latency and throughput of each vs beam, same users",
     ),
 }

@@ -12,15 +12,9 @@ from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
 from genrec_spec import CallableTarget
-from genrec_spec.bench.llm import (
-    HF_BATCH_1,
-    METHODS,
-    BenchLLMConfig,
-    benchmark,
-    format_table,
-    make_runners,
-    time_methods,
-)
+from genrec_spec.bench.llm import benchmark, format_table, time_methods
+from genrec_spec.bench.llm_config import HF_BATCH_1, METHODS, BenchLLMConfig
+from genrec_spec.bench.llm_runners import make_runners
 from genrec_spec.core.greedy_check import compare_greedy, first_divergence
 from genrec_spec.core.types import SamplingParams
 from genrec_spec.models.llm.llama import Llama
@@ -189,7 +183,7 @@ def test_benchmark_on_request_methods(tiny_pair, draft_cache, monkeypatch):
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    from genrec_spec.bench import llm as bench_llm
+    from genrec_spec.cli import bench_llm
 
     parser = argparse.ArgumentParser()
     bench_llm.add_arguments(parser)
@@ -197,7 +191,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def test_settings_and_bad_input():
-    from genrec_spec.bench.llm import settings_from
+    from genrec_spec.cli.bench_llm import settings_from
 
     c = BenchLLMConfig()
     quick = settings_from(parse(["--quick", "--n", "3", "--methods", "ngram,none,hf"]))
@@ -234,7 +228,7 @@ def test_settings_and_bad_input():
 def test_bench_llm_cli_on_smollm2(smollm2_model, monkeypatch, tmp_path, capsys):
     """The command end to end on the real model: every method of batch 2 (uneven prompts),
     greedy; all exact."""
-    from genrec_spec.bench import llm as bench_llm
+    from genrec_spec.cli import bench_llm
     from genrec_spec.models.llm import smollm2
 
     monkeypatch.setattr(smollm2, "load_smollm2", lambda: smollm2_model)
@@ -256,7 +250,8 @@ def test_bench_llm_cli_on_smollm2(smollm2_model, monkeypatch, tmp_path, capsys):
 def test_settings_for_the_gemma3_target():
     """--model gemma3: cross-tokenizer drafting and HF's universal assisted generation by
     default; methods that need the native SmolLM2 are refused, as cross is on SmolLM2."""
-    from genrec_spec.bench.llm import GEMMA3_METHODS, settings_from
+    from genrec_spec.bench.llm_config import GEMMA3_METHODS
+    from genrec_spec.cli.bench_llm import settings_from
 
     gemma = settings_from(parse(["--model", "gemma3"]))
     assert gemma.model == "gemma3" and gemma.methods == GEMMA3_METHODS
@@ -272,8 +267,9 @@ def test_llama_cpp_without_its_package_says_how_to_get_it(monkeypatch):
     """llama-cpp is on request and needs llama-cpp-python, which is not a dependency."""
     import sys
 
-    from genrec_spec.bench.llm import llama_cpp
+    from genrec_spec.bench.errors import BenchError
+    from genrec_spec.bench.llm_runners import llama_cpp
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed
-    with pytest.raises(RuntimeError, match="pip install llama-cpp-python"):
+    with pytest.raises(BenchError, match="pip install llama-cpp-python"):
         llama_cpp(threads=1, eos=None)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from genrec_spec.bench import kernel as bench_kernel
+from genrec_spec.cli import bench_kernel as bench_kernel_cli
 from genrec_spec.kernels import tree_depths
 
 
@@ -25,9 +26,9 @@ def test_bad_shape_is_rejected(bad):
 
 def test_benchmark_runs_and_every_method_agrees(capsys):
     parser = argparse.ArgumentParser()
-    bench_kernel.add_arguments(parser)
+    bench_kernel_cli.add_arguments(parser)
     args = parser.parse_args(["--shapes", "2x48x12", "--repeats", "1", "--warmup", "0"])
-    assert bench_kernel.run(args) == 0
+    assert bench_kernel_cli.run(args) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
     expected_methods = ["reference", "split", "cpu", "sdpa-dense"]
     if torch.cuda.is_available():
