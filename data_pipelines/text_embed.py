@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
+from genrec_spec.cache import cache_dir
 from genrec_spec.data_pipelines.atomic import atomic_write_bytes
 from genrec_spec.data_pipelines.errors import DataError
 
@@ -61,8 +62,7 @@ class TextEmbedConfig:
 
 def default_cache_dir() -> Path:
     """$GENREC_SPEC_CACHE if set, else ~/.cache/genrec_spec."""
-    env = os.environ.get("GENREC_SPEC_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "genrec_spec"
+    return cache_dir()
 
 
 def encoder_dir() -> Path:

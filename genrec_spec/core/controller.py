@@ -189,7 +189,7 @@ def cached_pass_cost(model: Any, folder: Path | None = None) -> tuple[float, ...
     (``PASS_COST_KERNELS``), not on the weights' values, so those make the key. A cache file
     that cannot be read is timed again and replaced."""
     if folder is None:
-        from genrec_spec.models.llm.smollm2 import cache_dir
+        from genrec_spec.cache import cache_dir
 
         folder = cache_dir() / "pass_cost"
     file = Path(folder) / f"{_machine_key(model)}.json"

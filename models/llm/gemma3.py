@@ -5,7 +5,7 @@ SentencePiece vocabulary, so a SmolLM2 draft can only reach it across tokenizers
 
 - ``gemma3_hf_dir``: the weights as a Hugging Face folder (config.json, model.safetensors,
   tokenizer), converted once from the GGUF by transformers' own reader and cached like
-  SmolLM2's (``genrec_spec.models.llm.smollm2.cache_dir``): ~1.5 minutes the first time (the GGUF is
+  SmolLM2's (``genrec_spec.cache.cache_dir``): ~1.5 minutes the first time (the GGUF is
   assembled from its chunks into a temporary file, read, and deleted), ~5 s cached.
 - ``load_gemma3``: the transformers ``Gemma3ForCausalLM`` (fp32, eval mode) and its tokenizer;
   ``genrec_spec.core.targets.HFTarget`` scores draft trees with it (sliding-window layers included).

@@ -10,7 +10,6 @@ transformers checkpoints as they are and ``from_gguf`` undoes llama.cpp's q/k pe
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,36 +19,8 @@ from torch import nn
 from genrec_spec.kernels import TreePlan, prepare_tree, tree_attention
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.llm.kv_cache import StaticKVCache
-
-
-class LlamaError(ValueError):
-    """Bad input to the Llama model or its loaders; the message says how to fix it."""
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    vocab_size: int
-    dim: int  # residual stream width (hidden_size)
-    n_layers: int
-    n_heads: int  # query heads
-    n_kv_heads: int  # key/value heads; n_heads % n_kv_heads == 0 (grouped-query attention)
-    hidden_dim: int  # feed-forward inner width (intermediate_size)
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    max_seq_len: int = 2048  # longest sequence the RoPE tables (and any cache) may hold
-    tie_embeddings: bool = False  # output projection reuses the token embedding matrix
-
-    def __post_init__(self) -> None:
-        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads or self.head_dim % 2:
-            raise LlamaError(
-                f"dim {self.dim}, n_heads {self.n_heads}, n_kv_heads {self.n_kv_heads} do not "
-                "fit: dim must split into n_heads heads of even size and n_heads must be a "
-                "multiple of n_kv_heads"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+from genrec_spec.models.llm.llama_config import LlamaConfig, LlamaError
+from genrec_spec.models.llm.llama_loading import read_gguf, read_hf
 
 
 def rope_tables(
@@ -291,15 +262,11 @@ class Llama(nn.Module):
     @classmethod
     def from_gguf(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "Llama":
         """Load a llama.cpp GGUF file, dequantising every tensor (see ``llama_loading``)."""
-        from genrec_spec.models.llm.llama_loading import read_gguf  # it imports LlamaConfig
-
         return cls.from_state_dict(*read_gguf(path), dtype=dtype)
 
     @classmethod
     def from_hf(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> "Llama":
         """Load a Hugging Face folder (config.json + *.safetensors) of a Llama model."""
-        from genrec_spec.models.llm.llama_loading import read_hf  # it imports LlamaConfig
-
         return cls.from_state_dict(*read_hf(folder), dtype=dtype)
 
     # --- decoding ----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from genrec_spec.models.llm.llama import Llama, LlamaConfig, LlamaError
+from genrec_spec.models.llm.llama_config import LlamaConfig, LlamaError
 from genrec_spec.models.llm.q4 import GROUP, Q4Codes
 
 # Per-layer parameter names: ours -> (GGUF "blk.{i}." suffix, HF "model.layers.{i}." suffix).
@@ -206,7 +206,7 @@ def read_hf(folder: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     return config, _rename(tensors, _our_names(config, 1), str(folder), ignore)
 
 
-def to_hf(model: Llama):  # -> transformers.LlamaForCausalLM
+def to_hf(model: torch.nn.Module):  # a native Llama -> transformers.LlamaForCausalLM
     """The native model as a transformers ``LlamaForCausalLM`` holding the same weight tensors
     (no copy), for transformers' own generate (e.g. as its ``assistant_model``)."""
     from transformers import LlamaConfig as HFLlamaConfig

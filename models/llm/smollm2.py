@@ -5,7 +5,7 @@
   own GGUF reader and cached: a reference implementation for tests and a ready
   ``AutoModelForCausalLM`` / ``Llama.from_hf`` checkpoint.
 
-Slow conversions are cached under ``cache_dir()`` (``$GENREC_SPEC_CACHE`` or
+Slow conversions are cached under ``genrec_spec.cache.cache_dir()`` (``$GENREC_SPEC_CACHE`` or
 ``~/.cache/genrec_spec``): the tokenizer (~7 s from GGUF metadata, <1 s cached) and the HF folder
 (~30 s, seconds cached). Set HF_HUB_OFFLINE=1: nothing here needs the network.
 """
@@ -19,16 +19,12 @@ from pathlib import Path
 
 import torch
 
+from genrec_spec.cache import cache_dir
 from genrec_spec.models.llm.llama import Llama, LlamaError
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HF_DIR_NAME = "smollm2-135m-instruct-q4_1-hf"
 TOKENIZER_DIR_NAME = "smollm2-135m-instruct-tokenizer"
-
-
-def cache_dir() -> Path:
-    """Where slow conversions are kept: ``$GENREC_SPEC_CACHE`` or ``~/.cache/genrec_spec``."""
-    return Path(os.environ.get("GENREC_SPEC_CACHE", Path.home() / ".cache" / "genrec_spec"))
 
 
 def smollm2_gguf_path() -> Path:

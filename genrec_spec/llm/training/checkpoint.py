@@ -99,7 +99,7 @@ def drafter_kind(method: str) -> str:
 def default_folder(kind: str) -> Path:
     """Where ``train-drafter`` saves and ``generate`` looks without a folder given:
     ``$GENREC_SPEC_CACHE/drafters/<kind>`` (or under ``~/.cache/genrec_spec``)."""
-    from genrec_spec.models.llm.smollm2 import cache_dir
+    from genrec_spec.cache import cache_dir
 
     return cache_dir() / "drafters" / kind
 

@@ -195,7 +195,7 @@ def _load_or_build(
 
 def _folder(cache_dir: str | Path | None) -> Path:
     """``cache_dir`` None means ``$GENREC_SPEC_CACHE`` or ``~/.cache/genrec_spec``."""
-    from genrec_spec.models.llm.smollm2 import cache_dir as default_cache_dir
+    from genrec_spec.cache import cache_dir as default_cache_dir
 
     return Path(cache_dir or default_cache_dir()) / "drafters" / "selfdistill"
 
