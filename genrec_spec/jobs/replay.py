@@ -326,6 +326,10 @@ def compare(
     b = torch.stack([per_event[f"b_{n}"] for n in names])  # [S, E]
     users = user_index(events.histories.user_ids)
     differences = metric_differences(a, b, names, config, generator, users)
+    settings = asdict(config)
+    # The config's `users` is the size of the user sample asked for (0: all); it must not
+    # overwrite the count of users replayed.
+    settings["user_sample"] = settings.pop("users")
     summary = {
         "replay": {
             "source": events.source,
@@ -333,7 +337,7 @@ def compare(
             "users": len(set(events.histories.user_ids)),
             "batches": len(sizes),
         }
-        | asdict(config),
+        | settings,
         "arms": {
             side: arm_summary(arm, run, sizes, {n: differences[n][side.lower()] for n in names})
             for side, arm, run in zip("AB", arms, runs, strict=True)

@@ -166,6 +166,26 @@ def test_beam_and_spec_beam_replay_to_identical_lists(tiny_checkpoint):
     assert s["arms"]["A"]["metrics"]["hr@10"] == pytest.approx(reference["hr@10"])
     assert s["arms"]["A"]["metrics"]["mrr@10"] == pytest.approx(reference["mrr"])
     assert s["replay"]["events"] == len(data.test) and s["replay"]["batches"] == 5
+    # Every user of the split, counted (the config's user sample, 0 = all, is kept apart).
+    assert s["replay"]["users"] == len(data.test) and s["replay"]["user_sample"] == 0
+    assert f"replay of {len(data.test)} events of {len(data.test)} users" in s["verdict"][0]
+
+
+def test_replay_counts_the_users_of_a_sample_and_of_a_log(tiny_checkpoint, tmp_path):
+    arm_a = rp.parse_arm("decoder=beam", tiny_checkpoint)
+    arm_b = rp.parse_arm("decoder=heads", tiny_checkpoint, "--b")
+    config = rp.ReplayConfig(users=7, bootstrap=20, batch_size=5)
+    sample = rp.run_replay(arm_a, arm_b, config, split="test").summary
+    assert (sample["replay"]["events"], sample["replay"]["users"]) == (7, 7)
+    assert sample["replay"]["user_sample"] == 7
+    _, data = load_model_and_data(tiny_checkpoint)
+    log = _valid_then_test_log(data)  # two events per user
+    log.to_parquet(tmp_path / "log.parquet", index=False)
+    config = rp.ReplayConfig(bootstrap=20, batch_size=5)
+    logged = rp.run_replay(arm_a, arm_b, config, log=tmp_path / "log.parquet").summary
+    assert logged["replay"]["events"] == len(log) == 2 * len(data.test)
+    assert logged["replay"]["users"] == log["user_id"].nunique() == len(data.test)
+    assert f"of {len(data.test)} users" in logged["verdict"][0]
 
 
 @pytest.fixture(scope="module")
