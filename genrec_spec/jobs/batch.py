@@ -49,7 +49,6 @@ from tqdm import tqdm
 from genrec_spec.jobs.batch_chunks import (
     ENGINES,
     BatchConfig,
-    BatchInputError,
     Chunk,
     ChunkDecoder,
     model_hash,
@@ -58,6 +57,7 @@ from genrec_spec.jobs.batch_chunks import (
 )
 from genrec_spec.jobs.batch_ray import check_ray_address, run_ray
 from genrec_spec.jobs.batch_store import open_store
+from genrec_spec.jobs.errors import BatchInputError
 from genrec_spec.recsys.checkpoint import load_model_and_data
 from genrec_spec.recsys.data import Histories
 from genrec_spec.recsys.decoders.registry import check_options, get_decoder
@@ -75,17 +75,17 @@ def read_user_ids(users: str | Path) -> list[str]:
     path = Path(users)
     fix = "pass a parquet file with a user_id column, or `all`"
     if not path.is_file():
-        raise BatchInputError(f"--users {path}: no such file; {fix}")
+        raise BatchInputError(f"--users {path}: no such file", fix)
     try:
         frame = pd.read_parquet(path)
     except (OSError, ValueError) as exc:
         raise BatchInputError(
-            f"--users {path} is not a readable parquet file ({exc}); {fix}"
+            f"--users {path} is not a readable parquet file ({exc})", fix
         ) from None
     if "user_id" not in frame:
-        raise BatchInputError(f"--users {path} has no user_id column (it has {list(frame)}); {fix}")
+        raise BatchInputError(f"--users {path} has no user_id column (it has {list(frame)})", fix)
     if frame["user_id"].isna().any():
-        raise BatchInputError(f"--users {path} has empty user ids; {fix}")
+        raise BatchInputError(f"--users {path} has empty user ids", fix)
     return frame["user_id"].astype(str).tolist()
 
 
@@ -108,19 +108,21 @@ def select_users(data, users: str | Path) -> Histories:
         return known
     user_ids = read_user_ids(users)
     if not user_ids:
-        raise BatchInputError(f"--users {users} lists no users")
+        raise BatchInputError(f"--users {users} lists no users", "list at least one user")
     row = {user: i for i, user in enumerate(known.user_ids)}
     unknown = [user for user in dict.fromkeys(user_ids) if user not in row]
     if unknown:
         raise BatchInputError(
-            f"{len(unknown)} unknown user id(s) in {users}: {', '.join(unknown[:10])}; the data "
-            f"({data.path}) has {len(row)} users, e.g. {', '.join(known.user_ids[:5])}"
+            f"{len(unknown)} unknown user id(s) in {users}: {', '.join(unknown[:10])}",
+            f"list users of the data ({data.path}: {len(row)} users, e.g. "
+            f"{', '.join(known.user_ids[:5])})",
         )
     repeated = pd.Series(user_ids)[pd.Series(user_ids).duplicated()].unique().tolist()
     if repeated:
         raise BatchInputError(
             f"{len(repeated)} user id(s) appear more than once in {users}: "
-            f"{', '.join(repeated[:10])}; list each user once"
+            f"{', '.join(repeated[:10])}",
+            "list each user once",
         )
     return known.select(torch.tensor([row[user] for user in user_ids]))
 
@@ -129,17 +131,22 @@ def check_config(config: BatchConfig, options: dict) -> None:
     for name in ("k", "shards", "batch_size", "actors", "ray_cpus", "threads"):
         if getattr(config, name) < 1:
             flag = "--" + name.replace("_", "-")
-            raise BatchInputError(f"{flag} must be >= 1, got {getattr(config, name)}")
+            raise BatchInputError(
+                f"{flag} must be >= 1, got {getattr(config, name)}", f"pass {flag} 1 or more"
+            )
     if config.engine not in ENGINES:
-        raise BatchInputError(f"unknown engine {config.engine!r}; use one of {ENGINES}")
+        raise BatchInputError(f"unknown engine {config.engine!r}", f"use one of {ENGINES}")
     if config.ray_address and config.engine != "ray":
-        raise BatchInputError("--ray-address needs --engine ray")
+        raise BatchInputError(
+            "--ray-address needs --engine ray", "add --engine ray, or leave out --ray-address"
+        )
     check_options({config.decoder: get_decoder(config.decoder)}, options)
     try:
         json.dumps(options)
     except TypeError:
         raise BatchInputError(
-            f"decoder options must be numbers, booleans or strings, got {options}"
+            f"decoder options must be numbers, booleans or strings, got {options}",
+            "pass options as NAME=VALUE with such a value",
         ) from None
 
 
@@ -164,7 +171,10 @@ def run_batch(
     torch.set_num_threads(config.threads)
     model, data = load_model_and_data(ckpt, data_dir)
     if config.k > model.num_items:
-        raise BatchInputError(f"--k {config.k} exceeds the catalogue's {model.num_items} items")
+        raise BatchInputError(
+            f"--k {config.k} exceeds the catalogue's {model.num_items} items",
+            f"ask for at most {model.num_items} items",
+        )
     histories = select_users(data, users)
     hashes = {"model_hash": model_hash(Path(ckpt)), "data_hash": data.data_hash}
     job = hashes | {

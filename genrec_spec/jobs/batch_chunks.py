@@ -46,10 +46,6 @@ class BatchConfig:
     progress: bool = True  # tqdm bar on stderr
 
 
-class BatchInputError(ValueError):
-    """Bad arguments or users for the batch job."""
-
-
 @dataclass(frozen=True)
 class Chunk:
     """The users of one decoder call: the `index`-th batch of shard `shard`."""

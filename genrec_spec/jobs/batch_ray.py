@@ -29,20 +29,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from genrec_spec.jobs.batch_chunks import (
-    BatchConfig,
-    BatchInputError,
-    Chunk,
-    ChunkDecoder,
-    model_hash,
-)
+from genrec_spec.jobs.batch_chunks import BatchConfig, Chunk, ChunkDecoder, model_hash
+from genrec_spec.jobs.errors import BatchInputError, RayAddressError
 from genrec_spec.recsys.checkpoint import load_checkpoint
 from genrec_spec.recsys.types import Recommendations
-
-
-class RayAddressError(BatchInputError):
-    """A --ray-address that is malformed, where nothing answers, or where something else does."""
-
 
 # What an HTTP/2 client sends first: the connection preface, then a SETTINGS frame (9-byte
 # header: length 0, type 4, no flags, stream 0).
@@ -57,15 +47,16 @@ def check_ray_address(address: str | None, timeout_s: float) -> None:
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not host or not port.isdigit():
         raise RayAddressError(
-            f"--ray-address {address!r} must look like HOST:PORT (the head's GCS, e.g. "
-            "10.0.0.5:6379) or ray://HOST:10001"
+            f"--ray-address {address!r} is not HOST:PORT",
+            "pass the head's GCS address HOST:PORT (e.g. 10.0.0.5:6379) or ray://HOST:10001",
         )
     try:
         conn = socket.create_connection((host, int(port)), timeout=timeout_s)
     except OSError as exc:  # refused, unreachable or timed out
         raise RayAddressError(
-            f"no Ray cluster answers at {address} ({exc}); start one there with "
-            "`ray start --head`, or leave out --ray-address to run Ray on this machine"
+            f"no Ray cluster answers at {address} ({exc})",
+            "start one there with `ray start --head`, or leave out --ray-address to run Ray on "
+            "this machine",
         ) from None
     with conn:
         try:
@@ -79,9 +70,9 @@ def check_ray_address(address: str | None, timeout_s: float) -> None:
     if len(header) < 9 or kind != b"\x04" or flags != b"\x00" or any(stream) or length % 6:
         raise RayAddressError(
             f"--ray-address {address} accepts connections but is not a Ray cluster (Ray's gRPC "
-            f"servers answer with an HTTP/2 SETTINGS frame; here: {answer}); pass the head "
-            "node's GCS address (port 6379 unless `ray start --port` chose another) or "
-            "ray://HOST:10001"
+            f"servers answer with an HTTP/2 SETTINGS frame; here: {answer})",
+            "pass the head node's GCS address (port 6379 unless `ray start --port` chose "
+            "another) or ray://HOST:10001",
         )
 
 
@@ -95,7 +86,8 @@ class RayChunkDecoder:
         if model_hash(Path(ckpt)) != expected_hash:
             raise BatchInputError(
                 f"the checkpoint at {ckpt} on this Ray node is not the driver's (hash "
-                f"{expected_hash}); make the same checkpoint folder visible on every node"
+                f"{expected_hash})",
+                "make the same checkpoint folder visible on every node",
             )
         model, _ = load_checkpoint(ckpt)
         self.decode = ChunkDecoder(model, decoder, k, options)
@@ -132,7 +124,10 @@ def run_ray(
             logging_level="error",
         )
     except ConnectionError as exc:
-        raise RayAddressError(f"cannot join the Ray cluster at {address}: {exc}") from None
+        raise RayAddressError(
+            f"cannot join the Ray cluster at {address}: {exc}",
+            "check that the cluster runs the same Ray version, or leave out --ray-address",
+        ) from None
     data_logger = logging.getLogger("ray.data")
     level = data_logger.level
     try:

@@ -34,13 +34,11 @@ from typing import BinaryIO
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from genrec_spec.jobs.errors import BatchOutputError
+
 MANIFEST = "_manifest.json"
 LOCK = "_lock"
 FORMAT_VERSION = 1
-
-
-class BatchOutputError(ValueError):
-    """An output folder the job must not write to (other job, other content, busy, unwritable)."""
 
 
 def shard_file(shard: int) -> str:
@@ -108,16 +106,16 @@ def open_store(
         lock = open(out / LOCK, "a")  # noqa: SIM115 -- held until the job ends
     except OSError as exc:
         raise BatchOutputError(
-            f"cannot write the output folder {out}: {exc.strerror or exc}. "
-            "Fix: choose a writable --out folder"
+            f"cannot write the output folder {out}: {exc.strerror or exc}",
+            "choose a writable --out folder",
         ) from exc
     try:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise BatchOutputError(
-                f"another `genrec-spec batch` is writing to {out}. Fix: wait for it to end or "
-                "choose another --out"
+                f"another `genrec-spec batch` is writing to {out}",
+                "wait for it to end or choose another --out",
             ) from None
         manifest = _resume_or_start(out, job, shard_users, info)
         listed = {shard_file(s) for s in manifest["completed"]}
@@ -149,8 +147,8 @@ def _resume_or_start(out: Path, job: dict, shard_users: list[int], info: dict) -
         if foreign:
             raise BatchOutputError(
                 f"output folder {out} is not empty and holds no batch job ({MANIFEST} is "
-                f"missing; it has {', '.join(sorted(foreign)[:5])}). Fix: choose a new or "
-                "empty --out"
+                f"missing; it has {', '.join(sorted(foreign)[:5])})",
+                "choose a new or empty --out",
             )
         return fresh
     try:
@@ -158,7 +156,7 @@ def _resume_or_start(out: Path, job: dict, shard_users: list[int], info: dict) -
         old_job, completed = manifest["job"], manifest["completed"]
     except (ValueError, KeyError, TypeError) as exc:
         raise BatchOutputError(
-            f"{path} is not a batch manifest ({exc}). Fix: choose a new --out"
+            f"{path} is not a batch manifest ({exc})", "choose a new --out"
         ) from None
     if not completed:
         return fresh
@@ -171,7 +169,8 @@ def _resume_or_start(out: Path, job: dict, shard_users: list[int], info: dict) -
         raise BatchOutputError(
             f"output folder {out} holds a batch job with other arguments ("
             + "; ".join(changed or [f"format {manifest.get('format')}"])
-            + "). Fix: rerun with the arguments it was started with, or choose another --out"
+            + ")",
+            "rerun with the arguments it was started with, or choose another --out",
         )
     manifest["info"] = info
     return manifest

@@ -38,13 +38,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from genrec_spec.jobs.replay_events import (
-    Events,
-    ReplayInputError,
-    log_events,
-    read_log,
-    split_events,
-)
+from genrec_spec.jobs.errors import ReplayInputError
+from genrec_spec.jobs.replay_events import Events, log_events, read_log, split_events
 from genrec_spec.recsys.checkpoint import load_checkpoint, load_model_and_data
 from genrec_spec.recsys.data import Histories
 from genrec_spec.recsys.decoders.beam import item_trie
@@ -72,9 +67,15 @@ class ReplayConfig:
         for name, low in (("k", 1), ("users", 0), ("bootstrap", 1), ("batch_size", 1)):
             if getattr(self, name) < low:
                 flag = "--" + name.replace("_", "-")
-                raise ReplayInputError(f"{flag} must be >= {low}, got {getattr(self, name)}")
+                raise ReplayInputError(
+                    f"{flag} must be >= {low}, got {getattr(self, name)}",
+                    f"pass {flag} {low} or more",
+                )
         if not 0 < self.confidence < 1:
-            raise ReplayInputError(f"confidence must lie in (0, 1), got {self.confidence}")
+            raise ReplayInputError(
+                f"confidence must lie in (0, 1), got {self.confidence}",
+                "give a coverage such as 0.95",
+            )
 
 
 @dataclass(frozen=True)
@@ -92,12 +93,14 @@ def parse_arm(text: str, ckpt: Path, flag: str = "--a") -> Arm:
     for part in (p.strip() for p in text.split(",")):
         name, sep, value = part.partition("=")
         if not sep or not name.strip() or not value.strip():
-            raise ReplayInputError(f"{flag} {text!r}: cannot parse {part!r}; write {ARM_SYNTAX}")
+            raise ReplayInputError(f"{flag} {text!r}: cannot parse {part!r}", f"write {ARM_SYNTAX}")
         if name.strip() in fields:
-            raise ReplayInputError(f"{flag} {text!r}: {name.strip()!r} is given twice")
+            raise ReplayInputError(
+                f"{flag} {text!r}: {name.strip()!r} is given twice", "give each name once"
+            )
         fields[name.strip()] = value.strip()
     if "decoder" not in fields:
-        raise ReplayInputError(f"{flag} {text!r} names no decoder; write {ARM_SYNTAX}")
+        raise ReplayInputError(f"{flag} {text!r} names no decoder", f"write {ARM_SYNTAX}")
     decoder = fields.pop("decoder")
     decode = get_decoder(decoder)  # an unknown name raises, listing the valid ones
     # Tensor-valued options (spec_beam's draft_items) cannot be written on a command line.
@@ -106,8 +109,8 @@ def parse_arm(text: str, ckpt: Path, flag: str = "--a") -> Arm:
     unknown = [name for name in fields if name not in settable]
     if unknown:
         raise ReplayInputError(
-            f"{flag} {text!r}: decoder {decoder!r} takes no option {unknown[0]!r}; "
-            f"its options: {', '.join(settable) or 'none'}"
+            f"{flag} {text!r}: decoder {decoder!r} takes no option {unknown[0]!r}",
+            f"use one of its options: {', '.join(settable) or 'none'}",
         )
     options = dict(parse_option(f"{name}={value}") for name, value in fields.items())
     return Arm(decoder, options, Path(ckpt))
@@ -460,7 +463,9 @@ def run_replay(
 ) -> ReplayResult:
     """Load both arms' models and the events (exactly one of split / log), replay, compare."""
     if (split is None) == (log is None):
-        raise ReplayInputError("replay needs exactly one event source: a split or a log file")
+        raise ReplayInputError(
+            "replay needs exactly one event source", "give a split or a log file, not both"
+        )
     model_a, data = load_model_and_data(arm_a.ckpt, data_dir)
     model_b = model_a
     if Path(arm_b.ckpt).resolve() != Path(arm_a.ckpt).resolve():
@@ -470,17 +475,23 @@ def run_replay(
             raise ReplayInputError(
                 f"--ckpt-b {arm_b.ckpt} was trained on data {trained_on} but --ckpt "
                 f"{arm_a.ckpt} on data {data.data_hash} ({data.path}); an A/B replay compares "
-                "models of the same data: pass two checkpoints trained on one prepared folder"
+                "models of the same data",
+                "pass two checkpoints trained on one prepared folder",
             )
     if not config.k <= model_a.num_items:
-        raise ReplayInputError(f"--k {config.k} exceeds the catalogue ({model_a.num_items} items)")
+        raise ReplayInputError(
+            f"--k {config.k} exceeds the catalogue ({model_a.num_items} items)",
+            f"ask for at most {model_a.num_items} items",
+        )
     if split is not None:
         events = split_events(data, split, config.users, config.seed)
     else:
         keep = max(model_a.config.max_len, model_b.config.max_len)
         events = log_events(data, read_log(log), config.users, config.seed, keep, f"log {log}")
     if len(events.histories) == 0:
-        raise ReplayInputError(f"the {events.source} has no events to replay")
+        raise ReplayInputError(
+            f"the {events.source} has no events to replay", "replay a split or log with events"
+        )
     arms = (arm_a, arm_b)
     run_a, run_b, batch_offsets = replay(
         (model_a, model_b), arms, events, config.k, config.batch_size

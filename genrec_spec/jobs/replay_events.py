@@ -31,14 +31,11 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+from genrec_spec.jobs.errors import ReplayInputError
 from genrec_spec.recsys.data import Histories, sample_users
 
 LOG_COLUMNS = ("user_id", "timestamp", "item_id")
 SPLITS = ("valid", "test")
-
-
-class ReplayInputError(ValueError):
-    """Bad input to the replay: arms, checkpoints, the log file or the settings."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +55,7 @@ class Events:
 def split_events(data, split: str, users: int, seed: int) -> Events:
     """One event per user of the valid or test split, ordered by the held-out item's time."""
     if split not in SPLITS:
-        raise ReplayInputError(f"unknown split {split!r}; use one of {SPLITS}")
+        raise ReplayInputError(f"unknown split {split!r}", f"use one of {SPLITS}")
     part = getattr(data, split)
     histories = part.select(sample_users(len(part), users, seed))
     times = held_out_times(Path(data.path), split, histories.user_ids)
@@ -88,30 +85,37 @@ def read_log(path: Path) -> pd.DataFrame:
     """The log's user_id (str), timestamp (int64) and item_id (str) columns, checked."""
     path = Path(path)
     if not path.is_file():
-        raise ReplayInputError(f"log file {path} does not exist; pass a parquet or csv file")
+        raise ReplayInputError(f"log file {path} does not exist", "pass a parquet or csv file")
     if path.suffix in (".parquet", ".pq"):
         frame = pd.read_parquet(path)
     elif path.suffix == ".csv":
         frame = pd.read_csv(path, dtype={"user_id": str, "item_id": str})
     else:
-        raise ReplayInputError(f"log file {path}: use a .parquet or .csv file")
+        raise ReplayInputError(
+            f"log file {path} is neither .parquet nor .csv", "use a .parquet or .csv file"
+        )
     missing = [c for c in LOG_COLUMNS if c not in frame]
     if missing:
         raise ReplayInputError(
-            f"log file {path} lacks column(s) {missing}; it has {list(frame.columns)} and needs "
-            f"{list(LOG_COLUMNS)} (raw ids of the prepared data, one row per event)"
+            f"log file {path} lacks column(s) {missing}; it has {list(frame.columns)}",
+            f"give it the columns {list(LOG_COLUMNS)} (raw ids of the prepared data, one row per "
+            "event)",
         )
     frame = frame[list(LOG_COLUMNS)]
     if len(frame) == 0 or frame.isna().any().any():
-        raise ReplayInputError(f"log file {path} is empty or has missing values")
+        raise ReplayInputError(
+            f"log file {path} is empty or has missing values",
+            "give every event a user_id, timestamp and item_id",
+        )
     stamps = frame["timestamp"]
     if not pd.api.types.is_numeric_dtype(stamps):
         try:
             stamps = pd.to_datetime(stamps).astype("int64")
         except (ValueError, TypeError):
             raise ReplayInputError(
-                f"log file {path}: timestamp must be numbers or dates, got e.g. "
-                f"{frame['timestamp'].iloc[0]!r}"
+                f"log file {path}: timestamps are neither numbers nor dates, e.g. "
+                f"{frame['timestamp'].iloc[0]!r}",
+                "write timestamp as numbers or dates",
             ) from None
     return pd.DataFrame(
         {
@@ -134,7 +138,8 @@ def log_events(
             raise ReplayInputError(
                 f"the log names {len(unknown)} {what} the data does not know "
                 f"({', '.join(unknown[:10])}); the data ({data.path}) has {len(known)} {what} "
-                f"(ids like {', '.join(list(known)[:5])}): replay a log of the same dataset"
+                f"(ids like {', '.join(list(known)[:5])})",
+                "replay a log of the same dataset",
             )
     log = log.iloc[np.argsort(log["timestamp"].to_numpy(), kind="stable")]
     chosen = sorted(set(log["user_id"]))

@@ -30,8 +30,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from genrec_spec.data_pipelines.atomic import atomic_dir
+from genrec_spec.jobs.errors import ReplayInputError
 from genrec_spec.jobs.replay import Arm, ReplayConfig, ReplayResult, arm_text, run_replay
-from genrec_spec.jobs.replay_events import ReplayInputError
 
 FILES = ("report.html", "metrics.json", "per_user.parquet")
 COLORS = {"A": "#4c72b0", "B": "#dd8452"}
@@ -61,7 +61,7 @@ def replay_to_folder(
     """Run the replay (`run_replay`) and write its three files into `out`, atomically: nothing
     is left there on failure."""
     if threads < 1:
-        raise ReplayInputError(f"--threads must be >= 1, got {threads}")
+        raise ReplayInputError(f"--threads must be >= 1, got {threads}", "pass --threads 1 or more")
     torch.set_num_threads(threads)
     with atomic_dir(out, overwrite=overwrite) as tmp:
         result = run_replay(arm_a, arm_b, config, split=split, log=log, data_dir=data_dir)

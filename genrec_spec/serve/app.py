@@ -28,7 +28,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from genrec_spec.serve.config import API_KEY_ENV, ServeConfig, is_loopback
-from genrec_spec.serve.errors import add_exception_handlers
+from genrec_spec.serve.handlers import add_exception_handlers
 from genrec_spec.serve.middleware import BodyLimit, time_requests
 from genrec_spec.serve.retrieval import Retriever
 from genrec_spec.serve.routes import api, health

@@ -21,9 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from genrec_spec.errors import GenrecError
 
-class QueueFullError(RuntimeError):
-    """More requests wait for the model than the queue holds; retry later."""
+
+class QueueFullError(GenrecError):
+    """More requests wait for the model than the queue holds."""
 
 
 @dataclass
@@ -77,7 +79,9 @@ class MicroBatcher:
         """The result of `payload`; QueueFullError when the queue is full, TimeoutError when no
         result came within timeout_s, or the exception the model call raised."""
         if self._waiting >= self.max_queue:
-            raise QueueFullError(f"{self._waiting} requests are waiting for the model")
+            raise QueueFullError(
+                f"{self._waiting} requests are waiting for the model", "retry later"
+            )
         job = _Job(payload, asyncio.get_running_loop().create_future())
         self._groups.setdefault(key, []).append(job)
         self._waiting += 1

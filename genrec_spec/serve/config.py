@@ -5,6 +5,8 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
+from genrec_spec.serve.errors import ServeInputError
+
 API_KEY_ENV = "GENREC_SPEC_API_KEY"  # where `serve` and `loadtest` read the key by default
 API_KEY_HEADER = "X-API-Key"  # the request header that carries it
 
@@ -44,10 +46,10 @@ class ServeConfig:
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             values = ", ".join(f"{name}={getattr(self, name)!r}" for name in bad)
-            raise ValueError(
-                f"invalid service setting(s) {values}: batch, queue, k, token and thread "
-                "limits must be >= 1, waits >= 0, the timeout > 0, the body limit >= 1024 "
-                "bytes and the port in 0..65535"
+            raise ServeInputError(
+                f"invalid service setting(s) {values}",
+                "batch, queue, k, token and thread limits must be >= 1, waits >= 0, the "
+                "timeout > 0, the body limit >= 1024 bytes and the port in 0..65535",
             )
 
 

@@ -1,80 +1,40 @@
-"""The service's refusals: `ServiceError` (an HTTP status, an error kind and a detail) and the
-exception handlers that turn every failure into a JSON body ``{"kind": ..., "detail": ...}``.
+"""The service's user-facing errors, each a `GenrecError` (a problem and its fix).
 
-Kinds and statuses: 400 bad_request, 401 unauthorized, 404 not_found, 405 method_not_allowed,
-413 too_large, 422 invalid_request, 503 overloaded or unavailable, 504 timeout; 500 internal is a
-bug. Every refusal is counted in the metrics' ``genrec_spec_errors_total{kind}``.
+`ServeInputError` is a request the service cannot answer as asked, or a setting it cannot run
+with; `ServiceError` is a refusal on its way to the client, with its HTTP status and error kind
+(`serve.handlers` answers it with the JSON body ``{"kind": ..., "detail": str(error)}``).
 """
 
 from __future__ import annotations
 
-import logging
-
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from genrec_spec.serve.metrics import ServiceMetrics
-from genrec_spec.serve.schemas import ErrorResponse
-
-log = logging.getLogger("genrec_spec.serve")
-# The error responses every /v1/* route declares in the OpenAPI schema.
-ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 422, 503, 504)}
+from genrec_spec.errors import GenrecError
 
 
-class ServiceError(Exception):
-    """A refusal with its HTTP status, error kind and a message saying what to do."""
-
-    def __init__(self, status: int, kind: str, detail: str, headers: dict | None = None):
-        super().__init__(detail)
-        self.status, self.kind, self.detail, self.headers = status, kind, detail, headers
+class ServeInputError(GenrecError):
+    """A request the service cannot answer as asked (unknown id, k out of range, bad option), or
+    a service setting out of range."""
 
 
-def refusal(metrics: ServiceMetrics, error: ServiceError) -> JSONResponse:
-    """The JSON answer to a refusal, counted by kind."""
-    metrics.errors.labels(error.kind).inc()
-    body = {"kind": error.kind, "detail": error.detail}
-    return JSONResponse(body, status_code=error.status, headers=error.headers)
+class ServiceError(GenrecError):
+    """A refusal: its HTTP status, its error kind (bad_request, unauthorized, ...), and the problem
+    and fix its body's detail reads."""
 
+    def __init__(
+        self, status: int, kind: str, problem: str, fix: str, headers: dict | None = None
+    ) -> None:
+        super().__init__(problem, fix)
+        self.status, self.kind, self.headers = status, kind, headers
 
-def describe_problem(error: dict) -> str:
-    """One line for one of pydantic's validation errors: where and what."""
-    if error["type"] == "json_invalid":
-        return f"malformed JSON at character {error['loc'][-1]}: {error['ctx']['error']}"
-    where = ".".join(str(part) for part in error["loc"] if part != "body") or "body"
-    return f"{where}: {error['msg']}"
+    def __reduce__(self):
+        return type(self), (self.status, self.kind, self.problem, self.fix, self.headers)
 
+    @property
+    def detail(self) -> str:
+        return str(self)
 
-def _refuse(request: Request, error: ServiceError) -> JSONResponse:
-    return refusal(request.app.state.service.metrics, error)
-
-
-async def on_service_error(request: Request, error: ServiceError) -> JSONResponse:
-    return _refuse(request, error)
-
-
-async def on_invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-    problems = "; ".join(describe_problem(e) for e in error.errors())
-    return _refuse(request, ServiceError(422, "invalid_request", f"invalid request: {problems}"))
-
-
-async def on_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-    kind = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http")
-    detail = f"{error.detail}: {request.method} {request.url.path} (endpoints: /docs)"
-    return _refuse(request, ServiceError(error.status_code, kind, detail, error.headers))
-
-
-async def on_bug(request: Request, error: Exception) -> JSONResponse:
-    log.error("internal error on %s", request.url.path, exc_info=error)
-    return _refuse(
-        request, ServiceError(500, "internal", f"internal error: {type(error).__name__}")
-    )
-
-
-def add_exception_handlers(app: FastAPI) -> None:
-    """Answer refusals, invalid bodies, unknown routes and bugs with the JSON error body."""
-    app.add_exception_handler(ServiceError, on_service_error)
-    app.add_exception_handler(RequestValidationError, on_invalid)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
-    app.add_exception_handler(Exception, on_bug)
+    @classmethod
+    def bad_request(cls, error: ValueError) -> ServiceError:
+        """400 for a request the model or the retriever refused."""
+        if isinstance(error, GenrecError):
+            return cls(400, "bad_request", error.problem, error.fix)
+        return cls(400, "bad_request", str(error), "correct the request")

@@ -17,6 +17,7 @@ import torch
 from genrec_spec.core.decode import generate
 from genrec_spec.core.types import SamplingParams
 from genrec_spec.llm.methods import make_proposer
+from genrec_spec.serve.errors import ServeInputError
 
 LLMS = ("smollm2",)
 
@@ -40,7 +41,9 @@ class TextGenerator:
     @classmethod
     def load(cls, name: str) -> TextGenerator:
         if name not in LLMS:
-            raise ValueError(f"unknown LLM {name!r}; this service can load {', '.join(LLMS)}")
+            raise ServeInputError(
+                f"unknown LLM {name!r}", f"name one this service can load: {', '.join(LLMS)}"
+            )
         from genrec_spec.models.llm.smollm2 import load_smollm2
 
         return cls(*load_smollm2())

@@ -24,12 +24,13 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from genrec_spec.errors import GenrecError
 from genrec_spec.serve.config import API_KEY_HEADER, is_loopback
 
 MAX_CONCURRENCY = 1024  # most clients of one level (module docstring)
 
 
-class LoadtestError(ValueError):
+class LoadtestError(GenrecError):
     """Bad arguments or an unusable service (not loopback, no users)."""
 
 
@@ -50,21 +51,29 @@ class LoadtestConfig:
     def __post_init__(self) -> None:
         if not 0 < self.seconds <= 3600 or self.max_requests < 1 or self.timeout_s <= 0:
             raise LoadtestError(
-                "--seconds must lie in (0, 3600], --max-requests >= 1 and --timeout-s > 0"
+                f"--seconds {self.seconds}, --max-requests {self.max_requests} or --timeout-s "
+                f"{self.timeout_s} is out of range",
+                "--seconds must lie in (0, 3600], --max-requests >= 1 and --timeout-s > 0",
             )
         if self.warmup < 0 or self.k < 1:
-            raise LoadtestError("--warmup must be >= 0 and --k >= 1")
+            raise LoadtestError(
+                f"--warmup {self.warmup} or --k {self.k} is out of range",
+                "--warmup must be >= 0 and --k >= 1",
+            )
 
 
 def check_url(url: str) -> str:
     """The URL without a trailing slash; refuses anything but http(s) on a loopback host."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise LoadtestError(f"--url {url!r} must look like http://127.0.0.1:8080")
+        raise LoadtestError(
+            f"--url {url!r} is not an http(s) URL with a host",
+            "give one like http://127.0.0.1:8080",
+        )
     if not is_loopback(parts.hostname):
         raise LoadtestError(
-            f"--url host {parts.hostname!r} is not a loopback address; loadtest only loads a "
-            "service on this machine (127.0.0.1, ::1 or localhost)"
+            f"--url host {parts.hostname!r} is not a loopback address",
+            "loadtest only loads a service on this machine: use 127.0.0.1, ::1 or localhost",
         )
     return url.rstrip("/")
 
@@ -80,10 +89,16 @@ def percentile(values: list[float], q: float) -> float:
 async def fetch_users(client, limit: int = 100_000) -> list[str]:
     response = await client.get("/v1/users", params={"limit": limit})
     if response.status_code != 200:
-        raise LoadtestError(f"GET /v1/users answered {response.status_code}: {response.text}")
+        raise LoadtestError(
+            f"GET /v1/users answered {response.status_code}: {response.text}",
+            "check the service's URL and API key (--api-key)",
+        )
     users = response.json()["users"]
     if not users:
-        raise LoadtestError("the service's data has no users to draw from")
+        raise LoadtestError(
+            "the service's data has no users to draw from",
+            "serve a checkpoint whose data has users",
+        )
     return users
 
 
@@ -149,7 +164,7 @@ async def load_test(url: str, config: LoadtestConfig, api_key: str | None) -> li
         headers=headers,
         timeout=config.timeout_s,
         limits=httpx.Limits(max_connections=1),
-        verify=ssl.create_default_context(),  # shared: building one per client costs ~70 ms
+        verify=ssl.create_default_context(),  # shared: building one per client is slow
     )
     results = []
     async with make_client() as c:
@@ -158,7 +173,8 @@ async def load_test(url: str, config: LoadtestConfig, api_key: str | None) -> li
             response = await c.post("/v1/recommend", json=request_body(users, config, rng))
             if response.status_code != 200:
                 raise LoadtestError(
-                    f"a warm-up request answered {response.status_code}: {response.text}"
+                    f"a warm-up request answered {response.status_code}: {response.text}",
+                    "check the decoder and k against the service (GET /openapi.json)",
                 )
     for concurrency in config.concurrency:
         async with AsyncExitStack() as stack:  # clients are made before the level's clock starts
@@ -184,7 +200,10 @@ def run_loadtest(url: str, config: LoadtestConfig, api_key: str | None = None) -
     try:
         results = asyncio.run(load_test(url, config, api_key))
     except httpx.HTTPError as exc:  # the users or warm-up requests failed: no service there
-        raise LoadtestError(f"cannot reach {url}: {type(exc).__name__}: {exc}") from None
+        raise LoadtestError(
+            f"cannot reach {url}: {type(exc).__name__}: {exc}",
+            "start the service (`genrec-spec serve`) or correct --url",
+        ) from None
     return {"url": url, "config": asdict(config), "results": results}
 
 

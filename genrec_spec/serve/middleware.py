@@ -6,7 +6,8 @@ import time
 
 from fastapi import Request
 
-from genrec_spec.serve.errors import ServiceError, refusal
+from genrec_spec.serve.errors import ServiceError
+from genrec_spec.serve.handlers import refusal
 from genrec_spec.serve.metrics import ServiceMetrics
 
 
@@ -35,8 +36,9 @@ class BodyLimit:
             error = ServiceError(
                 413,
                 "too_large",
-                f"the request body is over {self.max_bytes} bytes; send a smaller one (e.g. a "
-                "shorter history: the model reads only the most recent items)",
+                f"the request body is over {self.max_bytes} bytes",
+                "send a smaller one (e.g. a shorter history: the model reads only the most "
+                "recent items)",
             )
             return await refusal(self.metrics, error)(scope, receive, send)
 

@@ -29,13 +29,10 @@ from genrec_spec.recsys.decoders.beam import item_trie
 from genrec_spec.recsys.decoders.registry import DECODERS, decoder_options, get_decoder
 from genrec_spec.recsys.history_cache import HistoryCache
 from genrec_spec.recsys.recommend import fetch_size, recommend
+from genrec_spec.serve.errors import ServeInputError
 from genrec_spec.serve.schemas import RecommendRequest
 
 JSON_TYPES = (bool, int, float, str, type(None))
-
-
-class ServeInputError(ValueError):
-    """A request the service cannot answer as asked (unknown id, k out of range, bad option)."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +72,8 @@ def check_option(
     only tie up the model worker)."""
     if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= limit:
         raise ServeInputError(
-            f"option {name!r} of decoder {decoder!r} must lie in 0..{limit}, got {value}"
+            f"option {name!r} of decoder {decoder!r} must lie in 0..{limit}, got {value}",
+            f"give a value from 0 to {limit} (the catalogue size)",
         )
     # bool is an int to Python; an int may stand for a float.
     if isinstance(value, bool):
@@ -85,7 +83,8 @@ def check_option(
     if not ok:
         names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
         raise ServeInputError(
-            f"option {name!r} of decoder {decoder!r} takes {names}, got {value!r}"
+            f"option {name!r} of decoder {decoder!r} takes {names}, got {value!r}",
+            f"send a value of type {names}",
         )
 
 
@@ -122,7 +121,8 @@ class Retriever:
             examples = ", ".join(self.user_ids[:5])
             raise ServeInputError(
                 f"unknown user_id {user_id!r}: the data has {len(self.user_ids)} users (e.g. "
-                f"{examples}); send a history of item ids for a user it does not know"
+                f"{examples})",
+                "send a history of item ids for a user it does not know",
             )
         test = self.data.test
         history = test.values[test.offsets[row] : test.offsets[row + 1]].tolist()
@@ -134,8 +134,9 @@ class Retriever:
         if unknown:
             examples = ", ".join(self.data.item_ids[:5])
             raise ServeInputError(
-                f"{len(unknown)} unknown item id(s) in history: {', '.join(unknown[:10])}; the "
-                f"catalogue has {len(self.item_index)} items (ids like {examples})"
+                f"{len(unknown)} unknown item id(s) in history: {', '.join(unknown[:10])}",
+                f"send raw item ids of the catalogue ({len(self.item_index)} items, ids like "
+                f"{examples})",
             )
         return indices
 
@@ -145,14 +146,15 @@ class Retriever:
         if request.k > self.max_k:
             raise ServeInputError(
                 f"k={request.k} is too large: this service returns at most {self.max_k} items "
-                f"(catalogue of {self.model.num_items}); ask for fewer"
+                f"(catalogue of {self.model.num_items})",
+                "ask for fewer",
             )
         servable = self.options[request.decoder]
         unknown = sorted(set(request.options) - set(servable))
         if unknown:
             raise ServeInputError(
-                f"decoder {request.decoder!r} takes no option(s) {unknown}; its options: "
-                f"{sorted(servable)}"
+                f"decoder {request.decoder!r} takes no option(s) {unknown}",
+                f"use its options: {sorted(servable)}",
             )
         for name, value in request.options.items():
             check_option(request.decoder, name, value, servable[name], self.model.num_items)

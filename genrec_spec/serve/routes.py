@@ -14,9 +14,10 @@ from fastapi.security import APIKeyHeader
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from genrec_spec.serve.config import API_KEY_HEADER
-from genrec_spec.serve.errors import ERRORS, ServiceError
+from genrec_spec.serve.errors import ServiceError
 from genrec_spec.serve.generation import GenerateQuery
 from genrec_spec.serve.schemas import (
+    ErrorResponse,
     GenerateRequest,
     GenerateResponse,
     ReadyResponse,
@@ -25,6 +26,9 @@ from genrec_spec.serve.schemas import (
     UsersResponse,
 )
 from genrec_spec.serve.state import ServiceState
+
+# The error responses every /v1/* route declares in the OpenAPI schema.
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 422, 503, 504)}
 
 
 def service(request: Request) -> ServiceState:
@@ -42,7 +46,7 @@ def check_key(state: Service, key: str | None = Security(api_key_header)) -> Non
         return
     if key is None or not secrets.compare_digest(key.encode(), expected.encode()):
         raise ServiceError(
-            401, "unauthorized", f"missing or wrong {API_KEY_HEADER} header; send the key"
+            401, "unauthorized", f"missing or wrong {API_KEY_HEADER} header", "send the key"
         )
 
 
@@ -86,7 +90,7 @@ async def recommend(request: RecommendRequest, state: Service):
     try:
         key, query = state.retriever.prepare(request)
     except ValueError as exc:
-        raise ServiceError(400, "bad_request", str(exc)) from None
+        raise ServiceError.bad_request(exc) from None
     answer = await state.submit("recommend", key, query)
     return answer | {"latency_ms": (time.perf_counter() - start) * 1e3}
 
@@ -97,19 +101,23 @@ def check_generate(state: ServiceState, request: GenerateRequest) -> None:
         raise ServiceError(
             404,
             "not_found",
-            "this service runs no LLM; start it with `genrec-spec serve --llm smollm2`",
+            "this service runs no LLM",
+            "start it with `genrec-spec serve --llm smollm2`",
         )
     if state.llm is None:
         raise ServiceError(
-            503, "unavailable", f"the LLM {state.llm_name} is not ready ({state.llm_status})"
+            503,
+            "unavailable",
+            f"the LLM {state.llm_name} is not ready ({state.llm_status})",
+            "retry when /readyz answers 200",
         )
     limit = state.config.max_new_tokens
     if request.max_new_tokens > limit:
         raise ServiceError(
             400,
             "bad_request",
-            f"max_new_tokens={request.max_new_tokens} is over this service's limit of "
-            f"{limit}; ask for fewer",
+            f"max_new_tokens={request.max_new_tokens} is over this service's limit of {limit}",
+            "ask for fewer",
         )
 
 

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_
 
 from genrec_spec.llm.methods import UNTRAINED as METHODS
 from genrec_spec.recsys.decoders.registry import DECODERS
+from genrec_spec.serve.errors import ServeInputError
 
 DecoderName = Literal[tuple(DECODERS)]
 # "plain" is a readable alias of the CLI's "none" (plain autoregressive decoding).
@@ -45,7 +46,10 @@ class RecommendRequest(BaseModel):
     @model_validator(mode="after")
     def one_source(self) -> RecommendRequest:
         if (self.user_id is None) == (self.history is None):
-            raise ValueError("give exactly one of user_id (a known user) or history (item ids)")
+            raise ServeInputError(
+                "the request names both or neither of user_id and history",
+                "give exactly one of user_id (a known user) or history (item ids)",
+            )
         return self
 
 

@@ -105,7 +105,8 @@ class ServiceState:
             raise ServiceError(
                 503,
                 "overloaded",
-                f"the service is overloaded ({exc}); retry after {config.retry_after_s} s",
+                f"the service is overloaded ({exc.problem})",
+                f"retry after {config.retry_after_s} s",
                 {"Retry-After": str(config.retry_after_s)},
             ) from None
         except TimeoutError:
@@ -113,7 +114,8 @@ class ServiceState:
                 504,
                 "timeout",
                 f"no answer within the service's timeout of {config.timeout_s} s (the model is "
-                "busy); retry later",
+                "busy)",
+                "retry later",
             ) from None
         except ValueError as exc:  # the model refused the request (e.g. an option value)
-            raise ServiceError(400, "bad_request", str(exc)) from None
+            raise ServiceError.bad_request(exc) from None

@@ -21,8 +21,9 @@ import torch
 from genrec_spec.cli import main
 from genrec_spec.jobs.batch import known_histories, run_batch
 from genrec_spec.jobs.batch_chunks import BatchConfig, plan_shards
-from genrec_spec.jobs.batch_ray import RayAddressError, check_ray_address
-from genrec_spec.jobs.batch_store import MANIFEST, BatchOutputError, open_store, shard_file
+from genrec_spec.jobs.batch_ray import check_ray_address
+from genrec_spec.jobs.batch_store import MANIFEST, open_store, shard_file
+from genrec_spec.jobs.errors import BatchOutputError, RayAddressError
 from genrec_spec.recsys.checkpoint import load_model_and_data
 from genrec_spec.recsys.recommend import recommend
 

@@ -384,10 +384,13 @@ def other_data_checkpoint(tiny_checkpoint, tmp_path_factory, tiny_prepared) -> P
     [
         ({"--ckpt": "missing"}, "has no manifest.json"),
         ({"--ckpt-b": "OTHER"}, "an A/B replay compares models of the same data"),
-        ({"--a": "decoder=beam,beam_width"}, "cannot parse 'beam_width'; write decoder=NAME["),
+        ({"--a": "decoder=beam,beam_width"}, "cannot parse 'beam_width'. Fix: write decoder=NAME["),
         ({"--a": "beam_width=20"}, "names no decoder"),
         ({"--b": "decoder=greedy"}, "valid decoders: beam, spec_beam, heads, rpg, nezha"),
-        ({"--b": "decoder=heads,beam_width=5"}, "takes no option 'beam_width'; its options"),
+        (
+            {"--b": "decoder=heads,beam_width=5"},
+            "takes no option 'beam_width'. Fix: use one of its options",
+        ),
         ({"--out": "FILE/out"}, "cannot create the output folder"),
         ({"--split": None, "--log": "NOCOLUMN"}, "lacks column(s) ['timestamp']"),
         ({"--split": None, "--log": "UNKNOWN"}, "the log names 1 items the data does not know"),
