@@ -184,7 +184,7 @@ def run_batch(
         "decoder": config.decoder,
         "options": options,
         "shards": config.shards,
-        "batch_size": config.batch_size,  # batching moves scores by ~1e-6
+        "batch_size": config.batch_size,  # batching moves scores by float rounding
     }
     info = {"ckpt": str(ckpt), "data": str(data.path), "users": str(users)}
     shard_users, chunks = plan_shards(histories, config.shards, config.batch_size)

@@ -12,7 +12,7 @@ import torch
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread():
     """Decode with one torch thread, as the service does by default: on a small shared machine
-    a second thread costs milliseconds per op in wake-ups. Restored after the module."""
+    a second thread's wake-ups cost more than it saves. Restored after the module."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
