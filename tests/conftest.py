@@ -115,9 +115,13 @@ def tiny_prepared():
 
 def tiny_recommender_config():
     """The tiny test recommender: every head and the item objective (dot-product logits),
-    dropout 0, level 0 from its own code head, levels 1.. from theirs (tests of
-    level0_from_items, item_tied_levels and item_temperature turn them on)."""
-    from genrec_spec.models.recsys.recommender import RecommenderConfig
+    dropout 0, level 0 from its own code head, levels 1.. from theirs (tests of the item
+    objective's level0, tied_levels and temperature turn them on)."""
+    from genrec_spec.models.recsys.config import (
+        DraftHeadConfig,
+        ItemObjectiveConfig,
+        RecommenderConfig,
+    )
 
     return RecommenderConfig(
         dim=16,
@@ -125,13 +129,10 @@ def tiny_recommender_config():
         heads=2,
         dropout=0.0,
         max_len=12,
-        draft_hidden=8,
-        item_weight=1.0,
-        level0_from_items=False,
-        item_tied_levels=False,
-        item_temperature=0.0,
-        item_levels_residual=False,
-        draft_tied=False,
+        draft_head=DraftHeadConfig(hidden=8),
+        item_objective=ItemObjectiveConfig(
+            temperature=0.0, level0=False, tied_levels=None, draft=False
+        ),
     )
 
 

@@ -29,7 +29,7 @@ from genrec_spec.errors import GenrecError
 from genrec_spec.recsys.checkpoint import load_model_and_data
 from genrec_spec.recsys.data import sample_users
 from genrec_spec.recsys.decoders.beam import beam_width_for, item_trie, search
-from genrec_spec.recsys.decoders.registry import DECODERS, get_decoder, options_for
+from genrec_spec.recsys.decoders.registry import DECODERS, get_decoder, options_for, runs_on
 from genrec_spec.recsys.history_cache import CachedRecommender, HistoryCache, rows_of
 from genrec_spec.recsys.scoring import PrefixTree, TrieIndex, node_mask, prefix_tree
 
@@ -50,8 +50,8 @@ ROWS = tuple(
 
 
 def decoders_of(model) -> tuple[str, ...]:
-    """Every benchmark row the checkpoint can run: `dense` needs the item objective."""
-    return tuple(n for n in ROWS if n != "dense" or model.config.item_weight)
+    """Every benchmark row the checkpoint can run (the model has what its decoder needs)."""
+    return tuple(n for n in ROWS if runs_on(model, VARIANTS.get(n, (n,))[0]))
 
 
 class BenchInputError(GenrecError):

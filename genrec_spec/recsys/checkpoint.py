@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import platform
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 
@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from genrec_spec.data_pipelines.atomic import atomic_dir
-from genrec_spec.models.recsys.recommender import RecommenderConfig, SemanticIdRecommender
+from genrec_spec.models.recsys.config import ConfigError, RecommenderConfig, convert_flat_config
+from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 from genrec_spec.recsys.data import PreparedData, load_prepared
 from genrec_spec.recsys.errors import CheckpointError
 
@@ -73,31 +74,20 @@ def load_checkpoint(
             f"reads version {CHECKPOINT_VERSION}",
             "retrain it with `genrec-spec train`",
         )
-    # Checkpoints written before the item objective (or level 0 / levels 1.. from it, or its
-    # cosine logits, the history-state query of the tied levels, the tied draft head, the heads'
-    # catalogue loss, their training on every n-th position) existed were trained without it.
-    before = {
-        "item_weight": 0.0,
-        "level0_from_items": False,
-        "item_tied_levels": False,
-        "item_temperature": 0.0,
-        "item_levels_residual": False,
-        "draft_tied": False,
-        "heads_item_loss": False,
-        "head_position_stride": 0,
-    }
-    model_config = before | manifest["model_config"]
-    unknown = sorted(set(model_config) - {f.name for f in fields(RecommenderConfig)})
-    if unknown:
-        raise CheckpointError(
-            f"{path} was trained with model options this code does not know: {unknown} (a "
-            "newer or patched genrec_spec wrote it)",
-            "load it with that version or retrain it with `genrec-spec train`",
+    try:  # manifests written before the component configs hold the flat form
+        model_config = RecommenderConfig.from_dict(
+            convert_flat_config(manifest["model_config"], manifest=True)
         )
+    except ConfigError as err:
+        raise CheckpointError(
+            f"{path} was trained with model options this code does not know ({err.problem}; "
+            "a newer or patched genrec_spec wrote it)",
+            "load it with that version or retrain it with `genrec-spec train`",
+        ) from err
     tensors = load_file(str(path / WEIGHTS))
     catalogue = manifest["catalogue"]
     model = SemanticIdRecommender(
-        RecommenderConfig(**model_config),
+        model_config,
         tensors["item_codes"],
         catalogue["codebook_sizes"],
         tensors.get("long_ids"),

@@ -1,7 +1,7 @@
 """The training configuration: `TrainConfig` and the JSON config files that set it.
 
 A config file is JSON with two optional sections, {"model": {...}, "train": {...}}, whose keys
-are the fields of `RecommenderConfig` (models/recsys/recommender.py) and `TrainConfig` (below);
+are the fields of `RecommenderConfig` (models/recsys/config.py) and `TrainConfig` (below);
 missing keys keep their defaults. `load_config` reads one, with overrides (the command line's).
 """
 
@@ -10,6 +10,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
+
+from genrec_spec.errors import GenrecError
+from genrec_spec.models.recsys.config import (
+    ConfigError,
+    RecommenderConfig,
+    convert_flat_config,
+    is_flat_config,
+)
+
+
+class TrainConfigError(GenrecError):
+    """A training config that cannot be used (unknown keys, values out of range)."""
 
 
 @dataclass(frozen=True)
@@ -53,23 +65,30 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.window not in ("random", "last"):
-            raise ValueError(f'train.window must be "random" or "last", got {self.window!r}')
+            raise TrainConfigError(
+                f"train.window must be random or last, got {self.window!r}",
+                'use "random" or "last"',
+            )
         if self.freeze_backbone and not self.init_from:
-            raise ValueError(
-                "train.freeze_backbone needs train.init_from (a trained checkpoint whose "
-                "backbone the heads are trained on)"
+            raise TrainConfigError(
+                "train.freeze_backbone needs train.init_from",
+                "set train.init_from to a trained checkpoint whose backbone the heads train on",
             )
         if min(self.batch_size, self.epochs, self.branches_per_row, self.eval_batch_size) < 1:
-            raise ValueError(
-                "train.batch_size, epochs, branches_per_row and eval_batch_size must be >= 1"
+            raise TrainConfigError(
+                f"train.batch_size {self.batch_size}, epochs {self.epochs}, branches_per_row "
+                f"{self.branches_per_row} and eval_batch_size {self.eval_batch_size} must be >= 1",
+                "use values of 1 or more",
             )
 
 
-def load_config(path: Path | None, overrides: dict | None = None):
+def load_config(
+    path: Path | str | None, overrides: dict | None = None
+) -> tuple[RecommenderConfig, TrainConfig]:
     """(RecommenderConfig, TrainConfig) from a JSON file (None: defaults) and `overrides`
-    ({"train": {...}, "model": {...}}); unknown sections or keys raise, listing the valid ones."""
-    from genrec_spec.models.recsys.recommender import RecommenderConfig
-
+    ({"train": {...}, "model": {...}}, each key replacing the file's); unknown sections or keys
+    raise, listing the valid ones. A model section in the flat form of older config files is
+    converted (`convert_flat_config`)."""
     raw = {}
     if path is not None:
         path = Path(path)
@@ -78,25 +97,36 @@ def load_config(path: Path | None, overrides: dict | None = None):
         try:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as err:
-            raise ValueError(f"config file {path} is not valid JSON: {err}") from err
+            raise TrainConfigError(
+                f"config file {path} is not valid JSON: {err}", "fix the JSON syntax"
+            ) from err
     if not isinstance(raw, dict):
-        raise ValueError(f"config file {path} must hold a JSON object {{model: ..., train: ...}}")
-    sections = {"model": RecommenderConfig, "train": TrainConfig}
-    merged = {name: dict(raw.get(name, {})) for name in sections}
-    for name, values in (overrides or {}).items():
-        merged.setdefault(name, {}).update(values)
+        raise TrainConfigError(
+            f"config file {path} holds {type(raw).__name__}, not a JSON object",
+            'write {"model": {...}, "train": {...}}',
+        )
+    sections = ("model", "train")
     unknown = set(raw) - set(sections)
     if unknown:
-        raise ValueError(
-            f"config {path} has unknown sections {sorted(unknown)}; valid: {sorted(sections)}"
+        raise TrainConfigError(
+            f"config {path} has unknown sections {sorted(unknown)}; valid: {sorted(sections)}",
+            "remove or rename them",
         )
-    built = []
-    for name, cls in sections.items():
-        valid = [f.name for f in fields(cls)]
-        bad = sorted(set(merged[name]) - set(valid))
-        if bad:
-            raise ValueError(
-                f"config {path} section {name!r} has unknown keys {bad}; valid keys: {valid}"
-            )
-        built.append(cls(**merged[name]))
-    return tuple(built)
+    overrides = overrides or {}
+    model, extra = dict(raw.get("model", {})), dict(overrides.get("model", {}))
+    if is_flat_config(model) and is_flat_config(extra):  # one flat config, then converted
+        model, extra = model | extra, {}
+    model = convert_flat_config(model) | convert_flat_config(extra)
+    train = dict(raw.get("train", {})) | dict(overrides.get("train", {}))
+    valid = [f.name for f in fields(TrainConfig)]
+    bad = sorted(set(train) - set(valid))
+    if bad:
+        raise TrainConfigError(
+            f"config {path} section 'train' has unknown keys {bad}; valid keys: {valid}",
+            "remove or correct the unknown keys",
+        )
+    try:
+        model_config = RecommenderConfig.from_dict(model)
+    except ConfigError as err:
+        raise TrainConfigError(f"config {path}: {err.problem}", err.fix) from None
+    return model_config, TrainConfig(**train)

@@ -189,7 +189,7 @@ def validate(
 ) -> dict[str, float]:
     """HR@10 / NDCG@10 over `rows` (summed over processes): `hr@10`, `ndcg@10` from the exact
     item log-likelihoods, `parallel_*` / `long_id_*` from the heads' item scores, `item_*` from the
-    item objective's (with item_weight > 0), `draft_*` from the `nezha` decoder's lists (with a
+    item objective's (a model with one), `draft_*` from the `nezha` decoder's lists (with a
     draft head); `nll`, the mean negative exact log-likelihood of the targets (a far less noisy
     signal than HR@10 on a few hundred users)."""
     model.eval()
@@ -206,7 +206,7 @@ def validate(
         sums["nll"] = sums.get("nll", 0.0) - target_ll.sum()
         if model.parallel_heads is not None:
             scores["parallel_"] = model.parallel_heads.score_items(state.hidden, model.item_codes)
-        if model.config.item_weight:
+        if model.item_objective is not None:
             scores["item_"] = model.item_scores(state.hidden)
         if model.long_id_heads is not None:
             scores["long_id_"] = model.long_id_heads.score_items(state.hidden, model.long_ids)
@@ -287,11 +287,13 @@ def _build_model(
             p.requires_grad_(False)
     # A head whose loss weight is 0 learns nothing, so it is frozen: AdamW's weight decay would
     # otherwise shrink its weights (retraining one head on a frozen backbone keeps the others).
-    weights = (model_config.parallel_weight, model_config.long_id_weight, model_config.draft_weight)
-    for head, weight in zip(
-        (model.parallel_heads, model.long_id_heads, model.draft_head), weights, strict=True
-    ):
-        if head is not None and not weight:
+    heads = (
+        (model.parallel_heads, model_config.parallel_heads),
+        (model.long_id_heads, model_config.long_id_heads),
+        (model.draft_head, model_config.draft_head),
+    )
+    for head, head_config in heads:
+        if head is not None and not head_config.weight:
             head.requires_grad_(False)
     return model
 

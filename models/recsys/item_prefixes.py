@@ -1,6 +1,6 @@
 """The catalogue sorted by Semantic ID, so the items under any code prefix are one contiguous run.
 
-The recommender's item-tied code levels (`RecommenderConfig.item_tied_levels`) score a prefix
+The recommender's item-tied code levels (`ItemObjectiveConfig.tied_levels`) score a prefix
 node's children by the item objective's mass on the items under each child. Sorting the items by
 their code tuples (read as one mixed-radix number, level 0 most significant) turns "the items
 under prefix (c0 .. c_l)" into the run of keys in [key(c0 .. c_l, 0 ..), key(c0 .. c_l + 1, 0 ..)),

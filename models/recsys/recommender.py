@@ -46,6 +46,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from genrec_spec.kernels import prepare_tree, tree_attention
 from genrec_spec.models.derived import DerivedCache
+from genrec_spec.models.recsys.config import RecommenderConfig
 from genrec_spec.models.recsys.heads import (
     LongIdHeads,
     ParallelLevelHeads,
@@ -61,106 +62,6 @@ _UNIT_ITEM_KEYS = DerivedCache()  # item embedding table -> its rows at unit len
 
 class RecommenderInputError(ValueError):
     """Bad input to the recommender (ids out of range, malformed offsets or trees)."""
-
-
-@dataclass(frozen=True)
-class RecommenderConfig:
-    """Architecture and loss weights of the recommender (the catalogue sizes come from data)."""
-
-    dim: int = 64  # model width D
-    layers: int = 2  # transformer blocks
-    heads: int = 2  # attention heads H (D / H per head)
-    ffn_mult: int = 4  # feed-forward width = ffn_mult * D
-    # On embeddings, attention output and feed-forward output. None by default: the ML-1M budget
-    # (45 CPU minutes) leaves the model under-trained, not over-fitted (0.05 led 0.2 by ~0.015
-    # valid HR@10; 0 with batch 32 beat 0.05 with batch 64 by 0.16 nats of valid NLL in 8 epochs).
-    dropout: float = 0.0
-    max_len: int = 200  # most recent history items read (older ones are dropped)
-    item_embedding: bool = True  # add a per-item embedding to its summed code embeddings
-    parallel_heads: bool = True  # PinRec-style level heads
-    long_id_heads: bool = True  # RPG-style digit heads (needs long IDs in the data)
-    draft_head: bool = True  # NEZHA-style recurrent draft head
-    draft_hidden: int = 64  # GRU width of the draft head
-    parallel_weight: float = 1.0  # loss weight of the parallel heads
-    long_id_weight: float = 1.0  # loss weight of the long-ID heads
-    draft_weight: float = 1.0  # loss weight of the draft head
-    # The parallel and long-ID heads learn from the cross-entropy over the whole catalogue of the
-    # item score their decoders rank by (the sum of the item's code log-probs) instead of one
-    # cross-entropy per code position. ML-1M default (with detach_heads), test NDCG@10 against
-    # beam's: rpg -38% -> -12%, heads -67% -> -42% (README, recommendation quality).
-    heads_item_loss: bool = True
-    # The heads learn from a detached history state (no gradient to the backbone). With
-    # heads_item_loss the heads' gradients slowed the backbone: ML-1M, two runs side by side,
-    # valid HR@10 (2,048 users) after epochs 1 / 2 0.102 / 0.135 joint against 0.126 / 0.161
-    # detached (0.113 / 0.167 for the previous default, per-code heads, joint).
-    detach_heads: bool = True
-    # SASRec's objective beside the codes': every history state also predicts the next item over
-    # the whole catalogue, logits = state . item embedding (tied to the input item table), with
-    # this loss weight; 0 = off. Its scores (`item_scores`) rank the catalogue in one product (the
-    # `dense` decoder). ML-1M, same 43-min budget (27 epochs instead of 40): beam unchanged
-    # within noise (test NDCG@10 0.1002 vs 0.1020), nezha -15% -> -5% and rpg -37% -> -21% of
-    # beam, and dense itself +20% over that beam.
-    item_weight: float = 1.0
-    # Level 0's distribution from the item objective instead of its own code head: log p(c) =
-    # log of the item softmax summed over the items whose level-0 code is c (the items partition
-    # into level-0 clusters). Needs item_weight > 0. No level-0 loss of its own: the item
-    # cross-entropy already holds it, -log p(item) = -log p(c0) - log p(item | c0); a separate
-    # one's cluster sum and backward over [R, I] logits cost ~0.2 s a step at one thread, about
-    # what the item cross-entropy costs. Every code decoder (beam, spec_beam, nezha, candidate
-    # scoring) then starts from it; levels 1.. keep their code heads. ML-1M, same budget (26
-    # epochs against 27, both beside other jobs): test beam HR@10 0.1839 -> 0.1939, NDCG@10
-    # 0.1002 -> 0.1085.
-    level0_from_items: bool = True
-    # Levels 1.. tied to the item objective too: a prefix node's logit for child code c is its
-    # code head's plus the log of the item objective's mass, at the node's own state, on the
-    # items under the child (a log-sum-exp over them), and its softmax runs over the prefix's
-    # children only. With level0_from_items an item's code log-likelihood then telescopes to the
-    # item softmax wherever the node states equal the history state, and the tree lets each
-    # level's state read its prefix. Needs item_weight > 0. ML-1M, same 43-minute budget (early
-    # stopping ended it at epoch 25, best 15): valid NLL of the targets 6.24 -> 5.91, test beam
-    # HR@10 / HR@50 / HR@200 0.1939 -> 0.2063 / 0.4134 -> 0.4576 / 0.6513 -> 0.6954, NDCG@10
-    # 0.1085 -> 0.1100.
-    item_tied_levels: bool = True
-    # Item logits as the HSTU repository's SASRec baseline computes them: the cosine similarity of
-    # the state and the item embedding over this temperature (it uses 0.05); 0 = the plain dot
-    # product (bounded logits may regularise the tied input/output table; not measured apart).
-    # ML-1M, same 43-minute budget, one run each: best valid NDCG@10 (512 users) 0.119 -> 0.130
-    # (0.05; 0.1 trailed 0.05 at every epoch to 18, 0.113 there), test beam HR@10 / NDCG@10
-    # 0.2063 / 0.1100 -> 0.2126 / 0.1175, history excluded 0.2616 / 0.1462 -> 0.2679 / 0.1552.
-    item_temperature: float = 0.05
-    # With item_tied_levels, the item logits at a prefix node from the history state's query (the
-    # one `dense` and level 0 use) plus a correction read from the node's own state (a linear map,
-    # zero at initialisation), instead of from the node's state alone: with the correction and
-    # the code heads at 0 the code levels telescope to the item softmax exactly, and training
-    # only adds what the prefix tells. Why: ranking the catalogue exactly by the tied levels of the
-    # node states alone (the previous ML-1M default, test, history excluded) scored HR@10 / NDCG@10
-    # 0.2679 / 0.1552 against 0.2796 / 0.1623 for the history state's own item softmax. ML-1M,
-    # same 43-minute budget: test beam HR@10 / NDCG@10 0.2126 / 0.1175 -> 0.2291 / 0.1226, history
-    # excluded 0.2679 / 0.1552 -> 0.2843 / 0.1627 (a second seed: 0.2745 / 0.1575).
-    item_levels_residual: bool = True
-    # The NEZHA draft head's logits for the next code add the item objective's log-mass under
-    # each child of the prefix at the history state (its softmax over the prefix's children), as
-    # the tied levels do at their nodes: the head learns a correction of the item softmax's
-    # conditionals instead of whole distributions. Needs item_weight > 0. ML-1M test, all users:
-    # retrained alone on a frozen backbone, nezha's NDCG@10 went from 15% below beam's to 0.3%
-    # below (0.1222 against 0.1226); trained jointly from the start (one step, this default,
-    # with train.valid_users 2048) nezha's NDCG@10 equals beam's (0.1271; history excluded
-    # 0.1665 against 0.1661) and its lists hold 91% of beam's top 10 (K = 10, W = 20).
-    draft_tied: bool = True
-    # Branch anchors per row (a stratified subset) whose states train the NEZHA draft head, and
-    # the parallel and long-ID heads when head_position_stride is 0.
-    head_branches: int = 8
-    # n >= 1: the parallel and long-ID heads learn from every n-th history position's state (the
-    # item objective learns from every one) instead of the head_branches anchors per row. ML-1M,
-    # the previous default's frozen backbone, 2 more epochs of its heads: every position (~13x
-    # the states a step: ~1,730 against ~134) took the long-ID heads' valid NDCG@10 from 0.1171
-    # to 0.1339 (the item objective's 0.1362) and the parallel heads' from 0.0778 to 0.0861; the
-    # anchors alone ended at 0.1159 / 0.0777. Each epoch took 87 s more (187 against 100 s with
-    # the backbone frozen), so the default takes every second position: trained jointly (11
-    # epochs in the 43-minute budget instead of 13), test rpg NDCG@10 went from 12% to 3.8% below
-    # beam's, heads from 42% to 34% below.
-    head_position_stride: int = 2
-    attention_backend: str = "auto"  # tree_attention backend at inference
 
 
 @dataclass
@@ -239,41 +140,6 @@ class SemanticIdRecommender(nn.Module):
                 f"item_codes {tuple(item_codes.shape)} must be [items, L] with L = "
                 f"len(codebook_sizes) = {len(codebook_sizes)} >= 2 levels"
             )
-        if config.item_weight and not config.item_embedding:
-            raise RecommenderInputError(
-                "item_weight > 0 ties the item objective to the item embedding table; set "
-                "item_embedding true or item_weight 0"
-            )
-        if config.level0_from_items and not config.item_weight:
-            raise RecommenderInputError(
-                "level0_from_items reads level 0 from the item objective; set item_weight > 0 "
-                "or level0_from_items false"
-            )
-        if config.item_tied_levels and not config.item_weight:
-            raise RecommenderInputError(
-                "item_tied_levels scores code levels by the item objective; set item_weight > 0 "
-                "or item_tied_levels false"
-            )
-        if config.item_levels_residual and not config.item_tied_levels:
-            raise RecommenderInputError(
-                "item_levels_residual corrects the tied code levels' item logits; set "
-                "item_tied_levels true or item_levels_residual false"
-            )
-        if config.draft_tied and not (config.item_weight and config.draft_head):
-            raise RecommenderInputError(
-                "draft_tied adds the item objective to the draft head; set item_weight > 0 and "
-                "draft_head true, or draft_tied false"
-            )
-        if config.item_temperature < 0:
-            raise RecommenderInputError(
-                f"item_temperature {config.item_temperature} is negative; use 0 (dot-product "
-                "item logits) or a positive temperature (cosine similarity over it, e.g. 0.05)"
-            )
-        if config.head_position_stride < 0:
-            raise RecommenderInputError(
-                f"head_position_stride {config.head_position_stride} is negative; use 0 (the "
-                "heads learn from head_branches anchors per row) or n >= 1 (every n-th position)"
-            )
         self.config = config
         self.codebook_sizes = [int(v) for v in codebook_sizes]
         self.register_buffer("item_codes", item_codes.long(), persistent=True)
@@ -291,7 +157,7 @@ class SemanticIdRecommender(nn.Module):
             )
             for level, size in enumerate(self.codebook_sizes)
         ]
-        if config.item_embedding:
+        if config.has_item_table:
             tables.append(
                 EmbeddingConfig(
                     name="t_item",
@@ -311,7 +177,7 @@ class SemanticIdRecommender(nn.Module):
         # code_heads[l] predicts level l (from the last history token for l = 0). Tying them to
         # the code embedding tables measured worse on ML-100K (valid HR@10 0.070 vs 0.085).
         # With level0_from_items level 0 has no head of its own (`level0_logits`); with
-        # item_tied_levels the heads of levels 1.. add to the item objective's child logits.
+        # tied levels the heads of levels 1.. add to the item objective's child logits.
         self.code_heads = nn.ModuleList(
             nn.Identity() if level == 0 and config.level0_from_items else nn.Linear(dim, v)
             for level, v in enumerate(self.codebook_sizes)
@@ -325,14 +191,13 @@ class SemanticIdRecommender(nn.Module):
             else None
         )
         self.draft_head = (
-            RecurrentDraftHead(dim, self.codebook_sizes, config.draft_hidden)
+            RecurrentDraftHead(dim, self.codebook_sizes, config.draft_head.hidden)
             if config.draft_head
             else None
         )
         # Maps a prefix node's state to its correction of the history state's item query.
-        self.node_item_query = (
-            nn.Linear(dim, dim, bias=False) if config.item_levels_residual else None
-        )
+        residual = config.tied_levels is not None and config.tied_levels.residual
+        self.node_item_query = nn.Linear(dim, dim, bias=False) if residual else None
         self._init_weights()
         if self.node_item_query is not None:  # the levels start as the item softmax's
             nn.init.zeros_(self.node_item_query.weight)
@@ -358,10 +223,15 @@ class SemanticIdRecommender(nn.Module):
     @property
     def forced_codes_free(self) -> bool:
         """True when the code levels are normalised over each prefix's children only
-        (item_tied_levels): a prefix with one child gives it log-prob exactly 0, so a decoder
+        (tied levels): a prefix with one child gives it log-prob exactly 0, so a decoder
         need not score it. On ML-1M 81% of the length-2 prefixes and 95% of the length-3 ones
         have one child (beam at W = 20 meets ~8 and ~2 of 20 with a choice)."""
-        return self.config.item_tied_levels
+        return self.config.tied_levels is not None
+
+    @property
+    def item_objective(self):  # -> ItemObjectiveConfig | None
+        """The item objective's config; None for a model trained without it."""
+        return self.config.item_objective
 
     def item_scores(self, hidden: Tensor) -> Tensor:
         """hidden [B, D] (a HistoryState's) -> [B, I] SASRec-style next-item logits."""
@@ -369,15 +239,15 @@ class SemanticIdRecommender(nn.Module):
 
     def _item_query(self, hidden: Tensor) -> Tensor:  # [..., D]
         """The state's side of an item logit: itself, or unit length over the temperature."""
-        temperature = self.config.item_temperature
+        temperature = self.config.item_objective.temperature
         return F.normalize(hidden, dim=-1) / temperature if temperature else hidden
 
     def _item_table(self) -> Tensor:  # [I, D]
-        """Every item's side of an item logit: its embedding row, or with item_temperature the
+        """Every item's side of an item logit: its embedding row, or with a temperature the
         row at unit length, normalised once per weight version outside autograd (a decode
         calls it once per level pass)."""
         table = self.embeddings.embeddings["t_item"].weight
-        if not self.config.item_temperature:
+        if not self.config.item_objective.temperature:
             return table
         if torch.is_grad_enabled():  # training: the keys carry the gradient to the table
             return F.normalize(table, dim=-1)
@@ -431,7 +301,7 @@ class SemanticIdRecommender(nn.Module):
         out = self.embeddings(kjt)
 
         item_sum = sum(out[f"code_{level}"].values() for level in range(self.num_levels))
-        if self.config.item_embedding:
+        if self.config.has_item_table:
             item_sum = item_sum + out["item"].values()  # [M, D]
         hist = self._history_tokens(item_sum, hist_offsets)
 
@@ -486,7 +356,7 @@ class SemanticIdRecommender(nn.Module):
         tables = self.embeddings.embeddings
         codes = self.item_codes[values]  # [M, L]
         item_sum = sum(tables[f"t_code_{lv}"](codes[:, lv]) for lv in range(self.num_levels))
-        if self.config.item_embedding:
+        if self.config.has_item_table:
             item_sum = item_sum + tables["t_item"](values)
         return item_sum
 
@@ -746,7 +616,7 @@ class SemanticIdRecommender(nn.Module):
         out = h.new_full((levels.numel(), vmax), float("-inf"))  # [B*N, Vmax]
         h, levels = h.flatten(0, 1), levels.flatten()  # [B*N, D], [B*N]
         prefixes = None if prefixes is None else prefixes.flatten(0, 1)  # [B*N, L-1]
-        # item_levels_residual: each row's history-state query, normalised once, read per node.
+        # Tied levels with a residual: each row's history-state query, normalised once.
         root_query = node_row = None
         if self.node_item_query is not None:
             root_query = self._item_query(roots)  # [B, D]
@@ -767,12 +637,12 @@ class SemanticIdRecommender(nn.Module):
         self,
         h: Tensor,  # [n, D] states of prefix nodes of length `level`
         level: int,  # >= 1, the level predicted
-        prefixes: Tensor | None,  # [n, level] the nodes' prefixes (item_tied_levels only)
+        prefixes: Tensor | None,  # [n, level] the nodes' prefixes (tied levels only)
         root_query: Tensor | None,  # [n, D] item query of each node's history state (residual)
     ) -> Tensor:  # [n, V_level]
         logits = self.code_heads[level](h)
-        if self.config.item_tied_levels:
-            # The node's item query: from its own state, or (item_levels_residual) the history
+        if self.config.tied_levels is not None:
+            # The node's item query: from its own state, or (with a residual) the history
             # state's plus the node's correction.
             if root_query is None:
                 query = self._item_query(h)  # [n, D]
@@ -832,8 +702,8 @@ class SemanticIdRecommender(nn.Module):
 
     def _node_prefixes(self, codes: Tensor, levels: Tensor, parents: Tensor) -> Tensor | None:
         """codes, levels, parents [B, N] -> [B, N, L-1]: each node's codes at levels 0..its
-        level, read up its ancestors (None unless item_tied_levels needs them)."""
-        if not self.config.item_tied_levels:
+        level, read up its ancestors (None unless the tied levels need them)."""
+        if self.config.tied_levels is None:
             return None
         depth = self.num_levels - 1
         prefixes = codes.new_zeros(*codes.shape, depth + 1)  # slot `depth`: discarded writes
@@ -899,7 +769,7 @@ class SemanticIdRecommender(nn.Module):
         node_h = h[:, tokens:].unflatten(1, (branches, levels - 1))  # [B, P, L-1, D]
         # Each branch's history state: the state at its anchor, whose next item it spells.
         anchor_h = h[:, :tokens].gather(1, anchor[..., None].expand(-1, -1, h.shape[-1]))
-        root_query = None  # [M', D] its item query (item_levels_residual), shared by the levels
+        root_query = None  # [M', D] its item query (tied residual), shared by the levels
         if self.node_item_query is not None:
             root_query = self._item_query(anchor_h[has_branch])
         for level in range(1, levels):
@@ -911,37 +781,38 @@ class SemanticIdRecommender(nn.Module):
             )
             losses[f"level_{level}"] = F.nll_loss(log_probs, branch_codes[..., level][has_branch])
         total = sum(losses.values())
-        if self.config.item_weight:
+        objective = self.config.item_objective
+        if objective is not None:
             losses["item"] = F.cross_entropy(self.item_scores(states), state_items)
-            total = total + self.config.item_weight * losses["item"]
+            total = total + objective.weight * losses["item"]
 
         # The draft head learns from the history states at a stratified subset of the branch
         # anchors, to bound its cost (per state: the item scores its tied logits read, a GRU
-        # step per level); the parallel and long-ID heads from the same states, or with
-        # head_position_stride from every n-th history position.
+        # step per level); the parallel and long-ID heads from the same states, or with a
+        # position stride from every n-th history position.
         stride = max(1, branches // self.config.head_branches)
         head_rows = has_branch[:, ::stride]  # [B, P']
         anchor_h = anchor_h[:, ::stride][head_rows]  # [M, D] the subset's states
         target_codes = branch_codes[:, ::stride][head_rows]  # [M, L]
         target_items = branch_items[:, ::stride][head_rows]  # [M]
-        code_h, code_items = anchor_h, target_items  # [M', D], [M'] for the code heads
-        if self.config.head_position_stride:
-            every = self.config.head_position_stride
-            code_h, code_items = states[::every], state_items[::every]
         if self.config.detach_heads:
-            anchor_h, code_h = anchor_h.detach(), code_h.detach()
-        code_heads = (  # (name, head, its code table [I, J], loss weight)
-            ("parallel", self.parallel_heads, self.item_codes, self.config.parallel_weight),
-            ("long_id", self.long_id_heads, self.long_ids, self.config.long_id_weight),
+            anchor_h, states = anchor_h.detach(), states.detach()
+        code_heads = (  # (name, head, its config, its code table [I, J])
+            ("parallel", self.parallel_heads, self.config.parallel_heads, self.item_codes),
+            ("long_id", self.long_id_heads, self.config.long_id_heads, self.long_ids),
         )
-        for name, head, table, weight in code_heads:
+        for name, head, config, table in code_heads:
             if head is None:
                 continue
-            if self.config.heads_item_loss:
+            code_h, code_items = anchor_h, target_items  # [M', D], [M']
+            if config.position_stride:
+                every = config.position_stride
+                code_h, code_items = states[::every], state_items[::every]
+            if config.item_loss:
                 losses[name] = head.catalogue_loss(code_h, table, code_items)
             else:
                 losses[name] = head.loss(code_h, table[code_items])
-            total = total + weight * losses[name]
+            total = total + config.weight * losses[name]
         if self.draft_head is not None:
             item_logits = None  # per level [M, V]: what the tied head adds to its logits
             if self.config.draft_tied:
@@ -954,6 +825,6 @@ class SemanticIdRecommender(nn.Module):
                         for level in range(1, levels)
                     ]
             losses["draft"] = self.draft_head.loss(anchor_h, target_codes, item_logits)
-            total = total + self.config.draft_weight * losses["draft"]
+            total = total + self.config.draft_head.weight * losses["draft"]
         losses["loss"] = total
         return losses

@@ -12,6 +12,7 @@ import torch
 
 from genrec_spec.bench import recsys as bench_recsys
 from genrec_spec.cli import bench_recsys as bench_cli
+from genrec_spec.models.recsys.config import TiedLevelsConfig
 from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 from genrec_spec.recsys.checkpoint import save_checkpoint
 from genrec_spec.recsys.decoders import beam
@@ -66,7 +67,10 @@ def test_exact_floor_holds_what_beam_needs(tiny_model, tied):
     target work."""
     model, data = tiny_model
     if tied:
-        config = replace(model.config, level0_from_items=True, item_tied_levels=True)
+        objective = replace(
+            model.config.item_objective, level0=True, tied_levels=TiedLevelsConfig(residual=False)
+        )
+        config = replace(model.config, item_objective=objective)
         model = SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).eval()
     assert model.forced_codes_free == tied
     trie, width, k = beam.item_trie(model), 4, 3

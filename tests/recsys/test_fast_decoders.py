@@ -11,7 +11,6 @@ import torch
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.recsys.recommender import (
     RecommenderConfig,
-    RecommenderInputError,
     SemanticIdRecommender,
 )
 from genrec_spec.recsys.decoders import dense, heads, nezha, rpg
@@ -105,7 +104,8 @@ def test_heads_auto_level0_follows_how_the_heads_were_trained(
     tiny_model, monkeypatch, catalogue_loss, source
 ):
     model, _ = tiny_model
-    monkeypatch.setattr(model, "config", replace(model.config, heads_item_loss=catalogue_loss))
+    heads_config = replace(model.config.parallel_heads, item_loss=catalogue_loss)
+    monkeypatch.setattr(model, "config", replace(model.config, parallel_heads=heads_config))
     values, offsets = _histories(model, [4, 9, 1], seed=3)
     auto = heads.decode(model, values, offsets, k=12, trie=_trie(model))
     chosen = heads.decode(model, values, offsets, k=12, trie=_trie(model), level0=source)
@@ -217,13 +217,16 @@ def test_nezha_with_an_exhaustive_beam_equals_brute_force(tiny_model):
 
 
 def test_tied_draft_head_starts_as_the_item_softmax_and_learns_a_correction(tiny_model):
-    """draft_tied: the head's out layers start at 0, so with a catalogue-wide beam `nezha`
-    scores every item by the item softmax at the history state (level 0 + the item objective's
-    conditionals telescope), i.e. ranks as `dense` does; its training loss reaches the head."""
+    """A draft head tied to the item objective: its out layers start at 0, so with a
+    catalogue-wide beam `nezha` scores every item by the item softmax at the history state
+    (level 0 + the item objective's conditionals telescope), i.e. ranks as `dense` does; its
+    training loss reaches the head.
+    Without the item objective the head is untied."""
     from genrec_spec.models.recsys.layout import train_layout
 
     base, data = tiny_model
-    config = replace(base.config, level0_from_items=True, item_temperature=0.05, draft_tied=True)
+    objective = replace(base.config.item_objective, level0=True, temperature=0.05, draft=True)
+    config = replace(base.config, item_objective=objective)
     torch.manual_seed(2)
     model = SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).eval()
     values, offsets = _histories(model, [5, 0, 11], seed=9)
@@ -243,12 +246,7 @@ def test_tied_draft_head_starts_as_the_item_softmax_and_learns_a_correction(tiny
     model.forward_train(layout)["draft"].backward()
     model.eval()
     assert model.draft_head.out[0].weight.grad.abs().sum() > 0
-    with pytest.raises(RecommenderInputError, match="draft_tied"):
-        SemanticIdRecommender(
-            replace(config, item_weight=0.0, level0_from_items=False),
-            data.item_codes,
-            data.codebook_sizes,
-        )
+    assert not replace(config, item_objective=None).draft_tied
 
 
 def test_bad_input(tiny_model):
@@ -273,14 +271,10 @@ def test_bad_input(tiny_model):
             dim=8,
             heads=2,
             layers=1,
-            parallel_heads=False,
-            long_id_heads=False,
-            draft_head=False,
-            item_weight=0.0,
-            level0_from_items=False,
-            item_tied_levels=False,
-            item_levels_residual=False,
-            draft_tied=False,
+            parallel_heads=None,
+            long_id_heads=None,
+            draft_head=None,
+            item_objective=None,
         ),
         data.item_codes,
         data.codebook_sizes,

@@ -8,10 +8,23 @@ import torch
 import torch.nn.functional as F
 
 from genrec_spec.kernels import ancestor_mask
+from genrec_spec.models.recsys.config import (
+    CodeHeadsConfig,
+    ConfigError,
+    ItemObjectiveConfig,
+    TiedLevelsConfig,
+)
 from genrec_spec.models.recsys.heads import LongIdHeads, ParallelLevelHeads, _IndependentCodeHeads
 from genrec_spec.models.recsys.item_scores import item_log_likelihoods
 from genrec_spec.models.recsys.layout import prefix_forest, train_layout
 from genrec_spec.models.recsys.recommender import RecommenderInputError
+
+
+def _objective(config, **changes):
+    """`config` with its item objective's fields changed."""
+    from dataclasses import replace
+
+    return replace(config, item_objective=replace(config.item_objective, **changes))
 
 
 def _histories(model, lengths: list[int], seed: int = 0):
@@ -91,13 +104,12 @@ def test_training_layout_matches_inference(tiny_model, tied):
     """forward_train's losses (SDPA over the training tree) equal the same cross-entropies
     computed with encode_history on every prefix and score_tree on every branch (with the
     code levels tied to the item objective too)."""
-    from dataclasses import replace
 
     from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 
     model, data = tiny_model
     if tied:
-        config = replace(model.config, level0_from_items=True, item_tied_levels=True)
+        config = _objective(model.config, level0=True, tied_levels=TiedLevelsConfig(False))
         torch.manual_seed(2)
         model = SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).eval()
     g = torch.Generator().manual_seed(3)
@@ -136,15 +148,16 @@ def _position_states(model, windows, offsets):
 
 
 def test_item_objective_is_the_next_item_cross_entropy(tiny_model):
-    """item_weight > 0 adds SASRec's loss: the cross-entropy of the next item over the catalogue
-    from each history state (encode_history's hidden state . the item table), weighted into
-    the total; without an item table it is refused."""
+    """The item objective adds SASRec's loss: the cross-entropy of the next item over the
+    catalogue from each history state (encode_history's hidden state . the item table), weighted
+    into the total; its output table is the item embedding table, so the model has one even with
+    item_embedding false, and a weight of 0 is refused (a null objective turns it off)."""
     from dataclasses import replace
 
     from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 
     base, data = tiny_model
-    config = replace(base.config, item_weight=0.5)
+    config = _objective(base.config, weight=0.5)
     model = SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).eval()
     windows, offsets = _histories(model, [6, 13, 1], seed=4)
     layout = train_layout(windows, offsets, model.num_levels - 1, 3, torch.Generator())
@@ -156,15 +169,20 @@ def test_item_objective_is_the_next_item_cross_entropy(tiny_model):
     torch.testing.assert_close(losses["item"], torch.stack(terms).mean(), atol=1e-5, rtol=1e-5)
     others = sum(v for name, v in losses.items() if name not in ("item", "loss"))
     torch.testing.assert_close(losses["loss"], others + 0.5 * losses["item"])
-    with pytest.raises(RecommenderInputError, match="item_embedding"):
-        SemanticIdRecommender(
-            replace(config, item_embedding=False), data.item_codes, data.codebook_sizes
-        )
+    torch.manual_seed(0)
+    a = SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).state_dict()
+    torch.manual_seed(0)
+    no_flag = replace(config, item_embedding=False)
+    b = SemanticIdRecommender(no_flag, data.item_codes, data.codebook_sizes).state_dict()
+    assert "embeddings.embeddings.t_item.weight" in b
+    assert all(torch.equal(a[k], b[k]) for k in a) and set(a) == set(b)
+    with pytest.raises(ConfigError, match="weight 0.0 must be > 0"):
+        ItemObjectiveConfig(weight=0.0)
 
 
 @pytest.mark.parametrize("stride", [1, 2])
 def test_heads_learn_from_every_nth_history_position(tiny_model, stride):
-    """head_position_stride n: the parallel and long-ID heads' catalogue losses are the mean,
+    """position_stride n: the parallel and long-ID heads' catalogue losses are the mean,
     over every n-th history position (users in order, positions in order), of the cross-entropy
     of the next item under their summed code log-probs at that position's history state."""
     from dataclasses import replace
@@ -172,7 +190,8 @@ def test_heads_learn_from_every_nth_history_position(tiny_model, stride):
     from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 
     base, data = tiny_model
-    config = replace(base.config, heads_item_loss=True, head_position_stride=stride)
+    heads = CodeHeadsConfig(item_loss=True, position_stride=stride)
+    config = replace(base.config, parallel_heads=heads, long_id_heads=heads)
     model = SemanticIdRecommender(
         config, data.item_codes, data.codebook_sizes, data.long_ids, data.long_id_sizes
     ).eval()
@@ -188,24 +207,21 @@ def test_heads_learn_from_every_nth_history_position(tiny_model, stride):
         ]
         want = torch.stack(terms[::stride]).mean()
         torch.testing.assert_close(losses[name], want, atol=1e-5, rtol=1e-5)
-    with pytest.raises(RecommenderInputError, match="head_position_stride"):
-        SemanticIdRecommender(
-            replace(config, head_position_stride=-1), data.item_codes, data.codebook_sizes
-        )
+    with pytest.raises(ConfigError, match="position_stride -1"):
+        CodeHeadsConfig(position_stride=-1)
 
 
 def test_level0_from_items_is_the_item_softmax_marginal(tiny_model, tmp_path):
-    """level0_from_items: level 0's log-probs are the item objective's log-probs summed over
-    each level-0 cluster (a code no item has: -inf), trained through the item objective alone
-    (no level-0 loss of its own), with finite gradients; it survives a checkpoint and is
-    refused without the item objective."""
-    from dataclasses import replace
+    """The item objective's level0: level 0's log-probs are the item objective's log-probs
+    summed over each level-0 cluster (a code no item has: -inf), trained through the item
+    objective alone (no level-0 loss of its own), with finite gradients; it survives a
+    checkpoint."""
 
     from genrec_spec.models.recsys.recommender import SemanticIdRecommender
     from genrec_spec.recsys.checkpoint import load_checkpoint, save_checkpoint
 
     base, data = tiny_model
-    config = replace(base.config, level0_from_items=True)
+    config = _objective(base.config, level0=True)
     sizes = [data.codebook_sizes[0] + 2, *data.codebook_sizes[1:]]  # two level-0 codes unused
     torch.manual_seed(1)
     model = SemanticIdRecommender(config, data.item_codes, sizes).eval()
@@ -231,19 +247,16 @@ def test_level0_from_items_is_the_item_softmax_marginal(tiny_model, tmp_path):
     torch.testing.assert_close(
         loaded.encode_history(windows, offsets).level0_log_probs, state.level0_log_probs
     )
-    with pytest.raises(RecommenderInputError, match="item_weight"):
-        SemanticIdRecommender(replace(config, item_weight=0.0), data.item_codes, sizes)
 
 
 @pytest.mark.parametrize(("temperature", "residual"), [(0.0, False), (0.05, False), (0.05, True)])
 def test_item_tied_levels_are_item_softmax_conditionals(tiny_model, temperature, residual):
-    """item_tied_levels: at a prefix node, with the code heads zeroed, the log-probs of the next
+    """Tied levels: at a prefix node, with the code heads zeroed, the log-probs of the next
     level are the item objective's (at the node's state) summed over the items under each child
     and renormalised over the prefix's items; codes that lead to no item get -inf; training
-    gives finite gradients; it is refused without the item objective. The item logits are dot
-    products, or with item_temperature cosine similarities over it; with item_levels_residual
-    the node's query is the history state's plus the node's (random here) correction."""
-    from dataclasses import replace
+    gives finite gradients. The item logits are dot products, or with a temperature cosine
+    similarities over it; with a residual the node's query is the history state's plus the
+    node's (random here) correction."""
 
     from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 
@@ -255,12 +268,11 @@ def test_item_tied_levels_are_item_softmax_conditionals(tiny_model, temperature,
         return hidden @ rows.T
 
     base, data = tiny_model
-    config = replace(
+    config = _objective(
         base.config,
-        level0_from_items=True,
-        item_tied_levels=True,
-        item_temperature=temperature,
-        item_levels_residual=residual,
+        level0=True,
+        tied_levels=TiedLevelsConfig(residual=residual),
+        temperature=temperature,
     )
     torch.manual_seed(3)
     model = SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).eval()
@@ -306,39 +318,21 @@ def test_item_tied_levels_are_item_softmax_conditionals(tiny_model, temperature,
     model.eval()
     losses["loss"].backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-    with pytest.raises(RecommenderInputError, match="item_tied_levels"):
-        SemanticIdRecommender(
-            replace(config, item_weight=0.0, level0_from_items=False),
-            data.item_codes,
-            data.codebook_sizes,
-        )
-    with pytest.raises(RecommenderInputError, match="item_levels_residual"):
-        SemanticIdRecommender(
-            replace(config, item_tied_levels=False, item_levels_residual=True),
-            data.item_codes,
-            data.codebook_sizes,
-        )
-    with pytest.raises(RecommenderInputError, match="item_temperature -1"):
-        SemanticIdRecommender(
-            replace(config, item_temperature=-1.0), data.item_codes, data.codebook_sizes
-        )
+    with pytest.raises(ConfigError, match="temperature -1.0 >= 0"):
+        ItemObjectiveConfig(temperature=-1.0)
 
 
 def test_item_levels_residual_starts_as_the_item_softmax(tiny_model):
-    """item_levels_residual: with the node correction at its initial 0 and the code heads at 0,
-    every item's exact trie-constrained log-likelihood (what beam search ranks by) equals the
-    item softmax at the history state (what `dense` ranks by): the levels telescope."""
-    from dataclasses import replace
+    """Tied levels with a residual: with the node correction at its initial 0 and the code
+    heads at 0, every item's exact trie-constrained log-likelihood (what beam search ranks by)
+    equals the item softmax at the history state (what `dense` ranks by): the levels
+    telescope."""
 
     from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 
     base, data = tiny_model
-    config = replace(
-        base.config,
-        level0_from_items=True,
-        item_tied_levels=True,
-        item_temperature=0.05,
-        item_levels_residual=True,
+    config = _objective(
+        base.config, level0=True, tied_levels=TiedLevelsConfig(residual=True), temperature=0.05
     )
     torch.manual_seed(7)
     model = SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).eval()
@@ -362,15 +356,14 @@ def test_item_levels_residual_starts_as_the_item_softmax(tiny_model):
 
 
 def test_unit_item_keys_follow_the_weights(tiny_model):
-    """With item_temperature the unit-length item table is kept between no-grad calls and built
+    """With a temperature the unit-length item table is kept between no-grad calls and built
     again when the item embeddings are rewritten in place (an optimiser step, load_state_dict);
     under autograd the gradient reaches the table."""
-    from dataclasses import replace
 
     from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 
     base, data = tiny_model
-    config = replace(base.config, item_temperature=0.05)
+    config = _objective(base.config, temperature=0.05)
     model = SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).eval()
     hidden = torch.randn(2, config.dim)
     table = model.embeddings.embeddings["t_item"].weight
@@ -480,7 +473,7 @@ def test_heads_shapes_and_item_scores(tiny_model):
     draft = model.draft_head.init(h)[:, None].expand(-1, beams, -1)
     codes0 = state.level0_log_probs.topk(beams, dim=1).indices  # [B, K]
     draft, log_probs = model.draft_head.step(draft, codes0, 0)
-    assert draft.shape == (3, beams, model.config.draft_hidden)
+    assert draft.shape == (3, beams, model.config.draft_head.hidden)
     assert log_probs.shape == (3, beams, model.codebook_sizes[1])
     # The same as stepping one beam alone.
     alone, alone_lp = model.draft_head.step(model.draft_head.init(h[1:2]), codes0[1:2, 2], 0)

@@ -48,7 +48,7 @@ def test_every_decoder_resolves_and_unknown_names_are_listed(tiny_model):
         decode = get_decoder(name)
         assert decode.__module__ == info.function.split(":")[0]
         assert "beam_width" not in decoder_options(decode) or name in ("beam", "spec_beam", "nezha")
-        assert (runs_on(model, name) or name == "dense") and info.help
+        assert runs_on(model, name) and info.help
     assert [n for n, info in DECODERS.items() if info.lossless] == ["beam", "spec_beam"]
     with pytest.raises(RecommendInputError, match="valid decoders: beam, spec_beam, heads"):
         get_decoder("tiger")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
+from genrec_spec.models.recsys.config import TiedLevelsConfig
 from genrec_spec.models.recsys.recommender import RecommenderInputError, SemanticIdRecommender
 from genrec_spec.recsys.scoring import (
     TrieIndex,
@@ -23,6 +24,15 @@ def _histories(model, lengths: list[int], seed: int):
     values = torch.randint(0, model.num_items, (sum(lengths),), generator=g)
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     return values, offsets
+
+
+def _tied(config):
+    """`config` with level 0 and levels 1.. from the item objective."""
+    objective = config.item_objective
+    return replace(
+        config,
+        item_objective=replace(objective, level0=True, tied_levels=TiedLevelsConfig(False)),
+    )
 
 
 def _alone(model, history: torch.Tensor, item: int) -> float:
@@ -44,7 +54,7 @@ def _alone(model, history: torch.Tensor, item: int) -> float:
 def test_score_equals_each_candidate_alone(tiny_model, lengths, tied):
     model, data = tiny_model
     if tied:
-        config = replace(model.config, level0_from_items=True, item_tied_levels=True)
+        config = _tied(model.config)
         model = SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).eval()
     assert model.forced_codes_free == tied
     values, offsets = _histories(model, lengths, seed=len(lengths))
@@ -65,7 +75,7 @@ def test_score_when_every_deeper_code_is_forced(tiny_model):
     """Items alone under their level-0 code on a tied model: no prefix is scored (an empty
     tree) and each item's log-likelihood is its level-0 log-prob, as its chain of codes gives."""
     model, _ = tiny_model
-    config = replace(model.config, level0_from_items=True, item_tied_levels=True)
+    config = _tied(model.config)
     items = 6
     codes = torch.zeros(items, model.num_levels, dtype=torch.long)
     codes[:, 0] = torch.arange(items)  # one item per level-0 code: every deeper code forced

@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
-from genrec_spec.models.recsys.recommender import RecommenderConfig, SemanticIdRecommender
+from genrec_spec.models.recsys.config import (
+    DraftHeadConfig,
+    ItemObjectiveConfig,
+    RecommenderConfig,
+    TiedLevelsConfig,
+)
+from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 from genrec_spec.recsys.decoders import beam, spec_beam
 from genrec_spec.recsys.decoders.beam import DecodeOptionError
 from genrec_spec.recsys.decoders.spec_beam import same_top_k
@@ -36,12 +42,19 @@ def _random_model(
         heads=2,
         dropout=0.0,
         max_len=10,
-        long_id_heads=False,
-        draft_hidden=8,
-        level0_from_items=item_levels != "none",  # "level0": level 0 from the item objective
-        item_tied_levels=item_levels in ("all", "cosine", "residual"),  # every level tied to it
-        item_temperature=0.05 if item_levels in ("cosine", "residual") else 0.0,  # cosine logits
-        item_levels_residual=item_levels == "residual",  # the history state's query, corrected
+        long_id_heads=None,
+        draft_head=DraftHeadConfig(hidden=8),
+        item_objective=ItemObjectiveConfig(
+            level0=item_levels != "none",  # "level0": level 0 from the item objective
+            # "all", "cosine", "residual": every level tied to it; "residual": the history
+            # state's query, corrected
+            tied_levels=(
+                TiedLevelsConfig(residual=item_levels == "residual")
+                if item_levels in ("all", "cosine", "residual")
+                else None
+            ),
+            temperature=0.05 if item_levels in ("cosine", "residual") else 0.0,  # cosine logits
+        ),
     )
     model = SemanticIdRecommender(
         config,
@@ -213,7 +226,7 @@ def test_bad_options_raise():
     values, offsets = _histories(model, users=2, seed=0)
     with pytest.raises(DecodeOptionError, match="valid drafts: auto, frontier, items, nezha, none"):
         spec_beam.decode(model, values, offsets, k=3, trie=trie, draft="heads")
-    config = replace(model.config, item_weight=0.0, level0_from_items=False, draft_tied=False)
+    config = replace(model.config, item_objective=None)
     no_items = SemanticIdRecommender(config, model.item_codes, model.codebook_sizes).eval()
     with pytest.raises(DecodeOptionError, match="the items draft needs a model trained with"):
         spec_beam.decode(no_items, values, offsets, k=3, trie=trie, draft="items")

@@ -16,6 +16,7 @@ import torch
 
 from genrec_spec.cli.train import add_arguments, run
 from genrec_spec.data_pipelines.errors import DataError
+from genrec_spec.models.recsys.config import FLAT_ADDED_LATER, CodeHeadsConfig
 from genrec_spec.models.recsys.item_scores import item_log_likelihoods
 from genrec_spec.recsys.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from genrec_spec.recsys.data import load_prepared
@@ -23,6 +24,35 @@ from genrec_spec.recsys.train_config import TrainConfig, load_config
 from genrec_spec.recsys.trainer import _epochs_that_fit, _warmup_cosine, train
 
 REPO = Path(__file__).resolve().parents[2]
+# The tiny test model's config as manifests and config files wrote it before the component
+# configs: one flat dict.
+TINY_FLAT = {
+    "dim": 16,
+    "layers": 2,
+    "heads": 2,
+    "ffn_mult": 4,
+    "dropout": 0.0,
+    "max_len": 12,
+    "item_embedding": True,
+    "parallel_heads": True,
+    "long_id_heads": True,
+    "draft_head": True,
+    "draft_hidden": 8,
+    "parallel_weight": 1.0,
+    "long_id_weight": 1.0,
+    "draft_weight": 1.0,
+    "heads_item_loss": True,
+    "detach_heads": True,
+    "item_weight": 1.0,
+    "level0_from_items": False,
+    "item_tied_levels": False,
+    "item_temperature": 0.0,
+    "item_levels_residual": False,
+    "draft_tied": False,
+    "head_branches": 8,
+    "head_position_stride": 2,
+    "attention_backend": "auto",
+}
 TINY_MODEL = {"dim": 16, "layers": 2, "heads": 2, "max_len": 12, "dropout": 0.0}
 TINY_TRAIN = {
     "epochs": 4,
@@ -83,31 +113,36 @@ def test_checkpoint_round_trip(tiny_model, tmp_path):
     )
     with pytest.raises(FileExistsError, match="--overwrite"):
         save_checkpoint(tmp_path / "ckpt", model, {})
-    # A manifest from before the item objective existed: that model was trained without it.
-    path = tmp_path / "ckpt" / "manifest.json"
-    old = json.loads(path.read_text())
-    for option in (
-        "item_weight",
-        "level0_from_items",
-        "item_tied_levels",
-        "item_temperature",
-        "item_levels_residual",
-        "draft_tied",
-        "heads_item_loss",
-        "head_position_stride",
-    ):
-        del old["model_config"][option]
-    path.write_text(json.dumps(old))
-    assert loaded.config.item_weight == 1.0
-    old_config = load_checkpoint(tmp_path / "ckpt")[0].config
-    assert (old_config.item_weight, old_config.level0_from_items) == (0.0, False)
-    assert not old_config.item_tied_levels and old_config.item_temperature == 0.0
-    assert not old_config.item_levels_residual and not old_config.draft_tied
-    assert not old_config.heads_item_loss and old_config.head_position_stride == 0
     # A manifest with a model option this code lacks (a newer or patched version wrote it).
-    path.write_text(json.dumps(old | {"model_config": old["model_config"] | {"warp": 2.0}}))
-    with pytest.raises(CheckpointError, match=r"does not know: \['warp'\].*retrain"):
+    path = tmp_path / "ckpt" / "manifest.json"
+    new = json.loads(path.read_text())
+    path.write_text(json.dumps(new | {"model_config": new["model_config"] | {"warp": 2.0}}))
+    with pytest.raises(CheckpointError, match=r"does not know.*\['warp'\].*retrain"):
         load_checkpoint(tmp_path / "ckpt")
+
+
+def test_flat_manifests_of_older_checkpoints_load(tiny_model, tmp_path):
+    """A manifest written before the component configs holds the flat config: it loads as the
+    same model with the same outputs; one written before the item objective (and the other
+    options added later) existed loads as a model trained without them."""
+    model, data = tiny_model
+    save_checkpoint(tmp_path / "ckpt", model, {"data": {"data_hash": data.data_hash}})
+    path = tmp_path / "ckpt" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    path.write_text(json.dumps(manifest | {"model_config": TINY_FLAT}))
+    loaded = load_checkpoint(tmp_path / "ckpt")[0]
+    assert loaded.config == model.config
+    values, offsets = torch.tensor([1, 5, 7, 2, 3]), torch.tensor([0, 3, 5])
+    torch.testing.assert_close(
+        loaded.encode_history(values, offsets).level0_log_probs,
+        model.encode_history(values, offsets).level0_log_probs,
+    )
+    older = {k: v for k, v in TINY_FLAT.items() if k not in FLAT_ADDED_LATER}
+    path.write_text(json.dumps(manifest | {"model_config": older}))
+    old_config = load_checkpoint(tmp_path / "ckpt")[0].config
+    assert old_config.item_objective is None and old_config.draft_head.hidden == 8
+    assert old_config.parallel_heads == CodeHeadsConfig(item_loss=False, position_stride=0)
+    assert old_config.long_id_heads == old_config.parallel_heads
 
 
 def test_seeded_training_is_reproducible(tiny_data_dir, tmp_path):
@@ -136,10 +171,11 @@ def test_heads_after_a_frozen_backbone(tiny_data_dir, tmp_path):
     assert all(torch.equal(before[k], after[k]) for k in before if not k.startswith(heads))
     assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith(heads))
     # One head retrained (the others' loss weights 0): the others stay exactly as they were.
+    frozen = {"weight": 0.0}
     model_config, train_config = load_config(
         None,
         {
-            "model": {**TINY_MODEL, "parallel_weight": 0.0, "long_id_weight": 0.0},
+            "model": {**TINY_MODEL, "parallel_heads": frozen, "long_id_heads": frozen},
             "train": {
                 **TINY_TRAIN,
                 "epochs": 2,
@@ -162,25 +198,57 @@ def test_shipped_configs_load_and_ml1m_is_the_default():
     assert load_config(REPO / "configs" / "ml-1m.json") == (RecommenderConfig(), TrainConfig())
     model_config, train_config = load_config(REPO / "configs" / "ml-100k-demo.json")
     assert model_config.max_len == 50 and train_config.max_minutes < 3
-    # The two-process recipe as measured: the default model without the item objective (which
-    # came later), twice the epochs in the same budget.
+    # The two-process recipe: the default model without the item objective, per-code head
+    # losses on the draft anchors, twice the epochs in the same budget.
     model_config, train_config = load_config(REPO / "configs" / "ml-1m-ddp.json")
+    default = RecommenderConfig()
     assert (
         replace(
             model_config,
-            item_weight=1.0,
-            level0_from_items=True,
-            item_tied_levels=True,
-            item_levels_residual=True,
-            draft_tied=True,
-            heads_item_loss=True,
+            item_objective=default.item_objective,
+            parallel_heads=default.parallel_heads,
+            long_id_heads=default.long_id_heads,
             detach_heads=True,
-            head_position_stride=2,
         )
-        == RecommenderConfig()
+        == default
     )
+    assert model_config.item_objective is None
+    assert model_config.parallel_heads == CodeHeadsConfig(item_loss=False, position_stride=0)
     assert train_config.epochs == 80
     assert train_config.max_minutes == TrainConfig().max_minutes
+
+
+def test_flat_config_files_load_as_the_same_model(tmp_path):
+    """A config file in the flat form of older versions loads as the nested config of the same
+    model (`convert_flat_config`), with overrides of either form; mixing the forms is refused."""
+    from genrec_spec.models.recsys.config import (
+        DraftHeadConfig,
+        ItemObjectiveConfig,
+        RecommenderConfig,
+    )
+
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"model": TINY_FLAT, "train": {"epochs": 3}}))
+    model_config, train_config = load_config(old)
+    assert train_config.epochs == 3
+    assert model_config == RecommenderConfig(
+        dim=16,
+        max_len=12,
+        draft_head=DraftHeadConfig(hidden=8),
+        item_objective=ItemObjectiveConfig(
+            temperature=0.0, level0=False, tied_levels=None, draft=False
+        ),
+    )
+    # A flat file with a flat override: one flat config; missing keys take their defaults.
+    old.write_text(json.dumps({"model": {"item_weight": 0.0, "dim": 32}}))
+    model_config, _ = load_config(old, {"model": {"draft_head": False}})
+    assert model_config.item_objective is None and model_config.draft_head is None
+    assert model_config.dim == 32 and model_config.parallel_heads == CodeHeadsConfig()
+    old.write_text(json.dumps({"model": {"item_weight": 0.0, "draft_head": {"hidden": 8}}}))
+    with pytest.raises(
+        ValueError, match=r"mixes the old flat keys with the parts \['draft_head'\]"
+    ):
+        load_config(old)
 
 
 def test_schedule_decays_within_the_time_budget():

@@ -1,11 +1,12 @@
 """Dense retrieval: top-K over the whole catalogue by the model's item objective, SASRec's scoring
 on the Semantic-ID backbone (the dense half of LIGER-style hybrids).
 
-A model trained with `item_weight > 0` (`RecommenderConfig`) also learns the next item directly:
-log p(item | h) = log_softmax(h . E)[item], with h the last history state and E the item
-embedding table the history tokens read (tied, as in SASRec). One backbone pass and one
-[B, D] x [D, I] product score every catalogue item, so the top-K is exact under that objective;
-no code, trie or beam is involved (the trie argument is checked only, like every decoder's).
+A model trained with the item objective (`RecommenderConfig.item_objective`) also learns the
+next item directly: log p(item | h) = log_softmax(h . E)[item], with h the last history state
+and E the item embedding table the history tokens read (tied, as in SASRec). One backbone pass
+and one [B, D] x [D, I] product score every catalogue item, so the top-K is exact under that
+objective; no code, trie or beam is involved (the trie argument is checked only, like every
+decoder's).
 Scores are the items' log-probabilities over the catalogue.
 
 Shape letters: B users, M history items, I items, D model width, K recommendations.
@@ -24,10 +25,10 @@ from genrec_spec.recsys.types import Recommendations
 
 
 def check_item_objective(model, what: str = "the dense decoder") -> None:
-    if not model.config.item_weight:
+    if model.item_objective is None:
         raise DecodeOptionError(
             f"{what} needs a model trained with the item objective",
-            'train with model.item_weight > 0 (e.g. 1.0) or use decoder "beam"',
+            'train with a model.item_objective (e.g. {"weight": 1.0}) or use decoder "beam"',
         )
 
 
@@ -39,7 +40,7 @@ def item_log_probs(model, state: HistoryState) -> Tensor:  # [B, I]
 
 @torch.no_grad()
 def decode(
-    model,  # SemanticIdRecommender trained with item_weight > 0
+    model,  # SemanticIdRecommender trained with the item objective
     values: Tensor,  # [M] int64 item indices of B histories, oldest first
     offsets: Tensor,  # [B+1] int64
     *,

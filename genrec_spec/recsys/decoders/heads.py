@@ -13,7 +13,7 @@ at batch 64 it was 4x faster, 0.62 against 2.63 ms, a few % of a request.)
 Level 0 from the backbone's own level-0 head (`level0="backbone"`) is free in the same pass and
 is trained at every history position, where the parallel heads see only the sampled branch
 positions: with heads trained on per-code cross-entropy it ranks better (ML-100K). Heads trained
-on the catalogue cross-entropy of their summed levels (`model.heads_item_loss`) fit their own
+on the catalogue cross-entropy of their summed levels (`CodeHeadsConfig.item_loss`) fit their own
 level 0 together with the others, and their own sum ranks better: ML-1M default, valid split,
 all 6,040 users, HR@10 / NDCG@10 0.1338 / 0.0756 against 0.1276 / 0.0723 with the backbone's
 level 0. So the default, `level0="auto"`, is "head" for such models and "backbone" otherwise;
@@ -73,7 +73,7 @@ def item_scores(
             'pass level0="auto" (the default), "backbone" or "head"',
         )
     if level0 == "auto":
-        level0 = "head" if model.config.heads_item_loss else "backbone"
+        level0 = "head" if model.config.parallel_heads.item_loss else "backbone"
     codes = model.item_codes  # [I, L]
     score = state.level0_log_probs[:, codes[:, 0]] if level0 == "backbone" else 0.0  # [B, I]
     # Level by level over each level's own codebook (what `ParallelLevelHeads.log_probs` stacks

@@ -114,7 +114,7 @@ def resolve_draft(model, draft: str) -> str:
             'pass one of them, or leave draft unset ("auto")',
         )
     if draft == "auto":
-        draft = "items" if model.config.item_weight else "frontier"
+        draft = "items" if model.item_objective is not None else "frontier"
     if draft == "nezha":
         draft_head_of(model)
     if draft == "items":
