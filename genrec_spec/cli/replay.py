@@ -24,7 +24,7 @@ import argparse
 import shlex
 from pathlib import Path
 
-from genrec_spec.jobs.replay import ReplayConfig, parse_arm
+from genrec_spec.jobs.replay_arms import ReplayConfig, parse_arm
 from genrec_spec.jobs.replay_events import SPLITS
 from genrec_spec.jobs.replay_report import FILES, replay_to_folder
 from genrec_spec.recsys.decoders.registry import decoder_names

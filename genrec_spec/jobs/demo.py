@@ -22,7 +22,7 @@ from genrec_spec.data_pipelines.prepare import format_summary as format_prepared
 from genrec_spec.jobs.batch import format_summary as format_batch
 from genrec_spec.jobs.batch import run_batch
 from genrec_spec.jobs.batch_chunks import BatchConfig
-from genrec_spec.jobs.replay import ReplayConfig, parse_arm
+from genrec_spec.jobs.replay_arms import ReplayConfig, parse_arm
 from genrec_spec.jobs.replay_report import FILES, replay_to_folder
 from genrec_spec.recsys.train_config import load_config
 from genrec_spec.recsys.trainer import train

@@ -31,7 +31,9 @@ from matplotlib.ticker import MaxNLocator
 
 from genrec_spec.data_pipelines.atomic import atomic_dir
 from genrec_spec.jobs.errors import ReplayInputError
-from genrec_spec.jobs.replay import Arm, ReplayConfig, ReplayResult, arm_text, run_replay
+from genrec_spec.jobs.replay import ReplayResult, run_replay
+from genrec_spec.jobs.replay_arms import Arm, ReplayConfig
+from genrec_spec.jobs.replay_compare import arm_text
 
 FILES = ("report.html", "metrics.json", "per_user.parquet")
 COLORS = {"A": "#4c72b0", "B": "#dd8452"}

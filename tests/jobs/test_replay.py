@@ -16,6 +16,8 @@ import torch
 
 from genrec_spec.cli import main
 from genrec_spec.jobs import replay as rp
+from genrec_spec.jobs import replay_arms as arms
+from genrec_spec.jobs import replay_compare as cmp
 from genrec_spec.jobs import replay_events as ev
 from genrec_spec.recsys.checkpoint import load_model_and_data, save_checkpoint
 from genrec_spec.recsys.decoders.registry import get_decoder
@@ -40,8 +42,8 @@ def test_bootstrap_interval_covers_the_known_difference_at_its_nominal_rate():
     a = torch.tensor(rng.normal(1.0, 1.0, (repeats, 300)))
     b = a + true_diff + torch.tensor(rng.normal(0.0, 0.5, (repeats, 300)))  # B shares A's part
     names = [f"sample{i}" for i in range(repeats)]
-    config = rp.ReplayConfig(bootstrap=1000)
-    diffs = rp.metric_differences(a, b, names, config, torch.Generator().manual_seed(0))
+    config = arms.ReplayConfig(bootstrap=1000)
+    diffs = cmp.metric_differences(a, b, names, config, torch.Generator().manual_seed(0))
     covered = sum(d["low"] <= true_diff <= d["high"] for d in diffs.values())
     assert 0.9 <= covered / repeats <= 0.99, covered / repeats
     assert all(d["significant"] for d in diffs.values())  # 0.25 is ~9 standard errors from 0
@@ -52,10 +54,10 @@ def test_bootstrap_interval_matches_the_normal_theory_interval_and_stays_paired(
     a = torch.tensor(rng.normal(0.0, 1.0, 2000))
     b = a + 0.1 + torch.tensor(rng.normal(0.0, 0.3, 2000))
     rows = torch.stack([a, b, b - a])  # [3, 2000]
-    replicates = rp.bootstrap_means(rows, 3000, torch.Generator().manual_seed(0))  # [3, 3000]
+    replicates = cmp.bootstrap_means(rows, 3000, torch.Generator().manual_seed(0))  # [3, 3000]
     # One draw for every row: the difference row's replicates are the rows' differences.
     torch.testing.assert_close(replicates[2], replicates[1] - replicates[0])
-    low, high = rp.interval(replicates, 0.95)
+    low, high = cmp.interval(replicates, 0.95)
     half_width = 1.96 * (b - a).std() / math.sqrt(2000)  # normal-theory 95% half-width
     assert abs((high[2] - low[2]) / 2 - half_width) < 0.1 * half_width
     assert abs((high[2] + low[2]) / 2 - (b - a).mean()) < 0.2 * half_width
@@ -74,12 +76,12 @@ def test_user_bootstrap_widens_intervals_for_correlated_events_of_one_user():
     a = torch.tensor(rng.normal(1.0, 1.0, effect.shape))
     b = a + true_diff + torch.tensor(effect + rng.normal(0.0, 0.3, effect.shape))
     names = [f"sample{i}" for i in range(repeats)]
-    config = rp.ReplayConfig(bootstrap=1000)
+    config = arms.ReplayConfig(bootstrap=1000)
     diffs = {
-        "user": rp.metric_differences(
-            a, b, names, config, torch.Generator().manual_seed(0), rp.user_index(user_ids)
+        "user": cmp.metric_differences(
+            a, b, names, config, torch.Generator().manual_seed(0), cmp.user_index(user_ids)
         ),
-        "event": rp.metric_differences(a, b, names, config, torch.Generator().manual_seed(0)),
+        "event": cmp.metric_differences(a, b, names, config, torch.Generator().manual_seed(0)),
     }
     coverage = {
         unit: sum(d["low"] <= true_diff <= d["high"] for d in by.values()) / repeats
@@ -99,14 +101,14 @@ def test_user_bootstrap_with_one_event_per_user_is_the_event_bootstrap():
     rng = np.random.default_rng(3)
     a = torch.tensor(rng.normal(0.0, 1.0, (2, 300)))
     b = a + 0.1 + torch.tensor(rng.normal(0.0, 0.3, (2, 300)))
-    users = rp.user_index([f"u{u}" for u in rng.permutation(300)])  # a split: 300 distinct users
+    users = cmp.user_index([f"u{u}" for u in rng.permutation(300)])  # a split: 300 distinct users
     assert users.tolist() == list(range(300))
-    config = rp.ReplayConfig(bootstrap=500)
-    d = rp.metric_differences(a, b, ["m0", "m1"], config, torch.Generator().manual_seed(0), users)
+    config = arms.ReplayConfig(bootstrap=500)
+    d = cmp.metric_differences(a, b, ["m0", "m1"], config, torch.Generator().manual_seed(0), users)
     # The plain event bootstrap: resample events, same seed, same draws.
     rows = torch.cat([a, b, b - a])
-    low, high = rp.interval(
-        rp.bootstrap_means(rows, config.bootstrap, torch.Generator().manual_seed(0)), 0.95
+    low, high = cmp.interval(
+        cmp.bootstrap_means(rows, config.bootstrap, torch.Generator().manual_seed(0)), 0.95
     )
     got_low = torch.tensor(
         [d[m][k] for k in ("a_low", "b_low", "low") for m in ("m0", "m1")], dtype=torch.float64
@@ -120,16 +122,16 @@ def test_user_bootstrap_with_one_event_per_user_is_the_event_bootstrap():
 
 def test_identical_arms_give_zero_difference_and_full_overlap():
     lists = torch.tensor([[3, 1, 2], [0, 4, -1], [5, 6, 7]])  # [E=3, K=3], one padded row
-    metrics = rp.arm_metrics(lists, torch.tensor([1, 9, 7]))
-    a = torch.stack([metrics[n] for n in rp.metric_names(3)])
-    d = rp.metric_differences(
-        a, a.clone(), rp.metric_names(3), rp.ReplayConfig(bootstrap=100), torch.Generator()
+    metrics = cmp.arm_metrics(lists, torch.tensor([1, 9, 7]))
+    a = torch.stack([metrics[n] for n in cmp.metric_names(3)])
+    d = cmp.metric_differences(
+        a, a.clone(), cmp.metric_names(3), arms.ReplayConfig(bootstrap=100), torch.Generator()
     )
     assert all(v["diff"] == v["low"] == v["high"] == 0 and not v["significant"] for v in d.values())
-    assert rp.overlap_at_k(lists[[0, 2]], lists[[0, 2]]).tolist() == [1.0, 1.0]
+    assert cmp.overlap_at_k(lists[[0, 2]], lists[[0, 2]]).tolist() == [1.0, 1.0]
     # Pads are no items: two of three real items shared; none shared.
     other = torch.tensor([[2, 9, 3], [8, 4, -1], [1, 2, 0]])
-    assert rp.overlap_at_k(lists, other).tolist() == pytest.approx([2 / 3, 1 / 3, 0.0])
+    assert cmp.overlap_at_k(lists, other).tolist() == pytest.approx([2 / 3, 1 / 3, 0.0])
     assert metrics["rank"].tolist() == [2, 0, 3]
     assert metrics["mrr@3"].tolist() == pytest.approx([0.5, 0.0, 1 / 3])
 
@@ -138,20 +140,20 @@ def test_identical_lists_allow_near_exact_ties_to_swap():
     """Lists are identical item for item, or up to float rounding: items 1 and 2 tie within
     1e-4 in row 0 and may swap; in row 1 they are 0.01 apart, so the swap is a different list."""
     scores = torch.tensor([[-1.0, -2.0, -2.00001], [-1.0, -2.0, -2.01]])
-    a = rp.ArmRun(torch.tensor([[3, 1, 2], [3, 1, 2]]), scores, torch.zeros(1), torch.zeros(1), 0)
+    a = arms.ArmRun(torch.tensor([[3, 1, 2], [3, 1, 2]]), scores, torch.zeros(1), torch.zeros(1), 0)
     swapped = torch.tensor([[3, 2, 1], [3, 2, 1]])
-    b = rp.ArmRun(swapped, scores.clone(), torch.zeros(1), torch.zeros(1), 0)
-    assert rp.identical_lists(a, b).tolist() == [True, False]
-    assert rp.identical_lists(a, a).tolist() == [True, True]
+    b = arms.ArmRun(swapped, scores.clone(), torch.zeros(1), torch.zeros(1), 0)
+    assert cmp.identical_lists(a, b).tolist() == [True, False]
+    assert cmp.identical_lists(a, a).tolist() == [True, True]
 
 
 # --- replay on the tiny checkpoint ---------------------------------------------------------------
 
 
 def test_beam_and_spec_beam_replay_to_identical_lists(tiny_checkpoint):
-    config = rp.ReplayConfig(bootstrap=200, batch_size=5)  # 24 users: 5 batches
-    arm_a = rp.parse_arm("decoder=beam,beam_width=12", tiny_checkpoint)
-    arm_b = rp.parse_arm("decoder=spec_beam,beam_width=12", tiny_checkpoint, "--b")
+    config = arms.ReplayConfig(bootstrap=200, batch_size=5)  # 24 users: 5 batches
+    arm_a = arms.parse_arm("decoder=beam,beam_width=12", tiny_checkpoint)
+    arm_b = arms.parse_arm("decoder=spec_beam,beam_width=12", tiny_checkpoint, "--b")
     result = rp.run_replay(arm_a, arm_b, config, split="test")
     s = result.summary
     assert torch.equal(result.runs[0].items, result.runs[1].items)
@@ -172,16 +174,16 @@ def test_beam_and_spec_beam_replay_to_identical_lists(tiny_checkpoint):
 
 
 def test_replay_counts_the_users_of_a_sample_and_of_a_log(tiny_checkpoint, tmp_path):
-    arm_a = rp.parse_arm("decoder=beam", tiny_checkpoint)
-    arm_b = rp.parse_arm("decoder=heads", tiny_checkpoint, "--b")
-    config = rp.ReplayConfig(users=7, bootstrap=20, batch_size=5)
+    arm_a = arms.parse_arm("decoder=beam", tiny_checkpoint)
+    arm_b = arms.parse_arm("decoder=heads", tiny_checkpoint, "--b")
+    config = arms.ReplayConfig(users=7, bootstrap=20, batch_size=5)
     sample = rp.run_replay(arm_a, arm_b, config, split="test").summary
     assert (sample["replay"]["events"], sample["replay"]["users"]) == (7, 7)
     assert sample["replay"]["user_sample"] == 7
     _, data = load_model_and_data(tiny_checkpoint)
     log = _valid_then_test_log(data)  # two events per user
     log.to_parquet(tmp_path / "log.parquet", index=False)
-    config = rp.ReplayConfig(bootstrap=20, batch_size=5)
+    config = arms.ReplayConfig(bootstrap=20, batch_size=5)
     logged = rp.run_replay(arm_a, arm_b, config, log=tmp_path / "log.parquet").summary
     assert logged["replay"]["events"] == len(log) == 2 * len(data.test)
     assert logged["replay"]["users"] == log["user_id"].nunique() == len(data.test)
@@ -354,10 +356,10 @@ def test_log_of_valid_and_test_items_replays_both_splits(tiny_checkpoint, tmp_pa
         torch.tensor(log_rows[[f"{side}_{m}" for m in ("hit", "ndcg", "rr")]].to_numpy().T)
         for side in "ab"
     )
-    names, config = rp.metric_names(10), rp.ReplayConfig(bootstrap=200)
-    users = rp.user_index(log_rows["user_id"].tolist())
+    names, config = cmp.metric_names(10), arms.ReplayConfig(bootstrap=200)
+    users = cmp.user_index(log_rows["user_id"].tolist())
     assert int(users.max()) + 1 == len(split_rows) and "intervals over users" in printed
-    by_user = rp.metric_differences(a, b, names, config, torch.Generator().manual_seed(0), users)
+    by_user = cmp.metric_differences(a, b, names, config, torch.Generator().manual_seed(0), users)
     for name in names:
         assert metrics["differences"][name]["low"] == pytest.approx(by_user[name]["low"])
         assert metrics["differences"][name]["high"] == pytest.approx(by_user[name]["high"])
