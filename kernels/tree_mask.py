@@ -12,19 +12,13 @@ siblings or other branches. Three views of that relation:
 
 import torch
 
+from genrec_spec.errors import GenrecError
+
 BITS_PER_WORD = 32
 
 
-class TreeAttentionError(ValueError):
-    """Bad input to a tree-attention op. ``str(err)`` reads "<problem>. Fix: <fix>"."""
-
-    def __init__(self, problem: str, fix: str) -> None:
-        super().__init__(problem, fix)
-        self.problem = problem
-        self.fix = fix
-
-    def __str__(self) -> str:
-        return f"{self.problem.rstrip('.')}. Fix: {self.fix}"
+class TreeAttentionError(GenrecError):
+    """Bad input to a tree-attention op."""
 
 
 def check_parents(parents: torch.Tensor) -> None:  # parents: [B, N] integer

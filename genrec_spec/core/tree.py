@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from genrec_spec.core.types import DraftTree
+from genrec_spec.core.types import DecodeInputError, DraftTree
 from genrec_spec.kernels import ancestor_mask
 
 
@@ -94,9 +94,9 @@ def static_tree(choices: list[tuple[int, ...]]) -> tuple[Tensor, Tensor, Tensor]
     parents, ranks, depth = [-1], [0], [0]
     for choice in ordered:
         if not choice or choice[:-1] not in index or min(choice) < 0:
-            raise ValueError(
-                f"tree choice {choice} is not a path of ranks below an existing node; list "
-                "every prefix of a path too, e.g. (0,) before (0, 1)"
+            raise DecodeInputError(
+                f"tree choice {choice} is not a path of ranks below an existing node",
+                "list every prefix of a path too, e.g. (0,) before (0, 1)",
             )
         index[choice] = len(parents)
         parents.append(index[choice[:-1]])

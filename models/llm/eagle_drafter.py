@@ -86,8 +86,8 @@ class FeatureDrafter(nn.Module):
         """An empty one-layer cache for ``batch_size`` rows of up to ``max_len`` pairs."""
         if max_len > self.config.max_seq_len:
             raise LlamaError(
-                f"max_len {max_len} exceeds the target's max_seq_len {self.config.max_seq_len}; "
-                "ask for a shorter cache"
+                f"max_len {max_len} exceeds the target's max_seq_len {self.config.max_seq_len}",
+                "ask for a shorter cache",
             )
         return StaticKVCache(
             1,

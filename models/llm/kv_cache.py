@@ -14,9 +14,11 @@ buffer, so attention can read [committed | tree] keys as one slice without copyi
 
 import torch
 
+from genrec_spec.errors import GenrecError
 
-class KVCacheError(ValueError):
-    """Bad use of a ``StaticKVCache``; the message says what was wrong and how to fix it."""
+
+class KVCacheError(GenrecError):
+    """Bad use of a ``StaticKVCache``."""
 
 
 class StaticKVCache:
@@ -43,8 +45,8 @@ class StaticKVCache:
     ) -> None:
         if batch_size < 1 or max_len < 1:
             raise KVCacheError(
-                f"a cache needs batch_size >= 1 and max_len >= 1, got {batch_size} and {max_len}; "
-                "pass positive sizes"
+                f"a cache needs batch_size >= 1 and max_len >= 1, got {batch_size} and {max_len}",
+                "pass positive sizes",
             )
         shape = (n_layers, batch_size, n_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [n_layers, B, Hkv, S, D]
@@ -89,9 +91,9 @@ class StaticKVCache:
             if self._length_bound + n > self.max_len:
                 raise KVCacheError(
                     f"a row holds {self._length_bound} committed tokens and this pass adds {n}, "
-                    f"more than the cache's max_len {self.max_len}; create the cache with a "
-                    f"larger max_len (model.new_cache(batch_size, max_len=...)) or shorten the "
-                    "prompt / max_new_tokens"
+                    f"more than the cache's max_len {self.max_len}",
+                    "create the cache with a larger max_len (model.new_cache(batch_size, "
+                    "max_len=...)) or shorten the prompt / max_new_tokens",
                 )
         self.pending = (self._length_bound, n)
 
@@ -125,19 +127,21 @@ class StaticKVCache:
         harmless."""
         if self.pending is None:
             raise KVCacheError(
-                "commit called with no pending entries; run the model's forward on this cache "
-                "first (each forward's entries can be committed once)"
+                "commit called with no pending entries",
+                "run the model's forward on this cache first (each forward's entries can be "
+                "committed once)",
             )
         start, n_nodes = self.pending
         n_layers, batch, heads, _, head_dim = self.k.shape
         if node_idx.dim() != 2 or node_idx.shape[0] != batch or node_idx.shape[1] > n_nodes:
             raise KVCacheError(
                 f"node_idx has shape {tuple(node_idx.shape)}, expected [B={batch}, K] with "
-                f"K <= {n_nodes} (the nodes of the last forward); pass one path per row"
+                f"K <= {n_nodes} (the nodes of the last forward)",
+                "pass one path per row",
             )
         if tuple(n.shape) != (batch,):
             raise KVCacheError(
-                f"n has shape {tuple(n.shape)}, expected [B={batch}]; pass one count per row"
+                f"n has shape {tuple(n.shape)}, expected [B={batch}]", "pass one count per row"
             )
         width = node_idx.shape[1]
         if width > 0:
@@ -158,7 +162,8 @@ class StaticKVCache:
         if batch_idx.dim() != 1 or batch_idx.numel() == 0:
             raise KVCacheError(
                 f"batch_idx must be a non-empty 1-D index tensor, got shape "
-                f"{tuple(batch_idx.shape)}; pass the old row of each new row"
+                f"{tuple(batch_idx.shape)}",
+                "pass the old row of each new row",
             )
         self.k = self.k.index_select(1, batch_idx)
         self.v = self.v.index_select(1, batch_idx)
@@ -184,12 +189,13 @@ class StaticKVCache:
         if tuple(lengths.shape) != (self.batch_size,):
             raise KVCacheError(
                 f"truncate lengths have shape {tuple(lengths.shape)}, expected "
-                f"[B={self.batch_size}]; pass one length per row"
+                f"[B={self.batch_size}]",
+                "pass one length per row",
             )
         if bool(((lengths < 0) | (lengths > self.lengths)).any()):
             raise KVCacheError(
-                f"truncate to {lengths.tolist()} but rows hold {self.lengths.tolist()}; "
-                "truncate only rolls back: pass 0 <= lengths <= cache.lengths"
+                f"truncate to {lengths.tolist()} but rows hold {self.lengths.tolist()}",
+                "truncate only rolls back: pass 0 <= lengths <= cache.lengths",
             )
         self._lengths = lengths
         self.pending = None

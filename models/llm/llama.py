@@ -277,8 +277,8 @@ class Llama(nn.Module):
         """An empty cache on the model's device, in the model's dtype unless told otherwise."""
         if max_len > self.config.max_seq_len:
             raise LlamaError(
-                f"max_len {max_len} exceeds the model's max_seq_len {self.config.max_seq_len}; "
-                "ask for a shorter cache (the model has no positions past max_seq_len)"
+                f"max_len {max_len} exceeds the model's max_seq_len {self.config.max_seq_len}",
+                "ask for a shorter cache (the model has no positions past max_seq_len)",
             )
         weight = self.tok_embeddings.weight
         return StaticKVCache(
@@ -355,7 +355,7 @@ class Llama(nn.Module):
         LM head do not run (SmolLM2: EAGLE-3's layers 2 / 15 / 28 skip 2 of 30 layers and the
         head, ~25% of a forward's multiply-adds)."""
         if not layers:
-            raise LlamaError("hidden_states needs layers; name at least one (0 .. n_layers)")
+            raise LlamaError("hidden_states needs layers", "name at least one (0 .. n_layers)")
         self._check_forward(tokens, cache, None, layers)
         deepest = max(layers)
         x, hidden = self._layers(tokens, cache, None, deepest, layers)
@@ -381,21 +381,23 @@ class Llama(nn.Module):
         if tokens.dim() != 2 or tokens.shape[1] == 0 or tokens.dtype != torch.int64:
             raise LlamaError(
                 f"tokens must be a non-empty [B, N] int64 tensor, got shape "
-                f"{tuple(tokens.shape)} of {tokens.dtype}"
+                f"{tuple(tokens.shape)} of {tokens.dtype}",
+                "pass token ids as a [B, N] tensor of dtype torch.long",
             )
         if tokens.shape[0] != cache.batch_size:
             raise LlamaError(
-                f"tokens have {tokens.shape[0]} rows but the cache has {cache.batch_size}; "
-                "create the cache with model.new_cache(batch_size=tokens.shape[0], ...)"
+                f"tokens have {tokens.shape[0]} rows but the cache has {cache.batch_size}",
+                "create the cache with model.new_cache(batch_size=tokens.shape[0], ...)",
             )
         if parents is not None and parents.shape != tokens.shape:
             raise LlamaError(
                 f"parents has shape {tuple(parents.shape)}, expected tokens' shape "
-                f"{tuple(tokens.shape)}: one parent index per tree node"
+                f"{tuple(tokens.shape)}",
+                "pass one parent index per tree node",
             )
         bad = [i for i in hidden_layers if not 0 <= i <= self.config.n_layers]
         if bad:
             raise LlamaError(
-                f"hidden_layers {bad} out of range; use 0 (embeddings) .. "
-                f"{self.config.n_layers} (final-normed state)"
+                f"hidden_layers {bad} out of range",
+                f"use 0 (embeddings) .. {self.config.n_layers} (final-normed state)",
             )

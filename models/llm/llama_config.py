@@ -3,9 +3,12 @@
 
 from dataclasses import dataclass
 
+from genrec_spec.errors import GenrecError
 
-class LlamaError(ValueError):
-    """Bad input to the Llama model or its loaders; the message says how to fix it."""
+
+class LlamaError(GenrecError):
+    """Bad input to the Llama model, the networks built on it (early exit, Medusa heads, EAGLE
+    drafter) or its loaders."""
 
 
 @dataclass(frozen=True)
@@ -24,9 +27,9 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         if self.dim % self.n_heads or self.n_heads % self.n_kv_heads or self.head_dim % 2:
             raise LlamaError(
-                f"dim {self.dim}, n_heads {self.n_heads}, n_kv_heads {self.n_kv_heads} do not "
-                "fit: dim must split into n_heads heads of even size and n_heads must be a "
-                "multiple of n_kv_heads"
+                f"dim {self.dim}, n_heads {self.n_heads}, n_kv_heads {self.n_kv_heads} do not fit",
+                "dim must split into n_heads heads of even size and n_heads must be a multiple "
+                "of n_kv_heads",
             )
 
     @property

@@ -58,7 +58,8 @@ def _rename(
     if unknown or missing:
         raise LlamaError(
             f"{source} does not hold a plain Llama model: unexpected tensors {unknown[:5]}, "
-            f"missing tensors {missing[:5]}; only Llama checkpoints without extras load here"
+            f"missing tensors {missing[:5]}",
+            "load a Llama checkpoint without extras: only those load here",
         )
     return {ours: tensors[theirs] for theirs, ours in names.items()}
 
@@ -79,9 +80,12 @@ def _gguf_config(reader, path: str | Path) -> LlamaConfig:
 
     arch = field("general.architecture")
     if arch != "llama":
-        raise LlamaError(f"{path} holds a {arch!r} model; only 'llama' GGUF files load here")
+        raise LlamaError(f"{path} holds a {arch!r} model", "load a 'llama' GGUF file")
     if field("llama.rope.scaling.type", "none") != "none":
-        raise LlamaError(f"{path} uses rope scaling, which this Llama does not implement")
+        raise LlamaError(
+            f"{path} uses rope scaling, which this Llama does not implement",
+            "load a Llama checkpoint without rope scaling",
+        )
     shapes = {t.name: t.shape for t in reader.tensors}  # dimensions innermost first
     n_heads = field("llama.attention.head_count")
     config = LlamaConfig(
@@ -97,7 +101,11 @@ def _gguf_config(reader, path: str | Path) -> LlamaConfig:
         tie_embeddings="output.weight" not in shapes,
     )
     if field("llama.rope.dimension_count", config.head_dim) != config.head_dim:
-        raise LlamaError(f"{path} rotates only part of each head (partial RoPE): unsupported")
+        raise LlamaError(
+            f"{path} rotates only part of each head (partial RoPE), which this Llama does not "
+            "implement",
+            "load a Llama checkpoint whose RoPE rotates whole heads",
+        )
     return config
 
 
@@ -170,19 +178,22 @@ def read_hf(folder: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     files = sorted(folder.glob("*.safetensors"))
     if not (folder / "config.json").is_file() or not files:
         raise LlamaError(
-            f"{folder} must hold config.json and *.safetensors weights (a Hugging Face model "
-            "folder, e.g. written by save_pretrained)"
+            f"{folder} must hold config.json and *.safetensors weights",
+            "pass a Hugging Face model folder (e.g. written by save_pretrained)",
         )
     hf = json.loads((folder / "config.json").read_text())
     rope = hf.get("rope_parameters") or {}  # transformers >= 5 nests rope settings here
     rope_type = rope.get("rope_type", (hf.get("rope_scaling") or {}).get("rope_type", "default"))
     if hf.get("model_type") != "llama" or rope_type != "default":
         raise LlamaError(
-            f"{folder} holds model_type {hf.get('model_type')!r} with rope type {rope_type!r}; "
-            "only plain Llama (default RoPE) loads here"
+            f"{folder} holds model_type {hf.get('model_type')!r} with rope type {rope_type!r}",
+            "load a plain Llama (default RoPE): only plain Llama loads here",
         )
     if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise LlamaError(f"{folder} uses attention/MLP biases, which this Llama does not have")
+        raise LlamaError(
+            f"{folder} uses attention/MLP biases, which this Llama does not have",
+            "load a Llama checkpoint without biases",
+        )
     n_heads = hf["num_attention_heads"]
     config = LlamaConfig(
         vocab_size=hf["vocab_size"],
@@ -197,7 +208,10 @@ def read_hf(folder: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
     if hf.get("head_dim", config.head_dim) != config.head_dim:
-        raise LlamaError(f"{folder} sets head_dim != hidden_size / heads: unsupported")
+        raise LlamaError(
+            f"{folder} sets head_dim != hidden_size / heads, which this Llama does not implement",
+            "load a checkpoint whose head_dim is hidden_size / num_attention_heads",
+        )
     tensors = {}
     for file in files:
         tensors.update(load_file(file))

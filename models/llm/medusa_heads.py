@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from genrec_spec.models.llm.llama import linear
+from genrec_spec.models.llm.llama import LlamaError, linear
 
 
 class MedusaHeads(nn.Module):
@@ -27,7 +27,7 @@ class MedusaHeads(nn.Module):
     ) -> None:
         super().__init__()
         if num_heads < 1:
-            raise ValueError(f"num_heads={num_heads}: Medusa needs at least one head")
+            raise LlamaError(f"num_heads={num_heads}", "Medusa needs at least one head")
         dim = lm_head.shape[1]
         # W_k [K, D_out, D_in] and b_k [K, D]: zero, so each head starts as the LM head itself
         self.weight = nn.Parameter(torch.zeros(num_heads, dim, dim, dtype=lm_head.dtype))

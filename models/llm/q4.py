@@ -21,13 +21,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from genrec_spec.errors import GenrecError
 from genrec_spec.kernels.q4 import q4_matmul
 
 GROUP = 32  # weights per (scale, min) pair, along K: a Q4_0 / Q4_1 block
 
 
-class Q4Error(ValueError):
-    """A matrix that cannot be cut into groups; the message says which shape is needed."""
+class Q4Error(GenrecError):
+    """A matrix that cannot be cut into 4-bit groups, or 4-bit codes that do not fit the model
+    they are given for."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,10 @@ def quantize_q4(weight: Tensor) -> Q4Codes:  # [N, K] -> codes
     that do not come as 4-bit codes already (a Hugging Face checkpoint, the tied LM head)."""
     n, k = weight.shape
     if k % GROUP:
-        raise Q4Error(f"a [{n}, {k}] matrix cannot be cut into groups of {GROUP} along K")
+        raise Q4Error(
+            f"a [{n}, {k}] matrix cannot be cut into groups of {GROUP} along K",
+            f"quantise matrices whose K is a multiple of {GROUP}",
+        )
     groups = weight.detach().float().reshape(n, k // GROUP, GROUP)
     low, high = groups.amin(-1), groups.amax(-1)  # [N, K / GROUP]
     # In fp16 (the kernel's), low rounded down and the scale up: the group stays in range.

