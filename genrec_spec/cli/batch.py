@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from genrec_spec.jobs.batch import ENGINES, BatchConfig, format_summary, run_batch
 from genrec_spec.cli.evaluate import option_argument as parse_option
+from genrec_spec.jobs.batch import ENGINES, BatchConfig, format_summary, run_batch
 from genrec_spec.recsys.decoders.registry import decoder_names
 
 
