@@ -32,8 +32,8 @@ namespace {
 constexpr int64_t kRows = 16;  // output rows per block
 constexpr int64_t kGroup = 32;  // weights per scale
 constexpr int64_t kRowsOfX = 8;  // rows of x per pass over the weights (both paths)
-// Groups prefetched ahead (4 KB of codes): at one row the loop runs near memory bandwidth and the
-// hardware prefetcher alone leaves it ~25% short (SmolLM2's layers: 4.9 vs 6.1-7.1 ms, medians).
+// Groups prefetched ahead (4 KB of codes): at one row the loop runs near memory bandwidth, which
+// the hardware prefetcher alone falls short of.
 constexpr int64_t kAhead = 16;
 
 // One matrix in the layout above.

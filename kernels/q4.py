@@ -1,25 +1,23 @@
 """4-bit Llama ops for the CPU (``q4.cpp``, built on first use): x @ W.T with W as 4-bit codes
-(``models.q4``), and a Llama's decoder layers for one token per row on such weights.
+(``models.llm.q4``), and a Llama's decoder layers for one token per row on such weights.
 
 Why our own kernel: ATen's CPU int4 matmul (``_weight_int4pack_mm_for_cpu``) is bound by
-unpacking its nibbles (~16G weights/s at one row here) and rounds its scales and output to
-bfloat16. ``q4.cpp`` lays 16 output rows across the SIMD lanes and turns each code into
-the bfloat16 128 + code with one bit operation, so a single AVX512-BF16 instruction does 32
-multiply-adds with nothing left to unpack: per matrix of SmolLM2 at one row 1.6-2.8x ATen's
-kernel (25-52G weights/s), all 120 layer matrices in sequence 1.7x (then bound by memory; it
-prefetches ahead), with fp16 scales and fp32 sums and output (error ~1e-6 of the output's
-scale against the exactly dequantised matrix, ATen's ~3e-3): ``genrec-spec bench q4``. CPUs
-without AVX512-BF16 get a portable loop over the same layout: the same sums, several times
-slower.
+unpacking its nibbles and rounds its scales and output to bfloat16. ``q4.cpp`` lays 16 output
+rows across the SIMD lanes and turns each code into the bfloat16 128 + code with one bit
+operation, so a single AVX512-BF16 instruction does 32 multiply-adds with nothing left to
+unpack (a whole layer stack in sequence is then bound by memory; it prefetches ahead), with
+fp16 scales and fp32 sums and output, so it is also closer to the exactly dequantised matrix
+than ATen's: ``genrec-spec bench q4`` compares them. CPUs without AVX512-BF16 get a portable
+loop over the same layout: the same sums, slower.
 
 The ops are compiled by ``torch.utils.cpp_extension`` for the machine they run on
-(-march=native) the first time they are needed (~15 s, cached under ``$TORCH_EXTENSIONS_DIR``,
+(-march=native) the first time they are needed (cached under ``$TORCH_EXTENSIONS_DIR``,
 by default ~/.cache/torch_extensions) and registered as ``torch.ops.genrec_spec.q4_matmul`` and
 ``torch.ops.genrec_spec.q4_decode_layers``. The second runs every decoder layer of a Llama for
-one token per row on the target's KV cache (``models.quantized_draft``; q4.cpp documents its
+one token per row on the target's KV cache (``models.llm.quantized_draft``; q4.cpp documents its
 arguments): RoPE, the cache writes, attention, SiLU and the residual sums as plain loops around
-the matmul. Written as ~30 PyTorch ops a layer (even under TorchScript), those cost about as
-much as the 4-bit products themselves.
+the matmul. Written as dozens of PyTorch ops a layer (even under TorchScript), those would cost
+about as much as the 4-bit products themselves.
 """
 
 from __future__ import annotations

@@ -126,8 +126,8 @@ def _follows(root: torch.Tensor, tree: torch.Tensor, offset: int) -> bool:
 Partial = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 # Root scores per step, in elements (1 MiB of fp32): small enough to stay in the CPU's L2 cache
-# between the matmul and the softmax passes over them, which on the development machine made
-# the root part 1.5-2x faster than one batch-wide pass.
+# between the matmul and the softmax passes over them, which makes the root part faster than
+# one batch-wide pass.
 ROOT_CHUNK_SCORES = 1 << 18
 
 

@@ -45,11 +45,8 @@ class TritonTreeConfig:
     num_warps: int = 4
     num_stages: int = 2
     # Root slices per (row, KV head, node block); None picks enough to give every SM
-    # `programs_per_sm` programs, each slice at least `min_slice` keys long. Measured on an H200
-    # (bf16, 8/2 heads, D 64, 64 nodes, CUDA-graph replays, us for 1 / 2 / 4 / 8 slices):
-    # B=1 S=2048 27.8 / 17.8 / 12.4 / 9.8, B=8 28.1 / 18.7 / 15.2 / 16.8, B=32 S=512
-    # 12.4 / 16.2 / 20.8 / 31.6, S=2048 40.6 / 40.6 / 44.1 / 55.6, S=8192 170 / 134 / 138 / 148:
-    # slices pay off while programs are fewer than ~2 per SM, and cost a merge otherwise.
+    # `programs_per_sm` programs, each slice at least `min_slice` keys long: slices pay off while
+    # programs are fewer than about two per SM, and cost a merge otherwise.
     root_splits: int | None = None
     programs_per_sm: int = 2
     min_slice: int = 512

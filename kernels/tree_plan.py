@@ -28,12 +28,10 @@ from genrec_spec.kernels.tree_mask import (
 
 # The CPU path for a plan: the dense one (one SDPA call over [root | tree] keys with the plan's
 # prebuilt additive mask, GQA without repeated K/V) for float32 while the mask has at most this
-# many elements (64 MiB), the split one otherwise. Measured at one thread with SmolLM2's heads
-# (9 query / 3 KV, head dim 64), B 1 and 8, roots of 128-2048 keys, tree K/V copied in: dense
-# is 1.3-3.8x faster than split at N = 1-64 (most on short roots, where split's ~40 small ops
-# dominate) and 1.3-1.6x at N = 128-512; reading a cache in place (no copy) adds up to 1.4x.
-# CPU SDPA in float16 was 2-4x slower than split, in bfloat16 up to 2x slower at N = 1 on long
-# roots, so half types keep the split path.
+# many elements (64 MiB), the split one otherwise. For float32 the dense call is faster than the
+# split path's many small ops (most on short roots), more so reading a cache in place; CPU SDPA
+# in float16 and bfloat16 is slower than split, so half types keep the split path
+# (``genrec-spec bench kernel`` compares them).
 DENSE_MAX_MASK_ELEMENTS = 1 << 24
 
 

@@ -39,7 +39,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 class BenchConfig:
     """Defaults of ``genrec-spec bench kernel``."""
 
-    # BxSxN shapes; the CPU grid takes about a minute on the 2-core development machine.
+    # BxSxN shapes: a grid per device, sized for a short run.
     cpu_shapes: tuple[str, ...] = (
         "1x512x16",
         "1x8192x64",
@@ -62,7 +62,7 @@ class BenchConfig:
     quick_shapes: tuple[str, ...] = ("2x512x16", "4x1024x32")
     trees: tuple[str, ...] = ("chain", "branches", "medusa")
     cpu_heads: str = "9/3"  # SmolLM2-135M's query / KV heads, the LLM this project runs on CPU
-    gpu_heads: str = "8/2"  # the GPU target shape of issue 4
+    gpu_heads: str = "8/2"  # a GPU target's query / KV heads
     head_dim: int = 64
     cpu_dtype: str = "float32"  # CPUs have no fast half-precision attention path
     gpu_dtype: str = "bfloat16"

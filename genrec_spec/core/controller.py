@@ -11,9 +11,9 @@ so seeded runs there repeat):
 - cost of a step relative to a plain decoding step: the target forward grows with the tokens it
   scores, cost(B * (1 + n_k)) / cost(B), with B the batch size and n_k the tree's nodes below
   the root; plus ``draft_cost * k`` for drafters that run a model once per draft level. cost(n)
-  is ``pass_cost``, a measured table (``measure_pass_cost``: on a CPU it is far from linear,
-  e.g. SmolLM2 at one thread scores 2 tokens as fast as 1 and 3 at 1.4x; ``cached_pass_cost``
-  keeps it per model shape and machine), or else the linear
+  is ``pass_cost``, a measured table (``measure_pass_cost``: on a CPU it is far from linear, a
+  few tokens costing little more than one; ``cached_pass_cost`` keeps it per model shape and
+  machine), or else the linear
   model 1 + c * n with c = ``token_cost``, the cost of one more token relative to the forward's
   fixed cost.
 The first step drafts at full depth to measure; then each step drafts to the depth
@@ -49,8 +49,8 @@ from genrec_spec.core.types import DecodeInputError, DraftTree
 @dataclass(frozen=True)
 class ControllerConfig:
     adaptive: bool = True  # False: always draft to the proposer's full depth k
-    # Cost of one more scored token / fixed cost of a forward. 0.1 fits a small model on CPU
-    # (8 tokens cost ~2x one, 64 ~5x); on a GPU it is nearer 0.01.
+    # Cost of one more scored token / fixed cost of a forward: a small model on CPU; on a GPU
+    # it is lower.
     token_cost: float = 0.1
     # Measured cost of a forward over n = 1, 2, ... scored tokens (all rows) relative to one
     # (``measure_pass_cost``); extended past its end at its average slope. Empty: token_cost.

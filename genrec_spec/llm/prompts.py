@@ -9,8 +9,8 @@ Sources (nothing is downloaded):
   chat template, as an instruct model is used;
 - ``pystdlib``: HumanEval-shaped prompts (a function's ``def`` line(s) and docstring, dedented)
   cut from the Python standard library's own source (the running interpreter's ``Lib``; tests,
-  IDLE, lib2to3 and site-packages skipped): ~4,600 distinct functions on CPython 3.11, the
-  largest code corpus that ships with the machine, for drafter training data (the text depends
+  IDLE, lib2to3 and site-packages skipped): thousands of distinct functions, the largest code
+  corpus that ships with the machine, for drafter training data (the text depends
   on the interpreter's version, and so does the self-distillation cache key);
 - a PATH: one prompt per line, or ``.jsonl`` lines ``{"prompt": ...}`` (the ``generate`` CLI's
   format); used as plain text unless ``chat=True``.
@@ -102,8 +102,8 @@ def stdlib_prompts(config: PromptConfig = PromptConfig()) -> tuple[str, ...]:
     """Every function of the standard library's modules that has a docstring and a body after
     it, as its ``def`` line(s) and docstring (methods dedented): files in sorted
     order, functions in ``ast.walk`` order, duplicates kept once, lengths outside
-    ``stdlib_chars`` dropped. Parsing the ~580 files takes a few seconds, hence the cache (and
-    a tuple: every caller shares the cached value)."""
+    ``stdlib_chars`` dropped. Parsing every file is slow, hence the cache (and a tuple: every
+    caller shares the cached value)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     low, high = config.stdlib_chars
     prompts: dict[str, None] = {}  # an ordered set

@@ -11,16 +11,16 @@ x_{t+1} the token after t, and its output there is the predicted feature of posi
 
 E and W_lm are the target's token embedding and LM head, shared and frozen (non-persistent
 buffers: checkpoints hold the fc layer, the block and the draft vocabulary). The block is
-``models.llama``'s TransformerBlock at the target's widths, with a one-layer StaticKVCache of its
-own: a forward leaves its K/V pending and the caller commits the pairs it keeps, exactly as the
+``models.llm.llama``'s TransformerBlock at the target's widths, with a one-layer StaticKVCache of
+its own: a forward leaves its K/V pending and the caller commits the pairs it keeps, exactly as the
 target's cache works. While drafting, a pair's feature may be the drafter's own prediction.
 
 EAGLE-3 (Li et al., 2025) reads several target layers instead of one: with ``fused`` = k > 1 an
 input fusion ``fuse`` maps the concatenated features of k layers (low, mid, high) [.., k D] to
 one feature [.., D], the f_t above: a linear layer, then an RMSNorm, as EAGLE-3 normalises the
-fused state (the fused layers' residual streams are not normalised: SmolLM2's layers 2 / 15 /
-28 have median norms 75 / 178 / 611 and outliers up to 22,000, against 49 for the final-normed
-state; unnormalised, the untrained drafter's loss started at 23 instead of ~10). The drafter's
+fused state (the fused layers' residual streams are not normalised: their norms grow with depth
+and have large outliers, where the final-normed state's do not; unnormalised, the untrained
+drafter starts from a much higher loss). The drafter's
 outputs live in that fused space: while drafting (and in training-time test) a predicted
 feature is fed back as is, unfused.
 

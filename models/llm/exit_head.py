@@ -9,14 +9,14 @@ Plain early exit (the target's final norm and LM head right on h_n) agrees with 
 next token only a few percent of the time: the middle layers' states are not yet in the LM
 head's basis. The head maps them there; it starts as plain early exit (the block's output
 projection is zero, RMSNorm_out is the target's final norm) and learns from the target's own
-next-token distributions (``drafters.layerskip``).
+next-token distributions (``llm.training.layerskip``).
 
 The draft needs no cache of its own: the target's committed K/V of layers 0..n-1 are exactly
 what the truncated model computes, so a draft pass runs on the target's cache
 (``Llama.forward_layers``), leaving pending entries in those layers only, which the target's
 next pass overwrites. Drafting costs about n / L of a target forward plus the head.
 
-Draft vocabulary: as EAGLE's drafter (``models.eagle_drafter``), ``vocab_ids`` restricts the
+Draft vocabulary: as EAGLE's drafter (``models.llm.eagle_drafter``), ``vocab_ids`` restricts the
 head to a subset of frequent tokens, because on a CPU the full LM head (SmolLM2: 28M of ~134M
 weights per forward) would cost as much as 8 of its layers. Exactness never depends on it.
 """

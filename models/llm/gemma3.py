@@ -5,8 +5,8 @@ SentencePiece vocabulary, so a SmolLM2 draft can only reach it across tokenizers
 
 - ``gemma3_hf_dir``: the weights as a Hugging Face folder (config.json, model.safetensors,
   tokenizer), converted once from the GGUF by transformers' own reader and cached like
-  SmolLM2's (``genrec_spec.cache.cache_dir``): ~1.5 minutes the first time (the GGUF is
-  assembled from its chunks into a temporary file, read, and deleted), ~5 s cached.
+  SmolLM2's (``genrec_spec.cache.cache_dir``): slow the first time (the GGUF is assembled from
+  its chunks into a temporary file, read, and deleted), quick once cached.
 - ``load_gemma3``: the transformers ``Gemma3ForCausalLM`` (fp32, eval mode) and its tokenizer;
   ``genrec_spec.core.targets.HFTarget`` scores draft trees with it (sliding-window layers included).
 
@@ -66,8 +66,8 @@ def load_gemma3(dtype: torch.dtype = torch.float32) -> tuple[object, object]:
     """Gemma-3-270M as a transformers causal LM (eval mode) and its tokenizer.
 
     Its LM head (tied to the 262,144 x 640 embedding) becomes a ``VocabHead``: same weights,
-    same math, 2-3x faster when scoring 2-5 tokens at once (a draft being verified; more rows
-    take ``F.linear``, see ``linear``)."""
+    same math, faster when scoring a few tokens at once (a draft being verified; see
+    ``linear``)."""
     from transformers import AutoModelForCausalLM
 
     folder = gemma3_hf_dir()
@@ -80,11 +80,9 @@ class VocabHead(nn.Module):
     """An LM head through ``genrec_spec.models.llm.llama.linear`` (1-2 rows weight major, 3+ rows
     through oneDNN on a prepacked copy of the head: another 671 MB).
 
-    Measured at one CPU thread, 262,144 x 640 fp32 weights (671 MB, read once per product):
-    ``F.linear`` takes 85 / 150 / 155 / 170 / 190 ms for 1 / 2 / 3 / 4 / 5 rows, ``(W @ h^T)^T``
-    72 / 53 / 76 / 73 / 97 ms (``linear`` pads one row to two: ~53 ms); oneDNN's prepacked path
-    was timed on SmolLM2's shapes only. The results differ by float rounding only (~1e-5
-    relative)."""
+    On a CPU ``F.linear`` over this head grows steeply from one row to a few, where the
+    weight-major product stays near one row's cost (``linear`` pads one row to two). The
+    results differ by float rounding only."""
 
     def __init__(self, weight: torch.Tensor) -> None:  # [V, D], shared with the embedding
         super().__init__()

@@ -80,19 +80,16 @@ _PACKED = DerivedCache()  # weight -> its oneDNN-packed copy
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
     """``F.linear``, faster for the few-row products a CPU target mostly runs (plain decoding,
     small draft trees). MKL's sgemm is slow at a few rows in ``x @ weight^T``'s orientation (and
-    a single row is a GEMV, ~11 GB/s here), so on a CPU:
+    a single row is a GEMV, well below memory bandwidth), so on a CPU:
 
     - 1-2 rows: the product taken weight major, ``(weight @ x^T)^T`` with a single row padded to
-      two, which streams the weights near memory bandwidth (~18 GB/s);
+      two, which streams the weights near memory bandwidth;
     - 3+ rows: oneDNN's linear on a copy of the weights prepacked once (``_packed``), when
       nothing needs a gradient through it (the op has no backward; training takes F.linear).
 
-    SmolLM2's 210 layer matmuls at one thread, 1 / 2 / 3 / 4 / 6 / 8 / 16 rows: F.linear 37 / 52
-    / 62 / 48 / 55 / 57-70 / 79 ms, weight major 26 / 25 / 40 / 40 / 61 / 67 / - ms, oneDNN
-    packed 31 / 37 / 27 / 25 / 25 / 33 / 44-51 ms (and 581 vs F.linear's 636 ms at 256 rows).
-    So a pass over 3-6 tokens costs what one over 1-2 does in these products. The price: the
-    packed copy's memory (as much again as the weights). Rows differ from ``F.linear``'s only
-    by float rounding."""
+    So a pass over a few tokens costs about what one over 1-2 does in these products. The price:
+    the packed copy's memory (as much again as the weights). Rows differ from ``F.linear``'s
+    only by float rounding."""
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu":
         return F.linear(x, weight)
@@ -340,7 +337,8 @@ class Llama(nn.Module):
         """The first ``n_layers`` layers of ``forward`` alone (early exit): only their K/V become
         pending in ``cache``, the other layers' slots are left as they are. So a pass may run on
         the target's own cache, whose committed K/V of those layers are exactly what the
-        truncated model would have computed (self-speculative drafting, ``models.exit_head``)."""
+        truncated model would have computed (self-speculative drafting,
+        ``models.llm.exit_head``)."""
         self._check_forward(tokens, cache, parents, (n_layers,))
         return self._layers(tokens, cache, parents, n_layers, ())[0]
 

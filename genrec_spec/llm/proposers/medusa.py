@@ -53,8 +53,8 @@ class MedusaProposer:
         default the first ``tree_nodes`` paths of MC_SIM_7B_63 (a small tree: a CPU target
         pays for every scored node); paths deeper than the number of heads are dropped.
         draft_cost: one draft level's cost relative to a target forward (all heads run in one
-        pass, which on SmolLM2 at batch 1 mostly reads the LM head once: ~0.2 of a target
-        forward's weight traffic, ~0.05 per level at 3-4 levels). Works with any target that
+        pass, which at batch 1 mostly reads the LM head once, spread over the tree's levels).
+        Works with any target that
         exposes hidden states (NativeTarget, HFTarget: layer n_layers is the final-normed
         state in both)."""
         choices = list(MC_SIM_7B_63[:tree_nodes] if choices is None else choices)

@@ -1,4 +1,4 @@
-"""MTP drafting: DeepSeek-V3-style sequential modules (``models.mtp_drafter``) draft from the
+"""MTP drafting: DeepSeek-V3-style sequential modules (``models.llm.mtp_drafter``) draft from the
 target's feature of the last scored position, module k giving the tokens at depth k. The trees
 are EAGLE's (``proposers.eagle``): a static one from rank paths (default: a chain of K tokens)
 or EAGLE-2's dynamic one; only what a drafting pass runs differs.
@@ -21,8 +21,8 @@ its last committed position L - 1 - k. Draft states are never committed.
   features along the kept path (root, a_1 .. a_n), as EAGLE's pairs. One chain pass per module,
   in depth order, each committing its rows' new positions whatever each row accepted; finished
   rows commit nothing. Only the tree's depth's first modules are kept in step (the deeper ones
-  never draft): on SmolLM2 at one thread a module's pass costs ~2-3 ms, ~5% of a target
-  forward, every step. The accepted path's new entries are recomputed from real tokens and
+  never draft): each module kept costs a pass every step. The accepted path's new entries are
+  recomputed from real tokens and
   committed states, never copied from the draft (a module's draft pass covers only the depths
   below it).
 
@@ -50,15 +50,10 @@ from genrec_spec.core.types import Acceptance, DecodeInputError, DecodeState, Dr
 from genrec_spec.llm.proposers.eagle import Eagle2Proposer, EagleProposer
 from genrec_spec.models.llm.mtp_drafter import MTPDrafter
 
-# The default chain's length. On a CPU every module kept in step costs a pass each step (~5% of
-# a SmolLM2 forward at one thread) and every drafted token the target's verification (~10-15%),
-# so short chains win there: measured greedy on 12 held-out HumanEval prompts, 64 new tokens,
-# one thread, 4 trained modules: 1.09x / 1.05x / 1.00x plain decoding with chains of 2 / 3 / 4
-# (each 1.5 tokens a step under the adaptive controller), 0.97x with a dynamic tree (top-2, 4
-# nodes, 1.77 tokens a step). Re-measured after 3+-token passes moved to oneDNN (10 held-out
-# HumanEval prompts, 128 new tokens, medians of 2 repeats, quiet): 1.24x / 1.20x / 1.08x
-# (accepted length 1.45 / 1.48 / 1.50): the deeper modules' acceptance (0.28, 0.16 of steps)
-# does not pay for their passes. Where verification is nearly free (a GPU), pass a deeper one.
+# The default chain's length. On a CPU every module kept in step costs a pass each step and
+# every drafted token the target's verification, so short chains win there: the deeper
+# modules' acceptance does not pay for their passes (docs/results/llm.md). Where verification
+# is nearly free (a GPU), pass a deeper one.
 CHAIN_DEPTH = 2
 
 
@@ -164,8 +159,8 @@ class MTPProposer(_ModuleDrafting, EagleProposer):
         reads (``n_layers`` for the native Llama: the final-normed state); choices: the tree's
         rank paths (at most ``drafter.depths`` deep), by default a chain of ``depth`` tokens
         (default: CHAIN_DEPTH, at most ``drafter.depths``). draft_cost: one draft level's cost
-        relative to a target forward (for the controller; SmolLM2, batch 1, one thread: a
-        module's pass ~2-3 ms and its LM head over 8192 tokens ~1 ms, against ~45 ms)."""
+        relative to a target forward (for the controller: a module's pass and its reduced LM
+        head)."""
         if choices is None:
             depth = min(CHAIN_DEPTH, drafter.depths) if depth is None else depth
             choices = [(0,) * d for d in range(1, depth + 1)]

@@ -1,5 +1,5 @@
 """Quantised self-speculation: the target's own weights at 4 bits draft a chain on the target's
-KV cache (``models.quantized_draft``).
+KV cache (``models.llm.quantized_draft``).
 
 The draft agrees with the target nearly always, so a chain is the right tree: a second
 child at any node would rarely be tried, while each extra node costs
@@ -22,10 +22,9 @@ from genrec_spec.core.types import Acceptance, DecodeInputError, DecodeState, Dr
 from genrec_spec.models.llm.quantized_draft import QuantizedDraft
 
 # The deepest chain by default: the draft agrees with the target at nearly every position and a
-# CPU pass over 17 tokens costs ~2 one-token passes, so long chains pay; the controller drafts
-# shorter ones when they pay more. SmolLM2, HumanEval, one run each (noisy): batch 1, greedy,
-# chains to 16 / 24 / 32 gave accepted lengths 14.5 / 19.0 / 23.8 at 2.70x / 2.72x / 2.81x plain
-# decoding; batch 8, 16 / 32: 1.39x / 1.33x greedy, 1.41x / 1.23x at T=0.8, so 16.
+# CPU pass over many tokens costs little more than a one-token pass, so long chains pay; the
+# controller drafts shorter ones when they pay more. Deeper limits gain little at batch 1 and
+# lose at batch 8 (docs/results/llm.md).
 DEFAULT_DEPTH = 16
 
 

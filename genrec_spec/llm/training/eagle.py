@@ -11,9 +11,7 @@ prompt is context. AdamW with warm-up and cosine decay (``training.fit``).
 
 Draft vocabulary: the ``draft_vocab`` tokens most frequent in the training rows' text, prompts
 and continuations (ties broken by lower id: BPE ids roughly follow frequency). The manifest
-says how much of the held-out continuations it covers (SmolLM2, 123 rows of 128-token
-continuations: 94.5% at 4096 tokens, 97.3% at 8192, 98.1% at 16384, from the continuations
-alone).
+says how much of the held-out continuations it covers.
 
 Held-out rows (whole prompts): the loss; the chain acceptance per depth k: from every
 continuation position, with the real context, the drafter's top token k steps ahead, each step
@@ -57,8 +55,8 @@ RANKS = 8  # the held-out rank statistics cover the drafter's first RANKS choice
 class EagleConfig:
     """Defaults of EAGLE drafter training."""
 
-    # Optimiser steps: ~9 passes over train-drafter's default 723 rows for EAGLE at 8 rows a
-    # step (400 steps, 26 passes over HumanEval's 123 rows alone, drafted worse: train_cli)
+    # Optimiser steps: about 9 passes over train-drafter's default rows at 8 rows a step (more
+    # passes over fewer distinct rows draft worse: training.pipeline's EAGLE_PROMPTS)
     steps: int = 800
     batch_rows: int = 8  # sequences (prompt + continuation pairs) per step
     lr: float = 1e-3  # AdamW peak learning rate

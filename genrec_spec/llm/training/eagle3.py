@@ -52,12 +52,7 @@ KIND = "eagle3"
 class Eagle3Config:
     """Defaults of EAGLE-3 drafter training."""
 
-    # Optimiser steps: ~10 passes over train-drafter's default 723 rows (held-out HumanEval,
-    # full trees: accepted length 2.24 / 2.66 at 12 / 60 nodes, against 1.98 / 2.32 at 200).
-    # SmolLM2, 2 cores, quiet, --threads 2: ~5 min of layer features and held-out evaluation,
-    # 1.13 s a step (a 40-step run), so ~21 min projected; one thread beside another training:
-    # 40 min measured (~10 min of features and evaluation, 2.25 s a step).
-    steps: int = 800
+    steps: int = 800  # optimiser steps: about 10 passes over train-drafter's default rows
     batch_rows: int = 8  # sequences (prompt + continuation pairs) per step
     lr: float = 1e-3  # AdamW peak learning rate
     weight_decay: float = 0.0
@@ -132,11 +127,8 @@ def unrolled_losses(
     as one score per node (EAGLE-3's own implementation does the same). Steps j > 0 run only
     from the starts whose drafts some step learns (row r's, from its first learnt pair less
     unroll - 1 to its last): a start in the prompt or the padding feeds no loss. Both leave the
-    losses those of the drafter run on each branch as a chain (test_eagle3) at a lower cost.
-    One thread, 8 rows padded to 300 pairs with continuations of up to 128: rerunning all
-    earlier nodes through the cache's tree attention from every start took 6.3 s a step, from
-    the learnt starts 4.2 s, this form 2.2 s (all quiet; side by side under load: 3.6 s
-    against the first form's 7.2 s)."""
+    losses those of the drafter run on each branch as a chain (test_eagle3) at a lower cost
+    than rerunning all earlier nodes through the cache's tree attention from every start."""
     rows, length = tokens.shape
     steps = min(unroll, length - 1)
     real_k, real_v = [], []  # step 0's keys and values [R, T, Hkv, Dh]

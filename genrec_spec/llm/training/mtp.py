@@ -1,5 +1,5 @@
-"""Training DeepSeek-V3-style sequential MTP modules (``models.mtp_drafter``) on self-distillation
-data, and loading them back.
+"""Training DeepSeek-V3-style sequential MTP modules (``models.llm.mtp_drafter``) on
+self-distillation data, and loading them back.
 
 Data: EAGLE's sequences (``eagle.Sequences``): a row's prompt pairs, then its continuation pairs,
 pair i = (f_i, x_{i+1}) with f_i the target's final-normed feature; rows keep their last
@@ -49,10 +49,8 @@ KIND = "mtp"
 class MTPConfig:
     """Defaults of MTP drafter training."""
 
-    # Optimiser steps. SmolLM2 (K = 4, 123 HumanEval rows, held-out chain acceptance per depth,
-    # one 400-step run measured along the way): step 120 0.53 / 0.31 / 0.18 / 0.10, 200 0.53 /
-    # 0.31 / 0.19 / 0.13, then flat to step 360 while the held-out loss rises from step 120 on
-    # (memorised training rows: training loss 0.19 at 200); ~2.7 s a step at one thread.
+    # Optimiser steps: held-out chain acceptance stops growing past this while the held-out
+    # loss rises (the modules memorise the training rows).
     steps: int = 200
     batch_rows: int = 8  # sequences (prompt + continuation pairs) per step
     lr: float = 1e-3  # AdamW peak learning rate

@@ -109,7 +109,7 @@ class _HiddenRecorder:
 
 def _length_batches(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
     """Row indices in batches of similar prompt lengths: a batch's prefill costs its longest
-    prompt on every row (1,523 mixed-length prompts: 124k padded tokens instead of 338k)."""
+    prompt on every row, so sorting mixed-length prompts saves most of the padding."""
     order = sorted(range(len(prompts)), key=lambda r: len(prompts[r]))
     return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
 
