@@ -90,44 +90,9 @@ def prepare(
             cf = cf_embeddings(train.values, train.offsets, n_items, config.cf_dim, config.seed)
             emb = mix_embeddings(emb, cf, config.cf_weight)
     with log("semantic_ids"):
-        from genrec_spec.data_pipelines.semantic_ids import SemanticIdConfig, build_semantic_ids
-
-        sid = build_semantic_ids(
-            emb,
-            SemanticIdConfig(
-                kind="rq",
-                levels=config.levels,
-                codebook_size=config.codebook_size,
-                seed=config.seed,
-            ),
-        )
-        long_id = None
-        if config.long_id_digits > 0:
-            long_id = build_semantic_ids(
-                emb,
-                SemanticIdConfig(
-                    kind="pq",
-                    pq_digits=config.long_id_digits,
-                    codebook_size=config.codebook_size,
-                    seed=config.seed,
-                ),
-            )
-
+        sid, long_id = _build_ids(emb, config)
     with log("write"), atomic_dir(out, overwrite=overwrite) as tmp:
-        import numpy as np
-
-        items.insert(0, "item_index", np.arange(n_items, dtype=np.int64))
-        items["semantic_id"] = list(sid.codes.numpy())
-        if long_id is not None:
-            items["long_id"] = list(long_id.codes.numpy())
-        items.to_parquet(tmp / "items.parquet", index=False)
-        inter = raw.interactions.copy()
-        inter["item_index"] = item_index.get_indexer(inter["item_id"]).astype(np.int64)
-        inter.to_parquet(tmp / "interactions.parquet", index=False)
-        frames = split.to_frames()
-        for part in ("train", "valid", "test"):
-            frames[part].to_parquet(tmp / f"{part}.parquet", index=False)
-        np.save(tmp / "item_embeddings.npy", emb.numpy())
+        _write_files(tmp, raw, items, item_index, split, emb, sid, long_id)
         manifest = {
             "manifest_version": MANIFEST_VERSION,
             "dataset": dataset,
@@ -159,6 +124,51 @@ def prepare(
         ).hexdigest()[:16]
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def _build_ids(emb, config: PrepareConfig):  # emb [I, E] -> (semantic IDs, long IDs or None)
+    """The residual k-means Semantic IDs, and the product-quantised long IDs when asked for."""
+    from genrec_spec.data_pipelines.semantic_ids import SemanticIdConfig, build_semantic_ids
+
+    sid = build_semantic_ids(
+        emb,
+        SemanticIdConfig(
+            kind="rq",
+            levels=config.levels,
+            codebook_size=config.codebook_size,
+            seed=config.seed,
+        ),
+    )
+    long_id = None
+    if config.long_id_digits > 0:
+        long_id = build_semantic_ids(
+            emb,
+            SemanticIdConfig(
+                kind="pq",
+                pq_digits=config.long_id_digits,
+                codebook_size=config.codebook_size,
+                seed=config.seed,
+            ),
+        )
+    return sid, long_id
+
+
+def _write_files(tmp: Path, raw, items, item_index, split, emb, sid, long_id) -> None:
+    """The output folder's data files (the module docstring lists them) into `tmp`."""
+    import numpy as np
+
+    items.insert(0, "item_index", np.arange(len(item_index), dtype=np.int64))
+    items["semantic_id"] = list(sid.codes.numpy())
+    if long_id is not None:
+        items["long_id"] = list(long_id.codes.numpy())
+    items.to_parquet(tmp / "items.parquet", index=False)
+    inter = raw.interactions.copy()
+    inter["item_index"] = item_index.get_indexer(inter["item_id"]).astype(np.int64)
+    inter.to_parquet(tmp / "interactions.parquet", index=False)
+    frames = split.to_frames()
+    for part in ("train", "valid", "test"):
+        frames[part].to_parquet(tmp / f"{part}.parquet", index=False)
+    np.save(tmp / "item_embeddings.npy", emb.numpy())
 
 
 def format_summary(manifest: dict, out: Path) -> str:

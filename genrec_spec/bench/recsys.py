@@ -189,6 +189,18 @@ def needed_prefixes(model, users, trie, width: int) -> PrefixTree:
     return prefix_tree(index, node_mask(nodes, index.scorable) & index.to_score(model))
 
 
+@dataclass
+class _Batch1:
+    """The batch-1 rotation's measurements, per decoder and per floor."""
+
+    latency: dict[str, list[float]]  # wall seconds per request
+    cpu: dict[str, list[float]]  # this thread's CPU seconds per request
+    stats: dict[str, list[dict]]  # each request's decoder stats
+    lists: dict[str, list[torch.Tensor]]  # each request's [1, K] items
+    floors: dict[str, list[float]]  # floor -> wall seconds per request
+    exact_nodes: list[int]  # the exact floor's tree nodes per request
+
+
 def benchmark(
     model, histories, settings: BenchRecsysConfig, log=lambda line: None
 ) -> tuple[list[Row], Floors]:
@@ -199,42 +211,91 @@ def benchmark(
     names = ["beam"] + [n for n in settings.decoders or decoders_of(model) if n != "beam"]
     width = beam_width_for(settings.k, settings.beam_width, model.num_items)
     runners = make_decoders(tuple(names), width)
-    k = settings.k
     first = histories.select(torch.tensor([0]))
     for name in names:  # untimed warm-up: first-call allocations, the rpg item graph
-        out = runners[name](model, first.values, first.offsets, k=k, trie=trie)
+        out = runners[name](model, first.values, first.offsets, k=settings.k, trie=trie)
         if "graph_build_s" in out.stats:
             log(f"{name}: item graph built in {out.stats['graph_build_s']:.2f} s (once per model)")
+    one_by_one = _time_batch1(model, histories, settings, runners, trie, width, log)
+    throughput = _time_throughput(model, histories, settings, runners, trie, log)
+    beam_items = torch.cat(one_by_one.lists["beam"])  # [U, K]
+    beam_p50 = statistics.median(one_by_one.latency["beam"])
+    rows = []
+    for name in names:
+        latency, stats = one_by_one.latency[name], one_by_one.stats[name]
+        items = torch.cat(one_by_one.lists[name])
+        shared = (items[:, :, None] == beam_items[:, None, :]) & (items[:, :, None] >= 0)
+        p50 = statistics.median(latency)
+        hits = [s["draft_hit_rate"] for s in stats if "draft_hit_rate" in s]
+        rows.append(
+            Row(
+                decoder=name,
+                p50_ms=p50 * 1e3,
+                p99_ms=_percentile(latency, 0.99) * 1e3,
+                cpu_p50_ms=statistics.median(one_by_one.cpu[name]) * 1e3,
+                speedup=beam_p50 / p50,
+                passes=statistics.mean(s.get("target_passes", 0) for s in stats),
+                nodes=statistics.mean(s.get("nodes_scored", 0) for s in stats),
+                hit_rate=statistics.mean(hits) if hits else None,
+                users_per_s=throughput[name],
+                throughput_speedup={
+                    s: throughput[name][s] / throughput["beam"][s] for s in throughput[name]
+                },
+                same_as_beam=float((items == beam_items).all(dim=1).float().mean()),
+                overlap=float(shared.any(dim=2).float().sum(dim=1).mean() / settings.k),
+            )
+        )
+    return rows, Floors(
+        history_ms=statistics.median(one_by_one.floors["history"]) * 1e3,
+        exact_ms=statistics.median(one_by_one.floors["exact"]) * 1e3,
+        exact_nodes=statistics.mean(one_by_one.exact_nodes),
+    )
 
-    def targets(users, views) -> dict:  # view -> what it reads the users' histories from
-        if settings.history_cache:
-            return returning_users(model, users, views)
-        return dict.fromkeys(views, model)
 
-    floors = {"history": [], "exact": []}  # floor -> batch-1 seconds
-    exact_nodes = []
-    latency = {n: [] for n in names}
-    cpu = {n: [] for n in names}
-    stats = {n: [] for n in names}
-    lists = {n: [] for n in names}
+def _views(model, users, names: list[str], history_cache: bool) -> dict:
+    """name -> what it reads the users' histories from: the model, or a history cache of its
+    own holding each user's previous request (`returning_users`)."""
+    if history_cache:
+        return returning_users(model, users, names)
+    return dict.fromkeys(names, model)
+
+
+def _time_batch1(model, histories, settings, runners: dict, trie, width: int, log) -> _Batch1:
+    """Every decoder and floor on one user per call, taking turns user by user."""
+    names = list(runners)
+    floors = {"history": [], "exact": []}
+    run = _Batch1(
+        latency={n: [] for n in names},
+        cpu={n: [] for n in names},
+        stats={n: [] for n in names},
+        lists={n: [] for n in names},
+        floors=floors,
+        exact_nodes=[],
+    )
     batch1 = min(settings.users, len(histories))
-    target = targets(histories.select(torch.arange(batch1)), names + list(floors))
+    users = histories.select(torch.arange(batch1))
+    target = _views(model, users, names + list(floors), settings.history_cache)
     for user in range(batch1):
         one = histories.select(torch.tensor([user]))
         prefixes = needed_prefixes(model, one, trie, width)  # untimed: the exact floor's tree
-        exact_nodes.append(prefixes.real_nodes)
+        run.exact_nodes.append(prefixes.real_nodes)
         for name in _rotations(names + list(floors), user):
             if name in floors:
                 floors[name].append(_timed_floor(name, target[name], one, prefixes))
                 continue
-            seconds, cpu_seconds, out = _timed(runners[name], target[name], one, k, trie)
-            latency[name].append(seconds)
-            cpu[name].append(cpu_seconds)
-            stats[name].append(out.stats)
-            lists[name].append(out.items)
+            seconds, cpu_seconds, out = _timed(runners[name], target[name], one, settings.k, trie)
+            run.latency[name].append(seconds)
+            run.cpu[name].append(cpu_seconds)
+            run.stats[name].append(out.stats)
+            run.lists[name].append(out.items)
         if (user + 1) % 50 == 0:
             log(f"batch 1: {user + 1}/{batch1} users")
+    return run
 
+
+def _time_throughput(model, histories, settings, runners: dict, trie, log) -> dict:
+    """name -> {batch size: median users/s over the repeats}, taking turns batch by batch."""
+    names = list(runners)
     throughput = {n: {} for n in names}
     for size in settings.batch_sizes:
         count = min(len(histories), size * settings.batches)
@@ -243,45 +304,15 @@ def benchmark(
         for repeat in range(settings.repeats):
             seconds = {n: 0.0 for n in names}
             for b, part in enumerate(parts):
-                target = targets(part, names)  # fresh caches: every repeat times returning users
+                # Fresh caches: every repeat times returning users.
+                target = _views(model, part, names, settings.history_cache)
                 for name in _rotations(names, repeat * len(parts) + b):
-                    seconds[name] += _timed(runners[name], target[name], part, k, trie)[0]
+                    seconds[name] += _timed(runners[name], target[name], part, settings.k, trie)[0]
             for name in names:
                 repeats[name].append(count / seconds[name])
             log(f"batch {size} repeat {repeat + 1}/{settings.repeats} done")
         throughput = {n: throughput[n] | {size: statistics.median(repeats[n])} for n in names}
-
-    beam_items = torch.cat(lists["beam"])  # [U, K]
-    beam_p50 = statistics.median(latency["beam"])
-    rows = []
-    for name in names:
-        items = torch.cat(lists[name])
-        shared = (items[:, :, None] == beam_items[:, None, :]) & (items[:, :, None] >= 0)
-        p50 = statistics.median(latency[name])
-        hits = [s["draft_hit_rate"] for s in stats[name] if "draft_hit_rate" in s]
-        rows.append(
-            Row(
-                decoder=name,
-                p50_ms=p50 * 1e3,
-                p99_ms=_percentile(latency[name], 0.99) * 1e3,
-                cpu_p50_ms=statistics.median(cpu[name]) * 1e3,
-                speedup=beam_p50 / p50,
-                passes=statistics.mean(s.get("target_passes", 0) for s in stats[name]),
-                nodes=statistics.mean(s.get("nodes_scored", 0) for s in stats[name]),
-                hit_rate=statistics.mean(hits) if hits else None,
-                users_per_s=throughput[name],
-                throughput_speedup={
-                    s: throughput[name][s] / throughput["beam"][s] for s in throughput[name]
-                },
-                same_as_beam=float((items == beam_items).all(dim=1).float().mean()),
-                overlap=float(shared.any(dim=2).float().sum(dim=1).mean() / k),
-            )
-        )
-    return rows, Floors(
-        history_ms=statistics.median(floors["history"]) * 1e3,
-        exact_ms=statistics.median(floors["exact"]) * 1e3,
-        exact_nodes=statistics.mean(exact_nodes),
-    )
+    return throughput
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from genrec_spec.data_pipelines.jagged import lengths_to_offsets
-from genrec_spec.models.recsys.recommender import HistoryState
+from genrec_spec.models.recsys.blocks import HistoryState
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
-from genrec_spec.models.recsys.recommender import RecommenderInputError
+from genrec_spec.models.recsys.errors import RecommenderInputError
 from genrec_spec.recsys.decoders.beam import item_trie
 
 _INDEXES = DerivedCache()  # PrefixTrie -> its TrieIndex

@@ -14,7 +14,7 @@ import gc
 import math
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -22,9 +22,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from genrec_spec.models.recsys.config import RecommenderConfig
 from genrec_spec.models.recsys.item_scores import item_log_likelihoods
 from genrec_spec.models.recsys.layout import train_layout
-from genrec_spec.models.recsys.recommender import RecommenderConfig, SemanticIdRecommender
+from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 from genrec_spec.recsys.checkpoint import load_checkpoint, save_checkpoint
 from genrec_spec.recsys.data import (
     Histories,
@@ -39,6 +40,30 @@ from genrec_spec.recsys.metrics import per_user_metrics, ranks_from_topk
 from genrec_spec.recsys.train_config import TrainConfig
 
 EVAL_K = 10
+
+
+@dataclass
+class _Run:
+    """One training run's state, shared by its epochs."""
+
+    config: TrainConfig
+    data: PreparedData
+    model: SemanticIdRecommender
+    ddp: torch.nn.Module | None  # the model, or its DistributedDataParallel wrapper
+    trainable: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    rank: int
+    world: int
+    device: torch.device
+    order_gen: torch.Generator  # the batch order, the same on every rank
+    local_gen: torch.Generator  # this rank's windows and branch positions
+    steps_per_epoch: int
+    # The cosine decay spans the epochs planned: `epochs`, or fewer once the time budget (at
+    # the speed of the epoch just run) would run out first, so a run cut by `max_minutes` still
+    # ends at a low learning rate.
+    planned_epochs: int
+    lr: float
+    done_steps: int = 0
 
 
 def train(
@@ -57,125 +82,151 @@ def train(
         raise FileExistsError(
             f"checkpoint folder {out} exists; choose another --out or pass --overwrite"
         )
-    rank, world, device = _setup_processes(config)
-    torch.manual_seed(config.seed)
-    data = load_prepared(data_dir)
-    model = _build_model(data, model_config, config).to(device)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    ddp = model
-    if world > 1:
-        ddp = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
-    optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr)
-    steps_per_epoch = max(1, int((data.train.lengths > 0).sum()) // config.batch_size)
-    # The cosine decay spans the epochs planned: `epochs`, or fewer once the time budget (at
-    # the speed of the epoch just run) would run out first, so a run cut by `max_minutes` still
-    # ends at a low learning rate.
-    planned_epochs, done_steps, lr = config.epochs, 0, config.lr
-    order_gen = torch.Generator().manual_seed(config.seed)  # same on every rank
-    local_gen = torch.Generator().manual_seed(config.seed * 1000 + 1 + rank)
-    valid_rows = _validation_rows(data.valid, config)
-
+    run = _start(data_dir, model_config, config)
+    valid_rows = _validation_rows(run.data.valid, config)[run.rank :: run.world]
     history, best, best_state, stale = [], None, None, 0
     for epoch in range(1, config.epochs + 1):
         epoch_start = time.perf_counter()
-        model.train()
-        batches = [
-            b
-            for b in epoch_batches(data.train.lengths, config.batch_size, order_gen)
-            if len(b) >= world
-        ]
-        sums: dict[str, torch.Tensor] = {}
-        bar = tqdm(
-            batches,
-            desc=f"epoch {epoch}",
-            disable=not config.progress or rank != 0,
-            leave=False,
-            dynamic_ncols=True,
-        )
-        for step, users in enumerate(bar):
-            total_steps = planned_epochs * steps_per_epoch
-            lr = config.lr * _warmup_cosine(done_steps, config.warmup_steps, total_steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            part = data.train.select(users[rank::world])
-            values, offsets = training_windows(
-                part, model_config.max_len + 1, config.window, local_gen
-            )
-            layout = train_layout(
-                values, offsets, model.num_levels - 1, config.branches_per_row, local_gen
-            ).to(device)
-            losses = ddp(layout)
-            optimizer.zero_grad(set_to_none=True)
-            losses["loss"].backward()
-            torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
-            optimizer.step()
-            done_steps += 1
-            for name, value in losses.items():
-                sums[name] = sums.get(name, 0.0) + value.detach()
-            if step % 20 == 0:
-                bar.set_postfix(loss=f"{float(losses['loss'].detach()):.3f}")
-        record = {"epoch": epoch, "steps": len(batches), "lr": lr}
-        record.update(_mean_over_processes(sums, len(batches)))
-        record.update(validate(model, data, data.valid, valid_rows[rank::world], config, device))
+        record = _train_epoch(run, epoch)
+        record.update(validate(run.model, run.data, run.data.valid, valid_rows, config, run.device))
         record["epoch_s"] = round(time.perf_counter() - epoch_start, 2)
         history.append(record)
-        if rank == 0:
+        if run.rank == 0:
             print(_format_epoch(record), flush=True)
         # A frozen backbone's ranking cannot move, so its heads keep the last (annealed) epoch.
         if best is None or record["ndcg@10"] > best["ndcg@10"] or config.freeze_backbone:
             best, stale = record, 0
-            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            best_state = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
         else:
             stale += 1
-        # Stop early, or when another epoch like this one would overrun the time budget; the
-        # decisions are shared, so no process is left waiting and all use one learning rate.
-        if config.max_minutes:
-            elapsed_s = time.perf_counter() - start_time
-            planned_epochs = _epochs_that_fit(epoch, config, elapsed_s, record["epoch_s"])
-        stop = stale >= config.patience or planned_epochs <= epoch
-        if world > 1:
-            flags = torch.tensor([float(stop), -float(planned_epochs)], device=device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            stop, planned_epochs = bool(flags[0].item()), int(-flags[1].item())
-        if stop:
+        if _should_stop(run, epoch, stale, time.perf_counter() - start_time, record["epoch_s"]):
             break
 
-    model.load_state_dict(best_state)
+    run.model.load_state_dict(best_state)
     manifest = None
-    if rank == 0:
+    if run.rank == 0:
         manifest = save_checkpoint(
             out,
-            model,
+            run.model,
             {
                 "data": {
                     "path": str(Path(data_dir).resolve()),
-                    "data_hash": data.data_hash,
-                    "name": data.manifest.get("name"),
+                    "data_hash": run.data.data_hash,
+                    "name": run.data.manifest.get("name"),
                 },
                 "train_config": asdict(config),
                 "metrics": history,
                 "best": best,
                 "stopped_after_epoch": history[-1]["epoch"],
-                "world_size": world,
-                "device": str(device),
+                "world_size": run.world,
+                "device": str(run.device),
                 "threads": torch.get_num_threads(),
                 "wall_time_s": round(time.perf_counter() - start_time, 1),
             },
             overwrite=overwrite,
         )
+    _finish(run)
+    return manifest
+
+
+def _start(data_dir: Path, model_config: RecommenderConfig, config: TrainConfig) -> _Run:
+    """The processes, the data, the model (seeded), its optimizer and the generators."""
+    rank, world, device = _setup_processes(config)
+    torch.manual_seed(config.seed)
+    data = load_prepared(data_dir)
+    model = _build_model(data, model_config, config).to(device)
+    ddp = model
     if world > 1:
+        ddp = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    return _Run(
+        config=config,
+        data=data,
+        model=model,
+        ddp=ddp,
+        trainable=[p for p in model.parameters() if p.requires_grad],
+        optimizer=torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr),
+        rank=rank,
+        world=world,
+        device=device,
+        order_gen=torch.Generator().manual_seed(config.seed),
+        local_gen=torch.Generator().manual_seed(config.seed * 1000 + 1 + rank),
+        steps_per_epoch=max(1, int((data.train.lengths > 0).sum()) // config.batch_size),
+        planned_epochs=config.epochs,
+        lr=config.lr,
+    )
+
+
+def _train_epoch(run: _Run, epoch: int) -> dict:
+    """One epoch of optimiser steps: {epoch, steps, lr, train_<loss> (per-step means)}."""
+    config, model = run.config, run.model
+    model.train()
+    batches = [
+        b
+        for b in epoch_batches(run.data.train.lengths, config.batch_size, run.order_gen)
+        if len(b) >= run.world
+    ]
+    sums: dict[str, torch.Tensor] = {}
+    bar = tqdm(
+        batches,
+        desc=f"epoch {epoch}",
+        disable=not config.progress or run.rank != 0,
+        leave=False,
+        dynamic_ncols=True,
+    )
+    for step, users in enumerate(bar):
+        total_steps = run.planned_epochs * run.steps_per_epoch
+        run.lr = config.lr * _warmup_cosine(run.done_steps, config.warmup_steps, total_steps)
+        for group in run.optimizer.param_groups:
+            group["lr"] = run.lr
+        part = run.data.train.select(users[run.rank :: run.world])
+        values, offsets = training_windows(
+            part, model.config.max_len + 1, config.window, run.local_gen
+        )
+        layout = train_layout(
+            values, offsets, model.num_levels - 1, config.branches_per_row, run.local_gen
+        ).to(run.device)
+        losses = run.ddp(layout)
+        run.optimizer.zero_grad(set_to_none=True)
+        losses["loss"].backward()
+        torch.nn.utils.clip_grad_norm_(run.trainable, config.grad_clip)
+        run.optimizer.step()
+        run.done_steps += 1
+        for name, value in losses.items():
+            sums[name] = sums.get(name, 0.0) + value.detach()
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{float(losses['loss'].detach()):.3f}")
+    record = {"epoch": epoch, "steps": len(batches), "lr": run.lr}
+    return record | _mean_over_processes(sums, len(batches))
+
+
+def _should_stop(run: _Run, epoch: int, stale: int, elapsed_s: float, epoch_s: float) -> bool:
+    """Stop early, or when another epoch like this one would overrun the time budget; the
+    decisions are shared, so no process is left waiting and all use one learning rate."""
+    config = run.config
+    if config.max_minutes:
+        run.planned_epochs = _epochs_that_fit(epoch, config, elapsed_s, epoch_s)
+    stop = stale >= config.patience or run.planned_epochs <= epoch
+    if run.world > 1:
+        flags = torch.tensor([float(stop), -float(run.planned_epochs)], device=run.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop, run.planned_epochs = bool(flags[0].item()), int(-flags[1].item())
+    return stop
+
+
+def _finish(run: _Run) -> None:
+    """Leave the process group (under torchrun)."""
+    if run.world > 1:
         # Free DDP's reducer while the process group is still registered. Freed after
         # destroy_process_group, the reducer held the group's last reference and destroyed it
         # from a destructor that keeps the GIL while joining gloo's worker threads, one of which
         # needed the GIL to drop a finished collective's tensors: a worker hung at exit, now and
         # then under load (seen with py-spy). The group's own handle releases the GIL first.
-        del ddp
+        run.ddp = None
         gc.collect()  # in case the module's hooks hold the reducer in a reference cycle
         dist.barrier()
         dist.destroy_process_group()
-    return manifest
 
 
 @torch.no_grad()

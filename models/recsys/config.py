@@ -107,10 +107,11 @@ class RecommenderConfig:
     ffn_mult: int = 4  # feed-forward width = ffn_mult * D
     dropout: float = 0.0  # on embeddings, attention output and feed-forward output
     max_len: int = 200  # most recent history items read (older ones are dropped)
-    item_embedding: bool = True  # a per-item embedding in each history token (forced on by the
-    # item objective, whose output table it is)
+    # A per-item embedding in each history token (always there with the item objective, whose
+    # output table it is).
+    item_embedding: bool = True
     attention_backend: str = "auto"  # tree_attention backend at inference
-    item_objective: ItemObjectiveConfig | None = ItemObjectiveConfig()
+    item_objective: ItemObjectiveConfig | None = ItemObjectiveConfig()  # SASRec-style next item
     parallel_heads: CodeHeadsConfig | None = CodeHeadsConfig()  # PinRec-style level heads
     long_id_heads: CodeHeadsConfig | None = CodeHeadsConfig()  # RPG-style (needs long IDs)
     draft_head: DraftHeadConfig | None = DraftHeadConfig()  # NEZHA-style

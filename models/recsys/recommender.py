@@ -10,7 +10,7 @@ so the tables can be sharded with torchrec when catalogues outgrow one machine.
 
 Decoding. The last history token predicts code level 0; a code token of level l predicts level
 l + 1 (output head l + 1). Code tokens see the whole history and their own ancestors, never
-their siblings (see `rec_layout`). Inference:
+their siblings (see `layout`). Inference:
 
     state = model.encode_history(values, offsets)   # one causal pass, K/V cached per layer
     log_probs = model.score_tree(state, codes, levels, parents)   # one tree-attention pass
@@ -21,12 +21,10 @@ never grows (one item is predicted), so a decoder passes every prefix node it ne
 (a beam's prefixes, a drafted trie) and nothing has to be committed. The third form fuses both
 into one pass when the tree is known before the history is read (candidate scoring).
 
-Training (`forward_train`) runs the `rec_layout.train_layout` tree of each user through the same
-blocks with the same tree mask (`TrainLayout.visibility`, equal to the kernels'
-`ancestor_mask` of its parents), through PyTorch's scaled-dot-product attention, which has a
-backward pass (the op's differentiable reference backend rebuilds a dense mask in every layer
-and measured ~10x slower); the tests check that it equals
-`encode_history` + `score_tree`.
+The model's parts: `config` (what to build), `blocks` (the transformer block, the history
+state), `code_levels` (the next-code distributions and the item objective), `training` (the
+training forward and its losses); this module holds the model, its embeddings and the inference
+passes.
 
 Shape letters: B users, M history items, T history tokens (BOS included), N tree nodes,
 D model width, H heads, L code levels (collision code included), V codes, I items, Q digits.
@@ -34,90 +32,24 @@ D model width, H heads, L code levels (collision code included), V codes, I item
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from genrec_spec.kernels import prepare_tree, tree_attention
-from genrec_spec.models.derived import DerivedCache
+from genrec_spec.models.recsys.blocks import Block, HistoryState
+from genrec_spec.models.recsys.code_levels import CodeLevels
 from genrec_spec.models.recsys.config import RecommenderConfig
-from genrec_spec.models.recsys.heads import (
-    LongIdHeads,
-    ParallelLevelHeads,
-    RecurrentDraftHead,
-    children_log_softmax,
-)
-from genrec_spec.models.recsys.item_prefixes import ItemPrefixIndex
-from genrec_spec.models.recsys.layout import TrainLayout
+from genrec_spec.models.recsys.errors import RecommenderInputError
+from genrec_spec.models.recsys.heads import LongIdHeads, ParallelLevelHeads, RecurrentDraftHead
+from genrec_spec.models.recsys.training import TrainingForward
 
-_PREFIX_INDEXES = DerivedCache()  # item_codes table -> its items sorted by code tuple
-_UNIT_ITEM_KEYS = DerivedCache()  # item embedding table -> its rows at unit length
+__all__ = ["HistoryState", "RecommenderConfig", "RecommenderInputError", "SemanticIdRecommender"]
 
 
-class RecommenderInputError(ValueError):
-    """Bad input to the recommender (ids out of range, malformed offsets or trees)."""
-
-
-@dataclass
-class HistoryState:
-    """What `encode_history` leaves for `score_tree`: the per-layer K/V cache of the history."""
-
-    keys: Tensor  # [layers, B, H, T, D/H]
-    values: Tensor  # [layers, B, H, T, D/H]
-    lengths: Tensor  # [B] int64 history tokens per row (BOS included): the root length
-    hidden: Tensor  # [B, D] final hidden state of the last history token (input of the heads)
-    level0_log_probs: Tensor  # [B, V0] log-probs of the next item's level-0 code
-    truncated: Tensor  # [B] bool, True where the history was longer than max_len
-
-    def rows(self, index: Tensor) -> HistoryState:  # index [b] int64 -> the state of b rows
-        return HistoryState(
-            keys=self.keys[:, index],
-            values=self.values[:, index],
-            lengths=self.lengths[index],
-            hidden=self.hidden[index],
-            level0_log_probs=self.level0_log_probs[index],
-            truncated=self.truncated[index],
-        )
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block; attention itself is done by the caller (`attend`), which is
-    what differs between training, prefill and tree scoring."""
-
-    def __init__(self, config: RecommenderConfig) -> None:
-        super().__init__()
-        self.heads = config.heads
-        self.norm1 = nn.LayerNorm(config.dim)
-        self.qkv = nn.Linear(config.dim, 3 * config.dim)
-        self.proj = nn.Linear(config.dim, config.dim)
-        self.norm2 = nn.LayerNorm(config.dim)
-        self.ffn = nn.Sequential(
-            nn.Linear(config.dim, config.ffn_mult * config.dim),
-            nn.GELU(),
-            nn.Linear(config.ffn_mult * config.dim, config.dim),
-        )
-        self.drop = nn.Dropout(config.dropout)
-
-    def forward(self, x: Tensor, attend, keep: Tensor | None = None) -> Tensor:
-        """x: [B, N, D] -> [B, N, D]. With `keep` ([B, N'] token indices) -> [B, N', D]: only
-        those tokens' outputs, their queries attending over every token's keys and values (a
-        last block whose other outputs nobody reads)."""
-        q, k, v = self.qkv(self.norm1(x)).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
-        if keep is not None:
-            x = x.gather(1, keep[..., None].expand(-1, -1, x.shape[-1]))
-            q = q.gather(2, keep[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1]))
-        out = attend(q, k, v).transpose(1, 2).flatten(2)  # [B, H, N, Dh] -> [B, N, D]
-        x = x + self.drop(self.proj(out))
-        return x + self.drop(self.ffn(self.norm2(x)))
-
-
-class SemanticIdRecommender(nn.Module):
+class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
     def __init__(
         self,
         config: RecommenderConfig,
@@ -145,8 +77,18 @@ class SemanticIdRecommender(nn.Module):
         self.register_buffer("item_codes", item_codes.long(), persistent=True)
         self.long_id_sizes = [int(v) for v in long_id_sizes] if long_ids is not None else None
         self.register_buffer("long_ids", None if long_ids is None else long_ids.long())
-        levels, dim = self.num_levels, config.dim
+        self._build_backbone(item_codes.device)
+        self._build_heads()
+        self._init_weights()
+        if self.node_item_query is not None:  # the levels start as the item softmax's
+            nn.init.zeros_(self.node_item_query.weight)
+        if config.draft_tied:  # so does the draft head
+            for out in self.draft_head.out:
+                nn.init.zeros_(out.weight)
 
+    def _build_backbone(self, device: torch.device) -> None:
+        """The embedding tables (one torchrec collection), positions, blocks and final norm."""
+        config, levels, dim = self.config, self.num_levels, self.config.dim
         tables = [
             EmbeddingConfig(
                 name=f"t_code_{level}",
@@ -166,7 +108,7 @@ class SemanticIdRecommender(nn.Module):
                     feature_names=["item"],
                 )
             )
-        self.embeddings = EmbeddingCollection(tables=tables, device=item_codes.device)
+        self.embeddings = EmbeddingCollection(tables=tables, device=device)
         self.feature_keys = [name for table in tables for name in table.feature_names]
         self.bos = nn.Parameter(torch.zeros(dim))
         self.positions = nn.Embedding(config.max_len + 1, dim)
@@ -174,6 +116,10 @@ class SemanticIdRecommender(nn.Module):
         self.embed_drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
         self.norm = nn.LayerNorm(dim)
+
+    def _build_heads(self) -> None:
+        """The code heads, and the parallel, long-ID and draft heads the config asks for."""
+        config, dim = self.config, self.config.dim
         # code_heads[l] predicts level l (from the last history token for l = 0). Tying them to
         # the code embedding tables measured worse on ML-100K (valid HR@10 0.070 vs 0.085).
         # With level0_from_items level 0 has no head of its own (`level0_logits`); with
@@ -187,7 +133,7 @@ class SemanticIdRecommender(nn.Module):
         )
         self.long_id_heads = (
             LongIdHeads(dim, self.long_id_sizes)
-            if config.long_id_heads and long_ids is not None
+            if config.long_id_heads and self.long_ids is not None
             else None
         )
         self.draft_head = (
@@ -198,12 +144,6 @@ class SemanticIdRecommender(nn.Module):
         # Maps a prefix node's state to its correction of the history state's item query.
         residual = config.tied_levels is not None and config.tied_levels.residual
         self.node_item_query = nn.Linear(dim, dim, bias=False) if residual else None
-        self._init_weights()
-        if self.node_item_query is not None:  # the levels start as the item softmax's
-            nn.init.zeros_(self.node_item_query.weight)
-        if config.draft_tied:  # so does the draft head
-            for out in self.draft_head.out:
-                nn.init.zeros_(out.weight)
 
     def _init_weights(self) -> None:
         for module in self.modules():
@@ -233,38 +173,6 @@ class SemanticIdRecommender(nn.Module):
         """The item objective's config; None for a model trained without it."""
         return self.config.item_objective
 
-    def item_scores(self, hidden: Tensor) -> Tensor:
-        """hidden [B, D] (a HistoryState's) -> [B, I] SASRec-style next-item logits."""
-        return self._item_query(hidden) @ self._item_table().T
-
-    def _item_query(self, hidden: Tensor) -> Tensor:  # [..., D]
-        """The state's side of an item logit: itself, or unit length over the temperature."""
-        temperature = self.config.item_objective.temperature
-        return F.normalize(hidden, dim=-1) / temperature if temperature else hidden
-
-    def _item_table(self) -> Tensor:  # [I, D]
-        """Every item's side of an item logit: its embedding row, or with a temperature the
-        row at unit length, normalised once per weight version outside autograd (a decode
-        calls it once per level pass)."""
-        table = self.embeddings.embeddings["t_item"].weight
-        if not self.config.item_objective.temperature:
-            return table
-        if torch.is_grad_enabled():  # training: the keys carry the gradient to the table
-            return F.normalize(table, dim=-1)
-        return _UNIT_ITEM_KEYS.get(table, (table,), lambda: F.normalize(table, dim=-1))
-
-    def level0_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [N, D] -> [N, V0] logits of the next item's level-0 code: its code head's, or
-        with level0_from_items the item logits' log-sum-exp over each level-0 cluster. A code
-        no item has gets -inf."""
-        if not self.config.level0_from_items:
-            return self.code_heads[0](hidden)
-        item_logits = self.item_scores(hidden)  # [N, I]
-        top = item_logits.max(dim=-1, keepdim=True).values.detach()  # [N, 1] for stability
-        mass = item_logits.new_zeros(item_logits.shape[0], self.codebook_sizes[0])
-        mass = mass.index_add(1, self.item_codes[:, 0], (item_logits - top).exp())
-        return mass.log() + top
-
     def backbone_parameters(self) -> list[nn.Parameter]:
         """Everything but the draft heads (what `freeze_backbone` freezes)."""
         heads = {id(p) for m in self.draft_heads() for p in m.parameters()}
@@ -274,42 +182,6 @@ class SemanticIdRecommender(nn.Module):
         return [m for m in (self.parallel_heads, self.long_id_heads, self.draft_head) if m]
 
     # ----------------------------------------------------------------------------- embedding
-
-    def _embed(
-        self,
-        hist_items: Tensor,  # [M] int64
-        hist_offsets: Tensor,  # [B+1] int64, every row <= max_len items
-        node_codes: Tensor,  # [B, N] int64
-        node_levels: Tensor,  # [B, N] int64 in 0..L-2
-        node_valid: Tensor,  # [B, N] bool; invalid nodes get no code embedding
-    ) -> tuple[Tensor, Tensor]:  # history tokens [B, T, D] (T = 1 + longest row), nodes [B, N, D]
-        lengths = hist_offsets[1:] - hist_offsets[:-1]  # [B]
-        hist_codes = self.item_codes[hist_items]  # [M, L]
-        per_key, per_len = {}, {}
-        for level in range(self.num_levels):
-            per_key[f"code_{level}"], per_len[f"code_{level}"] = hist_codes[:, level], lengths
-        per_key["item"], per_len["item"] = hist_items, lengths
-        for level in range(self.num_levels - 1):
-            chosen = node_valid & (node_levels == level)  # [B, N]
-            per_key[f"node_code_{level}"] = node_codes[chosen]
-            per_len[f"node_code_{level}"] = chosen.sum(dim=1)
-        kjt = KeyedJaggedTensor(
-            keys=self.feature_keys,
-            values=torch.cat([per_key[k] for k in self.feature_keys]),
-            lengths=torch.cat([per_len[k] for k in self.feature_keys]),
-        )
-        out = self.embeddings(kjt)
-
-        item_sum = sum(out[f"code_{level}"].values() for level in range(self.num_levels))
-        if self.config.has_item_table:
-            item_sum = item_sum + out["item"].values()  # [M, D]
-        hist = self._history_tokens(item_sum, hist_offsets)
-
-        nodes = self.level_embedding(node_levels)  # [B, N, D]
-        for level in range(self.num_levels - 1):
-            chosen = node_valid & (node_levels == level)
-            nodes = nodes.masked_scatter(chosen[..., None], out[f"node_code_{level}"].values())
-        return self.embed_drop(hist), self.embed_drop(nodes)
 
     def _history_tokens(self, item_sum: Tensor, offsets: Tensor) -> Tensor:
         """Summed item embeddings [M, D] of B rows (offsets [B+1]) -> tokens [B, T, D]: BOS,
@@ -601,230 +473,3 @@ class SemanticIdRecommender(nn.Module):
             raise RecommenderInputError(
                 f"a node code lies outside its level's codebook (sizes {self.codebook_sizes})"
             )
-
-    def _next_level_log_probs(
-        self,
-        h: Tensor,  # [B, N, D]
-        levels: Tensor,  # [B, N]
-        prefixes: Tensor | None,  # [B, N, L-1] each node's codes of levels 0..its level
-        roots: Tensor,  # [B, D] each row's history state
-    ) -> Tensor:  # [B, N, Vmax] log-probs of level + 1, -inf padded
-        """Only the levels present are run (one host sync: free on CPU, and it skips most of the
-        per-level ops of a small tree)."""
-        out_shape = levels.shape
-        vmax = max(self.codebook_sizes[1:])
-        out = h.new_full((levels.numel(), vmax), float("-inf"))  # [B*N, Vmax]
-        h, levels = h.flatten(0, 1), levels.flatten()  # [B*N, D], [B*N]
-        prefixes = None if prefixes is None else prefixes.flatten(0, 1)  # [B*N, L-1]
-        # Tied levels with a residual: each row's history-state query, normalised once.
-        root_query = node_row = None
-        if self.node_item_query is not None:
-            root_query = self._item_query(roots)  # [B, D]
-            node_row = torch.arange(out_shape[0], device=h.device).repeat_interleave(out_shape[1])
-        counts = torch.bincount(levels, minlength=self.num_levels - 1).tolist()
-        for level, count in enumerate(counts):
-            if not count:
-                continue
-            # One level only: every node, no selection (a view, no index copies).
-            rows = slice(None) if count == levels.numel() else levels == level
-            prefix = None if prefixes is None else prefixes[rows, : level + 1]
-            query = None if root_query is None else root_query[node_row[rows]]  # [n, D]
-            scored = self._level_log_probs(h[rows], level + 1, prefix, query)
-            out[rows, : self.codebook_sizes[level + 1]] = scored
-        return out.unflatten(0, out_shape)
-
-    def _level_log_probs(
-        self,
-        h: Tensor,  # [n, D] states of prefix nodes of length `level`
-        level: int,  # >= 1, the level predicted
-        prefixes: Tensor | None,  # [n, level] the nodes' prefixes (tied levels only)
-        root_query: Tensor | None,  # [n, D] item query of each node's history state (residual)
-    ) -> Tensor:  # [n, V_level]
-        logits = self.code_heads[level](h)
-        if self.config.tied_levels is not None:
-            # The node's item query: from its own state, or (with a residual) the history
-            # state's plus the node's correction.
-            if root_query is None:
-                query = self._item_query(h)  # [n, D]
-            else:
-                query = root_query + self.node_item_query(h)
-
-            def item_logits(items: Tensor) -> Tensor:  # [n, W] -> [n, W]
-                # On CPU F.embedding gathers ~5x faster than table[items], and [n, 1, D] @
-                # [n, D, W] multiplies ~5x faster than [n, W, D] @ [n, D, 1] (measured at n 20-40,
-                # W 9-85: the prefixes' item windows)
-                rows = F.embedding(items, self._item_table())  # [n, W, D]
-                return (query[:, None, :] @ rows.transpose(1, 2)).squeeze(1)
-
-            child_logits = self._item_child_logits(item_logits, level, prefixes)
-            return children_log_softmax(logits + child_logits)
-        return logits.log_softmax(dim=-1)
-
-    def draft_item_logits(self, scores: Tensor, prefixes: Tensor) -> Tensor:
-        """scores [B, I] the rows' item logits (`item_scores` of their history states, computed
-        once per decode), prefixes [B, W, level] -> [B, W, V_level]: what the tied draft head
-        adds to its logits (draft_tied), the item objective's log-mass under each child of each
-        prefix."""
-        batch, width, level = prefixes.shape
-
-        def item_logits(items: Tensor) -> Tensor:  # [B*W, n] -> [B*W, n]
-            return scores.gather(1, items.reshape(batch, -1)).reshape(items.shape)
-
-        logits = self._item_child_logits(item_logits, level, prefixes.reshape(-1, level))
-        return logits.unflatten(0, (batch, width))
-
-    def _prefix_index(self) -> ItemPrefixIndex:
-        codes = self.item_codes
-        return _PREFIX_INDEXES.get(
-            codes, (codes,), lambda: ItemPrefixIndex.from_codes(codes, self.codebook_sizes)
-        )
-
-    def _item_child_logits(
-        self, item_logits_of: Callable[[Tensor], Tensor], level: int, prefixes: Tensor
-    ) -> Tensor:
-        """prefixes [n, level] -> [n, V_level]: log of the item objective's mass (its logits,
-        `item_logits_of(items [n, W]) -> [n, W]` for row r's state, exponentiated) on the items
-        under each child of the prefix; -inf for codes no item under the prefix has. Each row
-        reads the window of the code-sorted item table that holds its prefix's items."""
-        index = self._prefix_index()
-        start, end = index.runs(prefixes)  # [n]
-        slot = start[:, None] + torch.arange(index.widths[level - 1], device=start.device)  # [n, W]
-        inside = slot < end[:, None]
-        slot = slot.clamp(max=self.num_items - 1)
-        item_logits = item_logits_of(index.order[slot]).masked_fill(~inside, float("-inf"))
-        top = item_logits.max(dim=1, keepdim=True).values.detach()  # [n, 1] for stability
-        top = top.masked_fill(top.isinf(), 0.0)
-        mass = item_logits.new_zeros(item_logits.shape[0], self.codebook_sizes[level])
-        mass = mass.scatter_add(1, index.sorted_codes[slot, level], (item_logits - top).exp())
-        # No log of an empty child's 0 mass: its gradient would be 0 / 0.
-        logged = mass.clamp_min(torch.finfo(mass.dtype).tiny).log() + top
-        return logged.masked_fill(mass == 0, float("-inf"))
-
-    def _node_prefixes(self, codes: Tensor, levels: Tensor, parents: Tensor) -> Tensor | None:
-        """codes, levels, parents [B, N] -> [B, N, L-1]: each node's codes at levels 0..its
-        level, read up its ancestors (None unless the tied levels need them)."""
-        if self.config.tied_levels is None:
-            return None
-        depth = self.num_levels - 1
-        prefixes = codes.new_zeros(*codes.shape, depth + 1)  # slot `depth`: discarded writes
-        node = torch.arange(codes.shape[1], device=codes.device).expand_as(codes)
-        for _ in range(depth):
-            real = node >= 0
-            safe = node.clamp(min=0)
-            slot = torch.where(real, levels.gather(1, safe), depth)
-            prefixes.scatter_(2, slot[..., None], codes.gather(1, safe)[..., None])
-            node = torch.where(real, parents.gather(1, safe), -1)
-        return prefixes[..., :depth]
-
-    # ------------------------------------------------------------------------------ training
-
-    def forward(self, layout: TrainLayout) -> dict[str, Tensor]:
-        """`forward_train`; DistributedDataParallel calls a module through `forward`."""
-        return self.forward_train(layout)
-
-    def forward_train(self, layout: TrainLayout) -> dict[str, Tensor]:
-        """Losses of one batch (each a mean cross-entropy per predicted code; `loss` is the
-        weighted total): `level_l` for the backbone's level l, `parallel`, `long_id`, `draft`."""
-        levels, tokens = self.num_levels, layout.num_history_tokens
-        if tokens > self.config.max_len + 1:
-            raise RecommenderInputError(
-                f"training windows hold up to max_len + 1 = {self.config.max_len + 1} items, "
-                f"got {tokens}; cut windows to the model's max_len first"
-            )
-        batch, branches = layout.branch_anchor.shape
-        next_codes = self.item_codes[layout.next_items.clamp(min=0)]  # [B, T, L]
-        has_branch = layout.branch_anchor >= 0  # [B, P]
-        anchor = layout.branch_anchor.clamp(min=0)
-        branch_items = layout.next_items.gather(1, anchor)  # [B, P]
-        branch_codes = next_codes.gather(1, anchor[..., None].expand(-1, -1, levels))  # [B, P, L]
-        node_codes = branch_codes[:, :, :-1].reshape(batch, -1)  # [B, P*(L-1)]
-        node_levels = torch.arange(levels - 1, device=node_codes.device).repeat(branches)
-        node_levels = node_levels.expand(batch, -1)
-        node_valid = has_branch.repeat_interleave(levels - 1, dim=1)
-        hist, nodes = self._embed(
-            layout.hist_items, layout.hist_offsets, node_codes, node_levels, node_valid
-        )
-        x = torch.cat([hist, nodes], dim=1)  # [B, T + P*(L-1), D]
-        # The tree mask as an additive float mask (SDPA's CPU kernel runs faster with it than
-        # with a bool mask), built once for all layers.
-        hidden = ~layout.visibility()[:, None]  # [B, 1, N, N]
-        visible = torch.zeros(hidden.shape, dtype=x.dtype, device=x.device).masked_fill_(
-            hidden, float("-inf")
-        )
-
-        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
-
-        for block in self.blocks:
-            x = block(x, attend)
-        h = self.norm(x)
-        losses: dict[str, Tensor] = {}
-        real = layout.next_items >= 0  # [B, T]
-        states = h[:, :tokens][real]  # [R, D] every real history position
-        state_items = layout.next_items[real]  # [R] the item each of them predicts
-        if not self.config.level0_from_items:  # else the item objective trains level 0
-            losses["level_0"] = F.cross_entropy(
-                self.code_heads[0](states), next_codes[..., 0][real]
-            )
-        node_h = h[:, tokens:].unflatten(1, (branches, levels - 1))  # [B, P, L-1, D]
-        # Each branch's history state: the state at its anchor, whose next item it spells.
-        anchor_h = h[:, :tokens].gather(1, anchor[..., None].expand(-1, -1, h.shape[-1]))
-        root_query = None  # [M', D] its item query (tied residual), shared by the levels
-        if self.node_item_query is not None:
-            root_query = self._item_query(anchor_h[has_branch])
-        for level in range(1, levels):
-            log_probs = self._level_log_probs(
-                node_h[:, :, level - 1][has_branch],
-                level,
-                branch_codes[..., :level][has_branch],
-                root_query,
-            )
-            losses[f"level_{level}"] = F.nll_loss(log_probs, branch_codes[..., level][has_branch])
-        total = sum(losses.values())
-        objective = self.config.item_objective
-        if objective is not None:
-            losses["item"] = F.cross_entropy(self.item_scores(states), state_items)
-            total = total + objective.weight * losses["item"]
-
-        # The draft head learns from the history states at a stratified subset of the branch
-        # anchors, to bound its cost (per state: the item scores its tied logits read, a GRU
-        # step per level); the parallel and long-ID heads from the same states, or with a
-        # position stride from every n-th history position.
-        stride = max(1, branches // self.config.head_branches)
-        head_rows = has_branch[:, ::stride]  # [B, P']
-        anchor_h = anchor_h[:, ::stride][head_rows]  # [M, D] the subset's states
-        target_codes = branch_codes[:, ::stride][head_rows]  # [M, L]
-        target_items = branch_items[:, ::stride][head_rows]  # [M]
-        if self.config.detach_heads:
-            anchor_h, states = anchor_h.detach(), states.detach()
-        code_heads = (  # (name, head, its config, its code table [I, J])
-            ("parallel", self.parallel_heads, self.config.parallel_heads, self.item_codes),
-            ("long_id", self.long_id_heads, self.config.long_id_heads, self.long_ids),
-        )
-        for name, head, config, table in code_heads:
-            if head is None:
-                continue
-            code_h, code_items = anchor_h, target_items  # [M', D], [M']
-            if config.position_stride:
-                every = config.position_stride
-                code_h, code_items = states[::every], state_items[::every]
-            if config.item_loss:
-                losses[name] = head.catalogue_loss(code_h, table, code_items)
-            else:
-                losses[name] = head.loss(code_h, table[code_items])
-            total = total + config.weight * losses[name]
-        if self.draft_head is not None:
-            item_logits = None  # per level [M, V]: what the tied head adds to its logits
-            if self.config.draft_tied:
-                # The tied head learns a correction on top of the item objective, held fixed
-                # here: the draft loss trains the head, not the item table.
-                with torch.no_grad():
-                    scores = self.item_scores(anchor_h)  # [M, I]
-                    item_logits = [
-                        self.draft_item_logits(scores, target_codes[:, None, :level])[:, 0]
-                        for level in range(1, levels)
-                    ]
-            losses["draft"] = self.draft_head.loss(anchor_h, target_codes, item_logits)
-            total = total + self.config.draft_head.weight * losses["draft"]
-        losses["loss"] = total
-        return losses

@@ -9,10 +9,8 @@ import pytest
 import torch
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
-from genrec_spec.models.recsys.recommender import (
-    RecommenderConfig,
-    SemanticIdRecommender,
-)
+from genrec_spec.models.recsys.config import RecommenderConfig
+from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 from genrec_spec.recsys.decoders import dense, heads, nezha, rpg
 from genrec_spec.recsys.decoders.beam import DecodeOptionError
 

@@ -9,7 +9,8 @@ import torch
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.recsys.config import TiedLevelsConfig
-from genrec_spec.models.recsys.recommender import RecommenderInputError, SemanticIdRecommender
+from genrec_spec.models.recsys.errors import RecommenderInputError
+from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 from genrec_spec.recsys.scoring import (
     TrieIndex,
     node_mask,

@@ -193,7 +193,7 @@ def test_heads_after_a_frozen_backbone(tiny_data_dir, tmp_path):
 def test_shipped_configs_load_and_ml1m_is_the_default():
     from dataclasses import replace
 
-    from genrec_spec.models.recsys.recommender import RecommenderConfig
+    from genrec_spec.models.recsys.config import RecommenderConfig
 
     assert load_config(REPO / "configs" / "ml-1m.json") == (RecommenderConfig(), TrainConfig())
     model_config, train_config = load_config(REPO / "configs" / "ml-100k-demo.json")

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
-from genrec_spec.models.recsys.recommender import HistoryState
+from genrec_spec.models.recsys.blocks import HistoryState
 from genrec_spec.recsys.decoders.beam import beam_width_for, check_trie
 from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.types import Recommendations

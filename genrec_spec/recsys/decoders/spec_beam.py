@@ -208,6 +208,48 @@ def item_draft(
 AFTER_HISTORY = {"nezha": head_draft, "items": item_draft}
 
 
+def resolve_options(
+    model, draft: str, lookahead: int | None, draft_width: int | None
+) -> tuple[str, int]:
+    """(the draft, the lookahead) the options stand for on this model; raises on bad ones
+    before any work."""
+    draft = resolve_draft(model, draft)
+    if lookahead is None:
+        lookahead = 0 if draft in AFTER_HISTORY else 1
+    if not isinstance(lookahead, int) or lookahead < 0:  # a bool is 0 or 1
+        raise DecodeOptionError(
+            f"lookahead must be an integer >= 0 (levels), got {lookahead!r}",
+            "pass 0, 1, ... or leave it unset",
+        )
+    if draft_width is not None and draft_width < 1:
+        raise DecodeOptionError(
+            f"draft_width must be >= 1, got {draft_width}",
+            "pass a positive width or leave it unset",
+        )
+    return draft, lookahead
+
+
+def follow_up_wants(
+    trie: PrefixTrie,
+    scored: ScoredNodes,
+    drafted: Tensor,  # [B, scorable] bool prefixes some draft proposed (and worth scoring)
+    beams: Beams,  # [B, W] the current beams
+    missing: Tensor,  # [B, W] bool beams whose prefix needs a score and has none
+    to_score: Tensor,  # [scorable] bool prefixes whose next code is not free
+    lookahead: int,
+) -> Tensor:  # [B, scorable] bool
+    """The prefixes a follow-up pass scores: the missing ones, the drafted ones not yet scored,
+    and the unscored descendants of every beam `lookahead` levels down."""
+    index = TrieIndex.of(trie)
+    want = drafted & (scored.slots < 0)
+    want |= node_mask(beams.nodes.masked_fill(~missing, -1), index.scorable)
+    below = node_mask(beams.nodes, index.scorable)
+    for _ in range(lookahead):  # descendants of the beams the next levels can need
+        below = children_of(trie, below)
+        want |= below & (scored.slots < 0) & to_score
+    return want
+
+
 def children_of(
     trie: PrefixTrie,
     member: Tensor,  # [B, scorable] bool a set of trie nodes per row
@@ -260,19 +302,7 @@ def decode(
 ) -> Recommendations:
     start_time = time.perf_counter()
     width = beam_width_for(k, beam_width, model.num_items)
-    draft = resolve_draft(model, draft)
-    if lookahead is None:
-        lookahead = 0 if draft in AFTER_HISTORY else 1
-    if not isinstance(lookahead, int) or lookahead < 0:  # a bool is 0 or 1
-        raise DecodeOptionError(
-            f"lookahead must be an integer >= 0 (levels), got {lookahead!r}",
-            "pass 0, 1, ... or leave it unset",
-        )
-    if draft_width is not None and draft_width < 1:
-        raise DecodeOptionError(
-            f"draft_width must be >= 1, got {draft_width}",
-            "pass a positive width or leave it unset",
-        )
+    draft, lookahead = resolve_options(model, draft, lookahead, draft_width)
     check_trie(model, trie)
     batch = offsets.numel() - 1
     draft_codes = None
@@ -305,12 +335,7 @@ def decode(
         hits = hits + (need & drafted.gather(1, beams.nodes.clamp(min=0))).sum()
         missing = need & (slot < 0)
         if bool(missing.any()):  # a follow-up pass only when some row needs one
-            want = drafted & (scored.slots < 0)
-            want |= node_mask(beams.nodes.masked_fill(~missing, -1), index.scorable)
-            below = node_mask(beams.nodes, index.scorable)
-            for _ in range(lookahead):  # descendants of the beams the next levels can need
-                below = children_of(trie, below)
-                want |= below & (scored.slots < 0) & to_score
+            want = follow_up_wants(trie, scored, drafted, beams, missing, to_score, lookahead)
             # Only the rows with something to score take part (in a batch, few rows miss).
             busy = want.any(dim=1).nonzero().squeeze(1)  # [b]
             tree = prefix_tree(index, want[busy])

@@ -1,0 +1,68 @@
+"""What the recommender's passes share: the pre-norm transformer block (attention itself is the
+caller's, the one thing that differs between training, prefill and tree scoring) and the state
+an encoded history leaves for tree scoring.
+
+Shape letters: B users, T history tokens (BOS included), N tokens of a pass, D model width,
+H heads, V0 level-0 codes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from genrec_spec.models.recsys.config import RecommenderConfig
+
+
+@dataclass
+class HistoryState:
+    """What `encode_history` leaves for `score_tree`: the per-layer K/V cache of the history."""
+
+    keys: Tensor  # [layers, B, H, T, D/H]
+    values: Tensor  # [layers, B, H, T, D/H]
+    lengths: Tensor  # [B] int64 history tokens per row (BOS included): the root length
+    hidden: Tensor  # [B, D] final hidden state of the last history token (input of the heads)
+    level0_log_probs: Tensor  # [B, V0] log-probs of the next item's level-0 code
+    truncated: Tensor  # [B] bool, True where the history was longer than max_len
+
+    def rows(self, index: Tensor) -> HistoryState:  # index [b] int64 -> the state of b rows
+        return HistoryState(
+            keys=self.keys[:, index],
+            values=self.values[:, index],
+            lengths=self.lengths[index],
+            hidden=self.hidden[index],
+            level0_log_probs=self.level0_log_probs[index],
+            truncated=self.truncated[index],
+        )
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; attention itself is done by the caller (`attend`), which is
+    what differs between training, prefill and tree scoring."""
+
+    def __init__(self, config: RecommenderConfig) -> None:
+        super().__init__()
+        self.heads = config.heads
+        self.norm1 = nn.LayerNorm(config.dim)
+        self.qkv = nn.Linear(config.dim, 3 * config.dim)
+        self.proj = nn.Linear(config.dim, config.dim)
+        self.norm2 = nn.LayerNorm(config.dim)
+        self.ffn = nn.Sequential(
+            nn.Linear(config.dim, config.ffn_mult * config.dim),
+            nn.GELU(),
+            nn.Linear(config.ffn_mult * config.dim, config.dim),
+        )
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, attend, keep: Tensor | None = None) -> Tensor:
+        """x: [B, N, D] -> [B, N, D]. With `keep` ([B, N'] token indices) -> [B, N', D]: only
+        those tokens' outputs, their queries attending over every token's keys and values (a
+        last block whose other outputs nobody reads)."""
+        q, k, v = self.qkv(self.norm1(x)).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
+        if keep is not None:
+            x = x.gather(1, keep[..., None].expand(-1, -1, x.shape[-1]))
+            q = q.gather(2, keep[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1]))
+        out = attend(q, k, v).transpose(1, 2).flatten(2)  # [B, H, N, Dh] -> [B, N, D]
+        x = x + self.drop(self.proj(out))
+        return x + self.drop(self.ffn(self.norm2(x)))
