@@ -11,5 +11,9 @@ class DecodeOptionError(GenrecError):
     """A decoder option that cannot work (beam width < k, k < 1, a mismatched trie, ...)."""
 
 
+class MetricInputError(GenrecError):
+    """Ranks, lists or cut-offs whose ranking metrics would be wrong."""
+
+
 class CheckpointError(GenrecError):
     """A checkpoint folder that cannot be read, or data that does not match it."""

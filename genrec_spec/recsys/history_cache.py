@@ -39,6 +39,7 @@ from torch import Tensor
 
 from genrec_spec.data_pipelines.jagged import lengths_to_offsets
 from genrec_spec.models.recsys.blocks import HistoryState
+from genrec_spec.recsys.errors import RecommendInputError
 
 
 @dataclass(frozen=True)
@@ -109,8 +110,9 @@ class HistoryCache:
 
     def __init__(self, model, max_bytes: int = 256 << 20, max_extend: int = 16) -> None:
         if max_bytes < 0 or max_extend < 0:
-            raise ValueError(
-                f"max_bytes and max_extend must be >= 0, got {max_bytes} and {max_extend}"
+            raise RecommendInputError(
+                f"max_bytes and max_extend must be >= 0, got {max_bytes} and {max_extend}",
+                "pass 0 or more bytes and items",
             )
         self.model, self.max_bytes, self.max_extend = model, max_bytes, max_extend
         self.entries: OrderedDict[tuple[int, ...], Entry] = OrderedDict()

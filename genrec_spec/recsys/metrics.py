@@ -22,6 +22,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from genrec_spec.recsys.errors import MetricInputError
+
 DEFAULT_KS = (10, 50, 200)
 
 
@@ -35,10 +37,10 @@ def ranks_from_topk(
     does, the first occurrence counts.
     """
     if topk_items.dim() != 2 or targets.dim() != 1 or topk_items.shape[0] != targets.shape[0]:
-        raise ValueError(
+        raise MetricInputError(
             f"ranks_from_topk needs topk_items [B, K] and targets [B] with the same B, got "
-            f"shapes {tuple(topk_items.shape)} and {tuple(targets.shape)}; pass one recommended "
-            "list and one target item per user"
+            f"shapes {tuple(topk_items.shape)} and {tuple(targets.shape)}",
+            "pass one recommended list and one target item per user",
         )
     hits = topk_items == targets[:, None]  # [B, K]
     # argmax returns the first maximal index, i.e. the first occurrence of the target.
@@ -49,23 +51,33 @@ def ranks_from_topk(
 def _check(ranks: Tensor, ks: Sequence[int], max_k: int | None) -> None:
     """Reject inputs whose metrics would be silently wrong."""
     if ranks.dim() != 1 or ranks.numel() == 0 or ranks.is_floating_point():
-        raise ValueError(
+        raise MetricInputError(
             f"ranks must be a non-empty 1-D integer tensor [B], got dtype {ranks.dtype} and "
-            f"shape {tuple(ranks.shape)}; build it with ranks_from_topk(topk_items, targets)"
+            f"shape {tuple(ranks.shape)}",
+            "build it with ranks_from_topk(topk_items, targets)",
         )
     if bool((ranks < 0).any()):
-        raise ValueError("ranks must be >= 0 (1-based rank, 0 = not retrieved)")
+        raise MetricInputError(
+            f"ranks must be >= 0, got {int(ranks.min())}",
+            "pass 1-based ranks, 0 = not retrieved (ranks_from_topk)",
+        )
     if len(ks) == 0 or any(k < 1 for k in ks):
-        raise ValueError(f"ks must be a non-empty list of cut-offs >= 1, got {tuple(ks)}")
+        raise MetricInputError(
+            f"ks must be a non-empty list of cut-offs >= 1, got {tuple(ks)}",
+            "pass cut-offs such as (10, 50, 200)",
+        )
     if max_k is not None:
         if max(ks) > max_k:
-            raise ValueError(
+            raise MetricInputError(
                 f"cut-off K = {max(ks)} exceeds the recommended list length {max_k}: @K "
-                "metrics would miss every target ranked past the list; retrieve a top-"
-                f"{max(ks)} list or drop that K"
+                "metrics would miss every target ranked past the list",
+                f"retrieve a top-{max(ks)} list or drop that K",
             )
         if int(ranks.max()) > max_k:
-            raise ValueError(f"a rank exceeds the recommended list length {max_k}")
+            raise MetricInputError(
+                f"a rank exceeds the recommended list length {max_k}: {int(ranks.max())}",
+                "pass max_k = the length of the lists the ranks come from",
+            )
 
 
 def per_user_metrics(

@@ -155,14 +155,15 @@ def check_candidates(model, candidates: Tensor, batch: int) -> None:
     if candidates.dim() != 2 or candidates.shape[0] != batch or candidates.is_floating_point():
         raise RecommenderInputError(
             f"candidates must be an integer tensor [B, C] with B = {batch} history rows, got "
-            f"{tuple(candidates.shape)} {candidates.dtype}"
+            f"{tuple(candidates.shape)} {candidates.dtype}",
+            "pass one row of candidate item indices per history",
         )
     if candidates.numel() and (
         int(candidates.min()) < 0 or int(candidates.max()) >= model.num_items
     ):
         raise RecommenderInputError(
-            f"candidate item indices must lie in [0, {model.num_items}); map raw item ids to "
-            "item indices (items.parquet item_index) first"
+            f"candidate item indices must lie in [0, {model.num_items})",
+            "map raw item ids to item indices (items.parquet item_index) first",
         )
 
 

@@ -37,7 +37,7 @@ from genrec_spec.recsys.data import (
 from genrec_spec.recsys.decoders import nezha
 from genrec_spec.recsys.decoders.beam import beam_width_for, item_trie
 from genrec_spec.recsys.metrics import per_user_metrics, ranks_from_topk
-from genrec_spec.recsys.train_config import TrainConfig
+from genrec_spec.recsys.train_config import TrainConfig, TrainConfigError
 
 EVAL_K = 10
 
@@ -298,7 +298,9 @@ def _setup_processes(config: TrainConfig) -> tuple[int, int, torch.device]:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
     if config.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device is cuda but no CUDA GPU is visible; use auto or cpu")
+        raise TrainConfigError(
+            "train.device is cuda but no CUDA GPU is visible", "use train.device auto or cpu"
+        )
     rank, device = 0, torch.device("cpu")
     if world > 1:
         dist.init_process_group("nccl" if use_cuda else "gloo")
@@ -320,18 +322,20 @@ def _build_model(
     if config.init_from:
         start, manifest = load_checkpoint(config.init_from)
         if manifest["data"]["data_hash"] != data.data_hash:
-            raise ValueError(
+            raise TrainConfigError(
                 f"train.init_from {config.init_from} was trained on data {manifest['data']} "
-                f"but --data has hash {data.data_hash}; start from a checkpoint of this data"
+                f"but --data has hash {data.data_hash}",
+                "start from a checkpoint of this data",
             )
         heads = ("parallel_heads", "long_id_heads", "draft_head")
         head_names = {n for n, _ in model.named_parameters() if n.split(".")[0] in heads}
         missing, unexpected = model.load_state_dict(start.state_dict(), strict=False)
         if set(missing) - head_names or unexpected:
-            raise ValueError(
+            raise TrainConfigError(
                 f"train.init_from {config.init_from} does not match the model config "
                 f"(missing {sorted(set(missing) - head_names)[:5]}, unexpected "
-                f"{unexpected[:5]}); use the checkpoint's model section in the config"
+                f"{unexpected[:5]})",
+                "use the checkpoint's model section in the config",
             )
     if config.freeze_backbone:
         for p in model.backbone_parameters():

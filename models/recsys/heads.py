@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from genrec_spec.models.derived import DerivedCache
+from genrec_spec.models.recsys.errors import RecommenderInputError
 
 
 def children_log_softmax(logits: Tensor) -> Tensor:  # [..., V] -> [..., V]
@@ -193,9 +194,10 @@ class RecurrentDraftHead(nn.Module):
         item_logits: Tensor | None = None,  # [..., V] added to the head's logits (draft_tied)
     ) -> tuple[Tensor, Tensor]:  # (new state [..., Hd], log-probs of level + 1 [..., V])
         if not 0 <= level < len(self.embed):
-            raise ValueError(
+            raise RecommenderInputError(
                 f"draft step level {level} out of range: the head reads levels "
-                f"0..{len(self.embed) - 1} and predicts the next one"
+                f"0..{len(self.embed) - 1} and predicts the next one",
+                f"step at a level in 0..{len(self.embed) - 1}",
             )
         lead = codes.shape
         new = self.cell(

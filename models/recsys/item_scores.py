@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from genrec_spec.models.recsys.errors import RecommenderInputError
 from genrec_spec.models.recsys.layout import prefix_forest
 
 
@@ -35,7 +36,11 @@ def item_log_likelihoods(
     chunk: int = 32,  # scored nodes per tree pass; small trees keep the [B, N, N] mask cheap
 ) -> Tensor:  # [B, C] log-likelihood of each candidate
     if items.dim() != 1 or items.numel() == 0 or items.unique().numel() != items.numel():
-        raise ValueError("items must be a non-empty 1-D tensor of distinct item indices [C]")
+        raise RecommenderInputError(
+            f"items must be a non-empty 1-D tensor of distinct item indices [C], got shape "
+            f"{tuple(items.shape)}",
+            "pass each item to score once",
+        )
     codes = model.item_codes[items]  # [C, L]
     order = torch.arange(len(items), device=codes.device)
     for level in reversed(range(codes.shape[1])):  # lexicographic, so subtrees are contiguous

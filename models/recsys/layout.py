@@ -28,6 +28,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
+from genrec_spec.models.recsys.errors import RecommenderInputError
+
 
 @dataclass(frozen=True)
 class TrainLayout:
@@ -97,7 +99,10 @@ def train_layout(
     predicting x_t, and branches at min(P, n) positions drawn uniformly without replacement."""
     lengths = window_offsets[1:] - window_offsets[:-1]  # [B] n_b
     if bool((lengths < 1).any()):
-        raise ValueError("every training window needs at least one item; drop empty users first")
+        raise RecommenderInputError(
+            f"{int((lengths < 1).sum())} training windows hold no item",
+            "drop users with an empty train sequence first",
+        )
     batch, tokens = lengths.numel(), int(lengths.max())
     device = window_values.device
     time = torch.arange(tokens, device=device)  # [T]

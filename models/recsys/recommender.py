@@ -61,7 +61,8 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
         super().__init__()
         if config.dim % config.heads:
             raise RecommenderInputError(
-                f"dim {config.dim} is not divisible by heads {config.heads}"
+                f"dim {config.dim} is not divisible by heads {config.heads}",
+                "choose a model width that is a multiple of the attention heads",
             )
         if (
             item_codes.dim() != 2
@@ -70,7 +71,8 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
         ):
             raise RecommenderInputError(
                 f"item_codes {tuple(item_codes.shape)} must be [items, L] with L = "
-                f"len(codebook_sizes) = {len(codebook_sizes)} >= 2 levels"
+                f"len(codebook_sizes) = {len(codebook_sizes)} >= 2 levels",
+                "pass the prepared data's item_codes and codebook_sizes (recsys.data)",
             )
         self.config = config
         self.codebook_sizes = [int(v) for v in codebook_sizes]
@@ -199,7 +201,8 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
         if values.dim() != 1 or values.is_floating_point():
             raise RecommenderInputError(
                 f"history values must be a 1-D integer tensor [M], got {tuple(values.shape)} "
-                f"{values.dtype}"
+                f"{values.dtype}",
+                "pass the histories' item indices as one int64 tensor",
             )
         if (
             offsets.dim() != 1
@@ -210,12 +213,13 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
         ):
             raise RecommenderInputError(
                 "history offsets must be non-decreasing, of length B+1 >= 2, start at 0 and end "
-                f"at M = {values.numel()}; got {offsets.tolist()[:8]}..."
+                f"at M = {values.numel()}; got {offsets.tolist()[:8]}...",
+                "pass offsets [0, len(row 0), len(row 0) + len(row 1), ...]",
             )
         if values.numel() and (int(values.min()) < 0 or int(values.max()) >= self.num_items):
             raise RecommenderInputError(
-                f"history item indices must lie in [0, {self.num_items}); map raw item ids to "
-                "item indices (items.parquet item_index) first"
+                f"history item indices must lie in [0, {self.num_items})",
+                "map raw item ids to item indices (items.parquet item_index) first",
             )
 
     # ----------------------------------------------------------------------------- inference
@@ -343,12 +347,14 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
         if added.numel() != old.numel() or bool((added < 1).any()):
             raise RecommenderInputError(
                 f"extend_history appends at least one item to each of the state's {old.numel()} "
-                f"rows; got item counts {added.tolist()[:8]}"
+                f"rows; got item counts {added.tolist()[:8]}",
+                "pass one or more new items for every row of the state",
             )
         if bool(state.truncated.any()) or int((old + added).max()) > self.config.max_len + 1:
             raise RecommenderInputError(
                 f"an extended history would exceed max_len = {self.config.max_len} items (or "
-                "was cut already): its window slides, so encode it afresh with encode_history"
+                "was cut already): its window slides",
+                "encode it afresh with encode_history",
             )
         width, cached = int(added.max()), state.keys.shape[3]
         step = torch.arange(width, device=values.device)  # [n] index of a new token
@@ -461,15 +467,18 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
         if codes.shape != levels.shape or codes.dim() != 2 or codes.shape[0] != batch:
             raise RecommenderInputError(
                 f"codes {tuple(codes.shape)} and levels {tuple(levels.shape)} must both be "
-                f"[B, N] with B = {batch} (the rows of the history)"
+                f"[B, N] with B = {batch} (the rows of the history)",
+                "pass one row of tree nodes per history",
             )
         if bool(((levels < 0) | (levels > self.num_levels - 2)).any()):
             raise RecommenderInputError(
                 f"node levels must lie in 0..{self.num_levels - 2}: a node of level l predicts "
-                f"level l + 1 and the last level ({self.num_levels - 1}) predicts nothing"
+                f"level l + 1 and the last level ({self.num_levels - 1}) predicts nothing",
+                "give each node the level of its code (its depth below the history)",
             )
         sizes = torch.tensor(self.codebook_sizes, device=codes.device)
         if bool(((codes < 0) | (codes >= sizes[levels])).any()):
             raise RecommenderInputError(
-                f"a node code lies outside its level's codebook (sizes {self.codebook_sizes})"
+                f"a node code lies outside its level's codebook (sizes {self.codebook_sizes})",
+                "pass codes of the model's catalogue (its item_codes)",
             )

@@ -79,7 +79,8 @@ class TrainingForward:
         if tokens > self.config.max_len + 1:
             raise RecommenderInputError(
                 f"training windows hold up to max_len + 1 = {self.config.max_len + 1} items, "
-                f"got {tokens}; cut windows to the model's max_len first"
+                f"got {tokens}",
+                "cut windows to the model's max_len first (recsys.data.training_windows)",
             )
         batch, branches = layout.branch_anchor.shape
         next_codes = self.item_codes[layout.next_items.clamp(min=0)]  # [B, T, L]
