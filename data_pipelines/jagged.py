@@ -25,7 +25,7 @@ from torch import Tensor
 
 from genrec_spec.data_pipelines.errors import DataError
 
-if TYPE_CHECKING:  # torchrec takes ~3 s to import: only `history_kjt` loads it, lazily.
+if TYPE_CHECKING:  # torchrec is slow to import: only `history_kjt` loads it, lazily.
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 Backend = Literal["auto", "fbgemm", "torch"]

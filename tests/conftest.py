@@ -31,7 +31,7 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="session")
 def ml100k_dir(tmp_path_factory) -> Path:
-    """MovieLens-100K through the whole data pipeline, once per test session (~30 s cold; the
+    """MovieLens-100K through the whole data pipeline, once per test session (slow cold; the
     item embeddings come from the user's embedding cache when it has them)."""
     from genrec_spec.data_pipelines.prepare import PrepareConfig, prepare
 

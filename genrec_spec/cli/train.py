@@ -4,7 +4,7 @@
 
 The config file is JSON with two optional sections, {"model": {...}, "train": {...}}, whose
 keys are the fields of `RecommenderConfig` (models/recsys/recommender.py) and `TrainConfig`
-(recsys/train_config.py); missing keys keep their defaults (the ML-1M setting). Each epoch
+(recsys/train_config.py); missing keys keep their defaults. Each epoch
 reports the training losses and validation HR@10 / NDCG@10 on a fixed subset of valid users,
 ranked by the model's exact trie-constrained log-likelihood of every catalogue item
 (`models/recsys/item_scores.py`: what an unboundedly wide trie-constrained beam search would

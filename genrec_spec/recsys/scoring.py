@@ -49,7 +49,7 @@ class TrieIndex:
 
     @classmethod
     def of(cls, trie: PrefixTrie) -> TrieIndex:
-        """The trie's node tables, built once per trie (~0.1 ms on ML-1M, per decode call else)."""
+        """The trie's node tables, built once per trie (not once per decode call)."""
         return _INDEXES.get(trie, (trie.edge_keys, trie.child_codes), lambda: cls._build(trie))
 
     @classmethod

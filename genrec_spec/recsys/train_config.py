@@ -26,39 +26,33 @@ class TrainConfigError(GenrecError):
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Training defaults (the ML-1M setting), one place."""
+    """Training defaults, one place."""
 
     seed: int = 0  # seeds the weights, the batch order, the windows and the branch positions
     # Most epochs; the cosine schedule spans them, or the fewer that fit in max_minutes.
     epochs: int = 40
     max_minutes: float = 43.0  # no epoch starts that would end past this wall time; 0 = none
-    # Small batches and a high rate: the budget, not the data, limits ML-1M, so more updates
-    # per epoch win. Valid NLL of the targets after 8 epochs: batch 64, lr 2e-3, dropout 0.05:
-    # 6.95; dropout 0 with 32 / 2e-3: 6.80, 32 / 4e-3: 6.65, 16 / 4e-3: 6.56 (16 / 8e-3 trailed
-    # 16 / 4e-3 over its first 3 epochs).
+    # Small batches and a high rate: where the time budget, not the data, limits training, more
+    # updates per epoch win.
     batch_size: int = 16  # users per optimiser step, summed over processes
     lr: float = 4e-3  # AdamW peak learning rate
     weight_decay: float = 0.1  # AdamW weight decay (not on biases, norms, embeddings)
     warmup_steps: int = 200  # linear warm-up, then cosine decay to 10% of lr
     grad_clip: float = 1.0  # max gradient norm
     # History positions per user per step that get a code branch: levels >= 1 learn there only
-    # (level 0 at every position). ML-1M, one process, 43 min: 32 / 64 / 128 gave valid NLL of
-    # the targets 6.39 / 6.32 / 6.29 (level 1: 1.91 / 1.86 / 1.85) and test HR@10 0.1737 /
-    # 0.1856 / 0.1776 (128: 32 epochs fit instead of 40).
+    # (level 0 at every position).
     branches_per_row: int = 64
     window: str = "random"  # "random" | "last": which max_len + 1 items of a long user to read
     # Fixed random subset of valid users scored per epoch (0 = all): the early-stopping and
-    # checkpoint signal (valid NDCG@10's standard error: 0.012 on 512 users, 0.006 on 2048). ML-1M,
-    # seed 0, 43 min, test history excluded: 512 -> 2048 users gave beam HR@10 / NDCG@10 0.2843 /
-    # 0.1627 -> 0.2902 / 0.1670 (epochs of 120-150 s instead of 95-105, beside another run).
+    # checkpoint signal, whose noise falls as it holds more users.
     valid_users: int = 2048
     eval_batch_size: int = 64  # users per validation pass
     eval_chunk: int = 32  # scored prefix nodes per tree pass in validation
     patience: int = 10  # epochs without a better valid NDCG@10 before stopping (it is noisy)
     freeze_backbone: bool = False  # train only the heads (start from `init_from`)
     init_from: str | None = None  # checkpoint folder to start from (same data)
-    # torch threads per process; 0 = cores / processes. 1 measured fastest on the shared 2-core
-    # box (2 threads were 2-5x slower per step while other jobs ran).
+    # torch threads per process; 0 = cores / processes. One suits a small model on a few shared
+    # cores.
     threads: int = 1
     device: str = "auto"  # "auto" (cuda when available) | "cpu" | "cuda"
     progress: bool = True  # progress bars (the per-epoch summary line prints regardless)

@@ -113,9 +113,9 @@ class CodeLevels:
                 query = root_query + self.node_item_query(h)
 
             def item_logits(items: Tensor) -> Tensor:  # [n, W] -> [n, W]
-                # On CPU F.embedding gathers ~5x faster than table[items], and [n, 1, D] @
-                # [n, D, W] multiplies ~5x faster than [n, W, D] @ [n, D, 1] (measured at n 20-40,
-                # W 9-85: the prefixes' item windows)
+                # On CPU F.embedding gathers faster than table[items], and [n, 1, D] @
+                # [n, D, W] multiplies faster than [n, W, D] @ [n, D, 1] at the sizes of the
+                # prefixes' item windows.
                 rows = F.embedding(items, self._item_table())  # [n, W, D]
                 return (query[:, None, :] @ rows.transpose(1, 2)).squeeze(1)
 

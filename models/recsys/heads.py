@@ -70,10 +70,8 @@ def _sum_of_code_scores(
     item_codes: Tensor,  # [I, J] int64 codes of every item
 ) -> Tensor:  # [B, I]
     """Item score = sum over its J positions of log p(code): one sparse product with the items'
-    code incidence matrix (J nonzeros per item). Gathering [B, I] per position instead took
-    7.5-9x as long at batch 1 and 14x-37x at batch 64, with 4 and 32 positions on ML-1M's 3,706
-    items, and forward + backward of the 32-digit catalogue loss (128 states; the gather's
-    backward is an indexed accumulate) 5-7x as long (one thread, beside a training run)."""
+    code incidence matrix (J nonzeros per item): several times faster than gathering [B, I] per
+    position, forward and backward (the gather's backward is an indexed accumulate)."""
     incidence = _code_incidence(item_codes, log_probs.shape[-1], log_probs.dtype)
     return (incidence @ log_probs.flatten(1).T).T
 
@@ -158,9 +156,8 @@ class LongIdHeads(_IndependentCodeHeads):
         # h: [M, D], item_codes: [I, Q], items: [M] -> []
         """The base class's loss without the Q x V logits: the per-digit normalisers are one
         constant per row, which the catalogue softmax drops, so it is a softmax over [M, I]
-        summed digit logits from `item_table`, built once per step. Same loss and gradients;
-        5-6x faster forward + backward at 1,024-3,200 states (ML-1M's 3,706 items, 32 digits of
-        256, one thread; 1.7x at 128)."""
+        summed digit logits from `item_table`, built once per step. Same loss and gradients,
+        several times faster forward + backward at thousands of states."""
         vectors, biases = self.item_table(item_codes)
         return F.cross_entropy(self.proj(h) @ vectors.T + biases, items)
 

@@ -10,7 +10,7 @@ in tree-attention passes of at most `chunk` scored nodes (plus their ancestors a
 the log-probs are renormalised over the codes of its children in the set (log_softmax of the
 logits restricted to valid codes; with the whole catalogue as candidates this is exactly what a
 trie-constrained beam search ranks by). A node with a single child then contributes log 1 = 0
-and is not even run through the model, which skips most nodes (ML-1M: 1,012 of 6,543).
+and is not even run through the model, which skips most nodes of a real catalogue.
 `constrained=False` gives the model's raw log-likelihood (log-probs over whole codebooks).
 
 Shape letters: B users, C candidates, N forest nodes, E = N + C edges (node n's incoming edge

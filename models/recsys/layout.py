@@ -50,7 +50,7 @@ class TrainLayout:
         they are equal): a history token sees the history up to itself, a code token the
         history up to its anchor and the earlier levels of its own branch; padding and empty
         branches see only themselves. A few [B, N, N] comparisons instead of log2(N) gathers
-        (0.6 s of a 2-3 s ML-1M step)."""
+        (those were a large part of a training step)."""
         batch, tokens = self.next_items.shape
         branches = self.branch_anchor.shape[1]
         levels = (self.parents.shape[1] - tokens) // branches

@@ -122,8 +122,8 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
     def _build_heads(self) -> None:
         """The code heads, and the parallel, long-ID and draft heads the config asks for."""
         config, dim = self.config, self.config.dim
-        # code_heads[l] predicts level l (from the last history token for l = 0). Tying them to
-        # the code embedding tables measured worse on ML-100K (valid HR@10 0.070 vs 0.085).
+        # code_heads[l] predicts level l (from the last history token for l = 0); untied from
+        # the code embedding tables, which ranked better.
         # With level0_from_items level 0 has no head of its own (`level0_logits`); with
         # tied levels the heads of levels 1.. add to the item objective's child logits.
         self.code_heads = nn.ModuleList(
@@ -166,8 +166,7 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
     def forced_codes_free(self) -> bool:
         """True when the code levels are normalised over each prefix's children only
         (tied levels): a prefix with one child gives it log-prob exactly 0, so a decoder
-        need not score it. On ML-1M 81% of the length-2 prefixes and 95% of the length-3 ones
-        have one child (beam at W = 20 meets ~8 and ~2 of 20 with a choice)."""
+        need not score it (most deeper prefixes of a catalogue have one child)."""
         return self.config.tied_levels is not None
 
     @property
@@ -224,8 +223,8 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
 
     # ----------------------------------------------------------------------------- inference
     # Inference reads the EmbeddingCollection's tables directly instead of through a
-    # KeyedJaggedTensor: the KJT's bookkeeping and `_embed`'s per-level node loop took ~0.5 ms of
-    # a ~1.4 ms batch-1 history pass (ML-100K model, 1 thread). Same tables, same sums.
+    # KeyedJaggedTensor: the KJT's bookkeeping and `_embed`'s per-level node loop are a large
+    # part of a small batch's history pass. Same tables, same sums.
 
     def _item_sums(self, values: Tensor) -> Tensor:
         """values [M] -> [M, D]: each item's code embeddings summed (+ its item embedding)."""
@@ -319,7 +318,6 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
 
         # The last block computes outputs only for each row's last history token (what the heads
         # and level 0 read) and the tree nodes; its keys and values still come from every token.
-        # Measured: history pass 1.45-1.6x faster at batch 64-256 (ML-100K, ML-1M), same at 1.
         node_positions = torch.arange(tokens, tokens + nodes, device=x.device).expand(batch, -1)
         keep = torch.cat([lengths[:, None] - 1, node_positions], dim=1)  # [B, 1 + N]
         for layer, block in enumerate(self.blocks):

@@ -10,7 +10,7 @@ from genrec_spec.data_pipelines.text_embed import (
     embed_texts,
 )
 
-pytestmark = pytest.mark.slow  # loads the real MiniLM encoder (~1 s)
+pytestmark = pytest.mark.slow  # loads the real MiniLM encoder
 
 TITLES = [
     "Godfather, The",

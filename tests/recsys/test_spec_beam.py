@@ -250,7 +250,7 @@ def test_bad_options_raise():
 
 @pytest.fixture(scope="session")
 def ml100k_model(ml100k_dir, tmp_path_factory):
-    """A short training run on real ML-100K (~30-40 s): a model with real, peaked and uneven
+    """A short training run on real ML-100K: a model with real, peaked and uneven
     code distributions."""
     from genrec_spec.recsys.checkpoint import load_checkpoint
     from genrec_spec.recsys.train_config import TrainConfig

@@ -6,10 +6,9 @@ One `encode_history` pass gives the level-0 log-probs; then one `score_tree` pas
 level scores the current beams' prefixes (the beams of every earlier level form one tree per
 row, linked by which beam each came from, so shared prefixes are scored once). On a model whose
 levels are normalised over a prefix's children (`forced_codes_free`), a prefix with one child
-gives it log-prob 0 without a pass, so a level where no beam has a choice costs none (on ML-1M
-at W = 20, the collision level of 11% of users at batch 1). At every level
-only codes that lead to an item are candidates (each beam's children in the valid-ID trie), so
-every finished beam is an item. An item's score is the sum of its levels' log-probs: the exact
+gives it log-prob 0 without a pass, so a level where no beam has a choice costs none. At every
+level only codes that lead to an item are candidates (each beam's children in the valid-ID trie),
+so every finished beam is an item. An item's score is the sum of its levels' log-probs: the exact
 log-likelihood of its full code tuple under the model. The last level is the collision code.
 
 Tie-breaking (deterministic, and what `spec_beam` reproduces): the candidates of a level are
@@ -67,9 +66,9 @@ def beam_width_for(k: int, beam_width: int | None, num_items: int) -> int:
 
 def item_trie(model) -> PrefixTrie:
     """The valid-ID trie of the model's catalogue, built once per `item_codes` table and again
-    when the table is rewritten in place (e.g. `load_state_dict`): building it takes about as
-    long as a whole `heads` decode of one user on ML-1M (~1 ms), so per-request callers must not
-    pay it each time."""
+    when the table is rewritten in place (e.g. `load_state_dict`): building it costs about as
+    much as a whole `heads` decode of one user, so per-request callers must not pay it each
+    time."""
     codes = model.item_codes
     return _TRIES.get(
         codes, (codes,), lambda: PrefixTrie.from_codes(codes, tuple(model.codebook_sizes))
@@ -110,7 +109,7 @@ def extend(
     """One beam step: the top `width` valid extensions (module docstring for the tie-breaking).
 
     The candidates are each beam's trie children (at most `trie.max_children[level]` per beam,
-    e.g. 28 of 256 codes at level 1 on ML-100K), read from the trie's CSR arrays in code
+    a small part of a level's codes), read from the trie's CSR arrays in code
     order, instead of a [W, V] grid masked to the valid codes: the same candidates in the same
     order, a sort over W * C instead of W * V scores, and each child's node id for free (edge
     e leads to node e + 1)."""

@@ -7,17 +7,14 @@ of [B, I] score every catalogue item: no tree, no beam, one sequential pass inst
 search's L. Every catalogue item is scored, so the top-K is exact under this factorised model;
 what it gives up against `beam` is the conditioning of deeper levels on the earlier ones. (The
 heads' sparse product with the items' code incidence matrix, `score_items`, which training and
-validation use, took longer at batch 1 on ML-1M: 0.23 against 0.18 ms per call, in one process;
-at batch 64 it was 4x faster, 0.62 against 2.63 ms, a few % of a request.)
+validation use, is slower at batch 1 and faster in large batches.)
 
 Level 0 from the backbone's own level-0 head (`level0="backbone"`) is free in the same pass and
 is trained at every history position, where the parallel heads see only the sampled branch
-positions: with heads trained on per-code cross-entropy it ranks better (ML-100K). Heads trained
-on the catalogue cross-entropy of their summed levels (`CodeHeadsConfig.item_loss`) fit their own
-level 0 together with the others, and their own sum ranks better: ML-1M default, valid split,
-all 6,040 users, HR@10 / NDCG@10 0.1338 / 0.0756 against 0.1276 / 0.0723 with the backbone's
-level 0. So the default, `level0="auto"`, is "head" for such models and "backbone" otherwise;
-`level0="head"` is the pure PinRec model.
+positions: with heads trained on per-code cross-entropy it ranks better. Heads trained on the
+catalogue cross-entropy of their summed levels (`CodeHeadsConfig.item_loss`) fit their own level
+0 together with the others, and their own sum ranks better. So the default, `level0="auto"`,
+is "head" for such models and "backbone" otherwise; `level0="head"` is the pure PinRec model.
 
 Scores are raw sums of log-probabilities (not renormalised over the catalogue: that would shift
 every item of a row by the same constant and change no ranking).

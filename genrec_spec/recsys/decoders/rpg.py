@@ -10,11 +10,10 @@ backbone pass, and an item's score is the sum of its digits' log-probabilities. 
   scores the G graph neighbours of the beam's items and keeps the best W of beam + neighbours
   (so the beam only improves); the walk stops after `steps` steps or when no row's beam changed.
   The top K of the last beam is the answer. Cost per user: S + steps * W * G item scores instead
-  of I, which pays only when the catalogue is much larger than that: on ML-1M's 3.7K items the
-  defaults score ~2.2K items per user, find 85% of exact mode's top 10 on the default model
-  (test users; 92% on an earlier one) and take 1.4-1.9x as long as exact mode at batch 1 (its
-  per-step sorts cost more than one [D, I] product), so prefer ``mode="exact"`` at these
-  catalogue sizes.
+  of I, which pays only when the catalogue is much larger than that: on catalogues of a few
+  thousand items the defaults score most of them anyway, miss some of exact mode's top K and
+  take longer than exact mode (their per-step sorts cost more than one [D, I] product), so
+  prefer ``mode="exact"`` there.
 
 The graph. With u = proj(h) the heads' shared projection, W_q / b_q the output rows / biases of
 digit q and d_q(i) item i's digit q, an item's score is an inner product plus a constant:
@@ -23,9 +22,8 @@ digit q and d_q(i) item i's digit q, an item's score is an inner product plus a 
                                                       c_i = sum_q b_q[d_q(i)]
 
 so items with similar e_i score alike for every user, and scoring every item is one [B, D] x
-[D, I] product (`ItemTable`, cached per model) instead of Q gathers of [B, I]: measured 3-7x
-faster (0.97 -> 0.30 ms at batch 1 on ML-100K, 174 -> 25 ms at batch 256 on ML-1M), equal to
-the summed digit log-probs up to float rounding (1e-4 on scores of -50..-400). The walk scores
+[D, I] product (`ItemTable`, cached per model) instead of Q gathers of [B, I], several times
+faster, equal to the summed digit log-probs up to float rounding. The walk scores
 its candidates the same way. The graph links each item to its G nearest
 items by cosine similarity of e_i (faiss: exact `IndexFlatIP` up to `flat_limit` items, HNSW
 beyond), and the seeds are the items nearest to S k-means centroids of the same vectors: a fixed,

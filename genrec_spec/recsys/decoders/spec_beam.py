@@ -31,23 +31,17 @@ selected, so `beam` pays one sequential target pass per level. Here:
 
 On a model whose code levels are normalised over a prefix's children (`forced_codes_free`), a
 prefix with one child gives it log-prob exactly 0, so such prefixes are never drafted, needed
-or scored (on ML-1M 81% of the length-2 prefixes and 95% of the length-3 ones). With 3 code
+or scored (most deeper prefixes of a catalogue have one child). With 3 code
 levels + the collision code (L = 4) and the frontier draft, pass 1 covers levels 0 and 1, the
 follow-up at level 2 covers levels 2 and 3: 2 sequential passes instead of 4, whatever the
 model says.
 
-Measured (`genrec-spec bench recsys`, the ML-1M default model, W = 20, K = 10, a 2-core CPU at
-one thread, medians of 3 runs): at batch 1 the "items" draft holds every prefix the beam needs
-for 90% of users (2.12 passes on average, 44 tree nodes) and runs at ~1.23x `beam`'s latency
-with the same lists; the NEZHA head's draft holds slightly more (2.02 passes) but its own beam
-costs what the saved passes save (~1.01x); the frontier (260 nodes) ~0.7x. The bench's exact
-floor, the history and the ~31 prefixes beam reads scored in ONE fused pass with no draft and
-no selection, is ~2.1x: no exact decoder gets more on this CPU, where a tree node costs real
-compute (its feed-forward, attention and the tied levels' item windows) and a pass little
-more than its nodes. In batches (64, 256) the draft's nodes cost more than beam's saved passes
-(~0.8x). Wider beams gain more: at W = 100 1.49x, at W = 200 1.78x at batch 1 and 2.13x at
-batch 64 (376 nodes against `beam`'s 1,200; the exact floor there is 2.87x). The saving pays
-most where a pass's fixed cost dominates a node's (an accelerator; not measured here).
+What it saves is sequential passes; what it pays is the drafted nodes and the draft itself.
+On a CPU a tree node costs real compute (its feed-forward, attention and the tied levels' item
+windows) and a pass little more than its nodes, so the gain is largest at batch 1 and with wide
+beams, and in large batches the drafted nodes can cost more than the saved passes; it pays most
+where a pass's fixed cost dominates a node's (an accelerator). `genrec-spec bench recsys`
+measures it, with the exact floor no exact decoder can beat (docs/results).
 
 Stats: "target_passes", "nodes_scored" (real tree nodes over all passes), "draft_nodes"
 (prefixes drafted), "draft_hit_rate" (needed prefixes that some draft proposed), "wall_time_s",
