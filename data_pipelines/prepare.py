@@ -130,26 +130,14 @@ def _build_ids(emb, config: PrepareConfig):  # emb [I, E] -> (semantic IDs, long
     """The residual k-means Semantic IDs, and the product-quantised long IDs when asked for."""
     from genrec_spec.data_pipelines.semantic_ids import SemanticIdConfig, build_semantic_ids
 
-    sid = build_semantic_ids(
-        emb,
-        SemanticIdConfig(
-            kind="rq",
-            levels=config.levels,
-            codebook_size=config.codebook_size,
-            seed=config.seed,
-        ),
-    )
-    long_id = None
-    if config.long_id_digits > 0:
-        long_id = build_semantic_ids(
-            emb,
-            SemanticIdConfig(
-                kind="pq",
-                pq_digits=config.long_id_digits,
-                codebook_size=config.codebook_size,
-                seed=config.seed,
-            ),
+    def ids(kind: str, **sizes):
+        settings = SemanticIdConfig(
+            kind=kind, codebook_size=config.codebook_size, seed=config.seed, **sizes
         )
+        return build_semantic_ids(emb, settings)
+
+    sid = ids("rq", levels=config.levels)
+    long_id = ids("pq", pq_digits=config.long_id_digits) if config.long_id_digits > 0 else None
     return sid, long_id
 
 

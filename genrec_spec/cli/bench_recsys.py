@@ -51,12 +51,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from genrec_spec.bench.recsys import ROWS, BenchInputError, BenchRecsysConfig, bench_checkpoint
+from genrec_spec.cli.evaluate import add_checkpoint_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     c = BenchRecsysConfig()
-    parser.add_argument("--ckpt", required=True, type=Path, help="checkpoint folder (train)")
-    parser.add_argument("--data", type=Path, help="prepared data (default: the trained-on one)")
+    add_checkpoint_arguments(parser)
     parser.add_argument("--split", default=c.split, choices=["valid", "test"])
     parser.add_argument(
         "--decoders",

@@ -40,6 +40,24 @@ def option_argument(text: str) -> tuple[str, object]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """--ckpt and --data, read by every command that loads a trained recommender."""
+    parser.add_argument("--ckpt", required=True, type=Path, help="checkpoint folder (train)")
+    parser.add_argument("--data", type=Path, help="prepared data (default: the trained-on one)")
+
+
+def add_option_argument(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """--option NAME=VALUE (repeatable): decoder options, parsed as `registry.parse_option`."""
+    parser.add_argument(
+        "--option",
+        type=option_argument,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help=help_text,
+    )
+
+
 def _int_list(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(x) for x in text.split(",") if x.strip())
@@ -58,8 +76,7 @@ def _name_list(text: str) -> tuple[str, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     c = EvaluateConfig()
-    parser.add_argument("--ckpt", required=True, type=Path, help="checkpoint folder (train)")
-    parser.add_argument("--data", type=Path, help="prepared data (default: the trained-on one)")
+    add_checkpoint_arguments(parser)
     parser.add_argument("--split", default=c.split, choices=["valid", "test"])
     parser.add_argument(
         "--decoder",
@@ -72,13 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=c.batch_size)
     parser.add_argument("--seed", type=int, default=c.seed, help="draws the --users subset")
     parser.add_argument("--threads", type=int, default=c.threads, help="torch CPU threads")
-    parser.add_argument(
-        "--option",
-        type=option_argument,
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="decoder option, given to every listed decoder that takes it (repeatable)",
+    add_option_argument(
+        parser, "decoder option, given to every listed decoder that takes it (repeatable)"
     )
     parser.add_argument(
         "--exclude-history",

@@ -17,28 +17,19 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-from genrec_spec.cli.evaluate import option_argument
+from genrec_spec.cli.evaluate import add_checkpoint_arguments, add_option_argument
 from genrec_spec.recsys.decoders.registry import decoder_names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ckpt", required=True, type=Path, help="checkpoint folder (train)")
-    parser.add_argument("--data", type=Path, help="prepared data (default: the trained-on one)")
+    add_checkpoint_arguments(parser)
     who = parser.add_mutually_exclusive_group(required=True)
     who.add_argument("--user", help="a user id of the data: recommend from all they did")
     who.add_argument("--history", help='item ids, comma-separated, oldest first ("" = none)')
     parser.add_argument("--k", type=int, default=10, help="recommendations")
     parser.add_argument("--decoder", default="beam", help=f"one of {decoder_names()}")
-    parser.add_argument(
-        "--option",
-        type=option_argument,
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="decoder option, e.g. beam_width=50 (repeatable)",
-    )
+    add_option_argument(parser, "decoder option, e.g. beam_width=50 (repeatable)")
     parser.add_argument(
         "--exclude-seen", action="store_true", help="leave the history's items out of the list"
     )

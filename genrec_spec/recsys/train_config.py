@@ -8,13 +8,14 @@ missing keys keep their defaults. `load_config` reads one, with overrides (the c
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from genrec_spec.errors import GenrecError
 from genrec_spec.models.recsys.config import (
     ConfigError,
     RecommenderConfig,
+    config_from_dict,
     convert_flat_config,
     is_flat_config,
 )
@@ -112,15 +113,9 @@ def load_config(
         model, extra = model | extra, {}
     model = convert_flat_config(model) | convert_flat_config(extra)
     train = dict(raw.get("train", {})) | dict(overrides.get("train", {}))
-    valid = [f.name for f in fields(TrainConfig)]
-    bad = sorted(set(train) - set(valid))
-    if bad:
-        raise TrainConfigError(
-            f"config {path} section 'train' has unknown keys {bad}; valid keys: {valid}",
-            "remove or correct the unknown keys",
-        )
     try:
         model_config = RecommenderConfig.from_dict(model)
+        train_config = config_from_dict(TrainConfig, train, "train")
     except ConfigError as err:
         raise TrainConfigError(f"config {path}: {err.problem}", err.fix) from None
-    return model_config, TrainConfig(**train)
+    return model_config, train_config

@@ -143,7 +143,7 @@ class RecommenderConfig:
     @classmethod
     def from_dict(cls, raw: dict) -> RecommenderConfig:
         """The config of `asdict(config)` (parts as dicts or None); unknown keys raise."""
-        return _build(cls, raw, "model")
+        return config_from_dict(cls, raw, "model")
 
 
 # Each part's config class, by field name (a part's dict is built into it).
@@ -156,8 +156,9 @@ _PARTS = {
 }
 
 
-def _build(cls, raw: dict, where: str):
-    """`cls` from a dict, its parts built from nested dicts (None stays None)."""
+def config_from_dict(cls, raw: dict, where: str):
+    """The config dataclass `cls` from a dict (`where` names it in errors), its parts built from
+    nested dicts (None stays None); unknown keys raise, listing the valid ones."""
     if not isinstance(raw, dict):
         raise ConfigError(
             f"{where} must be a JSON object of {cls.__name__}'s fields, got {raw!r}",
@@ -174,7 +175,7 @@ def _build(cls, raw: dict, where: str):
     for name, value in raw.items():
         part = _PARTS.get((cls, name))
         if part is not None and value is not None and not isinstance(value, part):
-            values[name] = _build(part, value, f"{where}.{name}")
+            values[name] = config_from_dict(part, value, f"{where}.{name}")
     return cls(**values)
 
 

@@ -16,22 +16,8 @@ from genrec_spec.models.recsys.config import (
 from genrec_spec.models.recsys.layout import train_layout
 
 
-def _objective(config, **changes):
-    """`config` with its item objective's fields changed."""
-    from dataclasses import replace
-
-    return replace(config, item_objective=replace(config.item_objective, **changes))
-
-
-def _histories(model, lengths: list[int], seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    values = torch.randint(0, model.num_items, (sum(lengths),), generator=g)
-    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    return values, offsets
-
-
 @pytest.mark.parametrize("tied", [False, True])
-def test_training_layout_matches_inference(tiny_model, tied):
+def test_training_layout_matches_inference(tiny_model, tied, random_histories, with_objective):
     """forward_train's losses (SDPA over the training tree) equal the same cross-entropies
     computed with encode_history on every prefix and score_tree on every branch (with the
     code levels tied to the item objective too)."""
@@ -40,11 +26,11 @@ def test_training_layout_matches_inference(tiny_model, tied):
 
     model, data = tiny_model
     if tied:
-        config = _objective(model.config, level0=True, tied_levels=TiedLevelsConfig(False))
+        config = with_objective(model.config, level0=True, tied_levels=TiedLevelsConfig(False))
         torch.manual_seed(2)
         model = SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).eval()
     g = torch.Generator().manual_seed(3)
-    windows, offsets = _histories(model, [6, 13, 1], seed=4)
+    windows, offsets = random_histories(model, [6, 13, 1], seed=4)
     layout = train_layout(windows, offsets, model.num_levels - 1, 3, g)
     losses = model.forward_train(layout)
 
@@ -78,7 +64,9 @@ def _position_states(model, windows, offsets):
             yield model.encode_history(seq[:t], torch.tensor([0, t])).hidden, seq[t]
 
 
-def test_item_objective_is_the_next_item_cross_entropy(tiny_model):
+def test_item_objective_is_the_next_item_cross_entropy(
+    tiny_model, random_histories, with_objective
+):
     """The item objective adds SASRec's loss: the cross-entropy of the next item over the
     catalogue from each history state (encode_history's hidden state . the item table), weighted
     into the total; its output table is the item embedding table, so the model has one even with
@@ -88,9 +76,9 @@ def test_item_objective_is_the_next_item_cross_entropy(tiny_model):
     from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 
     base, data = tiny_model
-    config = _objective(base.config, weight=0.5)
+    config = with_objective(base.config, weight=0.5)
     model = SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).eval()
-    windows, offsets = _histories(model, [6, 13, 1], seed=4)
+    windows, offsets = random_histories(model, [6, 13, 1], seed=4)
     layout = train_layout(windows, offsets, model.num_levels - 1, 3, torch.Generator())
     losses = model.forward_train(layout)
     terms = [
@@ -112,7 +100,7 @@ def test_item_objective_is_the_next_item_cross_entropy(tiny_model):
 
 
 @pytest.mark.parametrize("stride", [1, 2])
-def test_heads_learn_from_every_nth_history_position(tiny_model, stride):
+def test_heads_learn_from_every_nth_history_position(tiny_model, stride, random_histories):
     """position_stride n: the parallel and long-ID heads' catalogue losses are the mean,
     over every n-th history position (users in order, positions in order), of the cross-entropy
     of the next item under their summed code log-probs at that position's history state."""
@@ -126,7 +114,7 @@ def test_heads_learn_from_every_nth_history_position(tiny_model, stride):
     model = SemanticIdRecommender(
         config, data.item_codes, data.codebook_sizes, data.long_ids, data.long_id_sizes
     ).eval()
-    windows, offsets = _histories(model, [6, 13, 1], seed=4)
+    windows, offsets = random_histories(model, [6, 13, 1], seed=4)
     layout = train_layout(windows, offsets, model.num_levels - 1, 3, torch.Generator())
     losses = model.forward_train(layout)
     heads = (("parallel", model.parallel_heads, model.item_codes),)
@@ -142,7 +130,9 @@ def test_heads_learn_from_every_nth_history_position(tiny_model, stride):
         CodeHeadsConfig(position_stride=-1)
 
 
-def test_level0_from_items_is_the_item_softmax_marginal(tiny_model, tmp_path):
+def test_level0_from_items_is_the_item_softmax_marginal(
+    tiny_model, tmp_path, random_histories, with_objective
+):
     """The item objective's level0: level 0's log-probs are the item objective's log-probs
     summed over each level-0 cluster (a code no item has: -inf), trained through the item
     objective alone (no level-0 loss of its own), with finite gradients; it survives a
@@ -152,11 +142,11 @@ def test_level0_from_items_is_the_item_softmax_marginal(tiny_model, tmp_path):
     from genrec_spec.recsys.checkpoint import load_checkpoint, save_checkpoint
 
     base, data = tiny_model
-    config = _objective(base.config, level0=True)
+    config = with_objective(base.config, level0=True)
     sizes = [data.codebook_sizes[0] + 2, *data.codebook_sizes[1:]]  # two level-0 codes unused
     torch.manual_seed(1)
     model = SemanticIdRecommender(config, data.item_codes, sizes).eval()
-    windows, offsets = _histories(model, [6, 13, 1], seed=4)
+    windows, offsets = random_histories(model, [6, 13, 1], seed=4)
     state = model.encode_history(windows, offsets)
     item_lp = model.item_scores(state.hidden).log_softmax(dim=-1)  # [B, I]
     clusters = model.item_codes[:, 0]
