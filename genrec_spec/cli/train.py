@@ -3,7 +3,7 @@
     genrec-spec train --data DIR --out CKPT [--config configs/ml-1m.json]
 
 The config file is JSON with two optional sections, {"model": {...}, "train": {...}}, whose
-keys are the fields of `RecommenderConfig` (models/recsys/recommender.py) and `TrainConfig`
+keys are the fields of `RecommenderConfig` (models/recsys/config.py) and `TrainConfig`
 (recsys/train_config.py); missing keys keep their defaults. Each epoch
 reports the training losses and validation HR@10 / NDCG@10 on a fixed subset of valid users,
 ranked by the model's exact trie-constrained log-likelihood of every catalogue item

@@ -1,11 +1,11 @@
 """The training loop of `genrec-spec train` (its config: `train_config.py`).
 
 One step: a global batch of users (the same on every process) -> each process takes its share
--> training windows -> one tree per user (`rec_layout.train_layout`) -> `forward_train` losses
--> AdamW. After each epoch the validation users are ranked by the model's exact item
-trie-constrained log-likelihoods (`rec_item_scores`: every catalogue item as a branch of
-prefix trees over the history) and by the PinRec / RPG heads' item scores; early stopping
-watches the exact NDCG@10.
+-> training windows -> one tree per user (`models.recsys.layout.train_layout`) ->
+`forward_train` losses -> AdamW. After each epoch the validation users are ranked by the
+model's exact item trie-constrained log-likelihoods (`models.recsys.item_scores`: every
+catalogue item as a branch of prefix trees over the history) and by the PinRec / RPG heads'
+item scores; early stopping watches the exact NDCG@10.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 An item's log-likelihood is the sum over its code levels of log p(code | history, earlier
 codes). The candidates' distinct code prefixes form a prefix forest over the history root
-(`rec_layout.prefix_forest`); each forest node is one code token, and its output gives the
+(`layout.prefix_forest`); each forest node is one code token, and its output gives the
 log-probs of its children's codes. Every prefix is scored once however many items share it,
 in tree-attention passes of at most `chunk` scored nodes (plus their ancestors as context).
 

@@ -1,6 +1,6 @@
 """PinRec-style decoding: every code level from one backbone pass, top-K over the whole catalogue.
 
-The parallel level heads (`models/rec_heads.ParallelLevelHeads`) predict all L code levels of the
+The parallel level heads (`models/recsys/heads.ParallelLevelHeads`) predict all L code levels of the
 next item independently from the last history state h. An item's score is the sum of its levels'
 log-probabilities, log p(c_0 | h) + ... + log p(c_{L-1} | h), so one backbone pass and L gathers
 of [B, I] score every catalogue item: no tree, no beam, one sequential pass instead of beam

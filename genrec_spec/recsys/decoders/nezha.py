@@ -2,10 +2,10 @@
 
 `beam` costs one backbone pass per code level. Here the backbone runs once over the history
 (`encode_history`: its last state h and the level-0 log-probs), and the deeper levels come from
-`models/rec_heads.RecurrentDraftHead`, a GRU cell started from h that reads the chosen code of
+`models/recsys/heads.RecurrentDraftHead`, a GRU cell started from h that reads the chosen code of
 level l and predicts level l + 1: a beam step costs one tiny GRU step for all B x W beams
 instead of a transformer pass. The beam is the same trie-constrained beam as `beam`'s
-(`recsys.beam.extend`: codes that lead to no item are masked, the top W prefixes kept, equal
+(`decoders.beam.extend`: codes that lead to no item are masked, the top W prefixes kept, equal
 scores broken the same way), so every returned ID names a catalogue item and no item repeats.
 An item's score is the level-0 log-prob of the backbone plus the draft head's log-probs of the
 deeper levels (raw log-probs, like `beam`'s).
