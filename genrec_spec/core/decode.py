@@ -118,32 +118,12 @@ def generate(
     device = getattr(target, "device", tokens.device)
     tokens, lengths = tokens.to(device), lengths.to(device)
     _check_limits(target, lengths, max_new_tokens)
-    vocab_known = target.vocab_size is not None  # a CallableTarget learns it at prefill
-    if vocab_known:
-        _check_vocab(target, tokens)
     rule = acceptance or (GreedyMatch() if sampling.greedy else RejectionSampling())
     eos = None if eos_token_id is None else torch.as_tensor(eos_token_id, device=device).flatten()
     started = time.perf_counter()
     with torch.inference_mode():
-        batch, width = tokens.shape
-        cache = target.prefill(
-            tokens, lengths, width + max_new_tokens, getattr(proposer, "hidden_layers", ())
-        )
-        if not vocab_known:
-            _check_vocab(target, tokens)
-        state = DecodeState(
-            tokens=torch.cat([tokens, tokens.new_zeros(batch, max_new_tokens)], dim=1),
-            lengths=lengths,
-            prompt_lengths=lengths,
-            finished=torch.zeros(batch, dtype=torch.bool, device=tokens.device),
-            sampling=sampling,
-            generator=generator,
-            vocab_size=target.vocab_size,
-            max_new_tokens=max_new_tokens,
-            cache=cache,
-        )
-        if proposer is not None:  # first: a proposer may size its draft cost by the batch
-            proposer.begin(state)
+        state = _prefill(target, tokens, lengths, max_new_tokens, proposer, sampling, generator)
+        cache, batch = state.cache, tokens.shape[0]
         k_max = proposer.k if proposer is not None else 0
         control = SpeculationController(
             controller or ControllerConfig(), k_max, getattr(proposer, "draft_cost", 0.0), batch
@@ -159,33 +139,9 @@ def generate(
             accepted = rule(tree, logits, sampling, generator)
             counts, done = _emitted(state, accepted, eos)
             active = ~state.finished
-            # The one host read of the step (the rest feeds the controller).
-            read = [
-                done.all(),
-                torch.isnan(logits).any(),
-                _nan_draft(tree),
-                counts.max(),
-                active.sum(),
-                (accepted.draft_depth * active).sum(),
-                (accepted.num_accepted * active).sum(),
-                ((accepted.num_accepted < accepted.draft_depth) & active).sum(),
-            ]
-            all_done, nan_logits, nan_draft, widest, *observed = torch.stack(
-                [x.long() for x in read]
-            ).tolist()
-            if nan_logits or nan_draft:
-                culprit = "target's logits" if nan_logits else "proposer's draft probabilities"
-                raise DecodeInputError(
-                    f"the {culprit} contain NaN",
-                    "check the model's weights and dtype (fp16 overflow is a common cause)",
-                )
+            all_done, widest, observed = _read_step(tree, logits, accepted, counts, done, active)
             target.commit(cache, accepted.path[:, :widest], counts)
-            state.tokens = write_ragged(
-                state.tokens, state.lengths, accepted.tokens[:, :widest], counts
-            )
-            state.lengths = state.lengths + counts
-            state.finished, state.counts = done, counts
-            state.tree, state.logits, state.speculated = tree, logits, budget > 0
+            _advance(state, tree, logits, accepted, counts, done, widest, budget > 0)
             longest += widest
             forwards, speculative = forwards + 1, speculative + (budget > 0)
             counters += _step_counters(accepted, counts, active, k_max)
@@ -206,6 +162,92 @@ def generate(
         wall_time_s=time.perf_counter() - started,
     )
     return Generation(values=values, offsets=offsets, stats=stats)
+
+
+def _prefill(
+    target: Target,
+    tokens: Tensor,  # [B, T] right-padded prompts
+    lengths: Tensor,  # [B]
+    max_new_tokens: int,
+    proposer: Proposer | None,
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
+) -> DecodeState:
+    """The target's prefill of the prompts and the decode state around its cache; the
+    proposer's ``begin`` has seen it (first: a proposer may size its draft cost by the batch)."""
+    vocab_known = target.vocab_size is not None  # a CallableTarget learns it at prefill
+    if vocab_known:
+        _check_vocab(target, tokens)
+    batch, width = tokens.shape
+    cache = target.prefill(
+        tokens, lengths, width + max_new_tokens, getattr(proposer, "hidden_layers", ())
+    )
+    if not vocab_known:
+        _check_vocab(target, tokens)
+    state = DecodeState(
+        tokens=torch.cat([tokens, tokens.new_zeros(batch, max_new_tokens)], dim=1),
+        lengths=lengths,
+        prompt_lengths=lengths,
+        finished=torch.zeros(batch, dtype=torch.bool, device=tokens.device),
+        sampling=sampling,
+        generator=generator,
+        vocab_size=target.vocab_size,
+        max_new_tokens=max_new_tokens,
+        cache=cache,
+    )
+    if proposer is not None:
+        proposer.begin(state)
+    return state
+
+
+def _read_step(
+    tree,
+    logits: Tensor,  # [B, N, V]
+    accepted,
+    counts: Tensor,  # [B]
+    done: Tensor,  # [B] bool
+    active: Tensor,  # [B] bool, rows not finished before this step
+) -> tuple[bool, int, list[int]]:
+    """The one host read of the step: whether every row is done, the most tokens a row emits,
+    and the controller's counts (active rows, drafted depth, accepted tokens, rejections).
+    Raises on NaN logits or draft probabilities."""
+    read = [
+        done.all(),
+        torch.isnan(logits).any(),
+        _nan_draft(tree),
+        counts.max(),
+        active.sum(),
+        (accepted.draft_depth * active).sum(),
+        (accepted.num_accepted * active).sum(),
+        ((accepted.num_accepted < accepted.draft_depth) & active).sum(),
+    ]
+    all_done, nan_logits, nan_draft, widest, *observed = torch.stack(
+        [x.long() for x in read]
+    ).tolist()
+    if nan_logits or nan_draft:
+        culprit = "target's logits" if nan_logits else "proposer's draft probabilities"
+        raise DecodeInputError(
+            f"the {culprit} contain NaN",
+            "check the model's weights and dtype (fp16 overflow is a common cause)",
+        )
+    return bool(all_done), widest, observed
+
+
+def _advance(
+    state: DecodeState,
+    tree,
+    logits: Tensor,  # [B, N, V]
+    accepted,
+    counts: Tensor,  # [B] tokens each row emits
+    done: Tensor,  # [B] bool
+    widest: int,
+    speculated: bool,
+) -> None:
+    """Append each row's emitted tokens to the state and record the step for the proposer."""
+    state.tokens = write_ragged(state.tokens, state.lengths, accepted.tokens[:, :widest], counts)
+    state.lengths = state.lengths + counts
+    state.finished, state.counts = done, counts
+    state.tree, state.logits, state.speculated = tree, logits, speculated
 
 
 def _nan_draft(tree) -> Tensor:  # [] bool

@@ -91,8 +91,9 @@ class EarlyExit(nn.Module):
         super().__init__()
         if not 1 <= n_layers < target.config.n_layers:
             raise LlamaError(
-                f"n_layers={n_layers} for a target of {target.config.n_layers} layers",
-                f"an early exit keeps 1 .. {target.config.n_layers - 1} of the target's layers",
+                f"n_layers={n_layers}",
+                f"an early exit keeps 1 .. {target.config.n_layers - 1} of the target's "
+                f"{target.config.n_layers} layers",
             )
         self.target, self.head, self.n_layers = target, head, n_layers
         self.config = target.config  # vocabulary and context are the target's
