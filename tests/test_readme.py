@@ -8,12 +8,14 @@ marked slow.
 """
 
 import argparse
+import json
 import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,6 +153,7 @@ def test_quick_start_runs(tmp_path, monkeypatch):
     quick = section(README.read_text(), "Quick start")
     monkeypatch.chdir(tmp_path)
     cli = "import sys; from genrec_spec.cli import main; sys.exit(main(sys.argv[1:]))"
+    printed = {}  # subcommand -> its stdout
     for block in fenced(quick, "bash"):
         for line in shell_lines(block):
             done = subprocess.run(
@@ -161,15 +164,15 @@ def test_quick_start_runs(tmp_path, monkeypatch):
                 timeout=1200,
             )
             assert done.returncode == 0, f"{line}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+            printed[genrec_argv(line)[0]] = done.stdout
     namespace: dict = {"__name__": "__readme__"}
     for block in fenced(quick, "python"):
         exec(compile(block, "README.md", "exec"), namespace)
 
     # What the demo promises (the same checks as tests/test_demo.py, on the full demo).
-    import json
-
-    import pandas as pd
-
+    for step in ("prepare", "train", "batch", "replay"):
+        assert f"$ genrec-spec {step} " in printed["demo"]
+    assert "exactness: identical top-10 lists for 100.0% of users (OK)" in printed["demo"]
     demo = tmp_path / "runs" / "demo"
     rows = pd.read_parquet(demo / "candidates")
     assert len(rows) == rows.user_id.nunique() == 943  # every MovieLens-100K user once
