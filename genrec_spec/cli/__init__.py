@@ -16,16 +16,16 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": (
-        "genrec_spec.data_pipelines.prepare",
+        "genrec_spec.cli.prepare",
         "raw interactions -> leave-one-out split -> item embeddings -> semantic IDs",
     ),
-    "train": ("genrec_spec.recsys.train", "train the Semantic-ID recommender on a prepared folder"),
+    "train": ("genrec_spec.cli.train", "train the Semantic-ID recommender on a prepared folder"),
     "recommend": (
         "genrec_spec.cli.recommend",
         "top-K items for one user or history from a checkpoint",
     ),
     "evaluate": (
-        "genrec_spec.recsys.evaluate",
+        "genrec_spec.cli.evaluate",
         "HR/NDCG/MRR@K of a decoder on the valid or test split",
     ),
     "batch": (
