@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from genrec_spec.cli.args import config_from_args
 from genrec_spec.cli.evaluate import option_argument as parse_option
 from genrec_spec.jobs.batch import ENGINES, BatchConfig, format_summary, run_batch
 from genrec_spec.recsys.decoders.registry import decoder_names
@@ -54,18 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = BatchConfig(
-        k=args.k,
-        decoder=args.decoder,
-        shards=args.shards,
-        batch_size=args.batch_size,
-        engine=args.engine,
-        ray_address=args.ray_address,
-        actors=args.actors,
-        ray_cpus=args.ray_cpus,
-        threads=args.threads,
-        progress=not args.no_progress,
-    )
+    config = config_from_args(BatchConfig, args, progress=not args.no_progress)
     summary = run_batch(
         args.ckpt, args.users, args.out, config, data_dir=args.data, options=dict(args.option)
     )

@@ -27,6 +27,7 @@ import json
 import sys
 from pathlib import Path
 
+from genrec_spec.cli.args import config_from_args
 from genrec_spec.recsys.decoders.registry import decoder_names, parse_option
 from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.evaluate import EvaluateConfig, evaluate_checkpoint, format_table
@@ -101,16 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = EvaluateConfig(
-        split=args.split,
-        decoders=args.decoder,
-        ks=args.k,
-        users=args.users,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        threads=args.threads,
-        exclude_history=args.exclude_history,
-    )
+    config = config_from_args(EvaluateConfig, args, decoders=args.decoder, ks=args.k)
     options = dict(args.option)
     header, report = evaluate_checkpoint(
         args.ckpt,

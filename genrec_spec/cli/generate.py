@@ -18,6 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
+from genrec_spec.cli.args import config_from_args
 from genrec_spec.llm import methods
 
 
@@ -117,25 +118,7 @@ def run(args: argparse.Namespace) -> int:
     from genrec_spec.llm.prompts import read_prompt_file
 
     prompts = list(args.prompt) if args.prompt else read_prompt_file(args.prompts)
-    config = GenerationConfig(
-        model=args.model,
-        method=args.method,
-        drafter=args.drafter,
-        chat=args.chat,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        k=args.k,
-        draft_layers=args.draft_layers,
-        threads=args.threads,
-        pass_cost=args.pass_cost,
-        tree_nodes=args.tree_nodes,
-        tree_top_k=args.tree_top_k,
-        tree_depth=args.tree_depth,
-    )
+    config = config_from_args(GenerationConfig, args)
     report = generate_texts(prompts, config)
     if args.json:
         print(json.dumps(report))

@@ -29,6 +29,7 @@ import json
 import os
 from pathlib import Path
 
+from genrec_spec.cli.args import config_from_args
 from genrec_spec.recsys.decoders.registry import decoder_names
 from genrec_spec.serve.config import API_KEY_ENV
 from genrec_spec.serve.loadtest import (
@@ -74,17 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = LoadtestConfig(
-        concurrency=args.concurrency,
-        seconds=args.seconds,
-        max_requests=args.max_requests,
-        decoder=args.decoder,
-        k=args.k,
-        exclude_seen=args.exclude_seen,
-        timeout_s=args.timeout_s,
-        warmup=args.warmup,
-        seed=args.seed,
-    )
+    config = config_from_args(LoadtestConfig, args)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     report = run_loadtest(args.url, config, api_key)
     print(format_report(report))

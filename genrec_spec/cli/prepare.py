@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from genrec_spec.cli.args import config_from_args
 from genrec_spec.data_pipelines.prepare import PrepareConfig, format_summary, prepare
 
 
@@ -45,16 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = PrepareConfig(
-        levels=args.levels,
-        codebook_size=args.codebook_size,
-        long_id_digits=args.long_id_digits,
-        seed=args.seed,
-        cf_weight=args.cf_weight,
-        cf_dim=args.cf_dim,
-        cache_dir=args.cache_dir,
-        progress=not args.no_progress,
-    )
+    config = config_from_args(PrepareConfig, args, progress=not args.no_progress)
     manifest = prepare(args.dataset, args.out, config, overwrite=args.overwrite)
     print(format_summary(manifest, args.out))
     return 0

@@ -24,6 +24,7 @@ import argparse
 import shlex
 from pathlib import Path
 
+from genrec_spec.cli.args import config_from_args
 from genrec_spec.jobs.replay_arms import ReplayConfig, parse_arm
 from genrec_spec.jobs.replay_events import SPLITS
 from genrec_spec.jobs.replay_report import FILES, replay_to_folder
@@ -72,13 +73,7 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = ReplayConfig(
-        k=args.k,
-        users=args.users,
-        seed=args.seed,
-        bootstrap=args.bootstrap,
-        batch_size=args.batch_size,
-    )
+    config = config_from_args(ReplayConfig, args)
     result = replay_to_folder(
         parse_arm(args.a, args.ckpt, "--a"),
         parse_arm(args.b, args.ckpt_b or args.ckpt, "--b"),

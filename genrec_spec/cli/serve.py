@@ -56,21 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from genrec_spec.cli.args import config_from_args
     from genrec_spec.serve.app import run_service
     from genrec_spec.serve.config import API_KEY_ENV, ServeConfig
 
-    config = ServeConfig(
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        max_batch=args.max_batch,
-        max_wait_ms=args.max_wait_ms,
-        max_queue=args.max_queue,
-        timeout_s=args.timeout_s,
-        max_body_bytes=args.max_body_bytes,
-        max_k=args.max_k,
-        threads=args.threads,
-        history_cache_mb=args.history_cache_mb,
+    config = config_from_args(
+        ServeConfig, args, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None
     )
     run_service(
         config,
