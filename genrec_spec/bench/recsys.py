@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from genrec_spec.errors import GenrecError
+from genrec_spec.bench.errors import BenchError
 from genrec_spec.recsys.checkpoint import load_model_and_data
 from genrec_spec.recsys.data import sample_users
 from genrec_spec.recsys.decoders.beam import beam_width_for, item_trie, search
@@ -54,10 +54,6 @@ def decoders_of(model) -> tuple[str, ...]:
     return tuple(n for n in ROWS if runs_on(model, VARIANTS.get(n, (n,))[0]))
 
 
-class BenchInputError(GenrecError):
-    """Benchmark settings that cannot run (an unknown row, counts below 1, a width below k)."""
-
-
 @dataclass(frozen=True)
 class BenchRecsysConfig:
     """Defaults of ``genrec-spec bench recsys``."""
@@ -84,16 +80,16 @@ class BenchRecsysConfig:
     def __post_init__(self) -> None:
         unknown = [n for n in self.decoders or () if n not in ROWS]
         if unknown:
-            raise BenchInputError(f"unknown decoders {unknown}", f"choose from {','.join(ROWS)}")
+            raise BenchError(f"unknown decoders {unknown}", f"choose from {','.join(ROWS)}")
         counts = (self.k, self.users, self.batches, self.repeats, self.threads)
         if not self.batch_sizes or min(counts + self.batch_sizes) < 1:
-            raise BenchInputError(
+            raise BenchError(
                 f"--k {self.k}, --users {self.users}, --batches {self.batches}, --repeats "
                 f"{self.repeats}, --threads {self.threads}, --batch-sizes {self.batch_sizes}",
                 "give each a value >= 1",
             )
         if self.beam_width is not None and self.beam_width < self.k:
-            raise BenchInputError(
+            raise BenchError(
                 f"--beam-width {self.beam_width} is below --k {self.k}",
                 f"pass --beam-width >= {self.k} or leave it unset",
             )

@@ -44,11 +44,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("genrec_spec.cli.generate", "LLM text generation with a speculative method"),
     "train-drafter": (
         "genrec_spec.cli.train_drafter",
-        "train an LLM drafter (Medusa heads, EAGLE) on the target's own continuations",
+        "train an LLM drafter (its kinds: train-drafter --help) on the target's own continuations",
     ),
     "bench": (
         "genrec_spec.cli.bench",
-        "benchmarks: kernel | llm | recsys, ratios against a same-run baseline",
+        "benchmarks: kernel | q4 | llm | recsys, ratios against a same-run baseline",
     ),
     "demo": ("genrec_spec.cli.demo", "the main job on the embedded default (ML-100K)"),
 }

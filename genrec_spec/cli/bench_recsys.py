@@ -50,7 +50,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from genrec_spec.bench.recsys import ROWS, BenchInputError, BenchRecsysConfig, bench_checkpoint
+from genrec_spec.bench.errors import BenchError
+from genrec_spec.bench.recsys import ROWS, BenchRecsysConfig, bench_checkpoint
 from genrec_spec.cli.evaluate import add_checkpoint_arguments
 
 
@@ -97,7 +98,7 @@ def settings_from(args: argparse.Namespace) -> BenchRecsysConfig:
     try:
         sizes = tuple(int(x) for x in args.batch_sizes.split(",")) if args.batch_sizes else None
     except ValueError:
-        raise BenchInputError(
+        raise BenchError(
             f"--batch-sizes {args.batch_sizes!r} is not a list of integers",
             "give integers like 64,256",
         ) from None
