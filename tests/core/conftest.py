@@ -105,8 +105,8 @@ def naive_greedy(
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    """Tiny tensors and a 135M model at batch <= 3: a second thread only adds wake-up latency
-    (see ENVIRONMENT.md). Module-scoped so module fixtures that decode run with it too."""
+    """Tiny tensors and a 135M model at batch <= 3: a second thread only adds wake-up latency.
+    Module-scoped so module fixtures that decode run with it too."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
