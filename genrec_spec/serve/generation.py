@@ -1,9 +1,9 @@
 """The LLM behind /v1/generate: SmolLM2 text with the decoding core's methods.
 
-Methods are those of ``genrec-spec generate`` (`generate_cli.make_proposer`): none (plain
-decoding; "plain" is accepted as its name too), draft (a layer-skipped copy of the target), ngram
-(prompt lookup), trie, lookahead, quant (the target's own 4-bit weights drafting; built once per
-loaded model and shared by requests: it holds no per-request state). Every request gets a fresh
+Methods are those of the LLM method registry (`genrec_spec.llm.methods`) that need no trained
+drafter (`UNTRAINED`; "plain" is accepted as the name of none, plain decoding). The quant draft
+(the target's own 4-bit weights) is built once per loaded model and shared by requests: it holds
+no per-request state. Every request gets a fresh
 proposer and its own seeded `torch.Generator`, so an answer depends only on its request (n-gram
 pools do not carry over between users, and a seeded sampled answer is reproducible).
 """
@@ -26,7 +26,7 @@ LLMS = ("smollm2",)
 class GenerateQuery:
     prompt: str
     max_new_tokens: int
-    method: str  # a generate_cli method name ("plain" already mapped to "none")
+    method: str  # a registry method name ("plain" already mapped to "none")
     temperature: float
     seed: int
     chat: bool

@@ -75,7 +75,9 @@ class GenerateRequest(BaseModel):
     prompt: str = Field(min_length=1, max_length=32_000)
     max_new_tokens: StrictInt = Field(32, ge=1, description="at most the service's limit")
     method: MethodName = Field(
-        "plain", description="plain/none, draft, ngram, trie, lookahead, quant"
+        "plain",
+        description="plain (= none) or a method that needs no trained drafter: "
+        + ", ".join(METHODS),
     )
     temperature: float = Field(0.0, ge=0.0, le=10.0, description="0 = greedy")
     seed: StrictInt = Field(0, ge=0, description="seeds the sampling (temperature > 0)")
