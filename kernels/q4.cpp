@@ -23,9 +23,10 @@
 #include <cstdint>
 #include <optional>
 #include <vector>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#include <algorithm>
 
 namespace {
 
@@ -109,6 +110,84 @@ void rows_of_x(int64_t mb, const at::BFloat16* x, const float* xsum, int64_t K, 
     case 6: return blocks<6>(x, xsum, K, w, b0, b1, out, N);
     case 7: return blocks<7>(x, xsum, K, w, b0, b1, out, N);
     default: return blocks<8>(x, xsum, K, w, b0, b1, out, N);
+  }
+}
+constexpr bool kVectorized = true;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2 (no bfloat16 dot product): fp32 multiply-adds, 8 output rows per vector, two vectors a
+// block. Read as int32, lane r of 8 consecutive int16 pairs holds row r's pair (e = 0, 1): the
+// code of weight 2 (p + 4 s) + e sits at bits 16 e + 4 s, so a shift and a mask give 8 rows'
+// codes, exact once converted to fp32, and x's bfloat16 values are exact in fp32 too: the sums
+// are the dequantised product's up to fp32 rounding. Codes are 0..15 here (no +128), so a
+// group's offset is its min. t[m][h][c] keeps CH chains per row of x and half-block h: 2 for up
+// to 2 rows of x, 1 past that; rows_of_x takes x at most 4 rows at a time, which keeps the
+// chains, the codes and x in the 16 vector registers (the sums of the groups stay in memory).
+template <int MB, int CH = (MB <= 2 ? 2 : 1)>
+void blocks(const at::BFloat16* x, const float* xsum, int64_t K, const Weights& w, int64_t b0,
+            int64_t b1, float* out, int64_t N) {
+  const int64_t G = w.G;
+  const __m256i low4 = _mm256_set1_epi32(0xF);
+  for (int64_t b = b0; b < b1; ++b) {
+    alignas(32) float acc[MB][kRows] = {};
+    for (int64_t g = 0; g < G; ++g) {
+      const int16_t* q_bg = w.codes + (b * G + g) * 4 * 32;
+      for (int line = 0; line < 4; ++line)  // a group's codes are 4 cache lines
+        _mm_prefetch((const char*)(q_bg + kAhead * 128) + 64 * line, _MM_HINT_T0);
+      _mm_prefetch((const char*)(w.scales + (b * G + g + kAhead) * kRows), _MM_HINT_T0);
+      _mm_prefetch((const char*)(w.mins + (b * G + g + kAhead) * kRows), _MM_HINT_T0);
+      const at::BFloat16* xg = x + g * kGroup;
+      __m256 t[MB][2][CH];
+      for (int m = 0; m < MB; ++m)
+        for (int h = 0; h < 2; ++h)
+          for (int c = 0; c < CH; ++c) t[m][h][c] = _mm256_setzero_ps();
+      for (int p = 0; p < 4; ++p) {
+        const __m256i q[2] = {_mm256_loadu_si256((const __m256i*)(q_bg + p * 32)),
+                              _mm256_loadu_si256((const __m256i*)(q_bg + p * 32 + 16))};
+#pragma GCC unroll 8
+        for (int se = 0; se < 8; ++se) {  // weight i = 2 (p + 4 s) + e, bits 16 e + 4 s
+          const int s = se / 2, e = se % 2, i = 2 * (p + 4 * s) + e;
+          for (int h = 0; h < 2; ++h) {
+            const __m256 codes = _mm256_cvtepi32_ps(
+                _mm256_and_si256(_mm256_srli_epi32(q[h], 16 * e + 4 * s), low4));
+            for (int m = 0; m < MB; ++m) {
+              const __m256 xi = _mm256_set1_ps(static_cast<float>(xg[m * K + i]));
+              t[m][h][se % CH] = _mm256_fmadd_ps(codes, xi, t[m][h][se % CH]);
+            }
+          }
+        }
+      }
+      const int64_t lanes = (b * G + g) * kRows;
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w.scales + lanes) + h));
+        const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w.mins + lanes) + h));
+        for (int m = 0; m < MB; ++m) {
+          __m256 dots = t[m][h][0];
+          for (int c = 1; c < CH; ++c) dots = _mm256_add_ps(dots, t[m][h][c]);
+          __m256 sum = _mm256_load_ps(acc[m] + 8 * h);
+          sum = _mm256_fmadd_ps(d, dots, sum);
+          sum = _mm256_fmadd_ps(mn, _mm256_set1_ps(xsum[m * G + g]), sum);
+          _mm256_store_ps(acc[m] + 8 * h, sum);
+        }
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int r = 0; r < kRows; ++r) out[m * N + b * kRows + r] = acc[m][r];
+  }
+}
+
+void rows_of_x(int64_t mb, const at::BFloat16* x, const float* xsum, int64_t K, const Weights& w,
+               int64_t b0, int64_t b1, float* out, int64_t N) {
+  const int64_t G = w.G;
+  for (int64_t m0 = 0; m0 < mb; m0 += 4) {  // at most 4 rows of x a pass (registers)
+    const at::BFloat16* xm = x + m0 * K;
+    const float* sm = xsum + m0 * G;
+    float* om = out + m0 * N;
+    switch (std::min<int64_t>(4, mb - m0)) {
+      case 1: blocks<1>(xm, sm, K, w, b0, b1, om, N); break;
+      case 2: blocks<2>(xm, sm, K, w, b0, b1, om, N); break;
+      case 3: blocks<3>(xm, sm, K, w, b0, b1, om, N); break;
+      default: blocks<4>(xm, sm, K, w, b0, b1, om, N); break;
+    }
   }
 }
 constexpr bool kVectorized = true;

@@ -7,8 +7,9 @@ rows across the SIMD lanes and turns each code into the bfloat16 128 + code with
 operation, so a single AVX512-BF16 instruction does 32 multiply-adds with nothing left to
 unpack (a whole layer stack in sequence is then bound by memory; it prefetches ahead), with
 fp16 scales and fp32 sums and output, so it is also closer to the exactly dequantised matrix
-than ATen's: ``genrec-spec bench q4`` compares them. CPUs without AVX512-BF16 get a portable
-loop over the same layout: the same sums, slower.
+than ATen's: ``genrec-spec bench q4`` compares them. CPUs without AVX512-BF16 but with AVX2
+(and FMA, F16C) take the same layout in fp32 multiply-adds, a shift and a mask per 8 rows'
+codes; others get a portable loop over it: the same sums, slower.
 
 The ops are compiled by ``torch.utils.cpp_extension`` for the machine they run on
 (-march=native) the first time they are needed (cached under ``$TORCH_EXTENSIONS_DIR``,
@@ -66,6 +67,7 @@ def q4_matmul(
 
 
 def vectorized() -> bool:
-    """Whether the op was built with its AVX512-BF16 path (else the portable loop)."""
+    """Whether the op was built with a vector path, AVX512-BF16 or AVX2 (else the portable
+    loop)."""
     load()
     return torch.ops.genrec_spec.q4_matmul_vectorized()
