@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 #if defined(__AVX512BF16__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -112,7 +113,7 @@ void rows_of_x(int64_t mb, const at::BFloat16* x, const float* xsum, int64_t K, 
     default: return blocks<8>(x, xsum, K, w, b0, b1, out, N);
   }
 }
-constexpr bool kVectorized = true;
+constexpr const char* kPath = "avx512-bf16";
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // AVX2 (no bfloat16 dot product): fp32 multiply-adds, 8 output rows per vector, two vectors a
 // block. Read as int32, lane r of 8 consecutive int16 pairs holds row r's pair (e = 0, 1): the
@@ -190,7 +191,7 @@ void rows_of_x(int64_t mb, const at::BFloat16* x, const float* xsum, int64_t K, 
     }
   }
 }
-constexpr bool kVectorized = true;
+constexpr const char* kPath = "avx2";
 #else
 // Without AVX512-BF16: the same sums in the same layout, one weight at a time (correct
 // everywhere, several times slower).
@@ -216,7 +217,7 @@ void rows_of_x(int64_t mb, const at::BFloat16* x, const float* xsum, int64_t K, 
         out[m * N + b * kRows + r] = acc;
       }
 }
-constexpr bool kVectorized = false;
+constexpr const char* kPath = "portable";
 #endif
 
 // Matrix w's codes etc., checked against an input of K features.
@@ -415,7 +416,7 @@ at::Tensor q4_decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const
   return x;
 }
 
-bool q4_matmul_vectorized() { return kVectorized; }
+std::string q4_matmul_path() { return kPath; }
 
 }  // namespace
 
@@ -429,5 +430,5 @@ TORCH_LIBRARY(genrec_spec, m) {
       "Tensor positions, Tensor[] weights, Tensor[] norms, int n_heads, int n_kv_heads, "
       "float eps) -> Tensor",
       &q4_decode_layers);
-  m.def("q4_matmul_vectorized() -> bool", &q4_matmul_vectorized);
+  m.def("q4_matmul_path() -> str", &q4_matmul_path);
 }

@@ -66,8 +66,7 @@ def q4_matmul(
     return torch.ops.genrec_spec.q4_matmul(x, codes, scales, mins, norm, eps)
 
 
-def vectorized() -> bool:
-    """Whether the op was built with a vector path, AVX512-BF16 or AVX2 (else the portable
-    loop)."""
+def path() -> str:
+    """Which loop the op was built with for this CPU: "avx512-bf16", "avx2" or "portable"."""
     load()
-    return torch.ops.genrec_spec.q4_matmul_vectorized()
+    return torch.ops.genrec_spec.q4_matmul_path()

@@ -1,7 +1,8 @@
 """The layout's rules, read from the source: dependencies flow one way and nothing forms a cycle.
 
     cli -> serve, jobs, bench -> recsys, llm -> core -> models -> kernels
-    data_pipelines imports no decoding; errors and cache import nothing (every part may use them)
+    data_pipelines imports no decoding; errors, cache and machine import nothing (every part may
+    use them)
 
 Every import counts, the ones inside functions too (a function-local import is how a cycle or an
 upward dependency hides), as do `from x import y` where `y` is a module.
@@ -21,10 +22,12 @@ FOLDERS = {
     "data_pipelines": "genrec_spec.data_pipelines",
 }
 # part -> the parts it may import (besides itself)
-BOTTOM = {"genrec_spec.errors", "genrec_spec.cache"}  # modules that import nothing of the project
+# modules that import nothing of the project
+BOTTOM = {"genrec_spec.errors", "genrec_spec.cache", "genrec_spec.machine"}
 LOWER = {
     "genrec_spec.errors": set(),
     "genrec_spec.cache": set(),
+    "genrec_spec.machine": set(),
     "genrec_spec.kernels": BOTTOM,
     "genrec_spec.data_pipelines": BOTTOM,
     "genrec_spec.models": BOTTOM | {"genrec_spec.kernels", "genrec_spec.data_pipelines"},

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from genrec_spec.bench.errors import BenchError
 from genrec_spec.kernels import ancestor_bitmask, ancestor_mask, tree_attention
+from genrec_spec.machine import describe
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -263,7 +264,7 @@ def benchmark(
     )
     cases = [parse_shape(shape, tree) for shape in shapes for tree in config.trees]
     baseline = "sdpa-dense" if cuda else "reference"
-    name = torch.cuda.get_device_name(device) if cuda else f"cpu, {config.threads} thread(s)"
+    name = torch.cuda.get_device_name(device) if cuda else describe()
     out(f"tree attention on {name}: Hq/Hkv {hq}/{hkv}, D {config.head_dim}, {dtype}, "
         f"median of {config.repeats}; speedup over {baseline}")  # fmt: skip
     out(f"{'tree':>8} {'B':>3} {'S':>5} {'N':>4}  {'method':<13} {'ms':>9} {'speedup':>8} "

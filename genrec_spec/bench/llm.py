@@ -249,6 +249,7 @@ class Report:
     """What a run of the benchmark found, and under which conditions."""
 
     header: str  # the model, machine load, prompts and settings in one line
+    machine: list[str]  # the CPU, its flags and threads; the CPU paths chosen for this run
     settings: BenchLLMConfig
     load_average: tuple[float, float]  # the 1-minute load average before and after
     rows: list[Row]
@@ -256,6 +257,7 @@ class Report:
     def as_json(self) -> dict:
         return {
             "settings": asdict(self.settings),
+            "machine": self.machine,
             "load_average": list(self.load_average),
             "rows": [asdict(row) for row in self.rows],
         }
@@ -285,6 +287,7 @@ def bench_llm(settings: BenchLLMConfig, log: Callable[[str], None] = lambda line
 
         hf_model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir(), dtype=torch.float32)
         hf_model.eval()
+    machine = cpu_paths(model, settings.methods)  # measured now, not in the timed runs
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     eos = tokenizer.eos_token_id
@@ -298,4 +301,23 @@ def bench_llm(settings: BenchLLMConfig, log: Callable[[str], None] = lambda line
         f"{time.perf_counter() - started:.0f} s, load average {load_before:.2f} -> "
         f"{load_after:.2f}"
     )
-    return Report(header, settings, (load_before, load_after), rows)
+    return Report(header, machine, settings, (load_before, load_after), rows)
+
+
+def cpu_paths(model: object, methods: tuple[str, ...]) -> list[str]:
+    """The machine and the CPU paths our methods take on it, one line each: the linear path per
+    shape and row count of a native target (chosen now, `cpu_linear.measure_shapes`, so the
+    timed runs do not measure) and the 4-bit op's loop where ``quant`` runs."""
+    from genrec_spec.machine import describe
+    from genrec_spec.models.llm import cpu_linear
+    from genrec_spec.models.llm.llama import Llama
+
+    lines = [f"machine: {describe()}"]
+    if isinstance(model, Llama):
+        cpu_linear.measure_shapes(model.linear_shapes())
+        lines += cpu_linear.summary(model.linear_shapes())
+    if "quant" in methods:
+        from genrec_spec.kernels.q4 import path
+
+        lines.append(f"quant draft: the 4-bit op's {path()} loop")
+    return lines

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 
 from genrec_spec.bench.errors import BenchError
 from genrec_spec.bench.kernel import median_seconds
+from genrec_spec.kernels.q4 import path
+from genrec_spec.machine import describe
 from genrec_spec.models.llm.q4 import Q4Codes, quantize_q4
 
 # SmolLM2-135M: dim 576, 9 query / 3 key-value heads of 64, FFN 1536, vocabulary 49,152.
@@ -85,7 +87,7 @@ def benchmark(config: Q4BenchConfig = Q4BenchConfig(), out: Callable[[str], None
 
     cases = {name: [random_codes(name)] for name in MATRICES}
     cases["layers"] = [random_codes(m) for _ in range(config.layers) for m in LAYER_MATRICES]
-    out(f"4-bit matmul on cpu, {config.threads} thread(s), SmolLM2-135M's shapes (layers: "
+    out(f"4-bit matmul ({path()} loop) on {describe()}, SmolLM2-135M's shapes (layers: "
         f"{config.layers} x {len(LAYER_MATRICES)} matrices), median of {config.repeats}; "
         "speedup over aten-int4")  # fmt: skip
     out(f"{'matrix':>8} {'M':>3}  {'method':<10} {'ms':>8} {'speedup':>8} {'Gw/s':>7} "

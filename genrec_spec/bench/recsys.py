@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from genrec_spec.bench.errors import BenchError
+from genrec_spec.machine import describe
 from genrec_spec.recsys.checkpoint import load_model_and_data
 from genrec_spec.recsys.data import sample_users
 from genrec_spec.recsys.decoders.beam import beam_width_for, item_trie, search
@@ -362,8 +363,8 @@ def bench_checkpoint(
     width = beam_width_for(settings.k, settings.beam_width, model.num_items)
     lines = [
         f"{data.manifest.get('name', data.path)} {settings.split} split, {model.num_items} "
-        f"items, K={settings.k}, beam width {width}, cpu, {settings.threads} "
-        f"thread(s): batch 1 over {min(settings.users, len(histories))} users, throughput "
+        f"items, K={settings.k}, beam width {width}, {describe()}: batch 1 over "
+        f"{min(settings.users, len(histories))} users, throughput "
         f"{settings.batches} batch(es) per size, median of {settings.repeats}; "
         f"{time.perf_counter() - started:.0f} s, load average {load_before:.2f} -> "
         f"{load_after:.2f}"

@@ -128,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         settings_from(args), log=lambda line: print(line, file=sys.stderr, flush=True)
     )
     print(report.header)
+    print("\n".join(report.machine))
     print(format_table(report.rows))
     if args.json:
         args.json.write_text(json.dumps(report.as_json(), indent=1))

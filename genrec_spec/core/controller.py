@@ -33,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ import torch
 
 from genrec_spec.core.targets import as_target
 from genrec_spec.core.types import DecodeInputError, DraftTree
+from genrec_spec.machine import cpu_flags, cpu_model
 
 
 @dataclass(frozen=True)
@@ -178,8 +178,8 @@ def measure_pass_cost(
 
 
 # Part of cached_pass_cost's key: bump it when the targets' kernels change what a pass of n
-# tokens costs (2: models/llama.linear takes 3+ rows through oneDNN's prepacked weights).
-PASS_COST_KERNELS = 2
+# tokens costs (3: models/llm/cpu_linear chooses each product's path by measurement).
+PASS_COST_KERNELS = 3
 
 
 def cached_pass_cost(model: Any, folder: Path | None = None) -> tuple[float, ...]:
@@ -217,13 +217,9 @@ def _machine_key(model: Any) -> str:
         )
     parameters = list(model.parameters())
     device = parameters[0].device if parameters else torch.device("cpu")
-    processor = platform.processor() or platform.machine()
+    processor = f"{cpu_model()} {cpu_flags()}"
     if device.type == "cuda":
         processor = torch.cuda.get_device_name(device)
-    elif Path("/proc/cpuinfo").is_file():  # platform.processor() is often just "x86_64"
-        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line]
-        processor = names[0] if names else processor
     what = [
         type(model).__qualname__,
         [(tuple(p.shape), str(p.dtype)) for p in parameters],

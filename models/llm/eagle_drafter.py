@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from genrec_spec.models.llm.cpu_linear import linear
 from genrec_spec.models.llm.kv_cache import StaticKVCache
 from genrec_spec.models.llm.llama import (
     LlamaConfig,
@@ -46,7 +47,6 @@ from genrec_spec.models.llm.llama import (
     RMSNorm,
     TransformerBlock,
     begin_tree_pass,
-    linear,
     rope_tables,
 )
 

@@ -28,6 +28,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
+from genrec_spec.models.llm.cpu_linear import linear
 from genrec_spec.models.llm.kv_cache import StaticKVCache
 from genrec_spec.models.llm.llama import (
     FeedForward,
@@ -35,7 +36,6 @@ from genrec_spec.models.llm.llama import (
     LlamaConfig,
     LlamaError,
     RMSNorm,
-    linear,
 )
 
 

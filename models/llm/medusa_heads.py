@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from genrec_spec.models.llm.llama import LlamaError, linear
+from genrec_spec.models.llm.cpu_linear import linear
+from genrec_spec.models.llm.llama import LlamaError
 
 
 class MedusaHeads(nn.Module):

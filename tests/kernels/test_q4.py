@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from genrec_spec.kernels.q4 import q4_matmul, vectorized
+from genrec_spec.kernels.q4 import path, q4_matmul
 from genrec_spec.models.llm.q4 import quantize_q4
 
 
@@ -58,16 +58,19 @@ def test_fused_norm_and_threads():
 
 def test_vectorized_where_the_cpu_allows():
     flags = open("/proc/cpuinfo").read().split() if sys.platform == "linux" else []
-    if "avx512_bf16" not in flags and not {"avx2", "fma", "f16c"} <= set(flags):
+    if "avx512_bf16" in flags:
+        assert path() == "avx512-bf16"
+    elif {"avx2", "fma", "f16c"} <= set(flags):
+        assert path() == "avx2"
+    else:
         pytest.skip("this CPU has neither AVX512-BF16 nor AVX2: the op runs its portable loop")
-    assert vectorized()
 
 
 PORTABLE = """
 import torch
 from genrec_spec.kernels import q4 as op
 op.load(portable=True)
-assert not torch.ops.genrec_spec.q4_matmul_vectorized()
+assert torch.ops.genrec_spec.q4_matmul_path() == "portable"
 for codes, scales, mins, x, norm in torch.load({path!r}):
     out = torch.ops.genrec_spec.q4_matmul(x, codes, scales, mins, norm, 1e-5)
     torch.save(out, {path!r} + f".{{len(x)}}")

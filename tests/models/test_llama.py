@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from genrec_spec.models.llm.llama import Llama, LlamaConfig, LlamaError, linear
+from genrec_spec.models.llm.llama import Llama, LlamaConfig, LlamaError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -190,45 +190,3 @@ def test_config_is_frozen(llama_kit):
     with pytest.raises(AttributeError):
         llama_kit.TINY.dim = 8
     assert isinstance(llama_kit.TINY, LlamaConfig) and llama_kit.TINY.head_dim == 8
-
-
-@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (3, 1), (1, 3), (2, 2), (1, 5), (2, 4), (1, 9)])
-@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "transposed-view"])
-def test_linear_matches_f_linear(shape, strided):
-    """With gradients, the weight-major product for 1-2 rows (a single row padded) and F.linear
-    for more return F.linear's rows and shape, from a contiguous input or a transposed view, and
-    its gradients."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(*shape, 24, generator=gen)  # [B, N, in]
-    if strided:  # the same values, laid out as a transposed view
-        x = x.reshape(-1, 24).T.contiguous().T.reshape(*shape, 24)
-    x.requires_grad_(True)
-    weight = torch.randn(40, 24, generator=gen, requires_grad=True)  # [out, in]
-    out = linear(x, weight)
-    assert out.shape == (*shape, 40) and out.is_contiguous()
-    expected = torch.nn.functional.linear(x, weight)
-    torch.testing.assert_close(out, expected)
-    grads = torch.autograd.grad(out.square().sum(), (x, weight))
-    reference = torch.autograd.grad(expected.square().sum(), (x, weight))
-    torch.testing.assert_close(grads, reference, rtol=1e-5, atol=1e-4)  # summation order
-
-
-@pytest.mark.parametrize("rows", [3, 5, 9, 40])
-def test_linear_prepacked_path_matches_and_follows_weight_updates(rows):
-    """Without gradients, 3+ rows go through oneDNN's prepacked weights: F.linear's values, and
-    a weight changed in place (an optimiser step, load_state_dict) is packed again."""
-    from genrec_spec.models.llm import llama
-
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("this torch build has no oneDNN: linear takes F.linear")
-    gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 24, generator=gen)
-    weight = torch.randn(40, 24, generator=gen)
-    with torch.no_grad():
-        torch.testing.assert_close(linear(x, weight), torch.nn.functional.linear(x, weight))
-        packed = llama._packed(weight)
-        linear(x, weight)
-        assert llama._packed(weight) is packed  # packed once
-        weight.mul_(-2.0)
-        torch.testing.assert_close(linear(x, weight), torch.nn.functional.linear(x, weight))
-        assert llama._packed(weight) is not packed

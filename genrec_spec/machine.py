@@ -1,0 +1,76 @@
+"""What machine this is: the CPU's model and SIMD flags, the thread count, the torch build.
+
+CPU fast paths are chosen by measurement, and the measurements are cached under a key of what
+they depend on (`machine_key`); every benchmark prints `describe()` so numbers taken on
+different machines are never compared blindly. A bottom module like `genrec_spec.errors`: it
+imports nothing of the project, so every layer may use it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+from pathlib import Path
+
+# The CPU features our kernels' speed turns on (the vector width, bfloat16 and int8 dot
+# products, AMX tiles), in the names /proc/cpuinfo gives them.
+SIMD_FLAGS = (
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
+
+
+@functools.cache
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    path = Path("/proc/cpuinfo")
+    if not path.is_file():
+        return {}
+    fields = {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            break  # the first processor's block ends here
+        name, _, value = line.partition(":")
+        fields[name.strip()] = value.strip()
+    return fields
+
+
+def cpu_model() -> str:
+    """The CPU's model name, e.g. "AMD EPYC" (platform.processor() is often just "x86_64")."""
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
+
+
+def cpu_flags() -> tuple[str, ...]:
+    """The flags of `SIMD_FLAGS` this CPU reports, in that order."""
+    flags = set(_cpuinfo().get("flags", "").split())
+    return tuple(flag for flag in SIMD_FLAGS if flag in flags)
+
+
+def describe() -> str:
+    """One line for a benchmark's header: CPU model and flags, cores, torch threads, torch."""
+    import torch
+
+    return (
+        f"{cpu_model()} ({' '.join(cpu_flags()) or 'no SIMD flags reported'}), "
+        f"{os.cpu_count()} cores, {torch.get_num_threads()} torch thread(s), torch "
+        f"{torch.__version__}"
+    )
+
+
+def machine_key(*extra: object) -> str:
+    """A digest of what a CPU timing depends on: the CPU model and flags, the torch threads and
+    build, and `extra` (shapes, the kernels' version)."""
+    import torch
+
+    what = [cpu_model(), cpu_flags(), torch.get_num_threads(), torch.__version__, *extra]
+    return hashlib.sha256(repr(what).encode()).hexdigest()[:20]
