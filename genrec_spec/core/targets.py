@@ -297,8 +297,11 @@ class NativeTarget:
             length_bound=width,
             hidden_layers=tuple(hidden_layers),
         )
-        if width > 0:
-            self._forward(cache, tokens[:, :width], None)
+        if width > 0:  # the prompt's logits are never read: no LM head
+            cache.kv.reserve(width, self.max_length)
+            cache.hidden = self.model.encode(
+                tokens[:, :width], cache.kv, hidden_layers=cache.hidden_layers
+            )
             cache.kv.commit(
                 torch.arange(width, device=tokens.device).expand(batch, width), lengths - 1
             )

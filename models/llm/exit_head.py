@@ -84,8 +84,8 @@ class ExitHead(nn.Module):
 class EarlyExit(nn.Module):
     """The draft model: the target's first ``n_layers`` layers and an exit head, scoring trees
     on the target's own cache. It reads as a Llama to ``NativeTarget`` (``config``,
-    ``tok_embeddings``, ``new_cache``, ``forward``), whose caches hold all of the target's
-    layers."""
+    ``tok_embeddings``, ``new_cache``, ``forward``, ``encode``), whose caches hold all of the
+    target's layers."""
 
     def __init__(self, target: Llama, head: ExitHead, n_layers: int) -> None:
         super().__init__()
@@ -117,14 +117,23 @@ class EarlyExit(nn.Module):
         *,
         hidden_layers: tuple[int, ...] = (),  # Llama.forward's; the draft exposes none
     ) -> Tensor:  # [B, N, V] fp32 logits, -inf outside the draft vocabulary
-        if hidden_layers:
-            raise LlamaError(
-                "an early-exit draft exposes no hidden states",
-                "draft with it through a proposer that reads none (LayerSkipProposer)",
-            )
+        _no_hidden_states(hidden_layers)
         return self.head.full_logits(
             self.target.forward_layers(tokens, cache, parents, n_layers=self.n_layers)
         )
+
+    @torch.no_grad()
+    def encode(
+        self,
+        tokens: Tensor,  # [B, N] int64, a chain (a prompt)
+        cache: StaticKVCache,  # the target's
+        *,
+        hidden_layers: tuple[int, ...] = (),  # Llama.encode's; the draft exposes none
+    ) -> dict[int, Tensor]:  # {}: no hidden states
+        """``forward`` without the exit head: its layers' K/V become pending (a prefill)."""
+        _no_hidden_states(hidden_layers)
+        self.target.forward_layers(tokens, cache, None, n_layers=self.n_layers)
+        return {}
 
     def relative_cost(self) -> float:
         """Weights one draft forward reads relative to one target forward (at batch 1 on a CPU
@@ -135,3 +144,11 @@ class EarlyExit(nn.Module):
         head = sum(p.numel() for p in self.head.parameters()) + self.head.draft_head.numel()
         full = config.n_layers * layer + config.vocab_size * config.dim
         return (self.n_layers * layer + head) / full
+
+
+def _no_hidden_states(hidden_layers: tuple[int, ...]) -> None:
+    if hidden_layers:
+        raise LlamaError(
+            "an early-exit draft exposes no hidden states",
+            "draft with it through a proposer that reads none (LayerSkipProposer)",
+        )

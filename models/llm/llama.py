@@ -272,13 +272,34 @@ class Llama(nn.Module):
         ready as training inputs for draft heads.
         """
         self._check_forward(tokens, cache, parents, hidden_layers)
+        x, hidden = self._trunk(tokens, cache, parents, hidden_layers)
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        logits = linear(x, weight).float()
+        return (logits, hidden) if hidden_layers else logits
+
+    @torch.no_grad()
+    def encode(
+        self,
+        tokens: torch.Tensor,  # [B, N] int64, a chain (a prompt)
+        cache: StaticKVCache,
+        *,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> dict[int, torch.Tensor]:  # {l: [B, N, dim]}, as forward's hidden layers
+        """``forward`` without the LM head: every layer's K/V become pending in ``cache``. A
+        prompt's prefill reads no logits, and the head is the largest product of a long prompt
+        (SmolLM2: 49,152 x 576 per token)."""
+        self._check_forward(tokens, cache, None, hidden_layers)
+        return self._trunk(tokens, cache, None, hidden_layers)[1]
+
+    def _trunk(
+        self, tokens, cache, parents, hidden_layers: tuple[int, ...]
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # normed [B, N, dim], {l: [B, N, dim]}
+        """Every layer and the final norm: ``forward`` up to its LM head."""
         x, hidden = self._layers(tokens, cache, parents, self.config.n_layers, hidden_layers)
         x = self.norm(x)
         if self.config.n_layers in hidden_layers:
             hidden[self.config.n_layers] = x
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        logits = linear(x, weight).float()
-        return (logits, hidden) if hidden_layers else logits
+        return x, hidden
 
     @torch.no_grad()
     def forward_layers(
