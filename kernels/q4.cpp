@@ -2,8 +2,9 @@
 // w = code * scale + min per group of 32 along K), and the decoder layers of a Llama for one
 // token per row built on it. Built by q4.py; see there for why it exists and what it measures.
 //
-// The matmul: x fp32 rounded to bfloat16 (optionally RMS-normalised first: the norm that
-// precedes every matrix of a Llama layer), the output in fp32.
+// The matmul: x fp32 (optionally RMS-normalised first: the norm that precedes every matrix of a
+// Llama layer) rounded to bfloat16, or on the AVX2 path to int8 per group of 32; the output in
+// fp32.
 //
 // Layout (Q4Codes.pack), per block of 16 output rows r and group g of 32 weights (k = 32 g + i):
 //   codes   [N / 16, G, 4 p, 32 lanes] int16: lane 2 r + e of vector p holds, at bits
@@ -115,45 +116,89 @@ void rows_of_x(int64_t mb, const at::BFloat16* x, const float* xsum, int64_t K, 
 }
 constexpr const char* kPath = "avx512-bf16";
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// AVX2 (no bfloat16 dot product): fp32 multiply-adds, 8 output rows per vector, two vectors a
-// block. Read as int32, lane r of 8 consecutive int16 pairs holds row r's pair (e = 0, 1): the
-// code of weight 2 (p + 4 s) + e sits at bits 16 e + 4 s, so a shift and a mask give 8 rows'
-// codes, exact once converted to fp32, and x's bfloat16 values are exact in fp32 too: the sums
-// are the dequantised product's up to fp32 rounding. Codes are 0..15 here (no +128), so a
-// group's offset is its min. t[m][h][c] keeps CH chains per row of x and half-block h: 2 for up
-// to 2 rows of x, 1 past that; rows_of_x takes x at most 4 rows at a time, which keeps the
-// chains, the codes and x in the 16 vector registers (the sums of the groups stay in memory).
-template <int MB, int CH = (MB <= 2 ? 2 : 1)>
-void blocks(const at::BFloat16* x, const float* xsum, int64_t K, const Weights& w, int64_t b0,
-            int64_t b1, float* out, int64_t N) {
+// AVX2 (no bfloat16 dot product): x rounded to int8 per group of 32 (scale max |x| / 127, as
+// llama.cpp's Q8 activations), and 16-bit integer multiply-adds of codes by x (vpmaddubsw: 32
+// bytes, unsigned codes by signed x, summed in pairs), 8 output rows per vector. Read as int32,
+// lane r of 8 consecutive int16 pairs holds row r's pair (e = 0, 1): the code of weight
+// i = 2 (p + 4 s) + e sits at bits 16 e + 4 s, so a mask (s = 0, 2) and a shift and a mask
+// (s = 1, 3) leave a code in each byte; x's int8 values are laid out in the same byte order once
+// per matmul (Input::quads), each four a 32-bit word broadcast to the 8 rows. A group's 16
+// products per 16-bit lane stay below 2^15 (16 x 15 x 127), so they add up in 16 bits and are
+// widened once a group. Integer sums are exact: the result is the dequantised matrix's product
+// with the int8-rounded x up to fp32 rounding. Codes are 0..15 here (no +128), so a group's
+// offset is its min.
+#define Q4_INT8_INPUT
+
+// x prepared for the dot products: per row m and group g, 8 words of x's int8 values in the
+// codes' byte order (word 2 p: weights 2p, 2p+16, 2p+1, 2p+17; word 2 p + 1: 2p+8, 2p+24, 2p+9,
+// 2p+25), the values' scale, and their dequantised sum (the mins' term).
+struct Input {
+  std::vector<int32_t> quads;  // [M, G, 8]
+  std::vector<float> scale;  // [M, G]
+  std::vector<float> sum;  // [M, G]
+  int64_t K, G;
+};
+
+Input prepare(const std::vector<float>& x, int64_t M, int64_t K) {  // x [M, K] fp32
+  const int64_t G = K / kGroup;
+  Input in{std::vector<int32_t>(M * G * 8), std::vector<float>(M * G), std::vector<float>(M * G),
+           K, G};
+  const auto word = [](const int8_t* q, int a, int b, int c, int d) {
+    return static_cast<int32_t>(static_cast<uint8_t>(q[a]) | static_cast<uint8_t>(q[b]) << 8 |
+                                static_cast<uint8_t>(q[c]) << 16 |
+                                static_cast<uint32_t>(static_cast<uint8_t>(q[d])) << 24);
+  };
+  for (int64_t mg = 0; mg < M * G; ++mg) {
+    const float* v = x.data() + mg * kGroup;
+    float top = 0.f;
+    for (int64_t i = 0; i < kGroup; ++i) top = std::max(top, std::fabs(v[i]));
+    const float d = top / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+    int8_t q[kGroup];
+    int total = 0;
+    for (int64_t i = 0; i < kGroup; ++i) total += q[i] = static_cast<int8_t>(std::nearbyint(v[i] * inverse));
+    in.scale[mg] = d;
+    in.sum[mg] = d * static_cast<float>(total);
+    int32_t* quads = in.quads.data() + mg * 8;
+    for (int p = 0; p < 4; ++p) {
+      quads[2 * p] = word(q, 2 * p, 2 * p + 16, 2 * p + 1, 2 * p + 17);
+      quads[2 * p + 1] = word(q, 2 * p + 8, 2 * p + 24, 2 * p + 9, 2 * p + 25);
+    }
+  }
+  return in;
+}
+
+// MB rows of x (from row m0) against row blocks b0 .. b1 - 1.
+template <int MB>
+void blocks(const Input& in, int64_t m0, const Weights& w, int64_t b0, int64_t b1, float* out,
+            int64_t N) {
   const int64_t G = w.G;
-  const __m256i low4 = _mm256_set1_epi32(0xF);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int32_t* quads = in.quads.data() + m0 * G * 8;
+  const float* xscale = in.scale.data() + m0 * G;
+  const float* xsum = in.sum.data() + m0 * G;
   for (int64_t b = b0; b < b1; ++b) {
-    alignas(32) float acc[MB][kRows] = {};
+    __m256 acc[MB][2];
+    for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       const int16_t* q_bg = w.codes + (b * G + g) * 4 * 32;
       for (int line = 0; line < 4; ++line)  // a group's codes are 4 cache lines
         _mm_prefetch((const char*)(q_bg + kAhead * 128) + 64 * line, _MM_HINT_T0);
       _mm_prefetch((const char*)(w.scales + (b * G + g + kAhead) * kRows), _MM_HINT_T0);
       _mm_prefetch((const char*)(w.mins + (b * G + g + kAhead) * kRows), _MM_HINT_T0);
-      const at::BFloat16* xg = x + g * kGroup;
-      __m256 t[MB][2][CH];
-      for (int m = 0; m < MB; ++m)
-        for (int h = 0; h < 2; ++h)
-          for (int c = 0; c < CH; ++c) t[m][h][c] = _mm256_setzero_ps();
+      __m256i dots[MB][2];
+      for (int m = 0; m < MB; ++m) dots[m][0] = dots[m][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
       for (int p = 0; p < 4; ++p) {
-        const __m256i q[2] = {_mm256_loadu_si256((const __m256i*)(q_bg + p * 32)),
-                              _mm256_loadu_si256((const __m256i*)(q_bg + p * 32 + 16))};
-#pragma GCC unroll 8
-        for (int se = 0; se < 8; ++se) {  // weight i = 2 (p + 4 s) + e, bits 16 e + 4 s
-          const int s = se / 2, e = se % 2, i = 2 * (p + 4 * s) + e;
-          for (int h = 0; h < 2; ++h) {
-            const __m256 codes = _mm256_cvtepi32_ps(
-                _mm256_and_si256(_mm256_srli_epi32(q[h], 16 * e + 4 * s), low4));
-            for (int m = 0; m < MB; ++m) {
-              const __m256 xi = _mm256_set1_ps(static_cast<float>(xg[m * K + i]));
-              t[m][h][se % CH] = _mm256_fmadd_ps(codes, xi, t[m][h][se % CH]);
-            }
+        for (int h = 0; h < 2; ++h) {
+          const __m256i q = _mm256_loadu_si256((const __m256i*)(q_bg + p * 32 + 16 * h));
+          const __m256i even = _mm256_and_si256(q, low4);  // s = 0, 2
+          const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);  // s = 1, 3
+          for (int m = 0; m < MB; ++m) {
+            const int32_t* xq = quads + (m * G + g) * 8 + 2 * p;
+            dots[m][h] = _mm256_add_epi16(
+                dots[m][h], _mm256_maddubs_epi16(even, _mm256_set1_epi32(xq[0])));
+            dots[m][h] = _mm256_add_epi16(
+                dots[m][h], _mm256_maddubs_epi16(odd, _mm256_set1_epi32(xq[1])));
           }
         }
       }
@@ -162,39 +207,34 @@ void blocks(const at::BFloat16* x, const float* xsum, int64_t K, const Weights& 
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w.scales + lanes) + h));
         const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w.mins + lanes) + h));
         for (int m = 0; m < MB; ++m) {
-          __m256 dots = t[m][h][0];
-          for (int c = 1; c < CH; ++c) dots = _mm256_add_ps(dots, t[m][h][c]);
-          __m256 sum = _mm256_load_ps(acc[m] + 8 * h);
-          sum = _mm256_fmadd_ps(d, dots, sum);
-          sum = _mm256_fmadd_ps(mn, _mm256_set1_ps(xsum[m * G + g]), sum);
-          _mm256_store_ps(acc[m] + 8 * h, sum);
+          const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(dots[m][h], ones));
+          const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xscale[m * G + g]));
+          acc[m][h] = _mm256_fmadd_ps(scale, sums, acc[m][h]);
+          acc[m][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xsum[m * G + g]), acc[m][h]);
         }
       }
     }
     for (int m = 0; m < MB; ++m)
-      for (int r = 0; r < kRows; ++r) out[m * N + b * kRows + r] = acc[m][r];
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + m * N + b * kRows + 8 * h, acc[m][h]);
   }
 }
 
-void rows_of_x(int64_t mb, const at::BFloat16* x, const float* xsum, int64_t K, const Weights& w,
-               int64_t b0, int64_t b1, float* out, int64_t N) {
-  const int64_t G = w.G;
-  for (int64_t m0 = 0; m0 < mb; m0 += 4) {  // at most 4 rows of x a pass (registers)
-    const at::BFloat16* xm = x + m0 * K;
-    const float* sm = xsum + m0 * G;
-    float* om = out + m0 * N;
-    switch (std::min<int64_t>(4, mb - m0)) {
-      case 1: blocks<1>(xm, sm, K, w, b0, b1, om, N); break;
-      case 2: blocks<2>(xm, sm, K, w, b0, b1, om, N); break;
-      case 3: blocks<3>(xm, sm, K, w, b0, b1, om, N); break;
-      default: blocks<4>(xm, sm, K, w, b0, b1, om, N); break;
+void rows_of_x(int64_t mb, const Input& in, int64_t m0, const Weights& w, int64_t b0, int64_t b1,
+               float* out, int64_t N) {
+  for (int64_t m = m0; m < m0 + mb; m += 4) {  // at most 4 rows of x a pass (registers)
+    float* om = out + m * N;
+    switch (std::min<int64_t>(4, m0 + mb - m)) {
+      case 1: blocks<1>(in, m, w, b0, b1, om, N); break;
+      case 2: blocks<2>(in, m, w, b0, b1, om, N); break;
+      case 3: blocks<3>(in, m, w, b0, b1, om, N); break;
+      default: blocks<4>(in, m, w, b0, b1, om, N); break;
     }
   }
 }
 constexpr const char* kPath = "avx2";
 #else
-// Without AVX512-BF16: the same sums in the same layout, one weight at a time (correct
-// everywhere, several times slower).
+// Without AVX512-BF16 or AVX2: the bfloat16 path's sums in the same layout, one weight at a time
+// (correct everywhere, several times slower).
 void rows_of_x(int64_t mb, const at::BFloat16* x, const float* xsum, int64_t K, const Weights& w,
                int64_t b0, int64_t b1, float* out, int64_t N) {
   const int64_t G = w.G;
@@ -237,30 +277,49 @@ Weights weights_of(const at::Tensor& codes, const at::Tensor& scales, const at::
           NB * kRows};
 }
 
+#ifndef Q4_INT8_INPUT
+// x prepared for the bfloat16 dot products: x rounded to bfloat16, and its sums per group for
+// the offsets.
+struct Input {
+  std::vector<at::BFloat16> x;  // [M, K]
+  std::vector<float> sum;  // [M, G]
+  int64_t K, G;
+};
+
+Input prepare(const std::vector<float>& x, int64_t M, int64_t K) {  // x [M, K] fp32
+  Input in{std::vector<at::BFloat16>(M * K), std::vector<float>(M * (K / kGroup), 0.f), K,
+           K / kGroup};
+  for (int64_t i = 0; i < M * K; ++i) {
+    in.x[i] = at::BFloat16(x[i]);
+    in.sum[i / kGroup] += static_cast<float>(in.x[i]);
+  }
+  return in;
+}
+
+void rows_of_x(int64_t mb, const Input& in, int64_t m0, const Weights& w, int64_t b0, int64_t b1,
+               float* out, int64_t N) {
+  rows_of_x(mb, in.x.data() + m0 * in.K, in.sum.data() + m0 * in.G, in.K, w, b0, b1,
+            out + m0 * N, N);
+}
+#endif
+
 // out [M, w.N] = x [M, K] (RMS-normalised with norm [K] first, unless null) @ W.T
 void matmul(const float* x, int64_t M, int64_t K, const Weights& w, const float* norm, float eps,
             float* out) {
-  const int64_t G = w.G, N = w.N;
-  // x in bfloat16 (after the RMS norm), and its sums per group for the offsets: [M, K], [M, G]
-  std::vector<at::BFloat16> xb(M * K);
-  std::vector<float> xsum(M * G, 0.f);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = x + m * K;
-    float scale = 1.f;
-    if (norm) {
+  std::vector<float> xn(x, x + M * K);
+  if (norm) {
+    for (int64_t m = 0; m < M; ++m) {
+      float* row = xn.data() + m * K;
       float squares = 0.f;
       for (int64_t k = 0; k < K; ++k) squares += row[k] * row[k];
-      scale = 1.f / std::sqrt(squares / K + eps);
-    }
-    for (int64_t k = 0; k < K; ++k) {
-      xb[m * K + k] = at::BFloat16(norm ? row[k] * scale * norm[k] : row[k]);
-      xsum[m * G + k / kGroup] += static_cast<float>(xb[m * K + k]);
+      const float scale = 1.f / std::sqrt(squares / K + eps);
+      for (int64_t k = 0; k < K; ++k) row[k] = row[k] * scale * norm[k];
     }
   }
+  const Input in = prepare(xn, M, K);
   for (int64_t m0 = 0; m0 < M; m0 += kRowsOfX) {  // these rows of x share each weight load
-    at::parallel_for(0, N / kRows, 16, [&](int64_t b0, int64_t b1) {
-      rows_of_x(std::min<int64_t>(kRowsOfX, M - m0), xb.data() + m0 * K, xsum.data() + m0 * G, K, w,
-                b0, b1, out + m0 * N, N);
+    at::parallel_for(0, w.N / kRows, 16, [&](int64_t b0, int64_t b1) {
+      rows_of_x(std::min<int64_t>(kRowsOfX, M - m0), in, m0, w, b0, b1, out, w.N);
     });
   }
 }

@@ -8,8 +8,11 @@ operation, so a single AVX512-BF16 instruction does 32 multiply-adds with nothin
 unpack (a whole layer stack in sequence is then bound by memory; it prefetches ahead), with
 fp16 scales and fp32 sums and output, so it is also closer to the exactly dequantised matrix
 than ATen's: ``genrec-spec bench q4`` compares them. CPUs without AVX512-BF16 but with AVX2
-(and FMA, F16C) take the same layout in fp32 multiply-adds, a shift and a mask per 8 rows'
-codes; others get a portable loop over it: the same sums, slower.
+(and FMA, F16C) read the same layout with 16-bit integer multiply-adds of the codes by x rounded
+to int8 per group of 32 (llama.cpp's activations on such CPUs: exact integer sums, 32 products
+an instruction, where fp32 multiply-adds of codes gave 8 and left the loop bound by unpacking);
+others get a portable loop over it: the bfloat16 sums, slower. ``rounded_input`` says what x
+becomes on the CPU at hand.
 
 The ops are compiled by ``torch.utils.cpp_extension`` for the machine they run on
 (-march=native) the first time they are needed (cached under ``$TORCH_EXTENSIONS_DIR``,
@@ -64,6 +67,18 @@ def q4_matmul(
 ) -> Tensor:  # [M, N] fp32, N a multiple of 16
     load()
     return torch.ops.genrec_spec.q4_matmul(x, codes, scales, mins, norm, eps)
+
+
+def rounded_input(x: Tensor) -> Tensor:  # [M, K] fp32 -> [M, K] float64
+    """x as the op multiplies it on this CPU: rounded to bfloat16, or on the AVX2 path to int8
+    per group of 32 with the scale max |x| / 127 (the op is then the dequantised matrix's exact
+    product with this, up to fp32 rounding)."""
+    if path() != "avx2":
+        return x.bfloat16().double()
+    groups = x.reshape(x.shape[0], -1, 32)  # [M, G, 32]
+    scale = groups.abs().amax(-1, keepdim=True) / 127  # fp32, as the op computes it
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return ((groups * inverse).round().double() * scale.double()).reshape(x.shape)
 
 
 def path() -> str:

@@ -3,7 +3,8 @@
 On SmolLM2-135M's matrix shapes (q/k/v fused, wo, gate/up fused, down, the LM head), with random
 Q4_1 codes, for each row count it times side by side in one run:
 
-- ``q4``: our op (``Q4Weight``: x rounded to bfloat16 inside, fp16 scales, fp32 output);
+- ``q4``: our op (``Q4Weight``: x rounded inside, to bfloat16 or on the AVX2 path to int8 per
+  group of 32, ``kernels.q4.rounded_input``; fp16 scales, fp32 output);
 - ``aten-int4``: ATen's CPU int4 matmul (``_weight_int4pack_mm_for_cpu``, what the quant draft
   used before: bfloat16 scales and output), its input already bfloat16 (its best case);
 - ``fp32``: ``F.linear`` on the dequantised matrix (what the fp32 target does).
@@ -11,8 +12,9 @@ Q4_1 codes, for each row count it times side by side in one run:
 ``layers`` runs every layer matrix of the model in sequence (30 layers x 4), as a draft step
 does: ~84 MB of codes and scales that do not stay in cache, where one matrix alone does. Times
 are medians over repeats; ``speedup`` is over aten-int4; ``Gw/s`` is weights per second;
-``max err`` is the largest absolute difference from the float64 product of the bfloat16-rounded
-input and the dequantised matrix, relative to the largest output.
+``max err`` is the largest absolute difference from the float64 product of the fp32 input and the
+dequantised matrix, relative to the largest output: what each method's rounding of x (and
+ATen's of its scales and output) costs.
 """
 
 from collections.abc import Callable
@@ -113,7 +115,7 @@ def time_rows(
     sizes = {c.codes.shape[1] for c in codes}
     x = {k: torch.randn(m, k, generator=generator) for k in sizes}  # [M, K] per K
     xb = {k: v.bfloat16() for k, v in x.items()}
-    exact = [xb[c.codes.shape[1]].double() @ c.dequantize().double().T for c in codes]
+    exact = [x[c.codes.shape[1]].double() @ c.dequantize().double().T for c in codes]
     scale = max(float(e.abs().max()) for e in exact)
     timed = {
         method: median_seconds(lambda f=f: f(x, xb), config.repeats, config.warmup, False)

@@ -52,6 +52,7 @@ PACK_ROWS_HINT = 8  # the row count oneDNN lays the packed weights out for
 REPEATS = 3  # timed rounds per path (medians), after one round of warm-up
 VERSION = 1  # part of the machine key: bump when a path's code changes what it costs
 _PACKED = DerivedCache()  # weight -> its oneDNN-packed copy
+_CHOSEN: dict[tuple, str] = {}  # (mode variable, threads, shape, rows) -> path, see `linear`
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
@@ -59,7 +60,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [..., in] 
     if x.device.type != "cpu" or not _measurable(x, weight):
         return F.linear(x, weight)
     rows = x.numel() // x.shape[-1]
-    path = choice(tuple(weight.shape), rows)
+    # A decoding step makes hundreds of small products: their choices are remembered per
+    # process, as a dictionary lookup costs less than choosing again.
+    key = (os.environ.get(MODE_ENV), torch.get_num_threads(), weight.shape, rows)
+    path = _CHOSEN.get(key)
+    if path is None:
+        path = _CHOSEN[key] = choice(tuple(weight.shape), rows)
     if path == "linear":
         return F.linear(x, weight)
     flat = x.reshape(rows, x.shape[-1]).contiguous()  # [rows, in]
@@ -127,6 +133,13 @@ def choice(shape: tuple[int, int], rows: int) -> str:
     if current != "measure":
         return current
     return table(torch.get_num_threads()).choose(shape, bucket(rows))
+
+
+def forget() -> None:
+    """Drop this process's choices, to read or measure them again (when the cache folder or the
+    machine key changes under a running process, as in the tests)."""
+    _CHOSEN.clear()
+    table.cache_clear()
 
 
 @functools.cache

@@ -7,7 +7,7 @@ project decodes is exactly those codes dequantised; run at 4 bits, the same mode
 agrees with it on all but the rounding of its activations.
 
 ``Q4Codes`` holds the codes as plain tensors (readable, concatenable, exactly dequantisable);
-``pack`` lays them out for ``kernels.q4`` (bfloat16 activations, fp16 scales, fp32 output;
+``pack`` lays them out for ``kernels.q4`` (bfloat16 or int8 activations, fp16 scales, fp32 output;
 K % GROUP == 0, N padded to a multiple of 16). At one row it is faster than ATen's int4 kernel
 and far faster than the fp32 product (``genrec-spec bench q4``).
 """

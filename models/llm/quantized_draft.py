@@ -3,7 +3,8 @@
 SmolLM2's shipped GGUF stores every layer matrix as Q4_1 codes; the fp32 target is those codes
 dequantised. Run through our 4-bit CPU ops (``kernels.q4``), the same model drafts a token in a
 fraction of a target step, and agrees with the target's greedy token nearly always: only the
-bfloat16 rounding of the matmuls' inputs differs (scales, sums and everything else are fp32).
+rounding of the matmuls' inputs differs (to bfloat16, or int8 on AVX2 CPUs; scales, sums and
+everything else are fp32).
 No training, no second model.
 
 Why it is cheap: at batch 1 a target step is mostly streaming its fp32 weights, while the draft

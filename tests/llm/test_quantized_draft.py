@@ -1,14 +1,15 @@
 """Quantised self-speculation (the target's own weights at 4 bits drafting on its cache) is
 lossless: greedy output equals plain greedy decoding at batch 3 with uneven prompts, and
 rejection sampling reproduces the target's exact distribution. The draft's logits are the
-target's up to bfloat16 rounding when its codes are the target's weights, at every draft
-offset and for every row of a ragged batch."""
+target's up to the rounding of the matmuls' inputs (bfloat16, or int8 on the AVX2 path) when its
+codes are the target's weights, at every draft offset and for every row of a ragged batch."""
 
 import pytest
 import torch
 
 from genrec_spec import CallableTarget, ControllerConfig, SamplingParams, generate
 from genrec_spec.core.types import DecodeInputError
+from genrec_spec.kernels.q4 import path
 from genrec_spec.llm.proposers.quantized import QuantizedSelfProposer
 from genrec_spec.models.llm.q4 import quantize_q4
 from genrec_spec.models.llm.quantized_draft import QuantizedDraft
@@ -41,7 +42,9 @@ def test_draft_logits_are_the_targets(kit):
     cache.commit(torch.arange(width).expand(3, width), torch.tensor([len(p) for p in prompts]))
     steps = torch.stack([draft.step(chain[:, j], cache, j) for j in range(4)], dim=1)
     expected = model(chain, cache)  # [B, 4, V]: the chain after each row's own prompt
-    torch.testing.assert_close(steps, expected, rtol=0.05, atol=0.3)
+    # int8 inputs (32 values a scale) round this tiny model's activations more than bfloat16's
+    atol = 0.8 if path() == "avx2" else 0.3
+    torch.testing.assert_close(steps, expected, rtol=0.05, atol=atol)
     assert bool((steps.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9)
 
 

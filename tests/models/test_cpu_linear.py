@@ -20,9 +20,9 @@ def fresh_cache(tmp_path, monkeypatch):
     monkeypatch.setenv(cpu_linear.MODE_ENV, "measure")
     monkeypatch.setattr(cpu_linear, "STREAM_BYTES", 1 << 16)
     monkeypatch.setattr(cpu_linear, "REPEATS", 1)
-    cpu_linear.table.cache_clear()
+    cpu_linear.forget()
     yield tmp_path / "cpu_linear"
-    cpu_linear.table.cache_clear()
+    cpu_linear.forget()
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -81,7 +81,7 @@ def test_a_choice_is_measured_once_and_kept_per_machine(fresh_cache, monkeypatch
         assert cpu_linear.choice((48, 32), rows) in PATHS
     assert timed == [((48, 32), 1), ((48, 32), 4)]
     (file,) = fresh_cache.glob("*.json")
-    cpu_linear.table.cache_clear()  # a new process: read from the file, nothing timed
+    cpu_linear.forget()  # a new process: read from the file, nothing timed
     cpu_linear.choice((48, 32), 1)
     assert len(timed) == 2
 
@@ -94,7 +94,7 @@ def test_a_choice_is_measured_once_and_kept_per_machine(fresh_cache, monkeypatch
     assert len(timed) == 3 and len(list(fresh_cache.glob("*.json"))) == 2
 
     monkeypatch.setattr("genrec_spec.machine.cpu_model", lambda: "another CPU")
-    cpu_linear.table.cache_clear()
+    cpu_linear.forget()
     cpu_linear.choice((48, 32), 1)  # another CPU: measured again
     assert len(timed) == 4 and len(list(fresh_cache.glob("*.json"))) == 3
     assert file.exists()
@@ -124,3 +124,21 @@ def test_modes(fresh_cache, monkeypatch):
     monkeypatch.setenv(cpu_linear.MODE_ENV, "fastest")
     with pytest.raises(LlamaError, match="not a mode"):
         cpu_linear.choice((48, 32), 1)
+
+
+def test_linear_remembers_its_choice_and_follows_the_mode(fresh_cache, monkeypatch):
+    timed = []
+    original = cpu_linear.time_paths
+    monkeypatch.setattr(
+        cpu_linear, "time_paths", lambda shape, rows: timed.append(rows) or original(shape, rows)
+    )
+    x, weight = torch.randn(3, 32), torch.randn(48, 32)
+    for _ in range(3):
+        torch.testing.assert_close(cpu_linear.linear(x, weight), F.linear(x, weight))
+    assert timed == [4]  # chosen once, for 3 rows' bucket
+    used = []
+    forced = lambda x, weight: used.append(x.shape[0]) or F.linear(x, weight)  # noqa: E731
+    monkeypatch.setitem(cpu_linear.PRODUCTS, "weight_major", forced)
+    monkeypatch.setenv(cpu_linear.MODE_ENV, "weight_major")
+    cpu_linear.linear(x, weight)
+    assert used == [3]
