@@ -48,6 +48,19 @@ struct Weights {
   int64_t N;  // output rows, a multiple of 16
 };
 
+#if defined(__AVX512BF16__) || defined(__AVX2__)
+// The codes of row block b, group g (kRows x kGroup of them), after prefetching those of the
+// group kAhead further on, with its scales and mins.
+inline const int16_t* group_codes(const Weights& w, int64_t b, int64_t g) {
+  const int16_t* codes = w.codes + (b * w.G + g) * 4 * 32;
+  for (int line = 0; line < 4; ++line)  // a group's codes are 4 cache lines
+    _mm_prefetch((const char*)(codes + kAhead * 128) + 64 * line, _MM_HINT_T0);
+  _mm_prefetch((const char*)(w.scales + (b * w.G + g + kAhead) * kRows), _MM_HINT_T0);
+  _mm_prefetch((const char*)(w.mins + (b * w.G + g + kAhead) * kRows), _MM_HINT_T0);
+  return codes;
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // MB rows of x against row blocks b0 .. b1 - 1. t[m][c] keeps CH independent chains of dot
 // products per row of x (the instruction's latency is ~6 cycles, its throughput 1 a cycle): four
@@ -63,11 +76,7 @@ void blocks(const at::BFloat16* x, const float* xsum, int64_t K, const Weights& 
     __m512 acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      const int16_t* q_bg = w.codes + (b * G + g) * 4 * 32;
-      for (int line = 0; line < 4; ++line)  // a group's codes are 4 cache lines
-        _mm_prefetch((const char*)(q_bg + kAhead * 128) + 64 * line, _MM_HINT_T0);
-      _mm_prefetch((const char*)(w.scales + (b * G + g + kAhead) * kRows), _MM_HINT_T0);
-      _mm_prefetch((const char*)(w.mins + (b * G + g + kAhead) * kRows), _MM_HINT_T0);
+      const int16_t* q_bg = group_codes(w, b, g);
       __m512i q[4];
       for (int p = 0; p < 4; ++p) q[p] = _mm512_loadu_si512(q_bg + p * 32);
       __m512 t[MB][CH];
@@ -180,11 +189,7 @@ void blocks(const Input& in, int64_t m0, const Weights& w, int64_t b0, int64_t b
     __m256 acc[MB][2];
     for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      const int16_t* q_bg = w.codes + (b * G + g) * 4 * 32;
-      for (int line = 0; line < 4; ++line)  // a group's codes are 4 cache lines
-        _mm_prefetch((const char*)(q_bg + kAhead * 128) + 64 * line, _MM_HINT_T0);
-      _mm_prefetch((const char*)(w.scales + (b * G + g + kAhead) * kRows), _MM_HINT_T0);
-      _mm_prefetch((const char*)(w.mins + (b * G + g + kAhead) * kRows), _MM_HINT_T0);
+      const int16_t* q_bg = group_codes(w, b, g);
       __m256i dots[MB][2];
       for (int m = 0; m < MB; ++m) dots[m][0] = dots[m][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
