@@ -78,7 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=c.threads,
-        help="torch CPU threads (1 is fastest for one small model)",
+        help="torch CPU threads; 0 (the default): the fastest for the model and batch size on "
+        "this CPU, timed once (a few seconds) and cached under $GENREC_SPEC_CACHE/threads",
     )
     parser.add_argument(
         "--pass-cost",

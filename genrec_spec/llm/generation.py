@@ -25,7 +25,7 @@ class GenerationConfig:
     batch_size: int = 1
     k: int | None = None  # draft depth; None: the method's default
     draft_layers: int = 10  # layers of the target the draft method keeps
-    threads: int = 1  # torch CPU threads (one is fastest for one small model)
+    threads: int = 0  # torch CPU threads; 0: the fastest for the model and batch, measured
     pass_cost: str = "measured"  # the speculation controller's cost model: methods.PASS_COSTS
     tree_nodes: int | None = None  # EAGLE-2's tree (eagle2, eagle3); None: the defaults
     tree_top_k: int | None = None
@@ -41,6 +41,7 @@ def generate_texts(prompts: list[str], config: GenerationConfig) -> dict:
     from genrec_spec.core.controller import cached_pass_cost
     from genrec_spec.core.decode import generate
     from genrec_spec.core.types import DecodeInputError, SamplingParams
+    from genrec_spec.llm.threads import fastest_threads
 
     if config.batch_size < 1:
         raise DecodeInputError(f"--batch-size {config.batch_size}", "use --batch-size >= 1")
@@ -48,8 +49,12 @@ def generate_texts(prompts: list[str], config: GenerationConfig) -> dict:
     methods.check_method(config.model, config.method)
     tree = (config.tree_nodes, config.tree_top_k, config.tree_depth)
     methods.check_tree_options((config.method,), *tree)
-    torch.set_num_threads(config.threads)
+    if config.threads < 0:
+        raise DecodeInputError(
+            f"--threads {config.threads}", "use --threads >= 1, or 0 to measure the fastest"
+        )
     model, tokenizer = methods.load_target(config.model)
+    torch.set_num_threads(config.threads or fastest_threads(model, config.batch_size))
     if config.chat:
         prompts = [
             tokenizer.apply_chat_template(
