@@ -26,19 +26,29 @@ stale). The draft owns no cache and commits nothing.
 
 from __future__ import annotations
 
+import json
+import os
+import statistics
+import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from genrec_spec.cache import cache_dir
 from genrec_spec.kernels.q4 import load as load_q4
+from genrec_spec.kernels.q4 import path as q4_path
+from genrec_spec.machine import describe, machine_key
 from genrec_spec.models.llm.kv_cache import StaticKVCache
 from genrec_spec.models.llm.llama import Llama
 from genrec_spec.models.llm.q4 import Q4Codes, Q4Error, Q4Weight, cat_codes, quantize_q4
 
 # Token candidates of the 4-bit LM head rescored with the target's fp32 head rows.
 SHORTLIST = 8
+# Part of relative_cost's key: bump it when the draft's or the target's code changes what a step
+# costs.
+COST_VERSION = 1
 
 
 class QuantizedDraft:
@@ -64,6 +74,7 @@ class QuantizedDraft:
         self.target = target
         self.config = target.config
         self.shortlist = shortlist
+        self._costs: dict[str, float] = {}  # relative_cost's, by key
 
         def q4(*names: str) -> Q4Weight:
             return cat_codes(
@@ -107,11 +118,49 @@ class QuantizedDraft:
         return cls(target, read_gguf_q4(path), shortlist)
 
     def relative_cost(self, batch_size: int = 1) -> float:
-        """A draft step's time relative to a target step at this batch size, one thread: a fit
-        to SmolLM2's timings on a CPU (docs/results/llm.md). The ratio grows with the batch, as
-        the 4-bit products' cost grows with rows where the fp32 target's weight streaming is
-        shared by them; linear from batch 1 to 8, flat past 8."""
-        return 0.15 + (min(batch_size, 8) - 1) * (0.35 - 0.15) / 7
+        """A draft step's time relative to a target step at this batch size on this machine, by
+        which the controller weighs drafting: timed on first use (``time_relative_cost``, well
+        under a second for SmolLM2) and kept per machine, thread count, model shape, 4-bit loop
+        and batch size under ``$GENREC_SPEC_CACHE/draft_cost``. It differs between CPUs (the
+        4-bit loop, memory bandwidth) and grows with the batch, as the 4-bit products' cost
+        grows with rows where the fp32 target's weight streaming is shared by them."""
+        shapes = [tuple(w.shape) for w in self.weights] + [tuple(self.head.codes.shape)]
+        key = machine_key("draft_cost", q4_path(), shapes, batch_size, COST_VERSION)
+        if key in self._costs:
+            return self._costs[key]
+        file = cache_dir() / "draft_cost" / f"{key}.json"
+        try:
+            cost = float(json.loads(file.read_text())["relative_cost"])
+        except (OSError, ValueError, KeyError, TypeError):  # absent or unreadable: time it
+            cost = self.time_relative_cost(batch_size)
+            file.parent.mkdir(parents=True, exist_ok=True)
+            partial = file.with_name(f"{file.name}.{os.getpid()}.tmp")  # complete files only
+            partial.write_text(json.dumps({"relative_cost": cost, "machine": describe()}))
+            partial.replace(file)
+        self._costs[key] = cost
+        return cost
+
+    @torch.no_grad()
+    def time_relative_cost(self, batch_size: int, context: int = 64, repeats: int = 5) -> float:
+        """Median draft step over median target step (one token per row after a
+        ``context``-token prompt, the LM head included in both), taking turns ``repeats``
+        times after a round of warm-up."""
+        cache = self.target.new_cache(batch_size, context + 2)
+        self.target.encode(torch.ones(batch_size, context, dtype=torch.long), cache)
+        cache.commit(
+            torch.arange(context).expand(batch_size, context), torch.full((batch_size,), context)
+        )
+        token = torch.ones(batch_size, 1, dtype=torch.long)  # the content does not change times
+        draft, target = [], []
+        for round_ in range(repeats + 1):
+            start = time.perf_counter()
+            self.step(token[:, 0], cache, 0)
+            middle = time.perf_counter()
+            self.target(token, cache)
+            if round_:
+                draft.append(middle - start)
+                target.append(time.perf_counter() - middle)
+        return statistics.median(draft) / statistics.median(target)
 
     @torch.no_grad()
     def step(

@@ -36,13 +36,13 @@ class QuantizedSelfProposer:
     ) -> None:
         """k: the deepest chain (the controller drafts shorter chains when they pay more);
         draft_cost: one draft step relative to a target step (default: the draft's own
-        measured estimate at the batch size decoded, set by ``begin``)."""
+        measured ratio at the batch size decoded on this machine, set by ``begin``)."""
         if k < 1:
             raise DecodeInputError(f"k={k}", "draft at least one token: k >= 1")
         self.draft = draft
         self.k = k
         self.fixed_cost = draft_cost
-        self.draft_cost = draft.relative_cost() if draft_cost is None else draft_cost
+        self.draft_cost = draft_cost  # None: measured at the batch size decoded, by begin
 
     def begin(self, state: DecodeState) -> None:
         cache = state.cache
