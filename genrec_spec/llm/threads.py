@@ -72,9 +72,11 @@ def time_threads(
     the torch thread count is restored after."""
     target = as_target(model)
     rounds = REPEATS + 1
-    prompt = torch.ones(batch_size, CONTEXT + 1, dtype=torch.long)  # content: same time
-    lengths = torch.full((batch_size,), CONTEXT + 1)
-    cache = target.prefill(prompt, lengths, CONTEXT + 1 + rounds * len(counts))
+    grown = rounds * len(counts)  # each step keeps its token
+    context = min(CONTEXT, target.max_length - 1 - grown)  # a short model keeps a shorter one
+    prompt = torch.ones(batch_size, context + 1, dtype=torch.long)  # content: same time
+    lengths = torch.full((batch_size,), context + 1)
+    cache = target.prefill(prompt, lengths, context + 1 + grown)
     root = DraftTree(torch.ones(batch_size, 1, dtype=torch.long), torch.full((batch_size, 1), -1))
     keep, one = torch.zeros(batch_size, 1, dtype=torch.long), torch.ones(batch_size).long()
     samples: dict[int, list[float]] = {count: [] for count in counts}

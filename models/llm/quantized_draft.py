@@ -145,6 +145,7 @@ class QuantizedDraft:
         """Median draft step over median target step (one token per row after a
         ``context``-token prompt, the LM head included in both), taking turns ``repeats``
         times after a round of warm-up."""
+        context = min(context, self.config.max_seq_len - 2)  # a short model keeps a shorter one
         cache = self.target.new_cache(batch_size, context + 2)
         self.target.encode(torch.ones(batch_size, context, dtype=torch.long), cache)
         cache.commit(
