@@ -8,10 +8,11 @@ version), never a partial result that looks finished.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -73,3 +74,22 @@ def atomic_write_bytes(dest: Path, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def json_made_once(
+    dest: Path, make: Callable[[], dict], valid: Callable[[dict], bool] = lambda record: True
+) -> dict:
+    """The JSON record kept in `dest`, or else `make()`'s, written there (its folder created)
+    for the next reader: a file that is absent, cannot be read or fails `valid` is made again
+    and replaced. What timed measurements on a machine are kept in."""
+    dest = Path(dest)
+    try:
+        record = json.loads(dest.read_text())
+        if isinstance(record, dict) and valid(record):
+            return record
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # absent or unreadable: make it again
+    record = make()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(dest, json.dumps(record, indent=1).encode())
+    return record

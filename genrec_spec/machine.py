@@ -12,6 +12,9 @@ import functools
 import hashlib
 import os
 import platform
+import statistics
+import time
+from collections.abc import Callable, Hashable
 from pathlib import Path
 
 # The CPU features our kernels' speed turns on (the vector width, bfloat16 and int8 dot
@@ -68,9 +71,28 @@ def describe() -> str:
 
 
 def machine_key(*extra: object) -> str:
-    """A digest of what a CPU timing depends on: the CPU model and flags, the torch threads and
-    build, and `extra` (shapes, the kernels' version)."""
+    """A digest of what a CPU timing depends on: the CPU model and flags, the torch build, and
+    `extra` (the thread count where it matters, shapes, the kernels' version)."""
     import torch
 
-    what = [cpu_model(), cpu_flags(), torch.get_num_threads(), torch.__version__, *extra]
+    what = [cpu_model(), cpu_flags(), torch.__version__, *extra]
     return hashlib.sha256(repr(what).encode()).hexdigest()[:20]
+
+
+def time_in_turns(
+    calls: dict[Hashable, Callable[[], object]],
+    repeats: int,
+    after: Callable[[Hashable], object] = lambda key: None,
+) -> dict[Hashable, float]:  # key -> median seconds of its call
+    """Time every call `repeats` times, the calls taking turns within each round so that a slow
+    spell of a shared machine lands on each alike; a first round warms up (first-use
+    allocations and choices) and is not counted. `after(key)` runs untimed after each call."""
+    samples: dict[Hashable, list[float]] = {key: [] for key in calls}
+    for round_ in range(repeats + 1):
+        for key, call in calls.items():
+            start = time.perf_counter()
+            call()
+            if round_:
+                samples[key].append(time.perf_counter() - start)
+            after(key)
+    return {key: statistics.median(times) for key, times in samples.items()}

@@ -68,6 +68,7 @@ from genrec_spec.bench.llm_config import (
 from genrec_spec.bench.llm_runners import Run, Runner, make_runners
 from genrec_spec.core.greedy_check import compare_greedy
 from genrec_spec.core.types import SamplingParams
+from genrec_spec.machine import describe
 
 
 @dataclass
@@ -308,7 +309,6 @@ def cpu_paths(model: object, methods: tuple[str, ...]) -> list[str]:
     """The machine and the CPU paths our methods take on it, one line each: the linear path per
     shape and row count of a native target (chosen now, `cpu_linear.measure_shapes`, so the
     timed runs do not measure) and the 4-bit op's loop where ``quant`` runs."""
-    from genrec_spec.machine import describe
     from genrec_spec.models.llm import cpu_linear
     from genrec_spec.models.llm.llama import Llama
 

@@ -30,10 +30,6 @@ started from a prior worth ``prior_weight`` pseudo-observations.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +39,8 @@ import torch
 
 from genrec_spec.core.targets import as_target
 from genrec_spec.core.types import DecodeInputError, DraftTree
-from genrec_spec.machine import cpu_flags, cpu_model
+from genrec_spec.data_pipelines.atomic import json_made_once
+from genrec_spec.machine import machine_key, time_in_turns
 
 
 @dataclass(frozen=True)
@@ -163,18 +160,13 @@ def measure_pass_cost(
         DraftTree(torch.ones(1, n, dtype=torch.long), torch.arange(-1, n - 1)[None])
         for n in range(1, max_tokens + 1)
     ]
-    samples: list[list[float]] = [[] for _ in trees]
-    # Round-robin over the sizes, first round discarded as warm-up, so a slow spell of a
-    # noisy machine lands on every size alike instead of skewing one size's median.
-    for round_ in range(repeats + 1):
-        for tree, times in zip(trees, samples, strict=True):
-            start = time.perf_counter()
-            target.score_tree(cache, tree)
-            if round_:
-                times.append(time.perf_counter() - start)
-            target.commit(cache, root, torch.ones(1, dtype=torch.long))  # keep the root only
-    medians = [statistics.median(times) for times in samples]
-    return tuple(t / medians[0] for t in medians)
+    keep_root = torch.ones(1, dtype=torch.long)
+    seconds = time_in_turns(
+        {n: (lambda tree=tree: target.score_tree(cache, tree)) for n, tree in enumerate(trees, 1)},
+        repeats,
+        after=lambda n: target.commit(cache, root, keep_root),  # keep the root only
+    )
+    return tuple(seconds[n] / seconds[1] for n in range(1, max_tokens + 1))
 
 
 # Part of cached_pass_cost's key: bump it when the targets' kernels change what a pass of n
@@ -192,19 +184,12 @@ def cached_pass_cost(model: Any, folder: Path | None = None) -> tuple[float, ...
         from genrec_spec.cache import cache_dir
 
         folder = cache_dir() / "pass_cost"
-    file = Path(folder) / f"{_machine_key(model)}.json"
-    try:
-        table = tuple(float(c) for c in json.loads(file.read_text())["pass_cost"])
-        if table and table[0] == 1.0:
-            return table
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # absent or unreadable: measure
-    table = measure_pass_cost(model)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    partial = file.with_name(f"{file.name}.{os.getpid()}.tmp")  # complete files only
-    partial.write_text(json.dumps({"pass_cost": table, "measured": time.time()}))
-    partial.replace(file)
-    return table
+    record = json_made_once(
+        Path(folder) / f"{_machine_key(model)}.json",
+        lambda: {"pass_cost": measure_pass_cost(model), "measured": time.time()},
+        valid=lambda record: [float(c) for c in record["pass_cost"]][:1] == [1.0],
+    )
+    return tuple(float(c) for c in record["pass_cost"])
 
 
 def _machine_key(model: Any) -> str:
@@ -217,16 +202,13 @@ def _machine_key(model: Any) -> str:
         )
     parameters = list(model.parameters())
     device = parameters[0].device if parameters else torch.device("cpu")
-    processor = f"{cpu_model()} {cpu_flags()}"
-    if device.type == "cuda":
-        processor = torch.cuda.get_device_name(device)
-    what = [
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    shapes = [(tuple(p.shape), str(p.dtype)) for p in parameters]
+    return machine_key(
         type(model).__qualname__,
-        [(tuple(p.shape), str(p.dtype)) for p in parameters],
+        shapes,
         torch.get_num_threads(),
         device.type,
-        processor,
-        torch.__version__,
+        gpu,
         PASS_COST_KERNELS,
-    ]
-    return hashlib.sha256(repr(what).encode()).hexdigest()[:20]
+    )

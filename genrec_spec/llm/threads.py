@@ -11,11 +11,8 @@ the fastest per CPU, torch build, model shape and batch size under
 
 from __future__ import annotations
 
-import hashlib
-import json
+import functools
 import os
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -23,7 +20,8 @@ import torch
 from genrec_spec.cache import cache_dir
 from genrec_spec.core.targets import as_target
 from genrec_spec.core.types import DraftTree
-from genrec_spec.machine import cpu_flags, cpu_model, describe
+from genrec_spec.data_pipelines.atomic import json_made_once
+from genrec_spec.machine import describe, machine_key, time_in_turns
 
 CONTEXT = 64  # prompt tokens before the timed steps
 REPEATS = 5  # timed steps per thread count (median), after one round of warm-up
@@ -47,21 +45,19 @@ def fastest_threads(model: torch.nn.Module, batch_size: int = 1, folder: Path | 
     if len(counts) == 1:
         return 1
     folder = cache_dir() / "threads" if folder is None else Path(folder)
-    file = folder / f"{_key(model, batch_size, counts)}.json"
-    try:
-        threads = int(json.loads(file.read_text())["threads"])
-        if threads in counts:
-            return threads
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # absent or unreadable: measure
-    seconds = time_threads(model, batch_size, counts)
-    threads = min(seconds, key=seconds.get)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    partial = file.with_name(f"{file.name}.{os.getpid()}.tmp")  # complete files only
-    record = {"threads": threads, "step_ms": {c: s * 1e3 for c, s in seconds.items()}}
-    partial.write_text(json.dumps(record | {"machine": describe()}, indent=1))
-    partial.replace(file)
-    return threads
+    shapes = [(tuple(p.shape), str(p.dtype)) for p in model.parameters()]
+    key = machine_key("threads", counts, type(model).__qualname__, shapes, batch_size)
+
+    def measure() -> dict:
+        seconds = time_threads(model, batch_size, counts)
+        return {
+            "threads": min(seconds, key=seconds.get),
+            "step_ms": {count: s * 1e3 for count, s in seconds.items()},
+            "machine": describe(),
+        }
+
+    record = json_made_once(folder / f"{key}.json", measure, lambda r: r["threads"] in counts)
+    return int(record["threads"])
 
 
 @torch.no_grad()
@@ -79,26 +75,17 @@ def time_threads(
     cache = target.prefill(prompt, lengths, context + 1 + grown)
     root = DraftTree(torch.ones(batch_size, 1, dtype=torch.long), torch.full((batch_size, 1), -1))
     keep, one = torch.zeros(batch_size, 1, dtype=torch.long), torch.ones(batch_size).long()
-    samples: dict[int, list[float]] = {count: [] for count in counts}
+
+    def step(count: int) -> None:  # setting the count costs microseconds of a step's ~100 ms
+        torch.set_num_threads(count)
+        target.score_tree(cache, root)
+
     before = torch.get_num_threads()
     try:
-        for round_ in range(rounds):  # the first round warms up (and chooses products' paths)
-            for count in counts:
-                torch.set_num_threads(count)
-                start = time.perf_counter()
-                target.score_tree(cache, root)
-                if round_:
-                    samples[count].append(time.perf_counter() - start)
-                target.commit(cache, keep, one)  # keep the root: the context grows by one
+        return time_in_turns(
+            {count: functools.partial(step, count) for count in counts},
+            REPEATS,
+            after=lambda count: target.commit(cache, keep, one),  # the context grows by one
+        )
     finally:
         torch.set_num_threads(before)
-    return {count: statistics.median(times) for count, times in samples.items()}
-
-
-def _key(model: torch.nn.Module, batch_size: int, counts: tuple[int, ...]) -> str:
-    """A digest of what the choice depends on: the CPU, the cores timed, torch, the model's
-    shapes and the batch size."""
-    shapes = [(tuple(p.shape), str(p.dtype)) for p in model.parameters()]
-    what = [cpu_model(), cpu_flags(), counts, torch.__version__, type(model).__qualname__]
-    what += [shapes, batch_size]
-    return hashlib.sha256(repr(what).encode()).hexdigest()[:20]

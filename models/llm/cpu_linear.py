@@ -29,8 +29,6 @@ import functools
 import json
 import math
 import os
-import statistics
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -38,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from genrec_spec.cache import cache_dir
-from genrec_spec.machine import describe, machine_key
+from genrec_spec.data_pipelines.atomic import atomic_write_bytes
+from genrec_spec.machine import describe, machine_key, time_in_turns
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.llm.llama_config import LlamaError
 
@@ -181,9 +180,8 @@ class ChoiceTable:
 
     def _write(self) -> None:
         self.file.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.file.with_name(f"{self.file.name}.{os.getpid()}.tmp")  # complete files
-        partial.write_text(json.dumps({"machine": describe(), "choices": self.entries}, indent=1))
-        partial.replace(self.file)
+        record = {"machine": describe(), "choices": self.entries}
+        atomic_write_bytes(self.file, json.dumps(record, indent=1).encode())
 
 
 @torch.no_grad()
@@ -200,15 +198,13 @@ def time_paths(shape: tuple[int, int], rows: int) -> dict[str, float]:
     products = dict(PRODUCTS)
     if "packed" in paths:  # packed once, as a model's weights are: not part of a product's time
         operands["packed"], products["packed"] = [_pack(w) for w in weights], _pointwise
-    samples: dict[str, list[float]] = {path: [] for path in paths}
-    for round_ in range(REPEATS + 1):  # the first round warms up
-        for path in paths:
-            start = time.perf_counter()
-            for operand in operands[path]:
-                products[path](x, operand)
-            if round_:
-                samples[path].append((time.perf_counter() - start) / copies)
-    return {path: statistics.median(times) for path, times in samples.items()}
+
+    def product(path: str) -> None:  # every copy once
+        for operand in operands[path]:
+            products[path](x, operand)
+
+    seconds = time_in_turns({path: functools.partial(product, path) for path in paths}, REPEATS)
+    return {path: t / copies for path, t in seconds.items()}
 
 
 def measure_shapes(shapes: Iterable[tuple[int, int]], buckets: Iterable[int] = BUCKETS) -> None:

@@ -26,10 +26,6 @@ stale). The draft owns no cache and commits nothing.
 
 from __future__ import annotations
 
-import json
-import os
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -37,9 +33,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from genrec_spec.cache import cache_dir
+from genrec_spec.data_pipelines.atomic import json_made_once
 from genrec_spec.kernels.q4 import load as load_q4
 from genrec_spec.kernels.q4 import path as q4_path
-from genrec_spec.machine import describe, machine_key
+from genrec_spec.machine import describe, machine_key, time_in_turns
 from genrec_spec.models.llm.kv_cache import StaticKVCache
 from genrec_spec.models.llm.llama import Llama
 from genrec_spec.models.llm.q4 import Q4Codes, Q4Error, Q4Weight, cat_codes, quantize_q4
@@ -125,20 +122,19 @@ class QuantizedDraft:
         4-bit loop, memory bandwidth) and grows with the batch, as the 4-bit products' cost
         grows with rows where the fp32 target's weight streaming is shared by them."""
         shapes = [tuple(w.shape) for w in self.weights] + [tuple(self.head.codes.shape)]
-        key = machine_key("draft_cost", q4_path(), shapes, batch_size, COST_VERSION)
-        if key in self._costs:
-            return self._costs[key]
-        file = cache_dir() / "draft_cost" / f"{key}.json"
-        try:
-            cost = float(json.loads(file.read_text())["relative_cost"])
-        except (OSError, ValueError, KeyError, TypeError):  # absent or unreadable: time it
-            cost = self.time_relative_cost(batch_size)
-            file.parent.mkdir(parents=True, exist_ok=True)
-            partial = file.with_name(f"{file.name}.{os.getpid()}.tmp")  # complete files only
-            partial.write_text(json.dumps({"relative_cost": cost, "machine": describe()}))
-            partial.replace(file)
-        self._costs[key] = cost
-        return cost
+        threads = torch.get_num_threads()
+        key = machine_key("draft_cost", threads, q4_path(), shapes, batch_size, COST_VERSION)
+        if key not in self._costs:
+            record = json_made_once(
+                cache_dir() / "draft_cost" / f"{key}.json",
+                lambda: {
+                    "relative_cost": self.time_relative_cost(batch_size),
+                    "machine": describe(),
+                },
+                valid=lambda record: float(record["relative_cost"]) > 0,
+            )
+            self._costs[key] = float(record["relative_cost"])
+        return self._costs[key]
 
     @torch.no_grad()
     def time_relative_cost(self, batch_size: int, context: int = 64, repeats: int = 5) -> float:
@@ -152,16 +148,14 @@ class QuantizedDraft:
             torch.arange(context).expand(batch_size, context), torch.full((batch_size,), context)
         )
         token = torch.ones(batch_size, 1, dtype=torch.long)  # the content does not change times
-        draft, target = [], []
-        for round_ in range(repeats + 1):
-            start = time.perf_counter()
-            self.step(token[:, 0], cache, 0)
-            middle = time.perf_counter()
-            self.target(token, cache)
-            if round_:
-                draft.append(middle - start)
-                target.append(time.perf_counter() - middle)
-        return statistics.median(draft) / statistics.median(target)
+        seconds = time_in_turns(
+            {
+                "draft": lambda: self.step(token[:, 0], cache, 0),
+                "target": lambda: self.target(token, cache),
+            },
+            repeats,
+        )
+        return seconds["draft"] / seconds["target"]
 
     @torch.no_grad()
     def step(
