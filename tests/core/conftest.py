@@ -1,12 +1,14 @@
 """Tiny random language models and statistics helpers for the decoding-core tests, as fixtures
 (the suite imports test files in importlib mode, where test modules cannot import each other)."""
 
+import copy
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from genrec_spec.core.sampling import probabilities
+from genrec_spec.models.llm.llama import Llama, LlamaConfig
 
 
 class HashLM:
@@ -103,6 +105,40 @@ def naive_greedy(
     return out
 
 
+def sharpen(model, factor: float):
+    """Scale random weights up so greedy paths are not all ties near uniform logits."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(factor)
+    return model.eval()
+
+
+def perturbed(model, seed: int, noise: float):
+    """A correlated draft: the model's weights plus relative Gaussian noise."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(noise * p.std() * torch.randn(p.shape, generator=gen))
+    return draft
+
+
+def native_llama(seed: int, vocab: int = 61) -> Llama:
+    """A tiny random native Llama (2 layers, dim 32), sharpened."""
+    config = LlamaConfig(
+        vocab_size=vocab,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=64,
+        rope_theta=500.0,
+        max_seq_len=64,
+    )
+    torch.manual_seed(seed)
+    return sharpen(Llama(config), 3.0)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """Tiny tensors and a 135M model at batch <= 3: a second thread only adds wake-up latency.
@@ -131,4 +167,7 @@ def tiny():
         total_variation=total_variation,
         tv_noise=tv_noise,
         naive_greedy=naive_greedy,
+        sharpen=sharpen,
+        perturbed=perturbed,
+        native_llama=native_llama,
     )

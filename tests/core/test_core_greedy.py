@@ -2,8 +2,6 @@
 proposer and every target adapter (callable, Hugging Face, native Llama), with B > 1, uneven
 prompts, eos, and the adaptive controller; plain decoding itself equals a cache-free loop."""
 
-import copy
-
 import pytest
 import torch
 from transformers import LlamaConfig as HFLlamaConfig
@@ -16,47 +14,13 @@ from genrec_spec.llm.proposers import (
     PromptLookup,
     TrieProposer,
 )
-from genrec_spec.models.llm.llama import Llama, LlamaConfig
 
 VOCAB = 61
 PROMPTS = [[5, 9, 2, 33, 7, 5, 9, 2, 8], [4, 60], [12, 3, 3, 40, 22, 3]]
 FIXED = ControllerConfig(adaptive=False)
 
 
-def sharpen(model, factor: float):
-    """Scale random weights up so greedy paths are not all ties near uniform logits."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(factor)
-    return model.eval()
-
-
-def perturbed(model, seed: int, noise: float):
-    """A correlated draft: the model's weights plus relative Gaussian noise."""
-    draft = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(noise * p.std() * torch.randn(p.shape, generator=gen))
-    return draft
-
-
-def native_llama(seed: int) -> Llama:
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        dim=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        hidden_dim=64,
-        rope_theta=500.0,
-        max_seq_len=64,
-    )
-    torch.manual_seed(seed)
-    return sharpen(Llama(config), 3.0)
-
-
-def hf_llama(seed: int) -> LlamaForCausalLM:
+def hf_llama(tiny, seed: int) -> LlamaForCausalLM:
     config = HFLlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -67,14 +31,14 @@ def hf_llama(seed: int) -> LlamaForCausalLM:
         max_position_embeddings=64,
     )
     torch.manual_seed(seed)
-    return sharpen(LlamaForCausalLM(config), 4.0)
+    return tiny.sharpen(LlamaForCausalLM(config), 4.0)
 
 
 @pytest.fixture(scope="module")
 def targets(tiny):
     """name -> (target factory, a draft model of the same vocabulary, cache-free callable)."""
     hash_lm = tiny.HashLM(VOCAB, seed=3, scale=3.0, order=1)
-    native, hf = native_llama(0), hf_llama(0)
+    native, hf = tiny.native_llama(0), hf_llama(tiny, 0)
 
     def native_fn(ids):
         return native(ids, native.new_cache(ids.shape[0], ids.shape[1]))
@@ -85,8 +49,8 @@ def targets(tiny):
             CallableTarget(tiny.HashLM(VOCAB, seed=4, like=hash_lm, noise=1.0)),
             hash_lm,
         ),
-        "hf": (lambda: HFTarget(hf), perturbed(hf, 1, 0.05), lambda ids: hf(ids).logits),
-        "native": (lambda: NativeTarget(native), perturbed(native, 1, 0.05), native_fn),
+        "hf": (lambda: HFTarget(hf), tiny.perturbed(hf, 1, 0.05), lambda ids: hf(ids).logits),
+        "native": (lambda: NativeTarget(native), tiny.perturbed(native, 1, 0.05), native_fn),
     }
 
 
@@ -134,7 +98,7 @@ def test_speculative_greedy_equals_plain(targets, target_name, proposer_name):
     )
 
 
-def test_cross_adapter_draft_and_self_draft(targets):
+def test_cross_adapter_draft_and_self_draft(tiny, targets):
     """An HF model drafts for the native target; a copy of the target itself accepts every
     draft token, so each forward yields k + 1 tokens."""
     make, _, _ = targets["native"]
@@ -144,7 +108,7 @@ def test_cross_adapter_draft_and_self_draft(targets):
         PROMPTS,
         max_new_tokens=16,
         controller=FIXED,
-        proposer=DraftModelProposer(hf_llama(1), k=3),
+        proposer=DraftModelProposer(hf_llama(tiny, 1), k=3),
     )
     assert out.tolist() == plain
     self_draft = generate(

@@ -3,51 +3,27 @@
 equals plain; speculative sampling matches the exact distribution by enumeration (chi-square
 and total variation, as tests/core/test_core_exactness.py does for the callable targets)."""
 
-import copy
-
 import pytest
 import torch
 
 from genrec_spec import ControllerConfig, NativeTarget, SamplingParams, generate
 from genrec_spec.llm.proposers import DraftModelProposer
 from genrec_spec.models.llm import cpu_linear
-from genrec_spec.models.llm.llama import Llama, LlamaConfig
 
 PATHS = cpu_linear.available_paths()
-
-
-def tiny_llama(vocab: int, seed: int) -> Llama:
-    config = LlamaConfig(
-        vocab_size=vocab, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64,
-        rope_theta=500.0, max_seq_len=64,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = Llama(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(3.0)  # sharper than uniform, so greedy paths are not ties
-    return model
-
-
-def noisy_copy(model: Llama, seed: int) -> Llama:
-    draft = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(0.05 * p.std() * torch.randn(p.shape, generator=gen))
-    return draft
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_native_greedy_is_exact_under_each_path(tiny, monkeypatch, path):
     monkeypatch.setenv(cpu_linear.MODE_ENV, path)
-    model = tiny_llama(61, seed=0)
+    model = tiny.native_llama(0)
     prompts = [[5, 9, 2, 33, 7, 5, 9, 2, 8], [4, 60], [12, 3, 3, 40, 22, 3]]
     plain = generate(NativeTarget(model), prompts, max_new_tokens=12)
     assert plain.tolist() == tiny.naive_greedy(
         lambda ids: model(ids, model.new_cache(ids.shape[0], ids.shape[1])), prompts, 12
     )
-    draft = DraftModelProposer(NativeTarget(noisy_copy(model, 1)), k=3, width=2, children="top")
+    draft_model = tiny.perturbed(model, 1, 0.05)
+    draft = DraftModelProposer(NativeTarget(draft_model), k=3, width=2, children="top")
     spec = generate(NativeTarget(model), prompts, proposer=draft, max_new_tokens=12)
     assert spec.tolist() == plain.tolist()
 
@@ -58,13 +34,13 @@ def test_native_sampling_is_exact_under_each_path(tiny, monkeypatch, path):
     distribution of the first 2 tokens (64 sequences), for two prompts of different lengths."""
     monkeypatch.setenv(cpu_linear.MODE_ENV, path)
     vocab, length, rows = 8, 2, 10000
-    model = tiny_llama(vocab, seed=2)
+    model = tiny.native_llama(2, vocab)
     sampling = SamplingParams(1.0)
     prompts = [[1, 2, 3, 1, 2], [5, 4]]
     out = generate(
         NativeTarget(model),
         [p for p in prompts for _ in range(rows)],
-        proposer=DraftModelProposer(NativeTarget(noisy_copy(model, 3)), k=2, width=2),
+        proposer=DraftModelProposer(NativeTarget(tiny.perturbed(model, 3, 0.05)), k=2, width=2),
         sampling=sampling,
         max_new_tokens=length,
         generator=torch.Generator().manual_seed(0),
