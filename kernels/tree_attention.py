@@ -39,7 +39,7 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def tree_attention(
-    q: torch.Tensor,  # [B, Hq, N, D]
+    q: torch.Tensor,  # [B, Hq, M, D] the queries of the last M tree nodes (M = N usually)
     k_root: torch.Tensor,  # [B, Hkv, S, D]
     v_root: torch.Tensor,  # [B, Hkv, S, D]
     root_lens: torch.Tensor,  # [B] int64, 0 <= root_lens[b] <= S
@@ -51,7 +51,7 @@ def tree_attention(
     backend: str = "auto",
     return_lse: bool = False,
     plan: TreePlan | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # out [B, Hq, N, D] (, lse [B, Hq, N])
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # out [B, Hq, M, D] (, lse [B, Hq, M])
     """Shared-context tree attention.
 
     Row b's root keys are ``k_root[b, :, :root_lens[b]]``; the rest is padding and may hold
@@ -63,13 +63,16 @@ def tree_attention(
     caller merge this attention with another over more keys. Raises ``TreeAttentionError`` (a
     ``ValueError``) on inconsistent shapes, dtypes, devices, lengths or parents.
 
+    q may query only the last M < N nodes (a tree grown by earlier passes, whose K/V are in
+    k_tree already): the plan must then be built with ``queries=M``.
+
     ``plan``: ``prepare_tree(parents, root_lens, S, dtype=q.dtype)`` built from these very
     ``parents`` and ``root_lens`` tensors, typically once per forward pass for all layers. With
     it, the parents' and lengths' values are not checked again (no host sync); shapes are.
     """
     _check_inputs(q, k_root, v_root, k_tree, v_tree, parents, backend)
     if plan is None:
-        plan = prepare_tree(parents, root_lens, k_root.shape[2], dtype=q.dtype)
+        plan = prepare_tree(parents, root_lens, k_root.shape[2], dtype=q.dtype, queries=q.shape[2])
     else:
         _check_plan(plan, q, parents, root_lens, k_root)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -128,8 +131,14 @@ def _check_inputs(q, k_root, v_root, k_tree, v_tree, parents, backend) -> None:
             raise TreeAttentionError(
                 f"{name} is on {t.device} but q is on {q.device}", "put all inputs on one device"
             )
-    batch, hq, n, d = q.shape
-    hkv, s = k_root.shape[1], k_root.shape[2]
+    batch, hq, m, d = q.shape
+    hkv, s, n = k_root.shape[1], k_root.shape[2], parents.shape[-1]
+    if parents.dim() != 2 or not 1 <= m <= n:
+        raise TreeAttentionError(
+            f"q has {m} queries and parents shape {tuple(parents.shape)}: q must query the last "
+            "M nodes of a [B, N] tree, 1 <= M <= N",
+            "pass parents [B, N] and q [B, Hq, M, D]",
+        )
     expected = {
         "k_root": (k_root, (batch, hkv, s, d)),
         "v_root": (v_root, (batch, hkv, s, d)),
@@ -142,7 +151,7 @@ def _check_inputs(q, k_root, v_root, k_tree, v_tree, parents, backend) -> None:
             raise TreeAttentionError(
                 f"{name} has shape {tuple(t.shape)}, expected {shape} from q "
                 f"{tuple(q.shape)} and k_root {tuple(k_root.shape)}",
-                "q is [B, Hq, N, D], k_root/v_root [B, Hkv, S, D], k_tree/v_tree [B, Hkv, N, D], "
+                "q is [B, Hq, M, D], k_root/v_root [B, Hkv, S, D], k_tree/v_tree [B, Hkv, N, D], "
                 "root_lens [B], parents [B, N]",
             )
     if hkv == 0 or hq % hkv != 0:
@@ -158,6 +167,11 @@ def _check_plan(plan, q, parents, root_lens, k_root) -> None:
         raise TreeAttentionError(
             "the plan was built from other parents / root_lens tensors than the ones passed",
             "build it with prepare_tree(parents, root_lens, S) from the tensors you pass",
+        )
+    if plan.queries != q.shape[2]:
+        raise TreeAttentionError(
+            f"the plan was built for {plan.queries} queries but q has {q.shape[2]}",
+            "pass queries=q.shape[2] to prepare_tree",
         )
     if plan.dtype != q.dtype:
         raise TreeAttentionError(

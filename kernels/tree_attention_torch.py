@@ -1,6 +1,7 @@
 """Tree attention in plain PyTorch: the dense-mask reference and the two CPU paths.
 
-All take already-validated inputs and their ``TreePlan`` (see ``tree_attention.tree_attention``)
+All take already-validated inputs and their ``TreePlan`` (see ``tree_attention.tree_attention``;
+q holds the queries of the last M of the N tree nodes, M = N unless the tree was grown)
 and return the output in q's dtype; the reference and the split path also the fp32 log-sum-exp
 of each query row's scaled scores. Every node sees itself, so no row is ever fully masked and no
 path can produce NaN.
@@ -13,17 +14,17 @@ from genrec_spec.kernels.tree_plan import TreePlan
 
 
 def tree_attention_reference(
-    q: torch.Tensor,  # [B, Hq, N, D]
+    q: torch.Tensor,  # [B, Hq, M, D]
     k_root: torch.Tensor,  # [B, Hkv, S, D]
     v_root: torch.Tensor,  # [B, Hkv, S, D]
     k_tree: torch.Tensor,  # [B, Hkv, N, D]
     v_tree: torch.Tensor,  # [B, Hkv, N, D]
     plan: TreePlan,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, Hq, N, D], lse [B, Hq, N] fp32
-    """The specification: one dense [N, S + N] visibility mask per row over [root | tree] keys,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, Hq, M, D], lse [B, Hq, M] fp32
+    """The specification: one dense [M, S + N] visibility mask per row over [root | tree] keys,
     GQA by repeating K/V to every query head, softmax in fp32."""
-    batch, hq, n, _ = q.shape
+    batch, hq, m, _ = q.shape
     hkv, s = k_root.shape[1], k_root.shape[2]
     root_visible = torch.arange(s, device=q.device) < plan.root_lens[:, None]  # [B, S]
     # Padding may hold anything (an uninitialised cache, NaN); 0 * NaN would leak into the output.
@@ -31,29 +32,29 @@ def tree_attention_reference(
     k = torch.cat([k_root, k_tree], dim=2).repeat_interleave(hq // hkv, dim=1).float()
     v = torch.cat([v_root, v_tree], dim=2).repeat_interleave(hq // hkv, dim=1).float()
     visible = torch.cat(
-        [root_visible[:, None, :].expand(batch, n, s), plan.visible], dim=2
-    )  # [B, N, S + N]
-    scores = (q.float() @ k.transpose(-1, -2)) * scale  # [B, Hq, N, S + N]
+        [root_visible[:, None, :].expand(batch, m, s), plan.visible], dim=2
+    )  # [B, M, S + N]
+    scores = (q.float() @ k.transpose(-1, -2)) * scale  # [B, Hq, M, S + N]
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    lse = scores.logsumexp(dim=-1)  # [B, Hq, N]
+    lse = scores.logsumexp(dim=-1)  # [B, Hq, M]
     out = torch.exp(scores - lse[..., None]) @ v
     return out.to(q.dtype), lse
 
 
 def tree_attention_split(
-    q: torch.Tensor,  # [B, Hq, N, D]
+    q: torch.Tensor,  # [B, Hq, M, D]
     k_root: torch.Tensor,  # [B, Hkv, S, D]
     v_root: torch.Tensor,  # [B, Hkv, S, D]
     k_tree: torch.Tensor,  # [B, Hkv, N, D]
     v_tree: torch.Tensor,  # [B, Hkv, N, D]
     plan: TreePlan,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, Hq, N, D], lse [B, Hq, N] fp32
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, Hq, M, D], lse [B, Hq, M] fp32
     """Split attention. The root part multiplies each (row, KV head)'s root keys once by the
-    queries of all N nodes and all G query heads of that KV head (q viewed as [B*Hkv, G*N, D]:
-    no repeated K/V, no [N, S] mask); the tree part uses the small [N, N] ancestor mask; the two
+    queries of all M nodes and all G query heads of that KV head (q viewed as [B*Hkv, G*M, D]:
+    no repeated K/V, no [M, S] mask); the tree part uses the small [M, N] ancestor mask; the two
     softmax partials merge exactly by their log-sum-exp."""
-    batch, hq, n, d = q.shape
+    batch, hq, n, d = q.shape  # n: the M queries
     hkv = k_root.shape[1]
     group = hq // hkv
     # Head h = kv * G + g, so this view stacks the G query heads of each KV head.
@@ -64,21 +65,21 @@ def tree_attention_split(
     root = _root_partial(
         qg, k_root.flatten(0, 1), v_root.flatten(0, 1), plan.root_lens.repeat_interleave(hkv), lens
     )
-    visible = plan.visible.repeat_interleave(hkv, dim=0)  # [B*Hkv, N, N]
+    visible = plan.visible.repeat_interleave(hkv, dim=0)  # [B*Hkv, M, N]
     tree = _tree_partial(qg, k_tree.flatten(0, 1), v_tree.flatten(0, 1), visible)
     out, lse = _merge(root, tree)
     return out.view(batch, hq, n, d).to(q.dtype), lse.view(batch, hq, n)
 
 
 def tree_attention_dense(
-    q: torch.Tensor,  # [B, Hq, N, D]
+    q: torch.Tensor,  # [B, Hq, M, D]
     k_root: torch.Tensor,  # [B, Hkv, S, D]
     v_root: torch.Tensor,  # [B, Hkv, S, D]
     k_tree: torch.Tensor,  # [B, Hkv, N, D]
     v_tree: torch.Tensor,  # [B, Hkv, N, D]
     plan: TreePlan,
     scale: float,
-) -> torch.Tensor:  # out [B, Hq, N, D]
+) -> torch.Tensor:  # out [B, Hq, M, D]
     """The dense CPU path: one SDPA call (GQA without repeated K/V) over the keys
     [root[:max_len] | tree] with the plan's prebuilt additive mask, a few ops in all. Needs
     ``plan.dense_mask`` (the plan decides, see ``tree_plan.DENSE_MAX_MASK_ELEMENTS``); returns
@@ -166,15 +167,15 @@ def _root_partial(
 
 
 def _tree_partial(
-    qg: torch.Tensor,  # [R, M, D] fp32, scaled; M = G*N queries, G query heads per KV head
+    qg: torch.Tensor,  # [R, G*Q, D] fp32, scaled; Q queried nodes, G query heads per KV head
     k: torch.Tensor,  # [R, N, D]
     v: torch.Tensor,  # [R, N, D]
-    visible: torch.Tensor,  # [R, N, N] bool ancestor mask
+    visible: torch.Tensor,  # [R, Q, N] bool ancestor mask of the queried nodes
 ) -> Partial:
     """The tree part: every node sees itself, so each query has a finite max."""
     rows, m, _ = qg.shape
-    n = k.shape[1]
-    scores = (qg @ k.float().transpose(1, 2)).view(rows, m // n, n, n)
+    queried, n = visible.shape[1], k.shape[1]
+    scores = (qg @ k.float().transpose(1, 2)).view(rows, m // queried, queried, n)
     scores = scores.masked_fill_(~visible[:, None], float("-inf")).view(rows, m, n)
     row_max = scores.amax(dim=-1)
     scores.sub_(row_max[..., None]).exp_()

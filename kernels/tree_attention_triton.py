@@ -80,7 +80,7 @@ def _tree_attention_kernel(
     sa_b, sa_n,
     so_b, so_h, so_n,
     PART_OUT, PART_LSE,
-    n_nodes, n_kv_heads, head_dim, scale_log2e, slice_len,
+    n_nodes, n_queries, n_kv_heads, head_dim, scale_log2e, slice_len,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_NODES: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WORD: tl.constexpr, SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
@@ -89,16 +89,18 @@ def _tree_attention_kernel(
     split = tl.program_id(2)
     b = (tl.program_id(1) // n_kv_heads).to(tl.int64)  # int64: b * stride can pass 2^31
     kv = tl.program_id(1) % n_kv_heads
-    # Row r of this program is query head kv * G + r // BLOCK_NODES at node r % BLOCK_NODES.
+    # Row r of this program is query head kv * G + r // BLOCK_NODES at query r % BLOCK_NODES;
+    # the queries are the last n_queries tree nodes, so query i is tree node first + i.
     rows = tl.arange(0, GROUP_P2 * BLOCK_NODES)
     g = rows // BLOCK_NODES
-    node = node_block * BLOCK_NODES + rows % BLOCK_NODES
-    row_ok = (g < GROUP) & (node < n_nodes)
+    query = node_block * BLOCK_NODES + rows % BLOCK_NODES
+    first = n_nodes - n_queries
+    row_ok = (g < GROUP) & (query < n_queries)
     head = kv * GROUP + g
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
 
-    q_ptrs = Q + b * sq_b + head[:, None] * sq_h + node[:, None] * sq_n + d[None, :]
+    q_ptrs = Q + b * sq_b + head[:, None] * sq_h + query[:, None] * sq_n + d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
@@ -126,7 +128,7 @@ def _tree_attention_kernel(
     # node are never visible; one bitmask word covers one WORD-key step.
     # The last slice's program takes them (0 steps elsewhere).
     bit = tl.arange(0, WORD)
-    tree_end = tl.minimum(n_nodes, (node_block + 1) * BLOCK_NODES)
+    tree_end = tl.minimum(n_nodes, first + (node_block + 1) * BLOCK_NODES)
     tree_end = tl.where(split == SPLITS - 1, tree_end, 0)
     for start in range(0, tree_end, WORD):
         key = start + bit
@@ -135,7 +137,7 @@ def _tree_attention_kernel(
         v = tl.load(V_TREE + b * svt_b + kv * svt_h + key[:, None] * svt_n + d[None, :], kd_ok)
         if DOT_FP32:
             k = k.to(tl.float32)
-        word = tl.load(ANC + b * sa_b + node * sa_n + start // WORD, mask=row_ok, other=0)
+        word = tl.load(ANC + b * sa_b + query * sa_n + start // WORD, mask=row_ok, other=0)
         visible = ((word[:, None] >> bit[None, :]) & 1) != 0
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
         s = tl.where(visible, s, float("-inf"))
@@ -148,11 +150,12 @@ def _tree_attention_kernel(
     lse2 = m + tl.log2(l)  # base 2
     out_ok = row_ok[:, None] & d_ok[None, :]
     if SPLITS == 1:
-        o_ptrs = OUT + b * so_b + head[:, None] * so_h + node[:, None] * so_n + d[None, :]
+        o_ptrs = OUT + b * so_b + head[:, None] * so_h + query[:, None] * so_n + d[None, :]
         tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=out_ok)
-        tl.store(LSE + (b * n_kv_heads * GROUP + head) * n_nodes + node, lse2 * LN2, mask=row_ok)
-    else:  # partials [SPLITS, B * Hq * N(, D)], rows in the order of the contiguous output
-        part_row = ((split * tl.num_programs(1) + tl.program_id(1)) * GROUP + g) * n_nodes + node
+        lse_row = (b * n_kv_heads * GROUP + head) * n_queries + query
+        tl.store(LSE + lse_row, lse2 * LN2, mask=row_ok)
+    else:  # partials [SPLITS, B * Hq * M(, D)], rows in the order of the contiguous output
+        part_row = ((split * tl.num_programs(1) + tl.program_id(1)) * GROUP + g) * n_queries + query
         tl.store(PART_OUT + part_row[:, None] * head_dim + d[None, :], out, mask=out_ok)
         tl.store(PART_LSE + part_row, lse2, mask=row_ok)
 
@@ -185,14 +188,14 @@ def _merge_slices_kernel(
 
 
 def tree_attention_triton(
-    q: torch.Tensor,  # [B, Hq, N, D]
+    q: torch.Tensor,  # [B, Hq, M, D] the queries of the last M tree nodes
     k_root: torch.Tensor,  # [B, Hkv, S, D]
     v_root: torch.Tensor,  # [B, Hkv, S, D]
     k_tree: torch.Tensor,  # [B, Hkv, N, D]
     v_tree: torch.Tensor,  # [B, Hkv, N, D]
     plan: TreePlan,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, Hq, N, D], lse [B, Hq, N] fp32
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, Hq, M, D], lse [B, Hq, M] fp32
     """The Triton backend of ``tree_attention`` (inputs already validated)."""
     return launch_tree_attention(
         q, k_root, v_root, plan.root_lens, k_tree, v_tree, plan.bits, scale
@@ -200,38 +203,38 @@ def tree_attention_triton(
 
 
 def launch_tree_attention(
-    q: torch.Tensor,  # [B, Hq, N, D]
+    q: torch.Tensor,  # [B, Hq, M, D] the queries of the last M tree nodes
     k_root: torch.Tensor,  # [B, Hkv, S, D]
     v_root: torch.Tensor,  # [B, Hkv, S, D]
     root_lens: torch.Tensor,  # [B] int64
     k_tree: torch.Tensor,  # [B, Hkv, N, D]
     v_tree: torch.Tensor,  # [B, Hkv, N, D]
-    bits: torch.Tensor,  # [B, N, W] int32 from ancestor_bitmask
+    bits: torch.Tensor,  # [B, M, W] int32: the queried nodes' rows of ancestor_bitmask
     scale: float,
     config: TritonTreeConfig = TritonTreeConfig(),
-) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, Hq, N, D], lse [B, Hq, N] fp32
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, Hq, M, D], lse [B, Hq, M] fp32
     """Launch the kernel on a prebuilt ancestor bitmask (what the benchmark times). Any strides
     work as long as the head dim is contiguous, so a slice of a larger KV cache is read in place."""
-    batch, hq, n, d = q.shape
-    hkv = k_root.shape[1]
+    batch, hq, m, d = q.shape
+    hkv, n = k_root.shape[1], k_tree.shape[2]
     group = hq // hkv
     q, k_root, v_root, k_tree, v_tree = (
         t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_root, v_root, k_tree, v_tree)
     )
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(batch, hq, n, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, hq, m, dtype=torch.float32, device=q.device)
 
     group_p2 = triton.next_power_of_2(group)
-    block_nodes = min(triton.next_power_of_2(n), max(1, config.block_rows // group_p2))
+    block_nodes = min(triton.next_power_of_2(m), max(1, config.block_rows // group_p2))
     block_nodes = max(block_nodes, MIN_DOT_ROWS // group_p2)
-    programs = triton.cdiv(n, block_nodes) * batch * hkv
+    programs = triton.cdiv(m, block_nodes) * batch * hkv
     splits, slice_len = root_slices(programs, k_root.shape[2], q.device, config)
     block_d = max(16, triton.next_power_of_2(d))
     part_out = part_lse = out  # unused by the one-slice kernel
     if splits > 1:
-        part_out = torch.empty(splits, batch * hq * n, d, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(splits, batch * hq * n, dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(n, block_nodes), batch * hkv, splits)
+        part_out = torch.empty(splits, batch * hq * m, d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(splits, batch * hq * m, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(m, block_nodes), batch * hkv, splits)
     _tree_attention_kernel[grid](
         q, k_root, v_root, k_tree, v_tree, root_lens, bits, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
@@ -242,14 +245,14 @@ def launch_tree_attention(
         bits.stride(0), bits.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         part_out, part_lse,
-        n, hkv, d, scale * LOG2E, slice_len,
+        n, m, hkv, d, scale * LOG2E, slice_len,
         GROUP=group, GROUP_P2=group_p2, BLOCK_NODES=block_nodes,
         BLOCK_S=config.block_root, BLOCK_D=block_d, WORD=BITS_PER_WORD, SPLITS=splits,
         DOT_FP32=INTERPRETED, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if splits > 1:
-        rows = batch * hq * n
+        rows = batch * hq * m
         _merge_slices_kernel[(triton.cdiv(rows, MERGE_ROWS),)](
             part_out, part_lse, out, lse, rows, d,
             SPLITS=splits, BLOCK_ROWS=MERGE_ROWS, BLOCK_D=block_d,

@@ -81,14 +81,14 @@ def ancestor_bitmask(parents: torch.Tensor) -> torch.Tensor:  # [B, N] -> [B, N,
     return pack_bits(ancestor_mask(parents))
 
 
-def pack_bits(mask: torch.Tensor) -> torch.Tensor:  # [B, N, N] bool -> [B, N, W] int32
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:  # [B, M, N] bool -> [B, M, W] int32
     """Pack the last dim of a mask into int32 words, 32 columns per word (see
     ``ancestor_bitmask``)."""
-    batch, n, _ = mask.shape
+    batch, m, n = mask.shape
     words = -(-n // BITS_PER_WORD)
     padded = torch.nn.functional.pad(mask, (0, words * BITS_PER_WORD - n))
-    bits = padded.view(batch, n, words, BITS_PER_WORD).long()
+    bits = padded.view(batch, m, words, BITS_PER_WORD).long()
     shifts = torch.arange(BITS_PER_WORD, device=mask.device)
-    packed = (bits << shifts).sum(dim=-1)  # [B, N, W] in [0, 2^32)
+    packed = (bits << shifts).sum(dim=-1)  # [B, M, W] in [0, 2^32)
     # Reinterpret as signed int32 (torch has no general uint32): bit 31 becomes the sign bit.
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)

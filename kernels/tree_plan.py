@@ -48,23 +48,28 @@ class TreePlan:
     root_lens: torch.Tensor  # [B] int64, the tensor the plan was built from
     root_size: int  # S, the padded root length the lengths were checked against
     dtype: torch.dtype  # the attention inputs' dtype the plan was built for
-    visible: torch.Tensor  # [B, N, N] bool: node i sees tree node j (itself or an ancestor)
+    # [B, M, N] bool: query i (tree node N - M + i) sees tree node j (itself or an ancestor)
+    visible: torch.Tensor
     host_root_lens: tuple[int, ...] | None  # root_lens on the host (CPU only)
     # Dense CPU path only (None: take the split path): over keys [root[:max_len] | tree], 0
     # where visible and -inf where not.
-    dense_mask: torch.Tensor | None  # [B, 1, N, max_len + N]
+    dense_mask: torch.Tensor | None  # [B, 1, M, max_len + N]
     # Dense path with ragged roots whose padding may be non-finite: True at the padding keys
     # among root positions [min_len, max_len), zeroed in the copied keys before SDPA reads them.
     root_padding: torch.Tensor | None  # [B, 1, max_len - min_len, 1] bool
 
+    @property
+    def queries(self) -> int:  # M: the queries are the last M of the N tree nodes
+        return self.visible.shape[1]
+
     @cached_property
-    def depths(self) -> torch.Tensor:  # [B, N] int64: number of tree ancestors (position past root)
+    def depths(self) -> torch.Tensor:  # [B, M] int64: the queries' tree ancestors (position past root)
         return self.visible.sum(dim=-1) - 1
 
     @cached_property
     def bits(
         self,
-    ) -> torch.Tensor:  # [B, N, W] int32: ``visible`` packed 32 nodes per word (Triton)
+    ) -> torch.Tensor:  # [B, M, W] int32: ``visible`` packed 32 nodes per word (Triton)
         return pack_bits(self.visible)
 
     @property
@@ -84,6 +89,7 @@ def prepare_tree(
     dtype: torch.dtype = torch.float32,
     finite_padding: bool = False,
     max_depth: int | None = None,
+    queries: int | None = None,
 ) -> TreePlan:
     """Validate a tree and its root lengths once and precompute what ``tree_attention`` needs.
 
@@ -97,6 +103,10 @@ def prepare_tree(
     ``max_depth``: no node has more than this many tree ancestors (checked: a deeper tree
     raises); the ancestor mask is then built in max_depth steps (module docstring).
 
+    ``queries``: M, when only the last M nodes of the tree are queried (None: all N). The
+    earlier nodes' K/V were computed by earlier passes and are only keys now: a tree grown a
+    few nodes per pass (beam search) pays attention for its new nodes alone.
+
     Raises ``TreeAttentionError`` on bad shapes or values (one host sync each on a GPU)."""
     _check_tree_inputs(parents, root_lens, root_size)
     check_parents(parents)
@@ -105,15 +115,21 @@ def prepare_tree(
             f"root_lens {root_lens.tolist()} must lie in [0, {root_size}] (S = k_root.shape[2])",
             "clip each row's root length to the padded root size S",
         )
+    n = parents.shape[1]
+    queries = n if queries is None else queries
+    if not 1 <= queries <= n:
+        raise TreeAttentionError(
+            f"queries = {queries} must lie in [1, N = {n}]", "query at least one tree node"
+        )
     if max_depth is None:
         visible = ancestor_mask(parents, validate=False)
     else:
         visible = _shallow_ancestor_mask(parents, max_depth)
+    visible = visible[:, n - queries :]
     host_lens = dense_mask = root_padding = None
     if parents.device.type == "cpu":
         host_lens = tuple(root_lens.tolist())  # free on CPU
-        batch, n = parents.shape
-        mask_elements = batch * n * (max(host_lens) + n)
+        mask_elements = parents.shape[0] * queries * (max(host_lens) + n)
         if dtype == torch.float32 and mask_elements <= DENSE_MAX_MASK_ELEMENTS:
             dense_mask, root_padding = _dense_masks(visible, root_lens, host_lens, dtype)
             root_padding = None if finite_padding else root_padding
@@ -152,17 +168,17 @@ def _shallow_ancestor_mask(
 
 
 def _dense_masks(
-    visible: torch.Tensor,  # [B, N, N] bool
+    visible: torch.Tensor,  # [B, M, N] bool
     root_lens: torch.Tensor,  # [B] int64
     host_lens: tuple[int, ...],
     dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # [B, 1, N, max + N], [B, 1, max - min, 1]
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # [B, 1, M, max + N], [B, 1, max - min, 1]
     """The dense path's additive mask over [root[:max] | tree] keys, and its padding mask."""
-    batch, n, _ = visible.shape
+    batch, m, n = visible.shape
     low, high = min(host_lens), max(host_lens)
     root_visible = torch.arange(high, device=visible.device) < root_lens[:, None]  # [B, max]
-    keys_visible = torch.cat([root_visible[:, None, :].expand(batch, n, high), visible], dim=2)
-    mask = torch.zeros(batch, 1, n, high + n, dtype=dtype, device=visible.device)
+    keys_visible = torch.cat([root_visible[:, None, :].expand(batch, m, high), visible], dim=2)
+    mask = torch.zeros(batch, 1, m, high + n, dtype=dtype, device=visible.device)
     mask.masked_fill_(~keys_visible[:, None], float("-inf"))
     padding = ~root_visible[:, None, low:, None] if low < high else None
     return mask, padding

@@ -186,6 +186,33 @@ def test_single_node_with_empty_root_is_not_nan(backend, random_inputs):
     assert_matches(out, expected, torch.float32)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("queries", [1, 4, 9])
+def test_querying_the_last_nodes_of_a_grown_tree(backend, queries, random_inputs):
+    # A tree grown pass by pass queries only its newest M nodes: their rows of the full result.
+    for dtype in (torch.float32, torch.float16):
+        inputs = random_inputs(**B3, root_lens=B3_LENS, dtype=dtype)
+        expected_out, expected_lse = tree_attention(*inputs, backend="torch", return_lse=True)
+        q, k_root, v_root, lens, k_tree, v_tree, parents = on_backend_device(inputs, backend)
+        suffix = [q[:, :, -queries:], k_root, v_root, lens, k_tree, v_tree, parents]
+        out, lse = tree_attention(*suffix, backend=backend, return_lse=True)
+        assert_matches(out, expected_out[:, :, -queries:], dtype)
+        assert_matches(lse, expected_lse[:, :, -queries:], torch.float32)
+        if backend == "cpu":  # the dense path too
+            plan = prepare_tree(parents, lens, k_root.shape[2], dtype=dtype, queries=queries)
+            dense = tree_attention(*suffix, backend=backend, plan=plan)
+            assert_matches(dense, expected_out[:, :, -queries:], dtype)
+
+
+def test_a_plan_for_other_queries_is_refused(random_inputs):
+    q, k_root, v_root, lens, k_tree, v_tree, parents = random_inputs(**B3, root_lens=B3_LENS)
+    plan = prepare_tree(parents, lens, k_root.shape[2], queries=2)
+    with pytest.raises(TreeAttentionError, match="built for 2 queries"):
+        tree_attention(q[:, :, -3:], k_root, v_root, lens, k_tree, v_tree, parents, plan=plan)
+    with pytest.raises(TreeAttentionError, match="queries = 10"):
+        prepare_tree(parents, lens, k_root.shape[2], queries=10)
+
+
 def test_auto_picks_the_cpu_path_for_cpu_tensors(random_inputs):
     inputs = random_inputs(
         batch=2, hq=4, hkv=2, n=6, s=8, d=32, kinds=["random"] * 2, root_lens=[8, 2]
