@@ -63,7 +63,7 @@ class TreePlan:
         return self.visible.shape[1]
 
     @cached_property
-    def depths(self) -> torch.Tensor:  # [B, M] int64: the queries' tree ancestors (position past root)
+    def depths(self) -> torch.Tensor:  # [B, M] int64: each query's ancestors (position past root)
         return self.visible.sum(dim=-1) - 1
 
     @cached_property
