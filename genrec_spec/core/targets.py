@@ -6,6 +6,14 @@ A target is used through a per-call cache handle (its decoding state):
     logits = target.score_tree(cache, tree)    # [B, N, V]; the root is the first uncached token
     target.commit(cache, nodes, counts)        # keep nodes[b, :counts[b]] of the scored tree
 
+Beam search keeps every scored beam prefix instead of one path, so it grows one tree per row
+pass by pass, each pass scoring only its new nodes:
+
+    logits = target.grow_tree(cache, tokens, parents)  # [B, M, V] for M new nodes per row
+
+where parents index the nodes scored since the last commit (the first grow's nodes hang under
+the committed root: parent -1). A later commit keeps a path among all of them.
+
 After prefill and score_tree, ``cache.hidden`` maps each requested layer to hidden states
 [B, T or N, D] of the tokens just processed (for trained drafters such as EAGLE), or is empty.
 
@@ -38,7 +46,20 @@ class Target(Protocol):
 
     def score_tree(self, cache: Any, tree: DraftTree) -> Tensor: ...
 
+    def grow_tree(self, cache: Any, tokens: Tensor, parents: Tensor) -> Tensor: ...
+
     def commit(self, cache: Any, nodes: Tensor, counts: Tensor) -> None: ...
+
+
+def grown(tree: DraftTree | None, tokens: Tensor, parents: Tensor) -> DraftTree:
+    """The pending tree after a grow: ``tree`` (None before the first) with the new nodes
+    (tokens, parents [B, M]) appended."""
+    if tree is None:
+        return DraftTree(tokens=tokens, parents=parents)
+    return DraftTree(
+        tokens=torch.cat([tree.tokens, tokens], dim=1),
+        parents=torch.cat([tree.parents, parents], dim=1),
+    )
 
 
 @dataclass
@@ -83,20 +104,28 @@ class CallableTarget:
         return SequenceCache(tokens=committed, lengths=lengths - 1)
 
     def score_tree(self, cache: SequenceCache, tree: DraftTree) -> Tensor:
+        cache.tree = tree
+        return self._score_last(cache, tree, tree.num_nodes)
+
+    def grow_tree(self, cache: SequenceCache, tokens: Tensor, parents: Tensor) -> Tensor:
+        cache.tree = grown(cache.tree, tokens, parents)
+        return self._score_last(cache, cache.tree, tokens.shape[1])
+
+    def _score_last(self, cache: SequenceCache, tree: DraftTree, m: int) -> Tensor:
+        """Logits [B, M, V] of the tree's last m nodes."""
         batch, n = tree.tokens.shape
         ancestors, depth = topology(tree.parents)
-        path = paths(ancestors, depth)  # [B, N, N] root-to-node node indices, -1 padded
-        path_tokens = tree.tokens.gather(1, path.clamp_min(0).flatten(1)).view(batch, n, n)
+        path = paths(ancestors, depth)[:, n - m :]  # [B, M, N] root-to-node node indices
+        path_tokens = tree.tokens.gather(1, path.clamp_min(0).flatten(1)).view(batch, m, n)
         # Node i's sequence: the committed tokens, then its root-to-node path (0-padded).
         seq = torch.cat(
-            [cache.tokens[:, None].expand(-1, n, -1), tree.tokens.new_zeros(batch, n, n)], dim=2
-        )  # [B, N, T + N]
+            [cache.tokens[:, None].expand(-1, m, -1), tree.tokens.new_zeros(batch, m, n)], dim=2
+        )  # [B, M, T + N]
         columns = cache.lengths[:, None, None] + torch.arange(n, device=seq.device)
-        seq = seq.scatter(2, columns.expand(-1, n, -1), torch.where(path >= 0, path_tokens, 0))
-        logits = self.fn(seq.flatten(0, 1))  # [B * N, T + N, V]
-        last = (cache.lengths[:, None] + depth).flatten()  # each node's own position
-        cache.tree = tree
-        return logits[torch.arange(batch * n, device=last.device), last].view(batch, n, -1)
+        seq = seq.scatter(2, columns.expand(-1, m, -1), torch.where(path >= 0, path_tokens, 0))
+        logits = self.fn(seq.flatten(0, 1))  # [B * M, T + N, V]
+        last = (cache.lengths[:, None] + depth[:, n - m :]).flatten()  # each node's own position
+        return logits[torch.arange(batch * m, device=last.device), last].view(batch, m, -1)
 
     def commit(self, cache: SequenceCache, nodes: Tensor, counts: Tensor) -> None:
         room = int(cache.lengths.max()) + nodes.shape[1] - cache.tokens.shape[1]
@@ -105,6 +134,7 @@ class CallableTarget:
         values = cache.tree.tokens.gather(1, nodes)
         cache.tokens = write_ragged(cache.tokens, cache.lengths, values, counts)
         cache.lengths = cache.lengths + counts
+        cache.tree = None
 
 
 @dataclass
@@ -149,10 +179,14 @@ class HFTarget:
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     def _forward(
-        self, cache: HFCache, tokens: Tensor, positions: Tensor, mask: Tensor, logits: bool = True
-    ) -> Tensor | None:
-        # tokens [B, Q], positions [B, Q], mask [B, Q, S + Q] bool (True = attend) -> logits
-        # [B, Q, V]; logits=False (prefill) skips the LM head where the model allows it
+        self,
+        cache: HFCache,
+        tokens: Tensor,  # [B, Q]
+        positions: Tensor,  # [B, Q]
+        mask: Tensor,  # [B, Q, S + Q] bool (True = attend) over the S cached slots and the Q new
+        logits: bool = True,  # False (prefill): skip the LM head where the model allows it
+        cached: Tensor | None = None,  # [B, S] the cached slots' positions; None: slot_valid's
+    ) -> Tensor | None:  # logits [B, Q, V]
         dtype = self.model.dtype
 
         def additive(allowed: Tensor) -> Tensor:  # [B, Q, S + Q] bool -> [B, 1, Q, S + Q]
@@ -161,7 +195,8 @@ class HFTarget:
 
         attention_mask = additive(mask)
         if self.sliding_window is not None:
-            cached = cache.slot_valid.long().cumsum(1) - 1  # [B, S] (invalid slots: masked)
+            if cached is None:
+                cached = cache.slot_valid.long().cumsum(1) - 1  # [B, S] (invalid slots: masked)
             keys = torch.cat([cached, positions], dim=1)  # [B, S + Q]
             near = positions[:, :, None] - keys[:, None, :] < self.sliding_window
             attention_mask = {
@@ -240,6 +275,38 @@ class HFTarget:
         cache.tree, cache.scored = tree, q
         return logits[:, num_pending:]
 
+    def grow_tree(self, cache: HFCache, tokens: Tensor, parents: Tensor) -> Tensor:
+        if not cache.scored:  # the first grow is an ordinary tree under the committed root
+            return self.score_tree(cache, DraftTree(tokens=tokens, parents=parents))
+        tree = grown(cache.tree, tokens, parents)
+        m, device = tokens.shape[1], tokens.device
+        ancestors, depth = topology(tree.parents)
+        num_pending = cache.pending.shape[1]
+        pending_pos = (
+            cache.root_position[:, None] - num_pending + torch.arange(num_pending, device=device)
+        )
+        # The cached slots: committed, pending, then the tree's earlier nodes.
+        cached = torch.cat(
+            [
+                cache.slot_valid.long().cumsum(1) - 1,
+                torch.where(cache.pending_valid, pending_pos, 0),
+                cache.root_position[:, None] + depth[:, :-m],
+            ],
+            dim=1,
+        )
+        mask = torch.cat(
+            [
+                cache.slot_valid[:, None, :].expand(-1, m, -1),
+                cache.pending_valid[:, None, :].expand(-1, m, -1),
+                ancestors[:, -m:],
+            ],
+            dim=2,
+        )  # [B, M, S + P + N]
+        positions = cache.root_position[:, None] + depth[:, -m:]
+        logits = self._forward(cache, tokens, positions, mask, cached=cached)
+        cache.tree, cache.scored = tree, cache.scored + m
+        return logits
+
     def commit(self, cache: HFCache, nodes: Tensor, counts: Tensor) -> None:
         # Keep the pending slots and the root's slot; drop the rest of the tree.
         cache.past.crop(-(cache.tree.num_nodes - 1))
@@ -279,10 +346,13 @@ class NativeTarget:
         self.vocab_size = model.config.vocab_size
         self.max_length = model.config.max_seq_len
 
-    def _forward(self, cache: NativeCache, tokens: Tensor, parents: Tensor | None) -> Tensor:
+    def _forward(
+        self, cache: NativeCache, tokens: Tensor, parents: Tensor | None, grow: bool = False
+    ) -> Tensor:
         # tokens [B, N], parents [B, N] or None (a chain) -> logits [B, N, V]
-        cache.kv.reserve(cache.length_bound + tokens.shape[1], self.max_length)
-        out = self.model(tokens, cache.kv, parents, hidden_layers=cache.hidden_layers)
+        pending = cache.kv.pending[1] if grow and cache.kv.pending is not None else 0
+        cache.kv.reserve(cache.length_bound + pending + tokens.shape[1], self.max_length)
+        out = self.model(tokens, cache.kv, parents, hidden_layers=cache.hidden_layers, grow=grow)
         logits, cache.hidden = out if cache.hidden_layers else (out, {})
         return logits
 
@@ -309,6 +379,9 @@ class NativeTarget:
 
     def score_tree(self, cache: NativeCache, tree: DraftTree) -> Tensor:
         return self._forward(cache, tree.tokens, tree.parents)
+
+    def grow_tree(self, cache: NativeCache, tokens: Tensor, parents: Tensor) -> Tensor:
+        return self._forward(cache, tokens, parents, grow=True)
 
     def commit(self, cache: NativeCache, nodes: Tensor, counts: Tensor) -> None:
         cache.kv.commit(nodes, counts)

@@ -10,6 +10,10 @@ The pending entries of a pass over N nodes sit at positions ``[start, start + N)
 with ``start`` at least the longest row's length: right after the committed keys, in the same
 buffer, so attention can read [committed | tree] keys as one slice without copying the cache
 (``tree_attention``'s dense CPU path does).
+
+A pass may also *grow* the pending tree instead of replacing it (``begin_pass(n, grow=True)``):
+its n entries go after the earlier passes' ones, and commit then picks its path among all of
+them. Beam search grows one tree per row this way, its beams being the tree's branches.
 """
 
 import torch
@@ -56,7 +60,11 @@ class StaticKVCache:
         # pending entries without a host sync (commit adds K, an upper bound of n); on CPU,
         # where reading lengths is free, begin_pass makes it exact.
         self._length_bound = 0
-        self.pending: tuple[int, int] | None = None  # (start, N) of the last pass's entries
+        # (start, N) of the pending entries (of the last pass, or of every pass since the last
+        # commit when passes grow the tree); the last pass's own are the last ``new`` of them.
+        self.pending: tuple[int, int] | None = None
+        self.new = 0
+        self.pending_parents: torch.Tensor | None = None  # [B, N] the pending tree's topology
 
     @property
     def batch_size(self) -> int:
@@ -82,9 +90,20 @@ class StaticKVCache:
         self._length_bound = int(lengths.max())
         self.pending = None
 
-    def begin_pass(self, n: int) -> None:
+    def begin_pass(self, n: int, grow: bool = False) -> None:
         """Make room for a forward pass over n tree nodes per row: check every row can still
-        commit n tokens, and place the pass's pending entries after the longest row."""
+        commit n tokens, and place the pass's pending entries after the longest row, or, with
+        ``grow`` and entries pending, after those (see the module docstring)."""
+        if grow and self.pending is not None:
+            start, kept = self.pending
+            if start + kept + n > self.max_len:
+                raise KVCacheError(
+                    f"the pending tree holds {kept} nodes after {start} positions and this pass "
+                    f"adds {n}, more than the cache's max_len {self.max_len}",
+                    "reserve room first (cache.reserve) or grow the tree by fewer nodes",
+                )
+            self.pending, self.new = (start, kept + n), n
+            return
         if self.k.device.type == "cpu" or self._length_bound + n > self.max_len:
             # Exact on CPU, where it costs nothing; on a GPU the one host sync, near capacity.
             self._length_bound = int(self._lengths.max())
@@ -95,7 +114,7 @@ class StaticKVCache:
                     "create the cache with a larger max_len (model.new_cache(batch_size, "
                     "max_len=...)) or shorten the prompt / max_new_tokens",
                 )
-        self.pending = (self._length_bound, n)
+        self.pending, self.new = (self._length_bound, n), n
 
     def set_pending(
         self,
@@ -103,14 +122,14 @@ class StaticKVCache:
         k: torch.Tensor,  # [B, Hkv, N, D]
         v: torch.Tensor,  # [B, Hkv, N, D]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # pending k, v of this layer: [B, Hkv, N, D] each
-        """Store one layer's K/V of the current pass; returns the stored entries (views of the
-        cache at positions [start, start + N), see the module docstring)."""
+        """Store one layer's K/V of the current pass (the last ``new`` pending entries); returns
+        all pending entries of the layer (views of the cache at positions [start, start + N),
+        see the module docstring)."""
         start, n = self.pending
-        k_slot = self.k[layer, :, :, start : start + n]
-        v_slot = self.v[layer, :, :, start : start + n]
-        k_slot.copy_(k)
-        v_slot.copy_(v)
-        return k_slot, v_slot
+        first = start + n - self.new
+        self.k[layer, :, :, first : start + n].copy_(k)
+        self.v[layer, :, :, first : start + n].copy_(v)
+        return self.k[layer, :, :, start : start + n], self.v[layer, :, :, start : start + n]
 
     def commit(
         self,
@@ -172,15 +191,14 @@ class StaticKVCache:
     def reserve(self, needed: int, limit: int) -> None:
         """Make room for ``needed`` positions per row: when short, reallocate to twice the size
         (at least ``needed``, at most ``limit``: the model's), so a growing sequence copies its
-        K/V a logarithmic number of times. Keeps the committed K/V and lengths; drops pending
-        entries."""
+        K/V a logarithmic number of times. Keeps the committed K/V, the lengths and the pending
+        entries (positions do not move)."""
         if needed <= self.max_len:
             return
         extra = min(max(needed, 2 * self.max_len), limit) - self.max_len
         n_layers, batch, heads, _, head_dim = self.k.shape
         pad = self.k.new_zeros(n_layers, batch, heads, extra, head_dim)  # finite padding
         self.k, self.v = torch.cat([self.k, pad], dim=3), torch.cat([self.v, pad], dim=3)
-        self.pending = None
 
     def truncate(self, lengths: torch.Tensor) -> None:  # lengths: [B] int64
         """Roll rows back to ``lengths`` committed tokens (never forward); drops pending

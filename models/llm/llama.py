@@ -53,18 +53,26 @@ def begin_tree_pass(
     n: int,  # N tree nodes per row
     parents: torch.Tensor | None,  # [B, N] int64, -1 = child of the committed root; None: a chain
     rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [max_seq_len, D] fp32 from rope_tables
+    grow: bool = False,
 ) -> tuple[TreePlan, torch.Tensor, torch.Tensor]:  # plan; cos, sin [B, N, 1, D] fp32
     """What every layer of one forward pass shares: the tree's bookkeeping (validation, masks,
     depths), room for the pass's pending K/V in the cache, and the RoPE rows at each node's
     position ``cache.lengths[b] + depth(i)``. The cache's padding is finite (see StaticKVCache),
-    so attention may read it under its mask."""
+    so attention may read it under its mask.
+
+    With ``grow`` the N nodes extend the cache's pending tree: their parents index its nodes
+    (earlier passes' first, then these), and attention queries the new nodes alone."""
     if parents is None:
         batch = cache.batch_size
         parents = torch.arange(-1, n - 1, device=cache.lengths.device).expand(batch, n)
+    grow = grow and cache.pending is not None
+    if grow:
+        parents = torch.cat([cache.pending_parents, parents], dim=1)
     plan = prepare_tree(
-        parents, cache.lengths, cache.max_len, dtype=cache.dtype, finite_padding=True
+        parents, cache.lengths, cache.max_len, dtype=cache.dtype, finite_padding=True, queries=n
     )
-    cache.begin_pass(n)  # raises before any layer runs if a row has no room for n tokens
+    cache.begin_pass(n, grow)  # raises before any layer runs if a row has no room for n tokens
+    cache.pending_parents = parents
     positions = cache.lengths[:, None] + plan.depths  # [B, N] < cache.max_len <= max_seq_len
     cos, sin = rope
     return plan, cos[positions][:, :, None], sin[positions][:, :, None]
@@ -256,12 +264,15 @@ class Llama(nn.Module):
         parents: torch.Tensor | None = None,  # [B, N] int64, -1 = child of the committed root
         *,
         hidden_layers: tuple[int, ...] = (),
+        grow: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, dict[int, torch.Tensor]]:  # logits [B, N, V] fp32
         """Score a tree of N tokens per row against the committed cache.
 
         Node i sits at position ``cache.lengths[b] + depth(i)`` and sees the committed cache and
         its own tree ancestors. ``parents=None`` means a chain (prefill or decode step). The
         pass's K/V become the cache's pending entries; ``cache.lengths`` does not move.
+        ``grow=True`` adds the nodes to the pending tree of earlier passes instead, parents
+        indexing its nodes (see ``StaticKVCache``): only the new nodes are computed.
 
         ``hidden_layers`` follows transformers' ``output_hidden_states`` indexing: 0 is the
         embedding output, l the output of layer l, ``n_layers`` the final-normed state. With it,
@@ -272,7 +283,7 @@ class Llama(nn.Module):
         ready as training inputs for draft heads.
         """
         self._check_forward(tokens, cache, parents, hidden_layers)
-        x, hidden = self._trunk(tokens, cache, parents, hidden_layers)
+        x, hidden = self._trunk(tokens, cache, parents, hidden_layers, grow)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         logits = linear(x, weight).float()
         return (logits, hidden) if hidden_layers else logits
@@ -292,10 +303,10 @@ class Llama(nn.Module):
         return self._trunk(tokens, cache, None, hidden_layers)[1]
 
     def _trunk(
-        self, tokens, cache, parents, hidden_layers: tuple[int, ...]
+        self, tokens, cache, parents, hidden_layers: tuple[int, ...], grow: bool = False
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # normed [B, N, dim], {l: [B, N, dim]}
         """Every layer and the final norm: ``forward`` up to its LM head."""
-        x, hidden = self._layers(tokens, cache, parents, self.config.n_layers, hidden_layers)
+        x, hidden = self._layers(tokens, cache, parents, self.config.n_layers, hidden_layers, grow)
         x = self.norm(x)
         if self.config.n_layers in hidden_layers:
             hidden[self.config.n_layers] = x
@@ -338,10 +349,11 @@ class Llama(nn.Module):
         return hidden
 
     def _layers(
-        self, tokens, cache, parents, n_layers: int, hidden_layers: tuple[int, ...]
+        self, tokens, cache, parents, n_layers: int, hidden_layers: tuple[int, ...], grow=False
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # [B, N, dim], {l: [B, N, dim]}
         """Embed and run the first n_layers layers over one tree pass; collects hidden_layers."""
-        plan, cos, sin = begin_tree_pass(cache, tokens.shape[1], parents, self._rope(tokens.device))
+        rope = self._rope(tokens.device)
+        plan, cos, sin = begin_tree_pass(cache, tokens.shape[1], parents, rope, grow)
         x = self.tok_embeddings(tokens)
         hidden = {0: x} if 0 in hidden_layers else {}
         for i, layer in enumerate(self.layers[:n_layers], start=1):

@@ -122,6 +122,67 @@ def test_tree_scores_match_cache_free_callable(name):
         assert torch.allclose(got, want, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["hf", "native", "callable"])
+def test_a_tree_grown_pass_by_pass_scores_as_one_pass(name):
+    """TREE grown in three passes (root; its children; the grandchildren) gives the one-pass
+    logits of the cache-free callable; a commit afterwards keeps a path of the grown tree, and
+    the next tree scores on top of it as after an ordinary pass."""
+    target, fn = models()["native" if name == "callable" else name]
+    target = CallableTarget(fn) if name == "callable" else target
+    reference = CallableTarget(fn)
+    pieces = [(0, 1), (1, 3), (3, 6)]  # node ranges of the three passes
+    with torch.inference_mode():
+        cache = target.prefill(PROMPTS, LENGTHS, 16)
+        ref_cache = reference.prefill(PROMPTS, LENGTHS, 16)
+        want = reference.score_tree(ref_cache, TREE)
+        got = torch.cat(
+            [target.grow_tree(cache, TREE.tokens[:, a:b], TREE.parents[:, a:b]) for a, b in pieces],
+            dim=1,
+        )
+        assert torch.allclose(got[:, :5], want[:, :5], atol=1e-4)
+        assert torch.allclose(got[[0, 2]], want[[0, 2]], atol=1e-4)  # row 1's node 5 pads
+        nodes, counts = torch.tensor([[0, 2, 4], [0, 1, 0], [0, 0, 0]]), torch.tensor([3, 2, 0])
+        target.commit(cache, nodes, counts)
+        reference.commit(ref_cache, nodes, counts)
+        second = DraftTree(
+            tokens=torch.tensor([[13, 1, 2], [20, 3, 4], [4, 5, 6]]),
+            parents=torch.tensor([[-1, 0, 0]] * 3),
+        )
+        got, want = target.score_tree(cache, second), reference.score_tree(ref_cache, second)
+        assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_hf_target_grows_a_tree_under_a_sliding_window():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=3,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config).eval()
+    target, reference = HFTarget(model), CallableTarget(lambda ids: model(ids).logits)
+    with torch.inference_mode():
+        cache = target.prefill(PROMPTS, LENGTHS, 16)
+        want = reference.score_tree(reference.prefill(PROMPTS, LENGTHS, 16), TREE)
+        got = torch.cat(
+            [
+                target.grow_tree(cache, TREE.tokens[:, a:b], TREE.parents[:, a:b])
+                for a, b in [(0, 2), (2, 4), (4, 6)]
+            ],
+            dim=1,
+        )
+    assert torch.allclose(got[[0, 2]], want[[0, 2]], atol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["hf", "native"])
 def test_hidden_states_for_drafters(name):
     target, _ = models()[name]
