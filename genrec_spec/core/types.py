@@ -120,6 +120,8 @@ class DecodeStats:
     drafted_per_position: tuple[int, ...]  # [K] row-steps whose tree reached depth k + 1
     accepted_per_position: tuple[int, ...]  # [K] row-steps that accepted a token at depth k + 1
     wall_time_s: float  # prefill + decoding, measured around the whole call
+    nodes_scored: int = 0  # real tree nodes over all forwards (beam search reports it)
+    draft_nodes: int = 0  # of those, nodes a drafter proposed (beam search reports it)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -149,6 +151,8 @@ class DecodeStats:
             "accepted_per_position": list(self.accepted_per_position),
             "wall_time_s": self.wall_time_s,
             "tokens_per_second": self.tokens_per_second,
+            "nodes_scored": self.nodes_scored,
+            "draft_nodes": self.draft_nodes,
         }
 
 

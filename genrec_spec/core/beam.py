@@ -1,0 +1,402 @@
+"""Beam search for every target, plain or speculative, with or without a constraint.
+
+    beam_search(target, input_ids, *, config=BeamConfig(num_beams=W, num_return_sequences=K),
+                max_new_tokens, eos_token_id, constraint=None, drafter=None) -> BeamOutput
+
+The W beams of a row are branches of one tree over the row's prompt, whose K/V are stored once:
+a pass grows the tree by the nodes the beams need (``Target.grow_tree``), and the best
+next-token log-probabilities of a scored node serve every later step that reaches it
+(``BeamTree``). A *step* selects the beams one token longer; a *pass* is one target forward.
+
+Selection is transformers' beam search, step for step: each step keeps the top 2W candidates
+(W beams x their tokens, scored by summed log-probabilities), the best W that did not just end
+run on, and those of the top W that ended (an eos token, or max_new_tokens) enter the W finished
+hypotheses with score / length ** length_penalty; early stopping and the "can a running beam
+still win" heuristic follow ``early_stopping`` as there. The first step starts from W copies of
+the root, all but one scored -1e9. So the outputs equal ``generate(num_beams=W,
+num_return_sequences=K, length_penalty=..., early_stopping=...)`` (with
+``prefix_allowed_tokens_fn`` for a constraint) up to float ties. A finished row stops asking for
+passes; it rides along until every row is done.
+
+Speculative beam search: a ``drafter`` adds nodes below the beams to every pass (the catalogue's
+forced continuations, ``CatalogueDrafter``); a step whose beams all reach scored nodes needs no
+pass. Selection reads the same log-probabilities, so the output is plain beam search's, up to
+the float rounding of a node scored in another pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from genrec_spec.core.beam_tree import BeamTree, Planned
+from genrec_spec.core.constraints import Catalogue, Constraint, log_probs
+from genrec_spec.core.decode import _check_limits, _check_vocab, pack_prompts
+from genrec_spec.core.targets import Target, as_target
+from genrec_spec.core.types import DecodeInputError, DecodeStats
+
+UNREACHABLE = -1.0e9  # transformers' score for beams and hypotheses that must not win
+
+
+@dataclass(frozen=True)
+class BeamConfig:
+    """Beam search settings (transformers' names and defaults where it has them)."""
+
+    num_beams: int = 4  # W
+    num_return_sequences: int = 1  # K <= W results per row
+    length_penalty: float = 1.0  # a finished beam scores sum(log-probs) / length ** this
+    early_stopping: bool | str = False  # True, False (a heuristic) or "never", as transformers
+    # Constrained log-probs: False masks the full vocabulary's (transformers' rule); True
+    # renormalises them over the allowed tokens (the recommender's: a forced token costs 0).
+    renormalize: bool = False
+
+
+@dataclass(frozen=True)
+class BeamOutput:
+    """K results per row, best first: row b's k-th sequence (generated tokens, eos included) is
+    values[offsets[b * K + k]:offsets[b * K + k + 1]]."""
+
+    values: Tensor  # [sum of lengths] int64
+    offsets: Tensor  # [B * K + 1] int64
+    scores: Tensor  # [B, K] float32, the length-penalised scores
+    stats: DecodeStats
+
+    def tolist(self) -> list[list[list[int]]]:  # [B][K] token lists
+        values, offsets = self.values.tolist(), self.offsets.tolist()
+        k = self.scores.shape[1]
+        flat = [values[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
+        return [flat[b * k : (b + 1) * k] for b in range(len(flat) // k)]
+
+
+class BeamDrafter(Protocol):
+    def draft(self, tree: BeamTree, row: int, frontier: list[tuple[int, int]], plan) -> None:
+        """Plan nodes below the frontier's (node, state) pairs with ``tree.add``."""
+        ...
+
+
+@dataclass
+class CatalogueDrafter:
+    """Drafts what a catalogue makes likely or certain: below every beam, each node's children
+    when it has at most ``fanout`` of them (one child: a forced token, a draft that cannot
+    miss), down to ``depth`` levels, at most ``max_nodes`` new nodes per row and pass."""
+
+    catalogue: Catalogue
+    depth: int = 8
+    fanout: int = 1
+    max_nodes: int = 256
+
+    def draft(
+        self, tree: BeamTree, row: int, frontier: list[tuple[int, int]], plan: list[Planned]
+    ) -> None:
+        budget = self.max_nodes
+        level = frontier
+        for _ in range(self.depth):
+            below = []
+            for node, state in level:
+                options = self.catalogue.children(state)
+                if len(options) > self.fanout:
+                    continue
+                for token, child_state in options:
+                    child = tree.child(row, node, token)
+                    if child < 0:
+                        if budget == 0:
+                            return
+                        child = tree.add(row, plan, node, token, child_state)
+                        budget -= 1
+                    below.append((child, child_state))
+            level = below
+
+
+@dataclass
+class _Beams:
+    """The running beams and finished hypotheses of B rows (transformers' beam state)."""
+
+    scores: Tensor  # [B, W] running scores (summed log-probs)
+    sequences: Tensor  # [B, W, T] running beams' generated tokens
+    nodes: Tensor  # [B, W] tree node of each beam's last token; -1: not scored yet
+    parents: Tensor  # [B, W] tree node of the token before it (-1: the root itself)
+    last: Tensor  # [B, W] each beam's last token
+    done_scores: Tensor  # [B, W] finished hypotheses' penalised scores
+    done_sequences: Tensor  # [B, W, T]
+    done_lengths: Tensor  # [B, W]
+    done: Tensor  # [B, W] bool, slot holds a finished hypothesis
+    improvable: Tensor  # [B, 1] bool, a running beam may still beat the finished ones
+
+
+def beam_search(
+    target: object,
+    input_ids: Tensor | Sequence[Sequence[int]],
+    *,
+    config: BeamConfig | None = None,
+    max_new_tokens: int = 32,
+    eos_token_id: int | Sequence[int] | None = None,
+    constraint: Constraint | None = None,
+    drafter: BeamDrafter | None = None,
+    prompt_lengths: Tensor | None = None,
+) -> BeamOutput:
+    """Beam search (module docstring). target and input_ids as ``generate`` takes them."""
+    config = config or BeamConfig()
+    target = as_target(target)
+    tokens, lengths = pack_prompts(input_ids, prompt_lengths)
+    device = getattr(target, "device", tokens.device)
+    _check_limits(target, lengths, max_new_tokens)
+    eos = [] if eos_token_id is None else torch.as_tensor(eos_token_id).flatten().tolist()
+    _check_config(config, constraint, eos, max_new_tokens)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        if target.vocab_size is not None:
+            _check_vocab(target, tokens)
+        cache = target.prefill(
+            tokens.to(device), lengths.to(device), tokens.shape[1] + max_new_tokens
+        )
+        _check_vocab(target, tokens)
+        width = min(max(2, 1 + len(eos)) * config.num_beams, target.vocab_size)
+        search = _Search(target, cache, tokens, lengths, config, constraint, drafter, width)
+        beams = _start(tokens, lengths, config.num_beams, max_new_tokens)
+        eos_t = torch.tensor(eos, dtype=torch.long)
+        for step in range(max_new_tokens):
+            open_rows = beams.improvable[:, 0] & ~(
+                beams.done.all(1) & (config.early_stopping is True)
+            )
+            search.score_beams(beams, open_rows)
+            values, options = search.tree.candidates(beams.nodes)  # [B, W, C] each
+            alive = open_rows[:, None] & (beams.scores > float("-inf"))
+            values = values.masked_fill(~alive[..., None], float("-inf"))
+            hits = _select(beams, values, options, eos_t, step, max_new_tokens, config)
+            _link(beams, search.tree)
+            search.row_steps += int(open_rows.sum())
+            if not _unfinished(beams, hits, step + 1, max_new_tokens, config):
+                break
+    return _output(beams, config.num_return_sequences, search, time.perf_counter() - started)
+
+
+def _check_config(
+    config: BeamConfig, constraint: Constraint | None, eos: list[int], max_new_tokens: int
+) -> None:
+    w, k = config.num_beams, config.num_return_sequences
+    if w < 1 or k < 1:
+        raise DecodeInputError(
+            f"num_beams = {w} and num_return_sequences = {k} must both be >= 1",
+            "ask for at least one beam and one result",
+        )
+    if k > w:
+        raise DecodeInputError(
+            f"num_return_sequences = {k} is larger than num_beams = {w}",
+            f"pass num_beams >= {k}: beam search returns at most its W beams",
+        )
+    if config.early_stopping not in (True, False, "never"):
+        raise DecodeInputError(
+            f"early_stopping = {config.early_stopping!r}", 'pass True, False or "never"'
+        )
+    if isinstance(constraint, Catalogue):
+        trie = constraint.trie
+        if k > trie.num_items:
+            raise DecodeInputError(
+                f"num_return_sequences = {k} is larger than the catalogue ({trie.num_items} items)",
+                f"ask for at most {trie.num_items} results",
+            )
+        if not eos:
+            raise DecodeInputError(
+                "a catalogue constraint needs eos_token_id: an item is finished at its end token",
+                "pass the token every catalogue sequence ends with as eos_token_id",
+            )
+        if max_new_tokens < trie.longest:
+            raise DecodeInputError(
+                f"max_new_tokens = {max_new_tokens} is shorter than the catalogue's longest "
+                f"sequence ({trie.longest} tokens): a beam cut there would be no item",
+                f"pass max_new_tokens >= {trie.longest}",
+            )
+
+
+def _start(tokens: Tensor, lengths: Tensor, w: int, max_new_tokens: int) -> _Beams:
+    """W copies of each row's root, all but the first unreachable (as transformers starts)."""
+    batch = tokens.shape[0]
+    scores = torch.zeros(batch, w)
+    scores[:, 1:] = UNREACHABLE
+    root = tokens.gather(1, (lengths - 1)[:, None]).expand(batch, w)
+    empty = torch.zeros(batch, w, max_new_tokens, dtype=torch.long)
+    return _Beams(
+        scores=scores,
+        sequences=empty,
+        nodes=torch.full((batch, w), -1, dtype=torch.long),
+        parents=torch.full((batch, w), -1, dtype=torch.long),
+        last=root.clone(),
+        done_scores=torch.full((batch, w), UNREACHABLE),
+        done_sequences=empty.clone(),
+        done_lengths=torch.zeros(batch, w, dtype=torch.long),
+        done=torch.zeros(batch, w, dtype=torch.bool),
+        improvable=torch.ones(batch, 1, dtype=torch.bool),
+    )
+
+
+class _Search:
+    """The scored tree and the passes that grow it."""
+
+    def __init__(self, target: Target, cache, tokens, lengths, config, constraint, drafter, width):
+        self.target, self.cache = target, cache
+        self.prompts = [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist(), strict=True)]
+        self.config, self.constraint, self.drafter = config, constraint, drafter
+        self.tree = BeamTree(tokens.shape[0], width)
+        self.start = (
+            constraint.start(tokens.shape[0]).tolist() if constraint else [0] * tokens.shape[0]
+        )
+        self.passes = self.speculative = self.nodes = self.drafted = self.row_steps = 0
+
+    def score_beams(self, beams: _Beams, open_rows: Tensor) -> None:
+        """One pass when an open row has a live beam whose node is not scored: those nodes, and
+        the drafter's nodes below every live beam of the open rows."""
+        need = open_rows[:, None] & (beams.scores > float("-inf")) & (beams.nodes < 0)
+        if not bool(need.any()):
+            return
+        tree = self.tree
+        plans: list[list[Planned]] = [[] for _ in range(tree.batch)]
+        for row, w in need.nonzero().tolist():
+            parent, token = int(beams.parents[row, w]), int(beams.last[row, w])
+            if tree.child(row, parent, token) < 0:
+                tree.add(row, plans[row], parent, token, self._state(row, parent, token))
+        planned = sum(len(p) for p in plans)
+        if self.drafter is not None:
+            _link(beams, tree)
+            live = open_rows[:, None] & (beams.scores > float("-inf"))
+            for row in open_rows.nonzero().flatten().tolist():
+                frontier = {
+                    (node, self._node_state(row, node, plans[row]))
+                    for node in beams.nodes[row][live[row]].tolist()
+                }
+                self.drafter.draft(tree, row, sorted(frontier), plans[row])
+        self._pass(plans)
+        self.drafted += sum(len(p) for p in plans) - planned
+        self.speculative += self.drafter is not None
+        _link(beams, tree)
+
+    def _state(self, row: int, parent: int, token: int) -> int:
+        if parent < 0:  # the root: the empty generated prefix
+            return self.start[row]
+        if self.constraint is None:
+            return 0
+        state = torch.tensor([self.tree.states[row][parent]])
+        return int(self.constraint.advance(state, torch.tensor([token]))[0])
+
+    def _node_state(self, row: int, node: int, plan: list[Planned]) -> int:
+        existing = len(self.tree.states[row])
+        return self.tree.states[row][node] if node < existing else plan[node - existing][2]
+
+    def _pass(self, plans: list[list[Planned]]) -> None:
+        """Score the planned nodes and store their best candidates."""
+        tree = self.tree
+        tokens, parents, real = tree.plan(plans)
+        device = getattr(self.target, "device", tokens.device)
+        logits = self.target.grow_tree(self.cache, tokens.to(device), parents.to(device)).cpu()
+        if bool(torch.isnan(logits).any()):
+            raise DecodeInputError(
+                "the target's logits contain NaN",
+                "check the model's weights and dtype (fp16 overflow is a common cause)",
+            )
+        rows, slots = real.nonzero(as_tuple=True)
+        nodes = tree.size - tokens.shape[1] + slots
+        chosen = logits[rows, slots]  # [Q, V]
+        allowed = None
+        if self.constraint is not None:
+            pairs = list(zip(rows.tolist(), nodes.tolist(), strict=True))
+            states = torch.tensor([tree.states[r][n] for r, n in pairs])
+            allowed = self.constraint.allowed(
+                states, rows, lambda: [self.prompts[r] + tree.path(r, n) for r, n in pairs]
+            )
+        best = log_probs(chosen, allowed, self.config.renormalize).topk(tree.width, dim=-1)
+        values = torch.full((*tokens.shape, tree.width), float("-inf"))
+        options = torch.zeros(*tokens.shape, tree.width, dtype=torch.long)
+        values[rows, slots], options[rows, slots] = best.values, best.indices
+        tree.store(values, options)
+        self.passes += 1
+        self.nodes += len(rows)
+
+
+def _link(beams: _Beams, tree: BeamTree) -> None:
+    """Point every beam at its scored (or planned) node, where it has one."""
+    for row, w in (beams.nodes < 0).nonzero().tolist():
+        beams.nodes[row, w] = tree.child(row, int(beams.parents[row, w]), int(beams.last[row, w]))
+
+
+def _select(
+    beams: _Beams,
+    values: Tensor,  # [B, W, C] each beam's best next-token log-probs (-inf: none)
+    options: Tensor,  # [B, W, C] their tokens
+    eos: Tensor,  # [E] eos token ids
+    step: int,  # tokens generated before this step
+    max_new_tokens: int,
+    config: BeamConfig,
+) -> Tensor:  # [B, 2W] bool, the candidates that ended
+    """One step of transformers' beam search (``_get_top_k_continuations``, then
+    ``_get_running_beams_for_next_iteration`` and ``_update_finished_beams``), in place."""
+    batch, w, c = values.shape
+    keep = min(max(2, 1 + eos.numel()) * w, w * c)  # 2W with one eos token
+    flat = (beams.scores[:, :, None] + values).flatten(1)  # [B, W * C]
+    scores, index = flat.topk(keep, dim=1)  # [B, 2W]
+    origin = index // c
+    token = options.flatten(1).gather(1, index)
+    sequences = beams.sequences.gather(1, origin[..., None].expand(-1, -1, max_new_tokens)).clone()
+    sequences[:, :, step] = token
+    hits = torch.isin(token, eos) | (step + 1 >= max_new_tokens)
+    # Running: the best W that did not end.
+    running = scores + hits.float() * UNREACHABLE
+    pick = running.topk(w, dim=1).indices
+    parent_nodes = beams.nodes.gather(1, origin)
+    beams.scores = running.gather(1, pick)
+    beams.sequences = sequences.gather(1, pick[..., None].expand(-1, -1, max_new_tokens))
+    beams.parents, beams.last = parent_nodes.gather(1, pick), token.gather(1, pick)
+    beams.nodes = torch.full_like(beams.parents, -1)
+    # Finished: those of the top W that ended, if they beat the worst finished hypothesis.
+    ended = hits & (torch.arange(keep) < w)
+    penalised = scores / ((step + 1) ** config.length_penalty)
+    full = beams.done.all(1, keepdim=True) & (config.early_stopping is True)
+    penalised += full.float() * UNREACHABLE
+    penalised += (~beams.improvable).float() * UNREACHABLE
+    penalised += (~ended) * UNREACHABLE
+    merged = torch.cat([beams.done_scores, penalised], dim=1)
+    best = merged.topk(w, dim=1).indices
+    lengths = torch.full_like(token, step + 1)
+    beams.done_scores = merged.gather(1, best)
+    beams.done_sequences = torch.cat([beams.done_sequences, sequences], 1).gather(
+        1, best[..., None].expand(-1, -1, max_new_tokens)
+    )
+    beams.done_lengths = torch.cat([beams.done_lengths, lengths], 1).gather(1, best)
+    beams.done = torch.cat([beams.done, ended], 1).gather(1, best)
+    return hits
+
+
+def _unfinished(
+    beams: _Beams, hits: Tensor, generated: int, max_new_tokens: int, config: BeamConfig
+) -> bool:
+    """transformers' ``_check_early_stop_heuristic`` and stopping rule, after a step."""
+    never = config.early_stopping == "never" and config.length_penalty > 0.0
+    best_length = max_new_tokens if never else generated
+    best_possible = beams.scores[:, :1] / (best_length**config.length_penalty)
+    worst = torch.where(beams.done, beams.done_scores.min(1, keepdim=True).values, UNREACHABLE)
+    beams.improvable &= (best_possible > worst).any(1, keepdim=True)
+    all_done = bool(beams.done.all()) and config.early_stopping is True
+    return bool(beams.improvable.any()) and not all_done and not bool(hits.all())
+
+
+def _output(beams: _Beams, k: int, search: _Search, wall_time_s: float) -> BeamOutput:
+    lengths = beams.done_lengths[:, :k].flatten()  # [B * K]
+    columns = torch.arange(beams.done_sequences.shape[2])
+    mask = columns < lengths[:, None]
+    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    stats = DecodeStats(
+        target_forwards=search.passes,
+        speculative_forwards=search.speculative,
+        generated_tokens=int(lengths.sum()),
+        row_steps=search.row_steps,
+        drafted_per_position=(),
+        accepted_per_position=(),
+        wall_time_s=wall_time_s,
+        nodes_scored=search.nodes,
+        draft_nodes=search.drafted,
+    )
+    values = beams.done_sequences[:, :k].flatten(0, 1)[mask]
+    return BeamOutput(values=values, offsets=offsets, scores=beams.done_scores[:, :k], stats=stats)

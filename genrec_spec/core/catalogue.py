@@ -1,0 +1,150 @@
+"""A catalogue as a prefix trie of token sequences: the items a decoder may emit.
+
+Each item is a token sequence (an item's title tokenised by an LLM's tokenizer, or its Semantic
+ID) ending in an end token, so no item is a strict prefix of another and a finished sequence is
+exactly one item. Decoding under the catalogue (``constraints.Catalogue``) allows at every node
+only the tokens of the node's children; a node with one child has a forced continuation, which
+a drafter proposes for free.
+
+Layout (CSR, children sorted by token): node 0 is the root (the empty sequence); node n's children
+are the edges ``child_offsets[n] .. child_offsets[n + 1]``, edge e carrying ``child_tokens[e]``
+to node ``child_nodes[e]``. ``edge_keys[e] = parent * V + token`` is sorted, so a (node, token)
+step is one ``searchsorted`` for a whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from genrec_spec.core.types import DecodeInputError
+
+
+@dataclass(frozen=True)
+class TokenTrie:
+    """The trie of a catalogue's token sequences (module docstring for the layout)."""
+
+    vocab_size: int  # V
+    child_offsets: Tensor  # [nodes + 1] int64
+    child_tokens: Tensor  # [edges] int64
+    child_nodes: Tensor  # [edges] int64
+    edge_keys: Tensor  # [edges] int64, parent * V + token, ascending
+    leaf_items: Tensor  # [nodes] int64: the item a finished sequence is; -1 elsewhere
+    num_items: int  # distinct sequences (items with identical sequences count once)
+    longest: int  # tokens in the longest sequence (end token included)
+
+    @classmethod
+    def from_sequences(
+        cls,
+        sequences: Sequence[Sequence[int]],
+        vocab_size: int,
+        eos_token_id: int | None = None,
+    ) -> TokenTrie:
+        """The trie of ``sequences`` (item i is sequences[i]); ``eos_token_id`` is appended to
+        every sequence not ending in it. Two items with the same sequence share a leaf, which
+        names the first. Raises on an empty catalogue, an empty sequence, tokens outside
+        [0, vocab_size), or a sequence that is a strict prefix of another (give every sequence
+        an end token)."""
+        if not sequences:
+            raise DecodeInputError("the catalogue is empty", "give at least one item sequence")
+        children: list[dict[int, int]] = [{}]
+        leaf: dict[int, int] = {}
+        longest = 0
+        for item, sequence in enumerate(sequences):
+            tokens = list(sequence)
+            if eos_token_id is not None and (not tokens or tokens[-1] != eos_token_id):
+                tokens.append(eos_token_id)
+            _check_tokens(item, tokens, vocab_size)
+            longest = max(longest, len(tokens))
+            node = 0
+            for token in tokens:
+                if node in leaf:
+                    raise _prefix_error(item)
+                nxt = children[node].get(token)
+                if nxt is None:
+                    nxt = children[node][token] = len(children)
+                    children.append({})
+                node = nxt
+            if children[node]:
+                raise _prefix_error(item)
+            leaf.setdefault(node, item)
+        counts = torch.tensor([len(c) for c in children], dtype=torch.long)
+        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        ordered = [sorted(c.items()) for c in children]
+        tokens = torch.tensor([t for c in ordered for t, _ in c], dtype=torch.long)
+        nodes = torch.tensor([n for c in ordered for _, n in c], dtype=torch.long)
+        parents = torch.repeat_interleave(torch.arange(len(children)), counts)
+        leaf_items = torch.full((len(children),), -1, dtype=torch.long)
+        leaf_items[torch.tensor(list(leaf))] = torch.tensor(list(leaf.values()))
+        return cls(
+            vocab_size=vocab_size,
+            child_offsets=offsets,
+            child_tokens=tokens,
+            child_nodes=nodes,
+            edge_keys=parents * vocab_size + tokens,
+            leaf_items=leaf_items,
+            num_items=len(leaf),
+            longest=longest,
+        )
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.child_offsets) - 1
+
+    def child_counts(self, nodes: Tensor) -> Tensor:  # [...] -> [...] int64
+        return self.child_offsets[nodes + 1] - self.child_offsets[nodes]
+
+    def step(self, nodes: Tensor, tokens: Tensor) -> Tensor:  # [...], [...] -> [...] int64
+        """The child of each node along each token; -1 where the token leaves the catalogue
+        (or the node is -1 already)."""
+        keys = nodes.clamp_min(0) * self.vocab_size + tokens
+        edge = torch.searchsorted(self.edge_keys, keys.flatten()).view(keys.shape)
+        edge = edge.clamp(max=len(self.edge_keys) - 1)
+        found = (self.edge_keys[edge] == keys) & (nodes >= 0)
+        return torch.where(found, self.child_nodes[edge], -1)
+
+    def allowed(self, nodes: Tensor) -> Tensor:  # [Q] -> [Q, V] bool
+        """The tokens each node lets through (its children's); none for -1."""
+        counts = torch.where(nodes >= 0, self.child_counts(nodes.clamp_min(0)), 0)
+        rows = torch.repeat_interleave(torch.arange(len(nodes), device=nodes.device), counts)
+        starts = torch.repeat_interleave(self.child_offsets[nodes.clamp_min(0)], counts)
+        within = torch.arange(len(rows), device=nodes.device) - torch.repeat_interleave(
+            counts.cumsum(0) - counts, counts
+        )
+        mask = torch.zeros(len(nodes), self.vocab_size, dtype=torch.bool, device=nodes.device)
+        mask[rows, self.child_tokens[starts + within]] = True
+        return mask
+
+    def forced(self, nodes: Tensor) -> Tensor:  # [...] -> [...] int64
+        """The one token a node allows, where it has exactly one child; -1 elsewhere."""
+        safe = nodes.clamp_min(0)
+        one = (self.child_counts(safe) == 1) & (nodes >= 0)
+        return torch.where(one, self.child_tokens[self.child_offsets[safe]], -1)
+
+    def items(self, nodes: Tensor) -> Tensor:  # [...] -> [...] int64
+        """The item each finished node is; -1 for nodes that end no sequence."""
+        return torch.where(nodes >= 0, self.leaf_items[nodes.clamp_min(0)], -1)
+
+
+def _check_tokens(item: int, tokens: list[int], vocab_size: int) -> None:
+    if not tokens:
+        raise DecodeInputError(
+            f"catalogue item {item} has an empty token sequence",
+            "give every item at least one token (or pass eos_token_id)",
+        )
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise DecodeInputError(
+            f"catalogue item {item} has token {bad[0]} outside the vocabulary of {vocab_size}",
+            "tokenise the catalogue with the model's own tokenizer",
+        )
+
+
+def _prefix_error(item: int) -> DecodeInputError:
+    return DecodeInputError(
+        f"catalogue item {item} and another item are one a strict prefix of the other",
+        "end every sequence with an end token (pass eos_token_id)",
+    )

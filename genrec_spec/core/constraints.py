@@ -1,0 +1,119 @@
+"""Constraints: which tokens may follow a prefix, for greedy, sampling and beam search alike.
+
+A constraint keeps one integer *state* per prefix (for a catalogue, the prefix's trie node), so
+the decoding loop can carry it along a tree without replaying prefixes:
+
+    states = constraint.start(batch)               # [B] the empty generated prefix of each row
+    states = constraint.advance(states, tokens)    # [...] one token further (-1: left it)
+    allowed = constraint.allowed(states, rows, sequences)  # [Q, V] bool
+
+``sequences`` is a callable giving each queried prefix as a full token list (prompt and generated
+tokens), built only for constraints that read it (``AllowedTokens``, the transformers hook).
+
+Two implementations: ``Catalogue`` (a ``TokenTrie`` of item sequences: its forced continuations
+are drafts that cannot miss) and ``AllowedTokens`` (transformers' ``prefix_allowed_tokens_fn``).
+``log_probs`` turns logits into a constrained distribution by one of the two scoring rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from genrec_spec.core.catalogue import TokenTrie
+from genrec_spec.core.types import DecodeInputError
+
+Sequences = Callable[[], list[list[int]]]
+
+
+class Constraint(Protocol):
+    def start(self, batch: int, device: torch.device | str = "cpu") -> Tensor: ...
+
+    def advance(self, states: Tensor, tokens: Tensor) -> Tensor: ...
+
+    def allowed(self, states: Tensor, rows: Tensor, sequences: Sequences) -> Tensor: ...
+
+
+class Catalogue:
+    """Generation restricted to the catalogue's sequences; states are trie nodes."""
+
+    def __init__(self, trie: TokenTrie) -> None:
+        self.trie = trie
+        self.vocab_size = trie.vocab_size
+        # Host copies for drafting, which walks a few nodes at a time.
+        self._offsets = trie.child_offsets.tolist()
+        self._tokens = trie.child_tokens.tolist()
+        self._nodes = trie.child_nodes.tolist()
+
+    @classmethod
+    def of(
+        cls, sequences: Sequence[Sequence[int]], vocab_size: int, eos_token_id: int | None = None
+    ) -> Catalogue:
+        return cls(TokenTrie.from_sequences(sequences, vocab_size, eos_token_id))
+
+    def start(self, batch: int, device: torch.device | str = "cpu") -> Tensor:  # [B]
+        return torch.zeros(batch, dtype=torch.long, device=device)
+
+    def advance(self, states: Tensor, tokens: Tensor) -> Tensor:  # [...], [...] -> [...]
+        return self.trie.step(states, tokens)
+
+    def allowed(self, states: Tensor, rows: Tensor, sequences: Sequences) -> Tensor:
+        return self.trie.allowed(states)  # [Q, V]
+
+    def children(self, state: int) -> list[tuple[int, int]]:
+        """(token, child state) of one node's children, in token order (host side)."""
+        if state < 0:
+            return []
+        low, high = self._offsets[state], self._offsets[state + 1]
+        return list(zip(self._tokens[low:high], self._nodes[low:high], strict=True))
+
+
+class AllowedTokens:
+    """transformers' ``prefix_allowed_tokens_fn(batch_id, input_ids) -> list[int]`` as a
+    constraint: called once per queried prefix with the row and the prefix's full sequence."""
+
+    def __init__(self, fn: Callable[[int, Tensor], Sequence[int]], vocab_size: int) -> None:
+        self.fn = fn
+        self.vocab_size = vocab_size
+
+    def start(self, batch: int, device: torch.device | str = "cpu") -> Tensor:  # [B]
+        return torch.zeros(batch, dtype=torch.long, device=device)
+
+    def advance(self, states: Tensor, tokens: Tensor) -> Tensor:  # the hook keeps no state
+        return states
+
+    def allowed(self, states: Tensor, rows: Tensor, sequences: Sequences) -> Tensor:
+        mask = torch.zeros(len(rows), self.vocab_size, dtype=torch.bool)
+        for i, (row, sequence) in enumerate(zip(rows.tolist(), sequences(), strict=True)):
+            tokens = list(self.fn(row, torch.tensor(sequence)))
+            if not tokens:
+                raise DecodeInputError(
+                    f"prefix_allowed_tokens_fn returned no token for row {row} after "
+                    f"{len(sequence)} tokens: the constraint cannot be satisfied",
+                    "return at least one allowed token for every prefix",
+                )
+            mask[i, tokens] = True
+        return mask.to(states.device)
+
+
+def log_probs(
+    logits: Tensor,  # [Q, V]
+    allowed: Tensor | None,  # [Q, V] bool, None: no constraint
+    renormalize: bool = False,
+) -> Tensor:  # [Q, V] float32, -inf at disallowed tokens
+    """Next-token log-probabilities under a constraint, by one of two rules: the full
+    vocabulary's log-probabilities masked to the allowed tokens (transformers' rule, whose beam
+    scores are then comparable to an unconstrained model's), or, with ``renormalize``, the
+    distribution renormalised over the allowed tokens (the recommender's rule: a forced token
+    costs exactly 0). A prefix with no allowed token (a finished catalogue item) gets -inf
+    everywhere under both."""
+    logits = logits.float()
+    if allowed is None:
+        return torch.log_softmax(logits, dim=-1)
+    if renormalize:
+        masked = torch.log_softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+        return masked.masked_fill(~allowed, float("-inf"))  # also the NaN of empty rows
+    return torch.log_softmax(logits, dim=-1).masked_fill(~allowed, float("-inf"))
