@@ -1,0 +1,297 @@
+"""Beam search in the core: equal to transformers' beam search (plain and catalogue-constrained,
+through HFTarget and the native Llama), equal to brute force where the beam is exhaustive, never
+outside the catalogue, and speculative beam search equal to plain beam search in fewer passes."""
+
+import pytest
+import torch
+from transformers import LlamaConfig as HFLlamaConfig
+from transformers import LlamaForCausalLM
+
+from genrec_spec import CallableTarget, HFTarget
+from genrec_spec.core.beam import BeamConfig, CatalogueDrafter, beam_search
+from genrec_spec.core.constraints import AllowedTokens, Catalogue
+from genrec_spec.core.types import DecodeInputError
+from genrec_spec.models.llm.llama import Llama
+
+VOCAB, EOS = 40, 3
+PROMPTS = [[5, 9, 2, 33, 7, 1], [4, 7], [12, 30, 3, 20, 22]]  # B = 3, uneven
+
+
+def random_catalogue(items: int, seed: int) -> list[list[int]]:
+    """Distinct random sequences of 1-5 tokens (no eos inside), sharing prefixes."""
+    g = torch.Generator().manual_seed(seed)
+    out: set[tuple[int, ...]] = set()
+    while len(out) < items:
+        length = int(torch.randint(1, 6, (1,), generator=g))
+        head = int(torch.randint(4, 8, (1,), generator=g))  # few first tokens: shared prefixes
+        tail = torch.randint(4, VOCAB, (length - 1,), generator=g).tolist()
+        out.add((head, *tail))
+    return [list(s) for s in sorted(out)]
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    torch.manual_seed(0)
+    config = HFLlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(2.5)  # peaked distributions: no near-ties between beams
+    return model
+
+
+@pytest.fixture(scope="module")
+def native_model(hf_model, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf_llama")
+    hf_model.save_pretrained(folder)
+    return Llama.from_hf(folder)
+
+
+def hf_beam(model, prompts, config: BeamConfig, max_new_tokens, allowed_fn=None):
+    """transformers' generate on left-padded prompts: per row, K (tokens, score)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        num_beams=config.num_beams,
+        num_return_sequences=config.num_return_sequences,
+        length_penalty=config.length_penalty,
+        early_stopping=config.early_stopping,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=EOS,
+        pad_token_id=EOS,
+        do_sample=False,
+        prefix_allowed_tokens_fn=None if allowed_fn is None else allowed_fn(width),
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
+    k = config.num_return_sequences
+    rows = out.sequences[:, width:].tolist()
+    scores = out.sequences_scores.view(len(prompts), k)
+    return [rows[b * k : (b + 1) * k] for b in range(len(prompts))], scores
+
+
+def assert_same_as_hf(ours, theirs):
+    hf_rows, hf_scores = theirs
+    for mine, hf in zip(ours.tolist(), hf_rows, strict=True):
+        for seq, ref in zip(mine, hf, strict=True):
+            assert ref[: len(seq)] == seq and all(t == EOS for t in ref[len(seq) :])
+    assert torch.allclose(ours.scores, hf_scores, atol=1e-4)
+
+
+def trie_allowed_fn(sequences):
+    """A prefix_allowed_tokens_fn over the catalogue (each sequence + EOS), for generate."""
+    allowed: dict[tuple[int, ...], set[int]] = {}
+    for seq in sequences:
+        full = [*seq, EOS]
+        for i in range(len(full)):
+            allowed.setdefault(tuple(full[:i]), set()).add(full[i])
+
+    def make(width):
+        def fn(batch_id, input_ids):
+            return sorted(allowed.get(tuple(input_ids[width:].tolist()), {EOS}))
+
+        return fn
+
+    return make
+
+
+SETTINGS = [
+    BeamConfig(num_beams=4, num_return_sequences=3),
+    BeamConfig(num_beams=5, num_return_sequences=5, length_penalty=0.0, early_stopping="never"),
+    BeamConfig(num_beams=3, num_return_sequences=2, length_penalty=2.0, early_stopping=True),
+]
+
+
+@pytest.mark.parametrize("target", ["hf", "native"])
+@pytest.mark.parametrize("config", SETTINGS, ids=["default", "canonical", "early"])
+def test_beam_equals_transformers(hf_model, native_model, target, config):
+    model = HFTarget(hf_model) if target == "hf" else native_model
+    ours = beam_search(model, PROMPTS, config=config, max_new_tokens=7, eos_token_id=EOS)
+    assert_same_as_hf(ours, hf_beam(hf_model, PROMPTS, config, 7))
+    assert ours.stats.target_forwards <= 7
+
+
+@pytest.mark.parametrize("target", ["hf", "native"])
+def test_catalogue_beam_equals_transformers_prefix_allowed_tokens(hf_model, native_model, target):
+    sequences = random_catalogue(60, seed=1)
+    catalogue = Catalogue.of(sequences, VOCAB, eos_token_id=EOS)
+    model = HFTarget(hf_model) if target == "hf" else native_model
+    config = BeamConfig(num_beams=6, num_return_sequences=4)
+    ours = beam_search(
+        model, PROMPTS, config=config, max_new_tokens=6, eos_token_id=EOS, constraint=catalogue
+    )
+    assert_same_as_hf(ours, hf_beam(hf_model, PROMPTS, config, 6, trie_allowed_fn(sequences)))
+    items = {(*s, EOS) for s in sequences}
+    assert all(tuple(seq) in items for row in ours.tolist() for seq in row)
+
+
+def test_the_hook_constraint_equals_the_catalogue(native_model):
+    sequences = random_catalogue(40, seed=2)
+    by_width = trie_allowed_fn(sequences)  # the hook sees prompt + generated tokens
+
+    def fn(row, ids):
+        return by_width(len(PROMPTS[row]))(row, ids)
+
+    kwargs = dict(config=BeamConfig(num_beams=4, num_return_sequences=2), max_new_tokens=6)
+    by_hook = beam_search(
+        native_model, PROMPTS, eos_token_id=EOS, constraint=AllowedTokens(fn, VOCAB), **kwargs
+    )
+    catalogue = Catalogue.of(sequences, VOCAB, eos_token_id=EOS)
+    by_trie = beam_search(native_model, PROMPTS, eos_token_id=EOS, constraint=catalogue, **kwargs)
+    assert by_hook.tolist() == by_trie.tolist()
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_an_exhaustive_beam_is_the_brute_force_top_k(tiny, renormalize):
+    """W = the number of items: beam search ("never" stopping) returns the K best items by
+    sum of log-probs / length ** length_penalty, found by scoring every item."""
+    lm = tiny.HashLM(VOCAB, seed=3, scale=1.5)
+    sequences = random_catalogue(25, seed=4)
+    catalogue = Catalogue.of(sequences, VOCAB, eos_token_id=EOS)
+    config = BeamConfig(
+        num_beams=25,
+        num_return_sequences=6,
+        length_penalty=0.7,
+        early_stopping="never",
+        renormalize=renormalize,
+    )
+    out = beam_search(
+        CallableTarget(lm, VOCAB),
+        PROMPTS,
+        config=config,
+        max_new_tokens=6,
+        eos_token_id=EOS,
+        constraint=catalogue,
+    )
+    for b, prompt in enumerate(PROMPTS):
+        scored = []
+        for seq in sequences:
+            full = [*seq, EOS]
+            logits = lm(torch.tensor([prompt + full]))[0, len(prompt) - 1 : -1]
+            total = 0.0
+            for i, token in enumerate(full):
+                lp = torch.log_softmax(logits[i], -1)
+                if renormalize:
+                    allowed = catalogue.allowed(*_prefix_state(catalogue, full[:i]))[0]
+                    lp = torch.log_softmax(logits[i].masked_fill(~allowed, float("-inf")), -1)
+                total += float(lp[token])
+            scored.append((total / len(full) ** 0.7, full))
+        scored.sort(key=lambda x: -x[0])
+        assert out.tolist()[b] == [s for _, s in scored[:6]]
+        assert torch.allclose(out.scores[b], torch.tensor([s for s, _ in scored[:6]]), atol=1e-4)
+
+
+def _prefix_state(catalogue, prefix):
+    state = torch.zeros(1, dtype=torch.long)
+    for token in prefix:
+        state = catalogue.advance(state, torch.tensor([token]))
+    return state, torch.zeros(1, dtype=torch.long), lambda: []
+
+
+@pytest.mark.parametrize(("depth", "fanout"), [(1, 1), (8, 1), (3, 3), (8, 40)])
+def test_speculative_beam_equals_plain_beam_in_fewer_passes(tiny, depth, fanout):
+    """On a cache-free target (each node's logits independent of the pass) the outputs are
+    identical; drafts that miss (fanout > 1) cost nodes, never a different answer."""
+    lm = tiny.HashLM(VOCAB, seed=5, scale=1.5)
+    sequences = random_catalogue(80, seed=6)
+    catalogue = Catalogue.of(sequences, VOCAB, eos_token_id=EOS)
+    target = CallableTarget(lm, VOCAB)
+    for config in SETTINGS:
+        kwargs = dict(config=config, max_new_tokens=6, eos_token_id=EOS, constraint=catalogue)
+        plain = beam_search(target, PROMPTS, **kwargs)
+        drafter = CatalogueDrafter(catalogue, depth=depth, fanout=fanout)
+        spec = beam_search(target, PROMPTS, drafter=drafter, **kwargs)
+        assert spec.tolist() == plain.tolist() and torch.equal(spec.scores, plain.scores)
+        assert spec.stats.target_forwards <= plain.stats.target_forwards
+        assert spec.stats.draft_nodes > 0
+    deep = beam_search(
+        target,
+        PROMPTS,
+        config=SETTINGS[0],
+        max_new_tokens=6,
+        eos_token_id=EOS,
+        constraint=catalogue,
+        drafter=CatalogueDrafter(catalogue, depth=8, fanout=40),
+    )
+    assert deep.stats.target_forwards < plain.stats.target_forwards
+
+
+def test_speculative_beam_on_the_native_llama(native_model):
+    sequences = random_catalogue(80, seed=7)
+    catalogue = Catalogue.of(sequences, VOCAB, eos_token_id=EOS)
+    kwargs = dict(
+        config=BeamConfig(num_beams=5, num_return_sequences=5),
+        max_new_tokens=6,
+        eos_token_id=EOS,
+        constraint=catalogue,
+    )
+    plain = beam_search(native_model, PROMPTS, **kwargs)
+    spec = beam_search(native_model, PROMPTS, drafter=CatalogueDrafter(catalogue, 8, 4), **kwargs)
+    assert spec.tolist() == plain.tolist()
+    assert torch.allclose(spec.scores, plain.scores, atol=1e-5)
+    assert spec.stats.target_forwards < plain.stats.target_forwards
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(config=BeamConfig(num_beams=2, num_return_sequences=3)), "larger than num_beams"),
+        (dict(config=BeamConfig(num_beams=0)), "must both be >= 1"),
+        (dict(config=BeamConfig(early_stopping="sometimes")), "early_stopping"),
+        (dict(config=BeamConfig(num_beams=9, num_return_sequences=9)), "larger than the catalogue"),
+        (dict(eos_token_id=None), "needs eos_token_id"),
+        (dict(max_new_tokens=2), "shorter than the catalogue's longest"),
+    ],
+)
+def test_bad_beam_input_is_refused(native_model, change, message):
+    catalogue = Catalogue.of([[4, 5], [4, 6, 7], [8]], VOCAB, eos_token_id=EOS)
+    kwargs = dict(config=BeamConfig(), max_new_tokens=6, eos_token_id=EOS, constraint=catalogue)
+    with pytest.raises(DecodeInputError, match=message):
+        beam_search(native_model, PROMPTS, **{**kwargs, **change})
+
+
+@pytest.mark.parametrize(
+    ("sequences", "message"),
+    [
+        ([], "empty"),
+        ([[4, 99]], "outside the vocabulary"),
+        ([[4, 5], [4, 5, 6]], "strict prefix"),
+        ([[]], "empty token sequence"),
+    ],
+)
+def test_bad_catalogues_are_refused(sequences, message):
+    with pytest.raises(DecodeInputError, match=message):
+        Catalogue.of(sequences, VOCAB)
+
+
+def test_a_hook_that_allows_nothing_is_refused(native_model):
+    hook = AllowedTokens(lambda row, ids: [] if len(ids) > 7 else [4], VOCAB)
+    with pytest.raises(DecodeInputError, match="returned no token"):
+        beam_search(native_model, PROMPTS, max_new_tokens=4, constraint=hook)
+
+
+def test_the_trie_steps_and_lists_children():
+    catalogue = Catalogue.of([[4, 5], [4, 6, 7], [8]], VOCAB, eos_token_id=EOS)
+    trie = catalogue.trie
+    assert trie.num_items == 3 and trie.longest == 4
+    after_4 = trie.step(torch.zeros(2, dtype=torch.long), torch.tensor([4, 9]))
+    assert after_4[1] == -1  # 9 leaves the catalogue
+    assert trie.allowed(after_4[:1])[0].nonzero().flatten().tolist() == [5, 6]
+    node = torch.zeros(1, dtype=torch.long)
+    for token in [4, 6, 7]:
+        node = trie.step(node, torch.tensor([token]))
+    assert int(trie.forced(node)) == EOS
+    assert int(trie.items(trie.step(node, torch.tensor([EOS])))) == 1
+    assert [token for token, _ in catalogue.children(0)] == [4, 8]
