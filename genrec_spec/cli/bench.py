@@ -2,6 +2,10 @@
 repeats): these machines are noisy, so absolute times from different runs do not compare."""
 
 COMMANDS: dict[str, tuple[str, str]] = {
+    "beam": (
+        "genrec_spec.cli.bench_beam",
+        "beam search: transformers vs our plain and speculative beam, catalogue-constrained",
+    ),
     "kernel": (
         "genrec_spec.cli.bench_kernel",
         "shared-context tree attention: reference vs CPU split path (vs Triton/SDPA/Flex on GPU)",
