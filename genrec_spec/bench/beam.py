@@ -62,6 +62,7 @@ class BenchBeamConfig:
     early_stopping: bool | str = False
     draft_depth: int = 16  # spec: levels drafted below each beam per pass
     draft_fanout: int = 1  # spec: draft a node's children when it has at most this many
+    draft_items: int = 1  # spec: ... or when at most this many catalogue items lie below it
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -167,7 +168,9 @@ def runners(
     )
     drafter = None
     if work.catalogue is not None:
-        drafter = CatalogueDrafter(work.catalogue, config.draft_depth, config.draft_fanout)
+        drafter = CatalogueDrafter(
+            work.catalogue, config.draft_depth, config.draft_fanout, items=config.draft_items
+        )
 
     def ours(model, spec: bool):
         def run(batch):

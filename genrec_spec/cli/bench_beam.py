@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--early-stopping", choices=("true", "false", "never"), default="false")
     parser.add_argument("--draft-depth", type=int, default=c.draft_depth)
     parser.add_argument("--draft-fanout", type=int, default=c.draft_fanout)
+    parser.add_argument("--draft-items", type=int, default=c.draft_items)
     parser.add_argument("--seed", type=int, default=c.seed)
 
 
@@ -49,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         early_stopping=stopping,
         draft_depth=args.draft_depth,
         draft_fanout=args.draft_fanout,
+        draft_items=args.draft_items,
         seed=args.seed,
     )
     print(bench_beam(config))

@@ -81,14 +81,17 @@ class BeamDrafter(Protocol):
 
 @dataclass
 class CatalogueDrafter:
-    """Drafts what a catalogue makes likely or certain: below every beam, each node's children
-    when it has at most ``fanout`` of them (one child: a forced token, a draft that cannot
-    miss), down to ``depth`` levels, at most ``max_nodes`` new nodes per row and pass."""
+    """Drafts what a catalogue makes likely or certain: below every beam, the children of each
+    node with at most ``items`` catalogue items below it (1: the forced continuations of a
+    prefix that names one item, drafts that cannot miss; 2: also a title's two years), or at
+    most ``fanout`` children, down to ``depth`` levels, at most ``max_nodes`` new nodes per row
+    and pass."""
 
     catalogue: Catalogue
     depth: int = 8
     fanout: int = 1
     max_nodes: int = 256
+    items: int = 1
 
     def draft(
         self, tree: BeamTree, row: int, frontier: list[tuple[int, int]], plan: list[Planned]
@@ -99,7 +102,8 @@ class CatalogueDrafter:
             below = []
             for node, state in level:
                 options = self.catalogue.children(state)
-                if len(options) > self.fanout:
+                few = state >= 0 and self.catalogue.items_below[state] <= self.items
+                if len(options) > self.fanout and not few:
                     continue
                 for token, child_state in options:
                     child = tree.child(row, node, token)

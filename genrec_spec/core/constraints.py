@@ -47,6 +47,11 @@ class Catalogue:
         self._offsets = trie.child_offsets.tolist()
         self._tokens = trie.child_tokens.tolist()
         self._nodes = trie.child_nodes.tolist()
+        # Items below each node (a child's id is above its parent's: sum children first).
+        self.items_below = [int(item >= 0) for item in trie.leaf_items.tolist()]
+        for node in range(trie.num_nodes - 1, -1, -1):
+            for child in self._nodes[self._offsets[node] : self._offsets[node + 1]]:
+                self.items_below[node] += self.items_below[child]
 
     @classmethod
     def of(

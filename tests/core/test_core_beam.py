@@ -200,8 +200,10 @@ def _prefix_state(catalogue, prefix):
     return state, torch.zeros(1, dtype=torch.long), lambda: []
 
 
-@pytest.mark.parametrize(("depth", "fanout"), [(1, 1), (8, 1), (3, 3), (8, 40)])
-def test_speculative_beam_equals_plain_beam_in_fewer_passes(tiny, depth, fanout):
+@pytest.mark.parametrize(
+    ("depth", "fanout", "items"), [(1, 1, 1), (8, 1, 1), (3, 3, 2), (8, 40, 1)]
+)
+def test_speculative_beam_equals_plain_beam_in_fewer_passes(tiny, depth, fanout, items):
     """On a cache-free target (each node's logits independent of the pass) the outputs are
     identical; drafts that miss (fanout > 1) cost nodes, never a different answer."""
     lm = tiny.HashLM(VOCAB, seed=5, scale=1.5)
@@ -211,7 +213,7 @@ def test_speculative_beam_equals_plain_beam_in_fewer_passes(tiny, depth, fanout)
     for config in SETTINGS:
         kwargs = dict(config=config, max_new_tokens=6, eos_token_id=EOS, constraint=catalogue)
         plain = beam_search(target, PROMPTS, **kwargs)
-        drafter = CatalogueDrafter(catalogue, depth=depth, fanout=fanout)
+        drafter = CatalogueDrafter(catalogue, depth=depth, fanout=fanout, items=items)
         spec = beam_search(target, PROMPTS, drafter=drafter, **kwargs)
         assert spec.tolist() == plain.tolist() and torch.equal(spec.scores, plain.scores)
         assert spec.stats.target_forwards <= plain.stats.target_forwards
@@ -295,3 +297,4 @@ def test_the_trie_steps_and_lists_children():
     assert int(trie.forced(node)) == EOS
     assert int(trie.items(trie.step(node, torch.tensor([EOS])))) == 1
     assert [token for token, _ in catalogue.children(0)] == [4, 8]
+    assert catalogue.items_below[0] == 3 and catalogue.items_below[int(after_4[0])] == 2
