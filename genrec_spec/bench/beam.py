@@ -37,8 +37,9 @@ from dataclasses import dataclass
 import torch
 
 from genrec_spec.bench.errors import BenchError
-from genrec_spec.core.beam import BeamConfig, CatalogueDrafter, beam_search
+from genrec_spec.core.beam import BeamConfig, beam_search
 from genrec_spec.core.targets import HFTarget
+from genrec_spec.llm.proposers.catalogue import CatalogueDrafter
 from genrec_spec.machine import time_in_turns
 
 METHODS = ("hf", "beam", "spec", "hft-beam", "hft-spec")

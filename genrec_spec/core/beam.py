@@ -18,10 +18,10 @@ num_return_sequences=K, length_penalty=..., early_stopping=...)`` (with
 ``prefix_allowed_tokens_fn`` for a constraint) up to float ties. A finished row stops asking for
 passes; it rides along until every row is done.
 
-Speculative beam search: a ``drafter`` adds nodes below the beams to every pass (the catalogue's
-forced continuations, ``CatalogueDrafter``); a step whose beams all reach scored nodes needs no
-pass. Selection reads the same log-probabilities, so the output is plain beam search's, up to
-the float rounding of a node scored in another pass.
+Speculative beam search: a ``drafter`` adds nodes below the beams to every pass (the
+catalogue's forced continuations: ``llm.proposers.CatalogueDrafter``); a step whose beams all
+reach scored nodes needs no pass. Selection reads the same log-probabilities, so the output is
+plain beam search's, up to the float rounding of a node scored in another pass.
 """
 
 from __future__ import annotations
@@ -77,43 +77,6 @@ class BeamDrafter(Protocol):
     def draft(self, tree: BeamTree, row: int, frontier: list[tuple[int, int]], plan) -> None:
         """Plan nodes below the frontier's (node, state) pairs with ``tree.add``."""
         ...
-
-
-@dataclass
-class CatalogueDrafter:
-    """Drafts what a catalogue makes likely or certain: below every beam, the children of each
-    node with at most ``items`` catalogue items below it (1: the forced continuations of a
-    prefix that names one item, drafts that cannot miss; 2: also a title's two years), or at
-    most ``fanout`` children, down to ``depth`` levels, at most ``max_nodes`` new nodes per row
-    and pass."""
-
-    catalogue: Catalogue
-    depth: int = 8
-    fanout: int = 1
-    max_nodes: int = 256
-    items: int = 1
-
-    def draft(
-        self, tree: BeamTree, row: int, frontier: list[tuple[int, int]], plan: list[Planned]
-    ) -> None:
-        budget = self.max_nodes
-        level = frontier
-        for _ in range(self.depth):
-            below = []
-            for node, state in level:
-                options = self.catalogue.children(state)
-                few = state >= 0 and self.catalogue.items_below[state] <= self.items
-                if len(options) > self.fanout and not few:
-                    continue
-                for token, child_state in options:
-                    child = tree.child(row, node, token)
-                    if child < 0:
-                        if budget == 0:
-                            return
-                        child = tree.add(row, plan, node, token, child_state)
-                        budget -= 1
-                    below.append((child, child_state))
-            level = below
 
 
 @dataclass

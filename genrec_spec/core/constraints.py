@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from genrec_spec.core.catalogue import TokenTrie
+from genrec_spec.core.tree import paths, topology
 from genrec_spec.core.types import DecodeInputError
 
 Sequences = Callable[[], list[list[int]]]
@@ -122,3 +123,48 @@ def log_probs(
         masked = torch.log_softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
         return masked.masked_fill(~allowed, float("-inf"))  # also the NaN of empty rows
     return torch.log_softmax(logits, dim=-1).masked_fill(~allowed, float("-inf"))
+
+
+class ConstrainedTrees:
+    """A constraint applied to ``generate``'s draft trees: each row's state after its generated
+    tokens, each tree node's state along its path, and the target's logits masked to the
+    allowed tokens of every node (so greedy picks the best allowed token and sampling draws from
+    the constrained distribution, renormalised by the softmax). A node whose prefix left the
+    constraint, or allows nothing (a finished item), keeps its logits: no accepted path reaches
+    past it, since its parent gave its token probability 0 or it ends the row."""
+
+    def __init__(self, constraint: Constraint, batch: int, device: torch.device | str) -> None:
+        self.constraint = constraint
+        self.states = constraint.start(batch, device)  # [B] after each row's generated tokens
+
+    def mask(self, tree, logits: Tensor, tokens: Tensor, lengths: Tensor) -> Tensor:
+        """tree: the scored DraftTree [B, N]; logits [B, N, V]; tokens [B, T] and lengths [B]
+        the rows' committed tokens (root included). Returns the masked logits."""
+        batch, n = tree.tokens.shape
+        states = [self.states]
+        for i in range(1, n):  # parents come first: one batched step per node
+            above = torch.stack(states, dim=1).gather(1, tree.parents[:, i : i + 1]).squeeze(1)
+            states.append(self.constraint.advance(above, tree.tokens[:, i]))
+        flat = torch.stack(states, dim=1).flatten()  # [B * N]
+        rows = torch.arange(batch, device=flat.device).repeat_interleave(n)
+
+        def sequences() -> list[list[int]]:
+            ancestors, depth = topology(tree.parents, validate=False)
+            path = paths(ancestors, depth).tolist()
+            prefix = [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist(), strict=True)]
+            nodes = tree.tokens.tolist()
+            return [
+                prefix[b] + [nodes[b][j] for j in path[b][i][1:] if j >= 0]
+                for b in range(batch)
+                for i in range(n)
+            ]
+
+        allowed = self.constraint.allowed(flat, rows, sequences).view(batch, n, -1)
+        keep = ~allowed.any(-1, keepdim=True)  # nothing allowed: leave the logits alone
+        return logits.masked_fill(~(allowed | keep), float("-inf"))
+
+    def advance(self, emitted: Tensor, counts: Tensor) -> None:
+        """Move each row's state over its emitted tokens: emitted [B, M], counts [B]."""
+        for j in range(emitted.shape[1]):
+            moved = self.constraint.advance(self.states, emitted[:, j])
+            self.states = torch.where(j < counts, moved, self.states)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from genrec_spec.core.acceptance import AcceptanceRule, GreedyMatch, RejectionSampling
+from genrec_spec.core.constraints import ConstrainedTrees, Constraint
 from genrec_spec.core.controller import ControllerConfig, SpeculationController
 from genrec_spec.core.targets import Target, as_target
 from genrec_spec.core.tree import root_only
@@ -102,6 +103,7 @@ def generate(
     prompt_lengths: Tensor | None = None,
     acceptance: AcceptanceRule | None = None,
     controller: ControllerConfig | None = None,
+    constraint: Constraint | None = None,
 ) -> Generation:
     """Generate up to max_new_tokens per row (fewer where an eos token ends the row).
 
@@ -110,6 +112,8 @@ def generate(
     proposer: the drafter; None is plain autoregressive decoding.
     acceptance: defaults to GreedyMatch for greedy sampling, else RejectionSampling (both
     lossless: the output is distributed exactly as plain decoding with ``sampling``).
+    constraint: what may be generated (a ``Catalogue``, ``AllowedTokens``); the target's
+    logits are masked to it, so sampling draws from the constrained distribution exactly.
     Returns the generated tokens (ragged values + offsets) and DecodeStats.
     """
     sampling = sampling or SamplingParams()
@@ -131,15 +135,20 @@ def generate(
         counters = torch.zeros(2 + 2 * k_max, dtype=torch.long, device=tokens.device)
         forwards = speculative = 0
         longest = int(lengths.max())  # host-side bound on state.lengths.max()
+        allowed = None if constraint is None else ConstrainedTrees(constraint, batch, device)
         while True:
             # Never draft past the target's context or past the last token still wanted.
             budget = min(control.budget(), target.max_length - longest, max_new_tokens - 1)
             tree = proposer.propose(state, budget) if budget > 0 else root_only(state.roots)
             logits = target.score_tree(cache, tree)  # [B, N, V]
+            if allowed is not None:
+                logits = allowed.mask(tree, logits, state.tokens, state.lengths)
             accepted = rule(tree, logits, sampling, generator)
             counts, done = _emitted(state, accepted, eos)
             active = ~state.finished
             all_done, widest, observed = _read_step(tree, logits, accepted, counts, done, active)
+            if allowed is not None:
+                allowed.advance(accepted.tokens[:, :widest], counts)
             target.commit(cache, accepted.path[:, :widest], counts)
             _advance(state, tree, logits, accepted, counts, done, widest, budget > 0)
             longest += widest

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from genrec_spec.core.beam import BeamConfig, CatalogueDrafter, beam_search
+from genrec_spec.core.beam import BeamConfig, beam_search
 from genrec_spec.core.constraints import Catalogue
 from genrec_spec.core.types import DecodeInputError, DecodeStats
+from genrec_spec.llm.proposers.catalogue import CatalogueDrafter
 
 ASK = (
     "Here are the movies I watched most recently, oldest first:\n{history}\n"

@@ -8,9 +8,10 @@ from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
 from genrec_spec import CallableTarget, HFTarget
-from genrec_spec.core.beam import BeamConfig, CatalogueDrafter, beam_search
+from genrec_spec.core.beam import BeamConfig, beam_search
 from genrec_spec.core.constraints import AllowedTokens, Catalogue
 from genrec_spec.core.types import DecodeInputError
+from genrec_spec.llm.proposers.catalogue import CatalogueDrafter
 from genrec_spec.models.llm.llama import Llama
 
 VOCAB, EOS = 40, 3

@@ -1,0 +1,159 @@
+"""Constrained generate(): sampling under a catalogue is exactly the constrained distribution
+(chi-square / total variation against enumeration of every item), plain, with a chain of the
+catalogue's forced tokens and with a draft model's sampled trees; greedy equals a naive loop over
+the allowed tokens; no output ever leaves the catalogue."""
+
+import pytest
+import torch
+
+from genrec_spec import CallableTarget, ControllerConfig, SamplingParams, generate
+from genrec_spec.core.constraints import AllowedTokens, Catalogue
+from genrec_spec.core.sampling import probabilities
+from genrec_spec.llm.proposers import CatalogueProposer, DraftModelProposer
+
+VOCAB, EOS = 8, 0
+PROMPTS = [[1, 2, 3, 1, 2], [5, 4]]
+FIXED = ControllerConfig(adaptive=False)
+# Items over tokens 1..7, sharing prefixes, some with forced runs (5 6 7 ...).
+ITEMS = [
+    [1],
+    [1, 2],
+    [1, 3, 4],
+    [2, 2],
+    [2, 5, 6, 7],
+    [3],
+    [3, 1, 1],
+    [4, 4, 4],
+    [5, 6, 7, 1],
+    [5, 6, 7, 2],
+    [6, 1],
+    [7, 7, 3],
+]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny):
+    target = tiny.HashLM(VOCAB, seed=0, scale=1.5)
+    draft = tiny.HashLM(VOCAB, seed=1, like=target, noise=1.5)
+    return target, draft, Catalogue.of(ITEMS, VOCAB, eos_token_id=EOS)
+
+
+def item_probabilities(lm, catalogue, prompt, sampling) -> torch.Tensor:  # [items] float64
+    """P(item) under constrained sampling: the product of each token's probability after the
+    logits are masked to the catalogue's allowed tokens at its prefix."""
+    out = []
+    for item in ITEMS:
+        full = [*item, EOS]
+        logits = lm(torch.tensor([prompt + full]))[0, len(prompt) - 1 : -1]  # [L, V]
+        state, p = torch.zeros(1, dtype=torch.long), 1.0
+        for i, token in enumerate(full):
+            allowed = catalogue.allowed(state, state, lambda: [])[0]
+            masked = logits[i].masked_fill(~allowed, float("-inf"))
+            p *= float(probabilities(masked, sampling)[token])
+            state = catalogue.advance(state, torch.tensor([token]))
+        out.append(p)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def item_counts(rows: list[list[int]]) -> torch.Tensor:
+    index = {(*item, EOS): i for i, item in enumerate(ITEMS)}
+    counts = torch.zeros(len(ITEMS), dtype=torch.float64)
+    for row in rows:
+        counts[index[tuple(row)]] += 1  # a KeyError is an output outside the catalogue
+    return counts
+
+
+CASES = {
+    "plain-T1": (lambda s: None, SamplingParams(1.0)),
+    "forced-chain-topk": (lambda s: CatalogueProposer(s[2], k=3), SamplingParams(0.8, top_k=3)),
+    "draft-tree-topp": (
+        lambda s: DraftModelProposer(CallableTarget(s[1]), k=2, width=3),
+        SamplingParams(1.2, top_p=0.85),
+    ),
+    "draft-chain-T1": (
+        lambda s: DraftModelProposer(CallableTarget(s[1]), k=3),
+        SamplingParams(1.0),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_constrained_sampling_is_exact(tiny, setup, case):
+    make, sampling = CASES[case]
+    target, _, catalogue = setup
+    rows = 6000
+    prompts = [p for p in PROMPTS for _ in range(rows)]
+    out = generate(
+        CallableTarget(target),
+        prompts,
+        proposer=make(setup),
+        sampling=sampling,
+        max_new_tokens=5,
+        eos_token_id=EOS,
+        generator=torch.Generator().manual_seed(0),
+        controller=FIXED,
+        constraint=catalogue,
+    )
+    generated = out.tolist()
+    for i, prompt in enumerate(PROMPTS):
+        counts = item_counts(generated[i * rows : (i + 1) * rows])
+        probs = item_probabilities(target, catalogue, prompt, sampling)
+        assert abs(float(probs.sum()) - 1) < 1e-6
+        assert tiny.chi_square_p(counts, probs) > 1e-3
+        assert tiny.total_variation(counts, probs) < 3 * tiny.tv_noise(probs, rows)
+    if case == "forced-chain-topk":  # the chain is accepted at depth >= 2 (5 -> 6 -> 7)
+        assert out.stats.accepted_per_position[1] > 0
+
+
+def test_constrained_greedy_equals_a_naive_loop(setup):
+    target, _, catalogue = setup
+    plain = generate(
+        CallableTarget(target), PROMPTS, max_new_tokens=5, eos_token_id=EOS, constraint=catalogue
+    ).tolist()
+    for prompt, row in zip(PROMPTS, plain, strict=True):
+        seq, state = list(prompt), torch.zeros(1, dtype=torch.long)
+        for token in row:
+            allowed = catalogue.allowed(state, state, lambda: [])[0]
+            logits = target(torch.tensor([seq]))[0, -1].masked_fill(~allowed, float("-inf"))
+            assert int(logits.argmax()) == token
+            seq.append(token)
+            state = catalogue.advance(state, torch.tensor([token]))
+        assert tuple(row[:-1]) in {tuple(i) for i in ITEMS} and row[-1] == EOS
+    for proposer in (
+        CatalogueProposer(catalogue, k=4),
+        DraftModelProposer(CallableTarget(setup[1]), k=3),
+    ):
+        out = generate(
+            CallableTarget(target),
+            PROMPTS,
+            max_new_tokens=5,
+            eos_token_id=EOS,
+            constraint=catalogue,
+            proposer=proposer,
+        )
+        assert out.tolist() == plain
+
+
+def test_the_hook_constrains_generate_as_the_catalogue(setup):
+    target, _, catalogue = setup
+    allowed = {}
+    for item in ITEMS:
+        full = [*item, EOS]
+        for i in range(len(full)):
+            allowed.setdefault(tuple(full[:i]), set()).add(full[i])
+
+    def fn(row, ids):
+        return sorted(allowed.get(tuple(ids[len(PROMPTS[row]) :].tolist()), {EOS}))
+
+    kwargs = dict(max_new_tokens=5, eos_token_id=EOS, sampling=SamplingParams(1.0))
+    runs = [
+        generate(
+            CallableTarget(target),
+            PROMPTS * 20,
+            generator=torch.Generator().manual_seed(3),
+            constraint=c,
+            **kwargs,
+        ).tolist()
+        for c in (AllowedTokens(lambda r, ids: fn(r % 2, ids), VOCAB), catalogue)
+    ]
+    assert runs[0] == runs[1]
