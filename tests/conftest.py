@@ -66,6 +66,8 @@ def write_tiny_prepared(
             "item_index": np.arange(items),
             "item_id": [f"i{i}" for i in range(items)],
             "text": [f"item {i}" for i in range(items)],
+            "title": [f"Movie number {i}" for i in range(items)],  # for the llm decoder
+            "year": [str(1950 + i) for i in range(items)],
             "semantic_id": list(semantic_id),
             "long_id": list(long_id),
         }
@@ -171,3 +173,11 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     manifest = {"data": {"path": str(data.path), "data_hash": data.data_hash, "name": "tiny"}}
     save_checkpoint(root / "ckpt", model, manifest)
     return root / "ckpt"
+
+
+@pytest.fixture(scope="session")
+def smollm2_model():
+    """The real SmolLM2-135M-Instruct as a native Llama, and its tokenizer (loaded once)."""
+    from genrec_spec.models.llm.smollm2 import load_smollm2
+
+    return load_smollm2()

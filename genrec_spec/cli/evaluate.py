@@ -41,10 +41,26 @@ def option_argument(text: str) -> tuple[str, object]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
-    """--ckpt and --data, read by every command that loads a trained recommender."""
-    parser.add_argument("--ckpt", required=True, type=Path, help="checkpoint folder (train)")
+def add_checkpoint_arguments(parser: argparse.ArgumentParser, llm: bool = False) -> None:
+    """--ckpt and --data, read by every command that loads a trained recommender; with ``llm``,
+    --llm NAME instead of --ckpt: an instruct LLM naming items by title (needs --data)."""
+    source = parser.add_mutually_exclusive_group(required=True) if llm else parser
+    source.add_argument("--ckpt", required=not llm, type=Path, help="checkpoint folder (train)")
+    if llm:
+        from genrec_spec.llm.title_recommender import TITLE_LLMS
+
+        source.add_argument(
+            "--llm",
+            choices=TITLE_LLMS,
+            help="recommend by title with this LLM, constrained to the catalogue (zero-shot)",
+        )
     parser.add_argument("--data", type=Path, help="prepared data (default: the trained-on one)")
+
+
+def require_data(args: argparse.Namespace) -> None:
+    """--llm reads titles and users from a prepared folder: --data is then required."""
+    if args.llm and args.data is None:
+        raise SystemExit("--llm needs --data DIR (a prepared folder with item titles)")
 
 
 def add_option_argument(parser: argparse.ArgumentParser, help_text: str) -> None:
@@ -77,7 +93,7 @@ def _name_list(text: str) -> tuple[str, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     c = EvaluateConfig()
-    add_checkpoint_arguments(parser)
+    add_checkpoint_arguments(parser, llm=True)
     parser.add_argument("--split", default=c.split, choices=["valid", "test"])
     parser.add_argument(
         "--decoder",
@@ -102,6 +118,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.llm:
+        return _run_llm(args)
     config = config_from_args(EvaluateConfig, args, decoders=args.decoder, ks=args.k)
     options = dict(args.option)
     header, report = evaluate_checkpoint(
@@ -115,4 +133,26 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(report["results"], args.k))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+def _run_llm(args: argparse.Namespace) -> int:
+    from genrec_spec.jobs.title_recommend import evaluate_titles
+
+    require_data(args)
+    metrics = evaluate_titles(
+        args.data,
+        llm=args.llm,
+        split=args.split,
+        ks=args.k,
+        users=args.users,
+        seed=args.seed,
+        batch_size=1 if args.batch_size == EvaluateConfig.batch_size else args.batch_size,
+        threads=args.threads,
+        log=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    print(f"{args.llm} by title (zero-shot, catalogue-constrained beam) on {args.split}:")
+    print(format_table({args.llm: metrics}, args.k))
+    if args.json:
+        args.json.write_text(json.dumps(metrics, indent=1) + "\n")
     return 0

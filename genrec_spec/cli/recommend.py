@@ -2,6 +2,11 @@
 
     genrec-spec recommend --ckpt CKPT --user 196 --k 10 --decoder beam --json
     genrec-spec recommend --ckpt CKPT --history 242,302,377 --k 10 --decoder heads
+    genrec-spec recommend --llm smollm2 --data DIR --user 196 --k 10
+
+``--llm`` has an instruct LLM name the items by title instead of a trained checkpoint: the prompt
+lists the user's recent titles and the reply is beam-searched under the catalogue of every title,
+so all K results are items (zero-shot; ``genrec_spec.llm.title_recommender``).
 
 Ids are the raw ids of the prepared data (``items.parquet`` item_id, ``user_id`` of the splits),
 in and out. ``--user`` reads every interaction of that user the data holds (the test split's
@@ -18,12 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from genrec_spec.cli.evaluate import add_checkpoint_arguments, add_option_argument
+from genrec_spec.cli.evaluate import add_checkpoint_arguments, add_option_argument, require_data
 from genrec_spec.recsys.decoders.registry import decoder_names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_checkpoint_arguments(parser)
+    add_checkpoint_arguments(parser, llm=True)
     who = parser.add_mutually_exclusive_group(required=True)
     who.add_argument("--user", help="a user id of the data: recommend from all they did")
     who.add_argument("--history", help='item ids, comma-separated, oldest first ("" = none)')
@@ -43,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
     history = None
     if args.history is not None:
         history = [x.strip() for x in args.history.split(",") if x.strip()]
+    if args.llm:
+        return _run_llm(args, history)
     answer = recommend_for(
         args.ckpt,
         args.data,
@@ -67,4 +74,27 @@ def run(args: argparse.Namespace) -> int:
     for entry in answer["items"]:
         text = f"  {entry['text']}" if "text" in entry else ""
         print(f"{entry['rank']:>3}  {entry['item_id']:<12} {entry['score']:>9.4f}{text}")
+    return 0
+
+
+def _run_llm(args: argparse.Namespace, history: list[str] | None) -> int:
+    from genrec_spec.jobs.title_recommend import recommend_titles_for
+
+    require_data(args)
+    answer = recommend_titles_for(
+        args.data,
+        llm=args.llm,
+        user_id=args.user,
+        history_ids=history,
+        k=args.k,
+        threads=args.threads,
+    )
+    if args.json:
+        print(json.dumps(answer, indent=1))
+        return 0
+    print(f"top {len(answer['items'])} by {args.llm} for a history of {answer['history_length']}")
+    for entry in answer["items"]:
+        print(
+            f"{entry['rank']:>3}  {entry['item_id']:<12} {entry['score']:>9.4f}  {entry['title']}"
+        )
     return 0

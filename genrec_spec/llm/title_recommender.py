@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -48,6 +49,30 @@ class TitleRecommendations:
     items: Tensor  # [B, K] int64 item indices, best first
     scores: Tensor  # [B, K] float32 beam scores
     stats: DecodeStats
+
+
+# Instruct LLMs (a chat template) that can name items: ``llm.methods.load_target`` names.
+TITLE_LLMS = ("smollm2",)
+
+
+def load_title_llm(name: str) -> tuple[object, object]:
+    """(model, tokenizer) of an LLM of ``TITLE_LLMS``."""
+    if name not in TITLE_LLMS:
+        raise DecodeInputError(
+            f"unknown LLM {name!r} for recommending by title",
+            f"use one of {', '.join(TITLE_LLMS)} (an instruct model with a chat template)",
+        )
+    from genrec_spec.llm.methods import load_target
+
+    return load_target(name)
+
+
+def folder_titles(folder: Path) -> list[str] | None:
+    """One title per item index of a prepared folder (its items.parquet); None without titles."""
+    import pandas as pd
+
+    items = pd.read_parquet(Path(folder) / "items.parquet").sort_values("item_index")
+    return item_titles(items) if "title" in items else None
 
 
 def item_titles(items) -> list[str]:

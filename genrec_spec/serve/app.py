@@ -3,7 +3,8 @@
 Endpoints (request and response bodies in `serve.schemas`; the schema is at /openapi.json):
 
 - ``POST /v1/recommend``: top-k raw item ids for a known ``user_id`` or a ``history`` of raw
-  item ids, by any decoder; concurrent requests share decoder calls (`serve.batcher`);
+  item ids, by any decoder; concurrent requests share decoder calls (`serve.batcher`); decoder
+  ``llm`` (with ``--llm``, on data with titles) has the LLM name the items (`serve.titles`);
 - ``POST /v1/generate``: LLM text with the core's methods, when the service was started with an
   LLM (else 404; 503 while it loads);
 - ``GET /v1/users``: user ids of the data (what ``genrec-spec loadtest`` draws users from);

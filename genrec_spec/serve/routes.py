@@ -87,16 +87,40 @@ async def users(
 @api.post("/v1/recommend", response_model=RecommendResponse)
 async def recommend(request: RecommendRequest, state: Service):
     start = time.perf_counter()
+    batcher, source = "recommend", state.retriever
+    if request.decoder == "llm":
+        check_llm(state)
+        if state.titles is None:
+            raise ServiceError(
+                400,
+                "bad_request",
+                "the service's data has no item titles for the llm decoder",
+                "serve a prepared folder with titles (ml-100k, ml-1m, ...) or use another decoder",
+            )
+        batcher, source = "titles", state.titles
     try:
-        key, query = state.retriever.prepare(request)
+        key, query = source.prepare(request)
     except ValueError as exc:
         raise ServiceError.bad_request(exc) from None
-    answer = await state.submit("recommend", key, query)
+    answer = await state.submit(batcher, key, query)
     return answer | {"latency_ms": (time.perf_counter() - start) * 1e3}
 
 
 def check_generate(state: ServiceState, request: GenerateRequest) -> None:
     """404 without an LLM, 503 while it loads, 400 for more tokens than the service allows."""
+    check_llm(state)
+    limit = state.config.max_new_tokens
+    if request.max_new_tokens > limit:
+        raise ServiceError(
+            400,
+            "bad_request",
+            f"max_new_tokens={request.max_new_tokens} is over this service's limit of {limit}",
+            "ask for fewer",
+        )
+
+
+def check_llm(state: ServiceState) -> None:
+    """404 without an LLM, 503 while it loads."""
     if state.llm_name is None:
         raise ServiceError(
             404,
@@ -110,14 +134,6 @@ def check_generate(state: ServiceState, request: GenerateRequest) -> None:
             "unavailable",
             f"the LLM {state.llm_name} is not ready ({state.llm_status})",
             "retry when /readyz answers 200",
-        )
-    limit = state.config.max_new_tokens
-    if request.max_new_tokens > limit:
-        raise ServiceError(
-            400,
-            "bad_request",
-            f"max_new_tokens={request.max_new_tokens} is over this service's limit of {limit}",
-            "ask for fewer",
         )
 
 

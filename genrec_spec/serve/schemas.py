@@ -14,7 +14,8 @@ from genrec_spec.llm.methods import UNTRAINED as METHODS
 from genrec_spec.recsys.decoders.registry import DECODERS
 from genrec_spec.serve.errors import ServeInputError
 
-DecoderName = Literal[tuple(DECODERS)]
+# "llm": the service's LLM names the items by title (`serve.titles`; needs `serve --llm`).
+DecoderName = Literal[(*DECODERS, "llm")]
 # "plain" is a readable alias of the CLI's "none" (plain autoregressive decoding).
 MethodName = Literal[("plain", *METHODS)]
 OptionValue = StrictBool | StrictInt | float | str | None

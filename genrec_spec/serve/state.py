@@ -8,12 +8,14 @@ import asyncio
 import logging
 from collections.abc import Callable, Hashable
 
+from genrec_spec.llm.title_recommender import TitleRecommender, folder_titles
 from genrec_spec.serve.batcher import MicroBatcher, QueueFullError
 from genrec_spec.serve.config import ServeConfig
 from genrec_spec.serve.errors import ServiceError
 from genrec_spec.serve.generation import GenerateQuery, TextGenerator
 from genrec_spec.serve.metrics import ServiceMetrics
 from genrec_spec.serve.retrieval import BatchKey, Query, Retriever
+from genrec_spec.serve.titles import TitleKey, TitleRetriever
 
 log = logging.getLogger("genrec_spec.serve")
 
@@ -26,6 +28,7 @@ class ServiceState:
         self.config, self.retriever, self.llm_name = config, retriever, llm
         self.metrics = ServiceMetrics()
         self.llm: TextGenerator | None = None
+        self.titles: TitleRetriever | None = None  # the llm decoder, when the data has titles
         self.llm_status = "loading" if llm else "off"
         self.batchers: dict[str, MicroBatcher] = {}  # "recommend", "generate"
         self._loading: asyncio.Task | None = None
@@ -40,6 +43,17 @@ class ServiceState:
         for how in ("exact", "extended", "missed"):
             if f"history_{how}" in stats:
                 self.metrics.history_rows.labels(how).inc(stats[f"history_{how}"])
+        return answers
+
+    def run_titles(self, key: TitleKey, queries: list[Query]) -> list[dict]:
+        answers, stats = self.titles.run(key, queries)
+        self.metrics.model_call(
+            "recommend",
+            "llm",
+            stats["target_forwards"],
+            stats["generated_tokens"],
+            stats["row_steps"],
+        )
         return answers
 
     def run_generate(self, key: Hashable, queries: list[GenerateQuery]) -> list[dict]:
@@ -60,6 +74,12 @@ class ServiceState:
     async def load_llm(self) -> None:
         try:
             self.llm = await asyncio.to_thread(TextGenerator.load, self.llm_name)
+            titles = await asyncio.to_thread(folder_titles, self.retriever.data.path)
+            if titles is not None:
+                recommender = await asyncio.to_thread(
+                    TitleRecommender, self.llm.model, self.llm.tokenizer, titles
+                )
+                self.titles = TitleRetriever(recommender, self.retriever)
             self.llm_status = "ready"
         except Exception as exc:  # reported by /readyz and /v1/generate; the rest keeps serving
             log.exception("loading the LLM %s failed", self.llm_name)
@@ -81,6 +101,9 @@ class ServiceState:
         wait_s = self.config.max_wait_ms / 1e3
         self.batchers["recommend"] = self._batcher(
             self.run_recommend, "recommend", self.config.max_batch, wait_s
+        )
+        self.batchers["titles"] = self._batcher(
+            self.run_titles, "titles", self.config.max_batch, wait_s
         )
         # One generation per model call: every request has its own seed and method.
         self.batchers["generate"] = self._batcher(self.run_generate, "generate", 1, 0.0)

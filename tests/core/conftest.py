@@ -150,14 +150,6 @@ def one_thread():
 
 
 @pytest.fixture(scope="session")
-def smollm2_model():
-    """The real SmolLM2-135M-Instruct as a native Llama, and its tokenizer (loaded once)."""
-    from genrec_spec.models.llm.smollm2 import load_smollm2
-
-    return load_smollm2()
-
-
-@pytest.fixture(scope="session")
 def tiny():
     return SimpleNamespace(
         HashLM=HashLM,

@@ -40,3 +40,38 @@ def test_generate_with_smollm2(start_service):
     assert 'genrec_spec_batch_size_count{kind="generate"} 4.0' in metrics
     assert 'genrec_spec_mean_accepted_length{kind="generate",method="none"} 1.0' in metrics
     assert 'genrec_spec_target_passes_total{kind="generate",method="ngram"}' in metrics
+
+
+@pytest.mark.slow
+def test_recommend_by_title_with_smollm2(start_service, retriever):
+    """The llm decoder: SmolLM2 names K distinct catalogue items for a known user and for a
+    history (two requests batched into one beam search), and refuses what it cannot do."""
+    with start_service(llm="smollm2", timeout_s=300) as url:
+        deadline = time.monotonic() + 300
+        while httpx.get(f"{url}/readyz").status_code != 200:
+            assert time.monotonic() < deadline, "SmolLM2 did not load"
+            time.sleep(0.5)
+        user = retriever.user_ids[0]
+        bodies = [
+            {"user_id": user, "k": 4, "decoder": "llm"},
+            {"history": ["i3", "i7", "i8"], "k": 4, "decoder": "llm"},
+        ]
+
+        async def together():
+            async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+                return await asyncio.gather(*(client.post("/v1/recommend", json=b) for b in bodies))
+
+        answers = [r.json() for r in asyncio.run(together())]
+        refused = httpx.post(
+            f"{url}/v1/recommend",
+            json={"user_id": user, "k": 4, "decoder": "llm", "exclude_seen": True},
+        )
+        metrics = httpx.get(f"{url}/metrics").text
+    for answer in answers:
+        assert answer["decoder"] == "llm" and len(set(answer["items"])) == 4, answer
+        assert set(answer["items"]) <= set(retriever.data.item_ids)
+        assert answer["scores"] == sorted(answer["scores"], reverse=True)
+        assert answer["stats"]["target_forwards"] >= 1
+    assert answers[0]["user_id"] == user and answers[1]["history_length"] == 3
+    assert refused.status_code == 400 and "exclude_seen" in refused.json()["detail"]
+    assert 'genrec_spec_target_passes_total{kind="recommend",method="llm"}' in metrics

@@ -199,4 +199,6 @@ def test_malformed_oversized_and_unknown(service):
         assert client.get("/v1/recommend").status_code == 405
         no_llm = client.post("/v1/generate", json={"prompt": "hello"})
         assert no_llm.status_code == 404 and "--llm smollm2" in no_llm.json()["detail"]
+        by_title = client.post("/v1/recommend", json={"user_id": "u1", "decoder": "llm"})
+        assert by_title.status_code == 404 and "--llm smollm2" in by_title.json()["detail"]
         assert client.post("/v1/generate", json={"prompt": ""}).status_code == 422
