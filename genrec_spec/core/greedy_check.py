@@ -37,7 +37,8 @@ def compare_greedy(
     tie: float = TIE,
 ) -> list[str]:
     """Per row: "yes" (identical), "tie@i" (first differs at generated token i, where the
-    target's top-2 logits after prompt + expected[:i] are less than ``tie`` apart) or "no@i".
+    target's top-2 logits after prompt + expected[:i] are less than ``tie`` apart and the two
+    tokens emitted there are exactly that pair) or "no@i".
 
     target: the model that decoded ``expected`` greedily (anything ``as_target`` accepts);
     prompts, expected, got: token ids per row. The logits of all diverging rows come from one
@@ -56,8 +57,15 @@ def compare_greedy(
     with torch.inference_mode():
         cache = model.prefill(tokens, lengths, tokens.shape[1] + 1)
         roots = tokens.gather(1, (lengths - 1)[:, None]).squeeze(1)
-        top2 = model.score_tree(cache, root_only(roots))[:, 0].topk(2).values  # [R, 2]
-    gaps = (top2[:, 0] - top2[:, 1]).tolist()
-    for (row, position), gap in zip(diverging.items(), gaps, strict=True):
-        verdicts[row] = f"{'tie' if gap < tie else 'no'}@{position}"
+        top2 = model.score_tree(cache, root_only(roots))[:, 0].topk(2)  # [R, 2] each
+    gaps = (top2.values[:, 0] - top2.values[:, 1]).tolist()
+    pairs = top2.indices.tolist()
+    for (row, position), gap, pair in zip(diverging.items(), gaps, pairs, strict=True):
+        emitted = {_at(expected[row], position), _at(got[row], position)}
+        tied = gap < tie and emitted == set(pair)
+        verdicts[row] = f"{'tie' if tied else 'no'}@{position}"
     return verdicts
+
+
+def _at(tokens: Sequence[int], i: int) -> int | None:  # None past the end: never a tied token
+    return tokens[i] if i < len(tokens) else None

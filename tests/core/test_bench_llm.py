@@ -36,15 +36,17 @@ def test_first_divergence():
 
 
 def test_compare_greedy_verdicts():
-    prompts = [[1], [0, 1], [6]]
-    expected = [[2, 3, 4, 5], [2, 3, 4, 5], [7, 0, 1, 2]]
+    prompts = [[1], [0, 1], [6], [1], [1]]
+    expected = [[2, 3, 4, 5], [2, 3, 4, 5], [7, 0, 1, 2], [2, 3, 4, 5], [2, 3, 4, 5]]
     got = [
         [2, 3, 5, 6],  # took the other side of the tie after token 3
         [2, 3, 4, 5],
         [7, 0, 2, 3],  # a real error: after 0 the next token is clearly 1
+        [2, 3, 6, 7],  # at the tie, but 6 is not one of the tied pair (4, 5)
+        [2, 3],  # stopped at the tie: no token is not a tied token
     ]
     verdicts = compare_greedy(CallableTarget(planted_tie_lm), prompts, expected, got)
-    assert verdicts == ["tie@2", "yes", "no@2"]
+    assert verdicts == ["tie@2", "yes", "no@2", "no@2", "no@2"]
 
 
 def hf_tiny(seed: int = 0) -> LlamaForCausalLM:

@@ -154,3 +154,33 @@ def test_typical_acceptance_thresholds():
     result = TypicalAcceptance()(tree, logits, SamplingParams(1.0), torch.Generator())
     assert result.num_accepted.tolist() == [1, 1]  # p(1)=0.45 passes; p(2)=0.05 / 0 do not
     assert not TypicalAcceptance.lossless and RejectionSampling.lossless
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(0.7),
+        SamplingParams(1.3, top_k=5),
+        SamplingParams(1.0, top_p=0.8),
+        SamplingParams(0.9, top_k=20, top_p=0.6),
+        SamplingParams(2.0, top_k=1),
+    ],
+)
+def test_logit_processing_equals_transformers_warpers(sampling):
+    """Temperature, top-k and top-p as transformers' generate applies them (its warpers, in
+    its order), an independent reference for the distribution every exactness test targets."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(sampling.temperature)])
+    if sampling.top_k:
+        warpers.append(TopKLogitsWarper(sampling.top_k))
+    if sampling.top_p < 1:
+        warpers.append(TopPLogitsWarper(sampling.top_p))
+    logits = 3 * torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    theirs = warpers(torch.zeros(6, 1, dtype=torch.long), logits.clone()).softmax(-1)
+    torch.testing.assert_close(probabilities(logits, sampling), theirs, atol=1e-6, rtol=1e-5)
