@@ -352,7 +352,10 @@ class NativeTarget:
         # tokens [B, N], parents [B, N] or None (a chain) -> logits [B, N, V]
         pending = cache.kv.pending[1] if grow and cache.kv.pending is not None else 0
         cache.kv.reserve(cache.length_bound + pending + tokens.shape[1], self.max_length)
-        out = self.model(tokens, cache.kv, parents, hidden_layers=cache.hidden_layers, grow=grow)
+        # Only the Llama itself grows trees; its wrappers (early exit, the 4-bit draft) score
+        # ordinary passes and take no such argument.
+        growing = {"grow": True} if grow else {}
+        out = self.model(tokens, cache.kv, parents, hidden_layers=cache.hidden_layers, **growing)
         logits, cache.hidden = out if cache.hidden_layers else (out, {})
         return logits
 
