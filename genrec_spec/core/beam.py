@@ -259,14 +259,10 @@ class _Search:
         tokens, parents, real = tree.plan(plans)
         device = getattr(self.target, "device", tokens.device)
         logits = self.target.grow_tree(self.cache, tokens.to(device), parents.to(device)).cpu()
-        if bool(torch.isnan(logits).any()):
-            raise DecodeInputError(
-                "the target's logits contain NaN",
-                "check the model's weights and dtype (fp16 overflow is a common cause)",
-            )
         rows, slots = real.nonzero(as_tuple=True)
         nodes = tree.size - tokens.shape[1] + slots
-        chosen = logits[rows, slots]  # [Q, V]
+        # [Q, V] the real nodes' logits (all of them, without a copy, when no row pads)
+        chosen = logits.flatten(0, 1) if bool(real.all()) else logits[rows, slots]
         allowed = None
         if self.constraint is not None:
             pairs = list(zip(rows.tolist(), nodes.tolist(), strict=True))
@@ -275,6 +271,11 @@ class _Search:
                 states, rows, lambda: [self.prompts[r] + tree.path(r, n) for r, n in pairs]
             )
         best = log_probs(chosen, allowed, self.config.renormalize).topk(tree.width, dim=-1)
+        if bool(torch.isnan(best.values).any()):  # a NaN logit makes its row's log-probs NaN
+            raise DecodeInputError(
+                "the target's logits contain NaN",
+                "check the model's weights and dtype (fp16 overflow is a common cause)",
+            )
         values = torch.full((*tokens.shape, tree.width), float("-inf"))
         options = torch.zeros(*tokens.shape, tree.width, dtype=torch.long)
         values[rows, slots], options[rows, slots] = best.values, best.indices

@@ -299,3 +299,12 @@ def test_the_trie_steps_and_lists_children():
     assert int(trie.items(trie.step(node, torch.tensor([EOS])))) == 1
     assert [token for token, _ in catalogue.children(0)] == [4, 8]
     assert catalogue.items_below[0] == 3 and catalogue.items_below[int(after_4[0])] == 2
+
+
+def test_nan_logits_are_refused():
+    def broken(ids):
+        logits = torch.randn(*ids.shape, VOCAB)
+        return torch.where(ids[..., None] == 9, float("nan"), logits)  # after token 9: NaN
+
+    with pytest.raises(DecodeInputError, match="NaN"):
+        beam_search(CallableTarget(broken, VOCAB), [[1, 9], [2, 3]], max_new_tokens=3)
