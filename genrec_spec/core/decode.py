@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from numbers import Integral
 
 import torch
 from torch import Tensor
@@ -53,6 +54,14 @@ def pack_prompts(
         rows = [row.tolist() if isinstance(row, Tensor) else list(row) for row in input_ids]
         if not rows:
             raise DecodeInputError("no prompts given", "pass at least one prompt")
+        odd = [(b, t) for b, row in enumerate(rows) for t in row if not isinstance(t, Integral)]
+        if odd:
+            raise DecodeInputError(
+                f"prompt {odd[0][0]} holds {odd[0][1]!r} ({type(odd[0][1]).__name__}), not a "
+                "token id",
+                "pass token ids (e.g. tokenizer(text).input_ids, or apply_chat_template(..., "
+                "tokenize=True, return_dict=False))",
+            )
         width = max(len(row) for row in rows)
         lengths = torch.tensor([len(row) for row in rows])
         tokens = torch.tensor(

@@ -81,6 +81,8 @@ def target(tiny):
         ([[1] * 20, [2]], "context"),
         ([[1] * 10, [2]], "context"),  # 10 + max_new_tokens 8 > 16
         ([[1, 40], [2]], "vocabulary"),
+        ({"input_ids": [1, 2]}, "not a token id"),  # a tokenizer's dict, not its ids
+        ([[1, 2.5], [2]], "not a token id"),
     ],
 )
 def test_bad_prompts(target, prompts, match):
