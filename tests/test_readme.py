@@ -134,14 +134,16 @@ def test_documented_commands_parse():
 
 
 def test_quick_start_extraction():
-    """What the slow test runs: a recommender and an LLM command, then two Python blocks."""
+    """What the slow test runs: recommender (checkpoint and LLM) and LLM commands, then three
+    Python blocks."""
     quick = section(README.read_text(), "Quick start")
     lines = [line for block in fenced(quick, "bash") for line in shell_lines(block)]
     assert all(genrec_argv(line) for line in lines), "a quick-start bash line is not genrec-spec"
-    assert [genrec_argv(line)[0] for line in lines] == ["demo", "recommend", "generate"]
+    commands = [genrec_argv(line)[0] for line in lines]
+    assert commands == ["demo", "recommend", "recommend", "generate"]
     blocks = fenced(quick, "python")
-    assert len(blocks) == 2 and "genrec_spec.generate(" in blocks[0]
-    assert "genrec_spec.recommend(" in blocks[1]
+    assert len(blocks) == 3 and "genrec_spec.generate(" in blocks[0]
+    assert "genrec_spec.recommend(" in blocks[1] and "genrec_spec.beam_search(" in blocks[2]
     for block in blocks:
         compile(block, "README.md", "exec")
 
@@ -164,7 +166,7 @@ def test_quick_start_runs(tmp_path, monkeypatch):
                 timeout=1200,
             )
             assert done.returncode == 0, f"{line}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-            printed[genrec_argv(line)[0]] = done.stdout
+            printed[" ".join(genrec_argv(line)[:3])] = done.stdout
     namespace: dict = {"__name__": "__readme__"}
     for block in fenced(quick, "python"):
         exec(compile(block, "README.md", "exec"), namespace)
@@ -182,3 +184,7 @@ def test_quick_start_runs(tmp_path, monkeypatch):
     assert (demo / "replay" / "report.html").stat().st_size > 0
     recs = namespace["recs"]
     assert tuple(recs.items.shape) == (2, 10)
+    by_title = printed["recommend --llm smollm2"].splitlines()
+    assert "by smollm2" in by_title[0] and len(by_title) == 6  # a header and five titles
+    beams = namespace["beams"]  # three of the four titles, each ending in the turn end
+    assert tuple(beams.scores.shape) == (1, 3) and all(len(s) > 1 for s in beams.tolist()[0])

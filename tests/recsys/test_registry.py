@@ -39,7 +39,7 @@ def test_every_help_text_names_every_decoder(command):
 def test_service_schema_reads_the_registry():
     from genrec_spec.serve.schemas import DecoderName
 
-    assert typing.get_args(DecoderName) == tuple(DECODERS)
+    assert typing.get_args(DecoderName) == (*DECODERS, "llm")  # llm: the service's LLM
 
 
 def test_every_decoder_resolves_and_unknown_names_are_listed(tiny_model):
