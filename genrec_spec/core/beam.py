@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from genrec_spec.core.beam_tree import BeamTree, Planned
-from genrec_spec.core.constraints import Catalogue, Constraint, log_probs
+from genrec_spec.core.constraints import Catalogue, Constraint, check_catalogue, log_probs
 from genrec_spec.core.decode import _check_limits, _check_vocab, pack_prompts
 from genrec_spec.core.targets import Target, as_target
 from genrec_spec.core.types import DecodeInputError, DecodeStats
@@ -160,24 +160,13 @@ def _check_config(
         raise DecodeInputError(
             f"early_stopping = {config.early_stopping!r}", 'pass True, False or "never"'
         )
-    if isinstance(constraint, Catalogue):
-        trie = constraint.trie
-        if k > trie.num_items:
-            raise DecodeInputError(
-                f"num_return_sequences = {k} is larger than the catalogue ({trie.num_items} items)",
-                f"ask for at most {trie.num_items} results",
-            )
-        if not eos:
-            raise DecodeInputError(
-                "a catalogue constraint needs eos_token_id: an item is finished at its end token",
-                "pass the token every catalogue sequence ends with as eos_token_id",
-            )
-        if max_new_tokens < trie.longest:
-            raise DecodeInputError(
-                f"max_new_tokens = {max_new_tokens} is shorter than the catalogue's longest "
-                f"sequence ({trie.longest} tokens): a beam cut there would be no item",
-                f"pass max_new_tokens >= {trie.longest}",
-            )
+    check_catalogue(constraint, eos, max_new_tokens)
+    if isinstance(constraint, Catalogue) and k > constraint.trie.num_items:
+        raise DecodeInputError(
+            f"num_return_sequences = {k} is larger than the catalogue "
+            f"({constraint.trie.num_items} items)",
+            f"ask for at most {constraint.trie.num_items} results",
+        )
 
 
 def _start(tokens: Tensor, lengths: Tensor, w: int, max_new_tokens: int) -> _Beams:

@@ -105,6 +105,25 @@ class AllowedTokens:
         return mask.to(states.device)
 
 
+def check_catalogue(constraint: Constraint | None, eos: list[int], max_new_tokens: int) -> None:
+    """A catalogue needs the end token (an item is finished there) and room for its longest
+    sequence: otherwise a row could stop or run on outside the catalogue."""
+    if not isinstance(constraint, Catalogue):
+        return
+    if not eos:
+        raise DecodeInputError(
+            "a catalogue constraint needs eos_token_id: an item is finished at its end token",
+            "pass the token every catalogue sequence ends with as eos_token_id",
+        )
+    longest = constraint.trie.longest
+    if max_new_tokens < longest:
+        raise DecodeInputError(
+            f"max_new_tokens = {max_new_tokens} is shorter than the catalogue's longest "
+            f"sequence ({longest} tokens): a row cut there would be no item",
+            f"pass max_new_tokens >= {longest}",
+        )
+
+
 def log_probs(
     logits: Tensor,  # [Q, V]
     allowed: Tensor | None,  # [Q, V] bool, None: no constraint

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from genrec_spec.core.acceptance import AcceptanceRule, GreedyMatch, RejectionSampling
-from genrec_spec.core.constraints import ConstrainedTrees, Constraint
+from genrec_spec.core.constraints import ConstrainedTrees, Constraint, check_catalogue
 from genrec_spec.core.controller import ControllerConfig, SpeculationController
 from genrec_spec.core.targets import Target, as_target
 from genrec_spec.core.tree import root_only
@@ -133,6 +133,7 @@ def generate(
     _check_limits(target, lengths, max_new_tokens)
     rule = acceptance or (GreedyMatch() if sampling.greedy else RejectionSampling())
     eos = None if eos_token_id is None else torch.as_tensor(eos_token_id, device=device).flatten()
+    check_catalogue(constraint, [] if eos is None else eos.tolist(), max_new_tokens)
     started = time.perf_counter()
     with torch.inference_mode():
         state = _prefill(target, tokens, lengths, max_new_tokens, proposer, sampling, generator)

@@ -157,3 +157,19 @@ def test_the_hook_constrains_generate_as_the_catalogue(setup):
         for c in (AllowedTokens(lambda r, ids: fn(r % 2, ids), VOCAB), catalogue)
     ]
     assert runs[0] == runs[1]
+
+
+def test_a_catalogue_without_its_end_token_or_room_is_refused(setup):
+    from genrec_spec.core.types import DecodeInputError
+
+    target, _, catalogue = setup
+    with pytest.raises(DecodeInputError, match="needs eos_token_id"):
+        generate(CallableTarget(target), PROMPTS, max_new_tokens=5, constraint=catalogue)
+    with pytest.raises(DecodeInputError, match="shorter than the catalogue"):
+        generate(
+            CallableTarget(target),
+            PROMPTS,
+            max_new_tokens=3,
+            eos_token_id=EOS,
+            constraint=catalogue,
+        )
