@@ -1,0 +1,77 @@
+"""`genrec-spec bench beam` on tiny models: every method runs, ours equal transformers' beam
+search under a catalogue and without one, and the table prints."""
+
+import pytest
+import torch
+from transformers import LlamaConfig as HFLlamaConfig
+from transformers import LlamaForCausalLM
+
+from genrec_spec.bench.beam import (
+    BenchBeamConfig,
+    Workload,
+    benchmark,
+    format_table,
+    hf_allowed_tokens,
+)
+from genrec_spec.bench.errors import BenchError
+from genrec_spec.core.constraints import Catalogue
+from genrec_spec.models.llm.llama import Llama
+
+VOCAB, EOS = 40, 3
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    torch.manual_seed(0)
+    config = HFLlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+    )
+    hf = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(2.5)
+    folder = tmp_path_factory.mktemp("bench_beam_llama")
+    hf.save_pretrained(folder)
+    return Llama.from_hf(folder), hf
+
+
+@pytest.mark.parametrize("constrained", [True, False])
+def test_bench_beam_rows(pair, constrained):
+    native, hf = pair
+    prompts = [[5, 9, 2, 33, 7], [4, 7, 8], [12, 30, 3, 20]]
+    catalogue = allowed = None
+    if constrained:
+        items = [[4 + i % 5, 10 + i, 20 + i % 7] for i in range(18)] + [[9], [9, 30]]
+        catalogue = Catalogue.of(items, VOCAB, eos_token_id=EOS)
+        allowed = hf_allowed_tokens(catalogue, EOS)
+    longest = catalogue.trie.longest if catalogue else 6
+    work = Workload(prompts, catalogue, allowed, longest, EOS)
+    config = BenchBeamConfig(
+        beam_widths=(3,), k=2, batch_sizes=(1, 2), requests=3, repeats=1, draft_depth=4
+    )
+    rows = benchmark(native, hf, work, config, log=lambda line: None)
+    methods = {r.method for r in rows}
+    assert methods == (
+        {"hf", "beam", "spec", "hft-beam", "hft-spec"}
+        if constrained
+        else {"hf", "beam", "hft-beam"}
+    )
+    assert all(r.exact == "3/3" for r in rows), format_table(rows)
+    assert all(r.passes_per_request >= 1 for r in rows if r.method != "hf")
+    assert "vs-hf" in format_table(rows)
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(BenchError, match="unknown methods"):
+        BenchBeamConfig(methods=("hf", "greedy"))
+    with pytest.raises(BenchError, match="unknown task"):
+        BenchBeamConfig(task="poems")
+    with pytest.raises(BenchError, match=">= 1"):
+        BenchBeamConfig(beam_widths=(0,))
