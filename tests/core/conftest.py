@@ -123,6 +123,24 @@ def perturbed(model, seed: int, noise: float):
     return draft
 
 
+def hf_llama(vocab: int, seed: int, scale: float):
+    """A tiny random transformers Llama (2 layers, dim 32, GQA 4:2), sharpened by ``scale``."""
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    config = HFLlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(seed)
+    return sharpen(LlamaForCausalLM(config), scale).eval()
+
+
 def native_llama(seed: int, vocab: int = 61) -> Llama:
     """A tiny random native Llama (2 layers, dim 32), sharpened."""
     config = LlamaConfig(
@@ -162,4 +180,5 @@ def tiny():
         sharpen=sharpen,
         perturbed=perturbed,
         native_llama=native_llama,
+        hf_llama=hf_llama,
     )

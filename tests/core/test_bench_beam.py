@@ -2,9 +2,6 @@
 search under a catalogue and without one, and the table prints."""
 
 import pytest
-import torch
-from transformers import LlamaConfig as HFLlamaConfig
-from transformers import LlamaForCausalLM
 
 from genrec_spec.bench.beam import (
     BenchBeamConfig,
@@ -21,22 +18,8 @@ VOCAB, EOS = 40, 3
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    torch.manual_seed(0)
-    config = HFLlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-5,
-    )
-    hf = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.mul_(2.5)
+def pair(tiny, tmp_path_factory):
+    hf = tiny.hf_llama(VOCAB, seed=0, scale=2.5)
     folder = tmp_path_factory.mktemp("bench_beam_llama")
     hf.save_pretrained(folder)
     return Llama.from_hf(folder), hf

@@ -4,8 +4,6 @@ outside the catalogue, and speculative beam search equal to plain beam search in
 
 import pytest
 import torch
-from transformers import LlamaConfig as HFLlamaConfig
-from transformers import LlamaForCausalLM
 
 from genrec_spec import CallableTarget, HFTarget
 from genrec_spec.core.beam import BeamConfig, beam_search
@@ -31,23 +29,8 @@ def random_catalogue(items: int, seed: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    torch.manual_seed(0)
-    config = HFLlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-5,
-    )
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(2.5)  # peaked distributions: no near-ties between beams
-    return model
+def hf_model(tiny):
+    return tiny.hf_llama(VOCAB, seed=0, scale=2.5)  # peaked: no near-ties between beams
 
 
 @pytest.fixture(scope="module")

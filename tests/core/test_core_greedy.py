@@ -4,8 +4,6 @@ prompts, eos, and the adaptive controller; plain decoding itself equals a cache-
 
 import pytest
 import torch
-from transformers import LlamaConfig as HFLlamaConfig
-from transformers import LlamaForCausalLM
 
 from genrec_spec import CallableTarget, ControllerConfig, HFTarget, NativeTarget, generate
 from genrec_spec.llm.proposers import (
@@ -20,25 +18,11 @@ PROMPTS = [[5, 9, 2, 33, 7, 5, 9, 2, 8], [4, 60], [12, 3, 3, 40, 22, 3]]
 FIXED = ControllerConfig(adaptive=False)
 
 
-def hf_llama(tiny, seed: int) -> LlamaForCausalLM:
-    config = HFLlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(seed)
-    return tiny.sharpen(LlamaForCausalLM(config), 4.0)
-
-
 @pytest.fixture(scope="module")
 def targets(tiny):
     """name -> (target factory, a draft model of the same vocabulary, cache-free callable)."""
     hash_lm = tiny.HashLM(VOCAB, seed=3, scale=3.0, order=1)
-    native, hf = tiny.native_llama(0), hf_llama(tiny, 0)
+    native, hf = tiny.native_llama(0), tiny.hf_llama(VOCAB, 0, 4.0)
 
     def native_fn(ids):
         return native(ids, native.new_cache(ids.shape[0], ids.shape[1]))
@@ -108,7 +92,7 @@ def test_cross_adapter_draft_and_self_draft(tiny, targets):
         PROMPTS,
         max_new_tokens=16,
         controller=FIXED,
-        proposer=DraftModelProposer(hf_llama(tiny, 1), k=3),
+        proposer=DraftModelProposer(tiny.hf_llama(VOCAB, 1, 4.0), k=3),
     )
     assert out.tolist() == plain
     self_draft = generate(

@@ -38,6 +38,26 @@ def tiny_llama() -> Llama:
     ).eval()
 
 
+def tiny_gemma3(window: int, layers: list[str]):
+    """A tiny random Gemma-3 whose layers are ``layers`` (sliding or full attention)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=len(layers),
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=window,
+        layer_types=layers,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    return Gemma3ForCausalLM(config).eval()
+
+
 def models():
     native = tiny_llama()
     hf = LlamaForCausalLM(
@@ -153,22 +173,7 @@ def test_a_tree_grown_pass_by_pass_scores_as_one_pass(name):
 
 
 def test_hf_target_grows_a_tree_under_a_sliding_window():
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    config = Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        sliding_window=3,
-        layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=128,
-    )
-    torch.manual_seed(0)
-    model = Gemma3ForCausalLM(config).eval()
+    model = tiny_gemma3(window=3, layers=["sliding_attention", "full_attention"])
     target, reference = HFTarget(model), CallableTarget(lambda ids: model(ids).logits)
     with torch.inference_mode():
         cache = target.prefill(PROMPTS, LENGTHS, 16)
@@ -216,25 +221,12 @@ def test_hf_target_applies_a_sliding_window():
     """Gemma-3's sliding-window layers (window 4 here): greedy decoding through HFTarget, plain
     and speculative (pending re-fed tokens, B = 3 uneven), equals a cache-free loop over the
     model's own forward, which applies the window itself."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
     from genrec_spec import generate
     from genrec_spec.llm.proposers import PromptLookup
 
-    config = Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        sliding_window=4,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        max_position_embeddings=128,
+    model = tiny_gemma3(
+        window=4, layers=["sliding_attention", "full_attention", "sliding_attention"]
     )
-    torch.manual_seed(0)
-    model = Gemma3ForCausalLM(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(3.0)  # peaked distributions: no argmax ties
