@@ -8,8 +8,6 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig as HFLlamaConfig
-from transformers import LlamaForCausalLM
 
 from genrec_spec import CallableTarget
 from genrec_spec.bench.llm import benchmark, format_table, time_methods
@@ -49,29 +47,11 @@ def test_compare_greedy_verdicts():
     assert verdicts == ["tie@2", "yes", "no@2", "no@2", "no@2"]
 
 
-def hf_tiny(seed: int = 0) -> LlamaForCausalLM:
-    config = HFLlamaConfig(
-        vocab_size=61,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # sharpen random weights so greedy paths are not all near-ties
-        for p in model.parameters():
-            p.mul_(4.0)
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
-def tiny_pair(tmp_path_factory):
+def tiny_pair(tiny, tmp_path_factory):
     """The same random weights in transformers and as the native Llama."""
     folder = tmp_path_factory.mktemp("tiny-llama")
-    hf = hf_tiny()
+    hf = tiny.hf_llama(61, seed=0, scale=4.0)
     hf.save_pretrained(folder)
     return Llama.from_hf(folder), hf
 
