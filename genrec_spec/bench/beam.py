@@ -61,9 +61,9 @@ class BenchBeamConfig:
     max_new_tokens: int = 32  # code task (titles: the longest title)
     length_penalty: float = 1.0
     early_stopping: bool | str = False
-    draft_depth: int = 16  # spec: levels drafted below each beam per pass
-    draft_fanout: int = 1  # spec: draft a node's children when it has at most this many
-    draft_items: int = 1  # spec: ... or when at most this many catalogue items lie below it
+    draft_depth: int = CatalogueDrafter.depth  # spec: levels drafted below each beam per pass
+    draft_fanout: int = CatalogueDrafter.fanout  # spec: children of nodes with at most this many
+    draft_items: int = CatalogueDrafter.items  # spec: ... or at most this many items below
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -40,8 +40,8 @@ class TitleRecommenderConfig:
     history: int = 10  # most recent titles listed in the prompt
     beam_width: int | None = None  # W; None: the number of results asked for
     speculative: bool = True  # draft forced title continuations (same results, fewer passes)
-    draft_depth: int = 16  # levels drafted below each beam per pass
-    draft_fanout: int = 1  # draft a node's children when it has at most this many
+    draft_depth: int = CatalogueDrafter.depth  # levels drafted below each beam per pass
+    draft_fanout: int = CatalogueDrafter.fanout  # draft children of nodes with at most this many
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ class CatalogueDrafter:
     and pass."""
 
     catalogue: Catalogue
-    depth: int = 8
+    depth: int = 16
     fanout: int = 1
     max_nodes: int = 256
     items: int = 1
