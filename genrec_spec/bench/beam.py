@@ -64,6 +64,7 @@ class BenchBeamConfig:
     draft_depth: int = CatalogueDrafter.depth  # spec: levels drafted below each beam per pass
     draft_fanout: int = CatalogueDrafter.fanout  # spec: children of nodes with at most this many
     draft_items: int = CatalogueDrafter.items  # spec: ... or at most this many items below
+    draft_nodes: int = BeamConfig.draft_nodes  # spec: drafted nodes per pass, all rows
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -166,6 +167,7 @@ def runners(
         num_return_sequences=min(config.k, w),
         length_penalty=config.length_penalty,
         early_stopping=config.early_stopping,
+        draft_nodes=config.draft_nodes,
     )
     drafter = None
     if work.catalogue is not None:

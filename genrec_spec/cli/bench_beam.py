@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-depth", type=int, default=c.draft_depth)
     parser.add_argument("--draft-fanout", type=int, default=c.draft_fanout)
     parser.add_argument("--draft-items", type=int, default=c.draft_items)
+    parser.add_argument(
+        "--draft-nodes", type=int, default=c.draft_nodes, help="per pass, over all rows"
+    )
     parser.add_argument("--seed", type=int, default=c.seed)
 
 
@@ -51,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         draft_depth=args.draft_depth,
         draft_fanout=args.draft_fanout,
         draft_items=args.draft_items,
+        draft_nodes=args.draft_nodes,
         seed=args.seed,
     )
     print(bench_beam(config))

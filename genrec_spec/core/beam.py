@@ -54,6 +54,9 @@ class BeamConfig:
     # Constrained log-probs: False masks the full vocabulary's (transformers' rule); True
     # renormalises them over the allowed tokens (the recommender's: a forced token costs 0).
     renormalize: bool = False
+    # Nodes a drafter may add to one pass, shared by the rows: a pass costs more with every
+    # node, and in a batch each row's share of a saved pass's fixed cost is smaller.
+    draft_nodes: int = 32
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,11 @@ class BeamOutput:
 
 
 class BeamDrafter(Protocol):
-    def draft(self, tree: BeamTree, row: int, frontier: list[tuple[int, int]], plan) -> None:
-        """Plan nodes below the frontier's (node, state) pairs with ``tree.add``."""
+    def draft(
+        self, tree: BeamTree, row: int, frontier: list[tuple[int, int]], plan, budget: int
+    ) -> None:
+        """Plan at most ``budget`` nodes below the frontier's (node, state) pairs (the row's
+        beams, best first) with ``tree.add``."""
         ...
 
 
@@ -219,12 +225,12 @@ class _Search:
         if self.drafter is not None:
             _link(beams, tree)
             live = open_rows[:, None] & (beams.scores > float("-inf"))
-            for row in open_rows.nonzero().flatten().tolist():
-                frontier = {
-                    (node, self._node_state(row, node, plans[row]))
-                    for node in beams.nodes[row][live[row]].tolist()
-                }
-                self.drafter.draft(tree, row, sorted(frontier), plans[row])
+            rows = open_rows.nonzero().flatten().tolist()
+            budget = max(1, self.config.draft_nodes // len(rows))
+            for row in rows:
+                nodes = dict.fromkeys(beams.nodes[row][live[row]].tolist())  # best first, once
+                frontier = [(node, self._node_state(row, node, plans[row])) for node in nodes]
+                self.drafter.draft(tree, row, frontier, plans[row], budget)
         self._pass(plans)
         self.drafted += sum(len(p) for p in plans) - planned
         self.speculative += self.drafter is not None

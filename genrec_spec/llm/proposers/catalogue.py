@@ -56,19 +56,22 @@ class CatalogueDrafter:
     """Drafts what a catalogue makes likely or certain: below every beam, the children of each
     node with at most ``items`` catalogue items below it (1: the forced continuations of a
     prefix that names one item, drafts that cannot miss; 2: also a title's two years), or at
-    most ``fanout`` children, down to ``depth`` levels, at most ``max_nodes`` new nodes per row
-    and pass."""
+    most ``fanout`` children, down to ``depth`` levels, a level at a time (so a small budget
+    goes to the nearest nodes of every beam first)."""
 
     catalogue: Catalogue
     depth: int = 16
     fanout: int = 1
-    max_nodes: int = 256
     items: int = 1
 
     def draft(
-        self, tree: BeamTree, row: int, frontier: list[tuple[int, int]], plan: list[Planned]
+        self,
+        tree: BeamTree,
+        row: int,
+        frontier: list[tuple[int, int]],
+        plan: list[Planned],
+        budget: int,
     ) -> None:
-        budget = self.max_nodes
         level = frontier
         for _ in range(self.depth):
             below = []
