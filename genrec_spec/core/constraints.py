@@ -160,11 +160,11 @@ class ConstrainedTrees:
         """tree: the scored DraftTree [B, N]; logits [B, N, V]; tokens [B, T] and lengths [B]
         the rows' committed tokens (root included). Returns the masked logits."""
         batch, n = tree.tokens.shape
-        states = [self.states]
+        states = self.states[:, None].repeat(1, n)  # [B, N], node 0 the row's own state
         for i in range(1, n):  # parents come first: one batched step per node
-            above = torch.stack(states, dim=1).gather(1, tree.parents[:, i : i + 1]).squeeze(1)
-            states.append(self.constraint.advance(above, tree.tokens[:, i]))
-        flat = torch.stack(states, dim=1).flatten()  # [B * N]
+            above = states.gather(1, tree.parents[:, i : i + 1]).squeeze(1)
+            states[:, i] = self.constraint.advance(above, tree.tokens[:, i])
+        flat = states.flatten()  # [B * N]
         rows = torch.arange(batch, device=flat.device).repeat_interleave(n)
 
         def sequences() -> list[list[int]]:

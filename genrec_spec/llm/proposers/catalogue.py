@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from genrec_spec.core.beam_tree import BeamTree, Planned
-from genrec_spec.core.constraints import Catalogue
+from genrec_spec.core.constraints import Catalogue, ConstrainedTrees
 from genrec_spec.core.tree import chain
 from genrec_spec.core.types import Acceptance, DecodeInputError, DecodeState, DraftTree
 
@@ -28,18 +28,16 @@ class CatalogueProposer:
         if k < 1:
             raise DecodeInputError(f"k={k}", "draft at least one token (k >= 1)")
         self.catalogue, self.k = catalogue, k
-        self.states = torch.zeros(0, dtype=torch.long)
+        self.rows: ConstrainedTrees | None = None  # each row's trie node after its output
 
     def begin(self, state: DecodeState) -> None:
-        self.states = self.catalogue.start(state.batch_size, state.tokens.device)
+        self.rows = ConstrainedTrees(self.catalogue, state.batch_size, state.tokens.device)
 
     def observe(self, state: DecodeState, acceptance: Acceptance) -> None:
-        for j in range(int(state.counts.max())):
-            moved = self.catalogue.advance(self.states, acceptance.tokens[:, j])
-            self.states = torch.where(j < state.counts, moved, self.states)
+        self.rows.advance(acceptance.tokens[:, : int(state.counts.max())], state.counts)
 
     def propose(self, state: DecodeState, budget: int) -> DraftTree:
-        trie, node = self.catalogue.trie, self.states
+        trie, node = self.catalogue.trie, self.rows.states
         drafts = []
         for _ in range(min(budget, self.k)):
             token = trie.forced(node)  # [B], -1 where the next token is a choice
