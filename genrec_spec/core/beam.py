@@ -36,9 +36,9 @@ from torch import Tensor
 
 from genrec_spec.core.beam_tree import BeamTree, Planned
 from genrec_spec.core.constraints import Catalogue, Constraint, check_catalogue, log_probs
-from genrec_spec.core.decode import _check_limits, _check_vocab, pack_prompts
+from genrec_spec.core.decode import _check_limits, pack_prompts, prefill_checked
 from genrec_spec.core.targets import Target, as_target
-from genrec_spec.core.types import DecodeInputError, DecodeStats
+from genrec_spec.core.types import DecodeInputError, DecodeStats, Generation
 
 UNREACHABLE = -1.0e9  # transformers' score for beams and hypotheses that must not win
 
@@ -60,19 +60,14 @@ class BeamConfig:
 
 
 @dataclass(frozen=True)
-class BeamOutput:
-    """K results per row, best first: row b's k-th sequence (generated tokens, eos included) is
-    values[offsets[b * K + k]:offsets[b * K + k + 1]]."""
+class BeamOutput(Generation):
+    """K results per row, best first, as a ``Generation`` of B * K ragged rows: row b's k-th
+    sequence (generated tokens, eos included) is ragged row b * K + k."""
 
-    values: Tensor  # [sum of lengths] int64
-    offsets: Tensor  # [B * K + 1] int64
     scores: Tensor  # [B, K] float32, the length-penalised scores
-    stats: DecodeStats
 
     def tolist(self) -> list[list[list[int]]]:  # [B][K] token lists
-        values, offsets = self.values.tolist(), self.offsets.tolist()
-        k = self.scores.shape[1]
-        flat = [values[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
+        flat, k = super().tolist(), self.scores.shape[1]
         return [flat[b * k : (b + 1) * k] for b in range(len(flat) // k)]
 
 
@@ -122,14 +117,22 @@ def beam_search(
     _check_config(config, constraint, eos, max_new_tokens)
     started = time.perf_counter()
     with torch.inference_mode():
-        if target.vocab_size is not None:
-            _check_vocab(target, tokens)
-        cache = target.prefill(
-            tokens.to(device), lengths.to(device), tokens.shape[1] + max_new_tokens
+        cache = prefill_checked(
+            target, tokens.to(device), lengths.to(device), tokens.shape[1] + max_new_tokens
         )
-        _check_vocab(target, tokens)
-        width = min(max(2, 1 + len(eos)) * config.num_beams, target.vocab_size)
-        search = _Search(target, cache, tokens, lengths, config, constraint, drafter, width)
+        # transformers keeps 2W candidates a step (more with several eos tokens), so a node
+        # needs no more than its best 2W next tokens.
+        keep = max(2, 1 + len(eos)) * config.num_beams
+        search = _Search(
+            target,
+            cache,
+            tokens,
+            lengths,
+            config,
+            constraint,
+            drafter,
+            min(keep, target.vocab_size),
+        )
         beams = _start(tokens, lengths, config.num_beams, max_new_tokens)
         eos_t = torch.tensor(eos, dtype=torch.long)
         for step in range(max_new_tokens):
@@ -140,7 +143,7 @@ def beam_search(
             values, options = search.tree.candidates(beams.nodes)  # [B, W, C] each
             alive = open_rows[:, None] & (beams.scores > float("-inf"))
             values = values.masked_fill(~alive[..., None], float("-inf"))
-            hits = _select(beams, values, options, eos_t, step, max_new_tokens, config)
+            hits = _select(beams, values, options, eos_t, keep, step, max_new_tokens, config)
             _link(beams, search.tree)
             search.row_steps += int(open_rows.sum())
             if not _unfinished(beams, hits, step + 1, max_new_tokens, config):
@@ -217,13 +220,15 @@ class _Search:
             return
         tree = self.tree
         plans: list[list[Planned]] = [[] for _ in range(tree.batch)]
-        for row, w in need.nonzero().tolist():
-            parent, token = int(beams.parents[row, w]), int(beams.last[row, w])
-            if tree.child(row, parent, token) < 0:
-                tree.add(row, plans[row], parent, token, self._state(row, parent, token))
+        rows = need.nonzero()[:, 0].tolist()
+        parents, tokens = beams.parents[need].tolist(), beams.last[need].tolist()
+        states = self._states(rows, parents, tokens)
+        for row, parent, token, state in zip(rows, parents, tokens, states, strict=True):
+            if tree.child(row, parent, token) < 0:  # copies of a beam (the first step) plan once
+                tree.add(row, plans[row], parent, token, state)
         planned = sum(len(p) for p in plans)
+        _link(beams, tree)
         if self.drafter is not None:
-            _link(beams, tree)
             live = open_rows[:, None] & (beams.scores > float("-inf"))
             rows = open_rows.nonzero().flatten().tolist()
             budget = max(1, self.config.draft_nodes // len(rows))
@@ -234,15 +239,19 @@ class _Search:
         self._pass(plans)
         self.drafted += sum(len(p) for p in plans) - planned
         self.speculative += self.drafter is not None
-        _link(beams, tree)
 
-    def _state(self, row: int, parent: int, token: int) -> int:
-        if parent < 0:  # the root: the empty generated prefix
-            return self.start[row]
+    def _states(self, rows: list[int], parents: list[int], tokens: list[int]) -> list[int]:
+        """The constraint state after each (parent node, token), in one batched step; a root
+        (parent -1) is the row's empty generated prefix."""
         if self.constraint is None:
-            return 0
-        state = torch.tensor([self.tree.states[row][parent]])
-        return int(self.constraint.advance(state, torch.tensor([token]))[0])
+            return [0] * len(rows)
+        above = [
+            self.tree.states[r][p] if p >= 0 else 0 for r, p in zip(rows, parents, strict=True)
+        ]
+        moved = self.constraint.advance(torch.tensor(above), torch.tensor(tokens)).tolist()
+        return [
+            m if p >= 0 else self.start[r] for r, p, m in zip(rows, parents, moved, strict=True)
+        ]
 
     def _node_state(self, row: int, node: int, plan: list[Planned]) -> int:
         existing = len(self.tree.states[row])
@@ -290,6 +299,7 @@ def _select(
     values: Tensor,  # [B, W, C] each beam's best next-token log-probs (-inf: none)
     options: Tensor,  # [B, W, C] their tokens
     eos: Tensor,  # [E] eos token ids
+    keep: int,  # candidates kept a step (2W with one eos token)
     step: int,  # tokens generated before this step
     max_new_tokens: int,
     config: BeamConfig,
@@ -297,7 +307,7 @@ def _select(
     """One step of transformers' beam search (``_get_top_k_continuations``, then
     ``_get_running_beams_for_next_iteration`` and ``_update_finished_beams``), in place."""
     batch, w, c = values.shape
-    keep = min(max(2, 1 + eos.numel()) * w, w * c)  # 2W with one eos token
+    keep = min(keep, w * c)  # a vocabulary smaller than 2W holds fewer
     flat = (beams.scores[:, :, None] + values).flatten(1)  # [B, W * C]
     scores, index = flat.topk(keep, dim=1)  # [B, 2W]
     origin = index // c

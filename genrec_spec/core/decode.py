@@ -194,15 +194,9 @@ def _prefill(
 ) -> DecodeState:
     """The target's prefill of the prompts and the decode state around its cache; the
     proposer's ``begin`` has seen it (first: a proposer may size its draft cost by the batch)."""
-    vocab_known = target.vocab_size is not None  # a CallableTarget learns it at prefill
-    if vocab_known:
-        _check_vocab(target, tokens)
     batch, width = tokens.shape
-    cache = target.prefill(
-        tokens, lengths, width + max_new_tokens, getattr(proposer, "hidden_layers", ())
-    )
-    if not vocab_known:
-        _check_vocab(target, tokens)
+    hidden_layers = getattr(proposer, "hidden_layers", ())
+    cache = prefill_checked(target, tokens, lengths, width + max_new_tokens, hidden_layers)
     state = DecodeState(
         tokens=torch.cat([tokens, tokens.new_zeros(batch, max_new_tokens)], dim=1),
         lengths=lengths,
@@ -217,6 +211,24 @@ def _prefill(
     if proposer is not None:
         proposer.begin(state)
     return state
+
+
+def prefill_checked(
+    target: Target,
+    tokens: Tensor,  # [B, T] right-padded prompts
+    lengths: Tensor,  # [B]
+    capacity: int,
+    hidden_layers: Sequence[int] = (),
+):  # the target's cache handle
+    """``target.prefill``, the prompts' token ids checked against its vocabulary first, or, for
+    a target that learns its vocabulary at prefill (a CallableTarget), right after."""
+    vocab_known = target.vocab_size is not None
+    if vocab_known:
+        _check_vocab(target, tokens)
+    cache = target.prefill(tokens, lengths, capacity, hidden_layers)
+    if not vocab_known:
+        _check_vocab(target, tokens)
+    return cache
 
 
 def _read_step(
