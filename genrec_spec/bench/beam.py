@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from genrec_spec.bench.errors import BenchError
+from genrec_spec.bench.llm_runners import cut_at_eos, left_padded
 from genrec_spec.core.beam import BeamConfig, beam_search
 from genrec_spec.core.targets import HFTarget
 from genrec_spec.llm.proposers.catalogue import CatalogueDrafter
@@ -191,9 +192,8 @@ def runners(
         return run
 
     def hf(batch):
-        width = max(len(p) for p in batch)
-        ids = torch.tensor([[work.eos] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids, mask = left_padded(batch, work.eos)
+        width = ids.shape[1]
         with torch.inference_mode():
             out = hf_model.generate(
                 ids,
@@ -209,17 +209,13 @@ def runners(
                 prefix_allowed_tokens_fn=None if work.allowed is None else work.allowed(width),
             )
         k = settings.num_return_sequences
-        rows = [_cut_at_eos(r, work.eos) for r in out[:, width:].tolist()]
+        rows = [cut_at_eos(r, work.eos) for r in out[:, width:].tolist()]
         return [rows[b * k : (b + 1) * k] for b in range(len(batch))], None
 
     made = {"hf": hf, "beam": ours(native, False), "hft-beam": ours(HFTarget(hf_model), False)}
     if drafter is not None:
         made |= {"spec": ours(native, True), "hft-spec": ours(HFTarget(hf_model), True)}
     return {m: made[m] for m in methods if m in made}
-
-
-def _cut_at_eos(row: list[int], eos: int) -> list[int]:
-    return row[: row.index(eos) + 1] if eos in row else row
 
 
 def benchmark(

@@ -116,7 +116,7 @@ def hugging_face(hf_model: object, eos: int | None, assistance: dict) -> Runner:
             )
         seconds = time.perf_counter() - start
         generated = out[:, ids.shape[1] :].tolist()
-        return Run([_cut_at_eos(row, eos) for row in generated], seconds, None)
+        return Run([cut_at_eos(row, eos) for row in generated], seconds, None)
 
     return run
 
@@ -166,7 +166,7 @@ def left_padded(rows: list[list[int]], pad: int) -> tuple[Tensor, Tensor]:
     return ids, mask
 
 
-def _cut_at_eos(row: list[int], eos: int | None) -> list[int]:
+def cut_at_eos(row: list[int], eos: int | None) -> list[int]:
     """HF pads finished rows after their eos; keep tokens up to and including the eos."""
     return row[: row.index(eos) + 1] if eos is not None and eos in row else row
 

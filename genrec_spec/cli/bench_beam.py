@@ -7,6 +7,7 @@ import argparse
 
 from genrec_spec.bench import beam
 from genrec_spec.bench.beam import METHODS, TASKS, BenchBeamConfig, bench_beam
+from genrec_spec.cli.args import config_from_args
 from genrec_spec.cli.bench_llm import _list
 
 
@@ -39,23 +40,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     stopping = {"true": True, "false": False, "never": "never"}[args.early_stopping]
-    config = BenchBeamConfig(
-        task=args.task,
-        methods=args.methods,
-        beam_widths=args.beam_widths,
-        k=args.k,
-        batch_sizes=args.batch_sizes,
-        requests=args.requests,
-        repeats=args.repeats,
-        threads=args.threads,
-        max_new_tokens=args.max_new_tokens,
-        length_penalty=args.length_penalty,
-        early_stopping=stopping,
-        draft_depth=args.draft_depth,
-        draft_fanout=args.draft_fanout,
-        draft_items=args.draft_items,
-        draft_nodes=args.draft_nodes,
-        seed=args.seed,
-    )
+    config = config_from_args(BenchBeamConfig, args, early_stopping=stopping)
     print(bench_beam(config))
     return 0
