@@ -103,7 +103,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--k", type=_int_list, default=c.ks, help="cut-offs, e.g. 10,50,200")
     parser.add_argument("--users", type=int, default=c.users, help="random subset; 0 = all")
-    parser.add_argument("--batch-size", type=int, default=c.batch_size)
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        help=f"users per decoder call (default {c.batch_size}; with --llm 1: a beam search "
+        "per user)",
+    )
     parser.add_argument("--seed", type=int, default=c.seed, help="draws the --users subset")
     parser.add_argument("--threads", type=int, default=c.threads, help="torch CPU threads")
     add_option_argument(
@@ -120,7 +125,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.llm:
         return _run_llm(args)
-    config = config_from_args(EvaluateConfig, args, decoders=args.decoder, ks=args.k)
+    config = config_from_args(
+        EvaluateConfig,
+        args,
+        decoders=args.decoder,
+        ks=args.k,
+        batch_size=args.batch_size or EvaluateConfig.batch_size,
+    )
     options = dict(args.option)
     header, report = evaluate_checkpoint(
         args.ckpt,
@@ -140,6 +151,7 @@ def _run_llm(args: argparse.Namespace) -> int:
     from genrec_spec.jobs.title_recommend import evaluate_titles
 
     require_data(args)
+    batch = {} if args.batch_size is None else {"batch_size": args.batch_size}
     metrics = evaluate_titles(
         args.data,
         llm=args.llm,
@@ -147,7 +159,7 @@ def _run_llm(args: argparse.Namespace) -> int:
         ks=args.k,
         users=args.users,
         seed=args.seed,
-        batch_size=1 if args.batch_size == EvaluateConfig.batch_size else args.batch_size,
+        **batch,
         threads=args.threads,
         log=lambda line: print(line, file=sys.stderr, flush=True),
     )
