@@ -140,15 +140,24 @@ class Retriever:
             )
         return indices
 
-    def prepare(self, request: RecommendRequest) -> tuple[BatchKey, Query]:
-        """Check a request and turn it into (batch key, query); ServeInputError names what is
-        wrong."""
-        if request.k > self.max_k:
+    def check_k(self, k: int) -> None:
+        if k > self.max_k:
             raise ServeInputError(
-                f"k={request.k} is too large: this service returns at most {self.max_k} items "
+                f"k={k} is too large: this service returns at most {self.max_k} items "
                 f"(catalogue of {self.model.num_items})",
                 "ask for fewer",
             )
+
+    def history_of(self, request: RecommendRequest) -> list[int]:
+        """The request's history as item indices: a known user's, or its item ids'."""
+        if request.user_id is not None:
+            return self.user_history(request.user_id)
+        return self.item_indices(request.history)
+
+    def prepare(self, request: RecommendRequest) -> tuple[BatchKey, Query]:
+        """Check a request and turn it into (batch key, query); ServeInputError names what is
+        wrong."""
+        self.check_k(request.k)
         servable = self.options[request.decoder]
         unknown = sorted(set(request.options) - set(servable))
         if unknown:
@@ -158,10 +167,7 @@ class Retriever:
             )
         for name, value in request.options.items():
             check_option(request.decoder, name, value, servable[name], self.model.num_items)
-        if request.user_id is not None:
-            history = self.user_history(request.user_id)
-        else:
-            history = self.item_indices(request.history)
+        history = self.history_of(request)
         exclude = sorted(set(history)) if request.exclude_seen else []
         key = BatchKey(
             decoder=request.decoder,

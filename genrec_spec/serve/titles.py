@@ -30,21 +30,13 @@ class TitleRetriever:
         self.recommender, self.retriever = recommender, retriever
 
     def prepare(self, request: RecommendRequest) -> tuple[TitleKey, Query]:
-        if request.k > self.retriever.max_k:
-            raise ServeInputError(
-                f"k={request.k} is too large: this service returns at most "
-                f"{self.retriever.max_k} items",
-                "ask for fewer",
-            )
+        self.retriever.check_k(request.k)
         if request.options or request.exclude_seen:
             raise ServeInputError(
                 "the llm decoder takes no options and no exclude_seen",
                 "send user_id or history and k only",
             )
-        if request.user_id is not None:
-            history = self.retriever.user_history(request.user_id)
-        else:
-            history = self.retriever.item_indices(request.history)
+        history = self.retriever.history_of(request)
         if not history:
             raise ServeInputError(
                 "the llm decoder needs at least one item in the history",
