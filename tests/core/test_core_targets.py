@@ -3,8 +3,6 @@ after committing rows' different paths, and expose hidden states for trained dra
 
 import pytest
 import torch
-from transformers import LlamaConfig as HFLlamaConfig
-from transformers import LlamaForCausalLM
 
 from genrec_spec import CallableTarget, DraftTree, HFTarget, NativeTarget
 from genrec_spec.core import controller
@@ -58,19 +56,9 @@ def tiny_gemma3(window: int, layers: list[str]):
     return Gemma3ForCausalLM(config).eval()
 
 
-def models():
+def models(tiny):
     native = tiny_llama()
-    hf = LlamaForCausalLM(
-        HFLlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
-    ).eval()
+    hf = tiny.hf_llama(VOCAB, seed=0, scale=1.0)
     return {
         "hf": (HFTarget(hf), lambda ids: hf(ids).logits),
         "native": (
@@ -81,9 +69,9 @@ def models():
 
 
 @pytest.mark.parametrize("name", ["hf", "native", "callable"])
-def test_measure_pass_cost_times_every_target(name):
+def test_measure_pass_cost_times_every_target(tiny, name):
     """controller.measure_pass_cost runs on each adapter: a cost per size, 1 for one token."""
-    target, fn = models()["native" if name == "callable" else name]
+    target, fn = models(tiny)["native" if name == "callable" else name]
     cost = measure_pass_cost(CallableTarget(fn) if name == "callable" else target, 4, 8, 2)
     assert len(cost) == 4 and cost[0] == 1.0 and all(c > 0 for c in cost)
 
@@ -117,8 +105,8 @@ def test_cached_pass_cost_times_once_per_machine_key(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["hf", "native"])
-def test_tree_scores_match_cache_free_callable(name):
-    target, fn = models()[name]
+def test_tree_scores_match_cache_free_callable(tiny, name):
+    target, fn = models(tiny)[name]
     reference = CallableTarget(fn)
     with torch.inference_mode():
         caches = [t.prefill(PROMPTS, LENGTHS, 16) for t in (target, reference)]
@@ -143,11 +131,11 @@ def test_tree_scores_match_cache_free_callable(name):
 
 
 @pytest.mark.parametrize("name", ["hf", "native", "callable"])
-def test_a_tree_grown_pass_by_pass_scores_as_one_pass(name):
+def test_a_tree_grown_pass_by_pass_scores_as_one_pass(tiny, name):
     """TREE grown in three passes (root; its children; the grandchildren) gives the one-pass
     logits of the cache-free callable; a commit afterwards keeps a path of the grown tree, and
     the next tree scores on top of it as after an ordinary pass."""
-    target, fn = models()["native" if name == "callable" else name]
+    target, fn = models(tiny)["native" if name == "callable" else name]
     target = CallableTarget(fn) if name == "callable" else target
     reference = CallableTarget(fn)
     pieces = [(0, 1), (1, 3), (3, 6)]  # node ranges of the three passes
@@ -189,8 +177,8 @@ def test_hf_target_grows_a_tree_under_a_sliding_window():
 
 
 @pytest.mark.parametrize("name", ["hf", "native"])
-def test_hidden_states_for_drafters(name):
-    target, _ = models()[name]
+def test_hidden_states_for_drafters(tiny, name):
+    target, _ = models(tiny)[name]
     with torch.inference_mode():
         cache = target.prefill(PROMPTS, LENGTHS, 16, hidden_layers=(1, 2))
         assert cache.hidden[2].shape == (3, 4, 32)  # the prompts minus their roots
@@ -198,8 +186,8 @@ def test_hidden_states_for_drafters(name):
         assert set(cache.hidden) == {1, 2} and cache.hidden[1].shape == (3, 6, 32)
 
 
-def test_native_cache_grows_for_big_trees():
-    target, fn = models()["native"]
+def test_native_cache_grows_for_big_trees(tiny):
+    target, fn = models(tiny)["native"]
     reference = CallableTarget(fn)
     n = 70  # more than the initial 64 slots
     wide = DraftTree(
