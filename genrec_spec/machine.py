@@ -70,6 +70,20 @@ def describe() -> str:
     )
 
 
+def describe_device(device: str | object) -> str:
+    """`describe()` for a CPU; for a CUDA device its name, SMs, memory and CUDA version too."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return describe()
+    props = torch.cuda.get_device_properties(device)
+    return (
+        f"{props.name} ({props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB, "
+        f"CUDA {torch.version.cuda}) on {describe()}"
+    )
+
+
 def machine_key(*extra: object) -> str:
     """A digest of what a CPU timing depends on: the CPU model and flags, the torch build, and
     `extra` (the thread count where it matters, shapes, the kernels' version)."""

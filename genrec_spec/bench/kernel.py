@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from genrec_spec.bench.errors import BenchError
 from genrec_spec.kernels import ancestor_bitmask, ancestor_mask, tree_attention
-from genrec_spec.machine import describe
+from genrec_spec.machine import describe_device
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -61,6 +61,10 @@ class BenchConfig:
         "64x8192x256",
     )
     quick_shapes: tuple[str, ...] = ("2x512x16", "4x1024x32")
+    # --tune: the issue's target shape first, then one row, a few rows, a long root.
+    tune_shapes: tuple[str, ...] = ("32x2048x64", "1x2048x64", "8x2048x64", "32x8192x64")
+    tune_tree: str = "medusa"
+    peak_gbs: float = 4800.0  # an H200's HBM3e, for the bytes floor of --tune
     trees: tuple[str, ...] = ("chain", "branches", "medusa")
     cpu_heads: str = "9/3"  # SmolLM2-135M's query / KV heads, the LLM this project runs on CPU
     gpu_heads: str = "8/2"  # a GPU target's query / KV heads
@@ -241,6 +245,18 @@ class KernelBench:
     device: str | None = None  # "cpu" or "cuda"; None: cuda when available
 
 
+def resolve(
+    run: KernelBench, config: BenchConfig
+) -> tuple[torch.device, tuple[int, int], torch.dtype]:  # device, (Hq, Hkv), dtype
+    """The run's device, heads and dtype, each the device's default where the run leaves it."""
+    device = torch.device(run.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    torch.set_num_threads(config.threads)
+    heads = run.heads or (config.gpu_heads if cuda else config.cpu_heads)
+    hq, hkv = (int(h) for h in heads.split("/"))
+    return device, (hq, hkv), DTYPES[run.dtype or (config.gpu_dtype if cuda else config.cpu_dtype)]
+
+
 def benchmark(
     run: KernelBench = KernelBench(),
     config: BenchConfig = BenchConfig(),
@@ -253,18 +269,14 @@ def benchmark(
             f"--repeats {config.repeats} / --warmup {config.warmup}",
             "use --repeats >= 1 and --warmup >= 0",
         )
-    device = torch.device(run.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device, (hq, hkv), dtype = resolve(run, config)
     cuda = device.type == "cuda"
-    torch.set_num_threads(config.threads)
-    heads = run.heads or (config.gpu_heads if cuda else config.cpu_heads)
-    hq, hkv = (int(h) for h in heads.split("/"))
-    dtype = DTYPES[run.dtype or (config.gpu_dtype if cuda else config.cpu_dtype)]
     shapes = run.shapes or (
         config.quick_shapes if run.quick else config.gpu_shapes if cuda else config.cpu_shapes
     )
     cases = [parse_shape(shape, tree) for shape in shapes for tree in config.trees]
     baseline = "sdpa-dense" if cuda else "reference"
-    name = torch.cuda.get_device_name(device) if cuda else describe()
+    name = describe_device(device)
     out(f"tree attention on {name}: Hq/Hkv {hq}/{hkv}, D {config.head_dim}, {dtype}, "
         f"median of {config.repeats}; speedup over {baseline}")  # fmt: skip
     out(f"{'tree':>8} {'B':>3} {'S':>5} {'N':>4}  {'method':<13} {'ms':>9} {'speedup':>8} "

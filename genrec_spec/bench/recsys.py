@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from genrec_spec.bench.errors import BenchError
-from genrec_spec.machine import describe
+from genrec_spec.machine import describe_device
 from genrec_spec.recsys.checkpoint import load_model_and_data
 from genrec_spec.recsys.data import sample_users
 from genrec_spec.recsys.decoders.beam import beam_width_for, item_trie, search
@@ -69,6 +69,7 @@ class BenchRecsysConfig:
     batches: int = 2  # batches per batch size and repeat (same users for every decoder)
     repeats: int = 3  # throughput repeats (median)
     threads: int = 1
+    device: str = "cpu"  # where the model and histories live ("cuda" for a GPU)
     seed: int = 0
     # Time returning users: each decoder reads histories through a history cache that holds
     # every user's history without its last item (their previous request).
@@ -154,10 +155,17 @@ def returning_users(model, users, names: list[str]) -> dict:
     return views
 
 
+def _finish(device: torch.device) -> None:
+    """Wait for the device's queued work: a GPU call returns before its kernels end."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _timed(decode, model, users, k, trie):
     """(wall seconds, CPU seconds of this thread, Recommendations) of one call."""
     start, cpu = time.perf_counter(), time.thread_time()
     out = decode(model, users.values, users.offsets, k=k, trie=trie)
+    _finish(users.values.device)
     return time.perf_counter() - start, time.thread_time() - cpu, out
 
 
@@ -171,6 +179,7 @@ def _timed_floor(name: str, model, users, prefixes: PrefixTree) -> float:
         model.encode_history_and_tree(
             users.values, users.offsets, prefixes.codes, prefixes.levels, prefixes.parents
         )
+    _finish(users.values.device)
     return time.perf_counter() - start
 
 
@@ -353,9 +362,10 @@ def bench_checkpoint(
     and the report as text (a header, the table, the floors) and as JSON."""
     torch.set_num_threads(settings.threads)
     model, data = load_model_and_data(ckpt, data_dir)
+    model = model.to(settings.device)
     split = getattr(data, settings.split)
     needed = max(settings.users, max(settings.batch_sizes) * settings.batches)
-    histories = split.select(sample_users(len(split), needed, settings.seed))
+    histories = split.select(sample_users(len(split), needed, settings.seed)).to(settings.device)
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     rows, floors = benchmark(model, histories, settings, log)
@@ -363,7 +373,8 @@ def bench_checkpoint(
     width = beam_width_for(settings.k, settings.beam_width, model.num_items)
     lines = [
         f"{data.manifest.get('name', data.path)} {settings.split} split, {model.num_items} "
-        f"items, K={settings.k}, beam width {width}, {describe()}: batch 1 over "
+        f"items, K={settings.k}, beam width {width}, {describe_device(settings.device)}: "
+        f"batch 1 over "
         f"{min(settings.users, len(histories))} users, throughput "
         f"{settings.batches} batch(es) per size, median of {settings.repeats}; "
         f"{time.perf_counter() - started:.0f} s, load average {load_before:.2f} -> "

@@ -50,6 +50,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "genrec_spec.cli.bench",
         "benchmarks: kernel | q4 | llm | recsys, ratios against a same-run baseline",
     ),
+    "gpu-check": (
+        "genrec_spec.cli.gpu_check",
+        "on a CUDA machine: the GPU tests and the kernel and recommender benchmarks, to files",
+    ),
     "demo": ("genrec_spec.cli.demo", "the main job on the embedded default (ML-100K)"),
 }
 

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from genrec_spec.bench import kernel
 from genrec_spec.bench.kernel import DTYPES, TREES, BenchConfig, KernelBench, benchmark
+from genrec_spec.bench.kernel_tune import tune_kernel
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +23,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=c.repeats, help="timed calls (>= 1)")
     parser.add_argument("--warmup", type=int, default=c.warmup)
     parser.add_argument("--threads", type=int, default=c.threads, help="torch CPU threads")
+    parser.add_argument(
+        "--tune",
+        action="store_true",
+        help="CUDA only: sweep the Triton kernel's launch parameters on each shape, timed by "
+        f"CUDA-graph replay (default shapes {' '.join(c.tune_shapes)}, medusa tree)",
+    )
+    parser.add_argument(
+        "--peak-gbs", type=float, default=c.peak_gbs, help="--tune: the GPU's memory bandwidth"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,6 +44,10 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
     )
     shapes = tuple(args.shapes) if args.shapes else None
+    if args.tune:
+        tune_kernel(KernelBench(shapes, args.quick, args.heads, args.dtype, args.device), config,
+                    args.peak_gbs)  # fmt: skip
+        return 0
     benchmark(KernelBench(shapes, args.quick, args.heads, args.dtype, args.device), config)
     return 0
 

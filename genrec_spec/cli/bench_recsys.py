@@ -73,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=int, default=c.batches, help="batches per size")
     parser.add_argument("--repeats", type=int, help=f"throughput repeats (default {c.repeats})")
     parser.add_argument("--threads", type=int, default=c.threads, help="torch CPU threads")
+    parser.add_argument("--device", default=c.device, help="cpu or cuda (model and histories)")
     parser.add_argument("--seed", type=int, default=c.seed, help="draws the users")
     parser.add_argument(
         "--history-cache",
@@ -113,6 +114,7 @@ def settings_from(args: argparse.Namespace) -> BenchRecsysConfig:
         batches=args.batches,
         repeats=pick(args.repeats, c.quick_repeats, c.repeats),
         threads=args.threads,
+        device=args.device,
         seed=args.seed,
         history_cache=args.history_cache,
     )

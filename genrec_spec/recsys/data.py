@@ -12,7 +12,7 @@ Q long-ID digits.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -50,16 +50,23 @@ class Histories:
 
     def select(self, users: Tensor) -> Histories:  # users: [B] int64 rows of this split
         """The histories (and targets) of some users, in the given order."""
+        users = users.to(self.offsets.device)
         start, lengths = self.offsets[users], self.lengths[users]  # [B], [B]
         offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-        row = torch.repeat_interleave(torch.arange(len(users)), lengths)
-        index = start[row] + torch.arange(int(offsets[-1])) - offsets[row]
+        row = torch.repeat_interleave(torch.arange(len(users), device=users.device), lengths)
+        index = start[row] + torch.arange(int(offsets[-1]), device=users.device) - offsets[row]
         return Histories(
             user_ids=[self.user_ids[int(u)] for u in users],
             values=self.values[index],
             offsets=offsets,
             targets=None if self.targets is None else self.targets[users],
         )
+
+    def to(self, device: torch.device | str) -> Histories:
+        """The same histories with their tensors on `device`."""
+        targets = None if self.targets is None else self.targets.to(device)
+        values, offsets = self.values.to(device), self.offsets.to(device)
+        return replace(self, values=values, offsets=offsets, targets=targets)
 
 
 @dataclass(frozen=True)

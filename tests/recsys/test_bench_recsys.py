@@ -25,13 +25,18 @@ def _args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def test_bench_recsys_quick(tiny_model, tmp_path, capsys):
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_GPU)])
+def test_bench_recsys_quick(tiny_model, tmp_path, capsys, device):
     model, data = tiny_model
     save_checkpoint(
         tmp_path / "ckpt", model, {"data": {"path": str(data.path), "data_hash": data.data_hash}}
     )
     out = tmp_path / "bench.json"
     argv = ["--ckpt", str(tmp_path / "ckpt"), "--quick", "--k", "3", "--beam-width", "4"]
+    argv += ["--device", device]
     assert bench_cli.run(_args(argv + ["--json", str(out)])) == 0
     table = capsys.readouterr().out
     report = json.loads(out.read_text())

@@ -1,0 +1,167 @@
+"""Every GPU check in one command: ``genrec-spec gpu-check --out DIR`` (``make gpu-check``).
+
+GPU time comes in short windows, so the checks run one after another, each in its own process
+with a time limit, most important first, and each writes its output as it goes (a check cut by
+its limit keeps what it printed):
+
+1. ``tests``: the GPU-marked tests (every test file that has one), the Triton kernel compiled;
+2. ``tune``: ``bench kernel --tune``, the kernel's launch parameters swept on the GPU, timed by
+   CUDA-graph replay against SDPA with a dense mask;
+3. ``recsys-wN``: ``bench recsys --device cuda --beam-width N`` for each beam width, on a trained
+   checkpoint (``--ckpt``): beam, spec_beam and every other decoder on the same users;
+4. ``kernel``: ``bench kernel --device cuda`` on a few shapes, timed by the host clock with each
+   call's launch overhead (FlexAttention compiled there too).
+
+DIR gets one ``<check>.txt`` per check and ``summary.md``: each check's exit status, seconds and
+command, then the kernel's best launch per shape and the recommender tables. Files are written
+under a temporary name and renamed when their check ends.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from genrec_spec.bench.errors import BenchError
+
+
+@dataclass(frozen=True)
+class GpuCheckConfig:
+    """Defaults of ``genrec-spec gpu-check``."""
+
+    beam_widths: tuple[int, ...] = (20, 200)  # bench recsys, one check each
+    recsys_users: int = 100  # batch-1 users of each bench recsys
+    recsys_batch_sizes: str = "64,256"
+    kernel_shapes: tuple[str, ...] = ("32x2048x64", "1x2048x64")  # the host-clock check
+    # Seconds each check may take: about 9 minutes in all, inside a 12-minute window with the
+    # install and the machine's start.
+    limits: tuple[tuple[str, int], ...] = (
+        ("tests", 150),
+        ("tune", 200),
+        ("recsys", 75),  # each beam width
+        ("kernel", 60),
+    )
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    argv: list[str]
+    limit_s: int
+
+
+@dataclass(frozen=True)
+class Outcome:
+    check: Check
+    status: str  # "ok", "failed (exit N)" or "cut at its limit"
+    seconds: float
+    output: Path
+
+
+def gpu_test_files(tests: Path) -> list[Path]:
+    """Test files with a GPU-marked test: only these are collected, so the GPU machine needs
+    none of the other tests' dependencies (the service's, Ray's)."""
+    return sorted(
+        p for p in tests.rglob("test_*.py") if "mark.gpu" in p.read_text(encoding="utf-8")
+    )
+
+
+def plan(tests: Path, ckpt: Path | None, data: Path | None, config: GpuCheckConfig) -> list[Check]:
+    """The checks in the order they run (module docstring)."""
+    limit = dict(config.limits)
+    cli = [sys.executable, "-m", "genrec_spec.cli"]
+    files = [str(p) for p in gpu_test_files(tests)]
+    checks = [
+        Check("tests", [sys.executable, "-m", "pytest", "-m", "gpu", "-q", *files], limit["tests"]),
+        Check("tune", [*cli, "bench", "kernel", "--tune"], limit["tune"]),
+    ]
+    if ckpt is not None:
+        source = [*cli, "bench", "recsys", "--ckpt", str(ckpt), "--device", "cuda"]
+        source += ["--data", str(data)] if data is not None else []
+        source += ["--users", str(config.recsys_users)]
+        source += ["--batch-sizes", config.recsys_batch_sizes]
+        for width in config.beam_widths:
+            argv = [*source, "--beam-width", str(width)]
+            checks.append(Check(f"recsys-w{width}", argv, limit["recsys"]))
+    kernel = [*cli, "bench", "kernel", "--device", "cuda", "--trees", "medusa", "--shapes"]
+    checks.append(Check("kernel", [*kernel, *config.kernel_shapes], limit["kernel"]))
+    return checks
+
+
+def run_check(check: Check, out_dir: Path) -> Outcome:
+    """Run one check with its output going to ``<out_dir>/<name>.txt`` as it is printed."""
+    output = out_dir / f"{check.name}.txt"
+    partial = output.with_suffix(".txt.partial")
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    env.pop("TRITON_INTERPRET", None)  # compiled kernels on the GPU
+    started = time.perf_counter()
+    with partial.open("w", encoding="utf-8") as sink:
+        sink.write("$ " + " ".join(check.argv) + "\n")
+        sink.flush()
+        try:
+            code = subprocess.run(
+                check.argv, stdout=sink, stderr=subprocess.STDOUT, env=env, timeout=check.limit_s
+            ).returncode
+            status = "ok" if code == 0 else f"failed (exit {code})"
+        except subprocess.TimeoutExpired:
+            status = f"cut at its limit ({check.limit_s} s)"
+    partial.replace(output)
+    return Outcome(check, status, time.perf_counter() - started, output)
+
+
+def summary(outcomes: list[Outcome], machine: str) -> str:
+    """summary.md: the table of checks, the kernel's best launches and the recsys tables."""
+    lines = [f"# GPU check on {machine}", "", "| check | status | seconds | command |"]
+    lines.append("|---|---|---|---|")
+    for o in outcomes:
+        command = " ".join(o.check.argv[1:]).replace("|", "\\|")
+        lines.append(f"| {o.check.name} | {o.status} | {o.seconds:.0f} | `{command}` |")
+    for o in outcomes:
+        text = o.output.read_text(encoding="utf-8").splitlines()
+        if o.check.name == "tests":
+            picked = text[-3:]
+        elif o.check.name == "tune":
+            picked = [line for line in text if line.startswith("best ")]
+        elif o.check.name.startswith("recsys"):
+            picked = [line for line in text if not line.startswith(("batch ", "$ "))]
+        else:
+            continue
+        lines += ["", f"## {o.check.name}", "", "```", *picked, "```"]
+    return "\n".join(lines) + "\n"
+
+
+def gpu_check(
+    out_dir: Path,
+    ckpt: Path | None,
+    data: Path | None,
+    tests: Path,
+    config: GpuCheckConfig = GpuCheckConfig(),
+    log=print,
+) -> list[Outcome]:
+    """Run every check of `plan` into `out_dir` and write its summary.md."""
+    import torch
+
+    from genrec_spec.machine import describe_device
+
+    if not torch.cuda.is_available():
+        raise BenchError(
+            "gpu-check found no CUDA GPU (torch.cuda.is_available() is False)",
+            "run it on a machine with a CUDA GPU and a CUDA build of torch",
+        )
+    if ckpt is not None and not (ckpt / "manifest.json").is_file():
+        raise BenchError(f"--ckpt {ckpt} holds no manifest.json", "pass a `train` output folder")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    machine = describe_device("cuda")
+    outcomes = []
+    for check in plan(tests, ckpt, data, config):
+        log(f"{check.name}: up to {check.limit_s} s")
+        outcomes.append(run_check(check, out_dir))
+        log(f"{check.name}: {outcomes[-1].status} in {outcomes[-1].seconds:.0f} s")
+    partial = out_dir / "summary.md.partial"
+    partial.write_text(summary(outcomes, machine), encoding="utf-8")
+    partial.replace(out_dir / "summary.md")
+    return outcomes

@@ -1,0 +1,23 @@
+"""`genrec-spec gpu-check`: every GPU check in one command (``genrec_spec.bench.gpu_check``)."""
+
+import argparse
+from pathlib import Path
+
+from genrec_spec.bench import gpu_check
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = gpu_check.__doc__
+    parser.add_argument("--out", type=Path, required=True, help="folder for the results")
+    parser.add_argument(
+        "--ckpt", type=Path, help="a recommender checkpoint (`train` output) for bench recsys"
+    )
+    parser.add_argument("--data", type=Path, help="its prepared data folder (default: its own)")
+    parser.add_argument(
+        "--tests", type=Path, default=Path("tests"), help="the test folder (run from the repo)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    outcomes = gpu_check.gpu_check(args.out, args.ckpt, args.data, args.tests)
+    return 0 if all(o.status == "ok" for o in outcomes) else 1

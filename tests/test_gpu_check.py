@@ -1,0 +1,61 @@
+"""`genrec-spec gpu-check`'s plan and runner on this machine (the GPU checks themselves run where
+a GPU is: docs/results/kernels.md, recsys-speed.md)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from genrec_spec.bench import gpu_check
+
+TESTS = Path(__file__).parent
+
+
+def test_it_collects_only_the_files_with_gpu_tests():
+    files = {p.relative_to(TESTS).as_posix() for p in gpu_check.gpu_test_files(TESTS)}
+    assert {"kernels/test_tree_attention.py", "recsys/test_bench_recsys.py"} <= files
+    assert "test_gpu_check.py" in files  # this file's own GPU test below
+    assert "core/test_core_beam.py" not in files
+
+
+def test_the_plan_runs_tests_first_and_bench_recsys_at_each_width(tmp_path):
+    config = gpu_check.GpuCheckConfig(beam_widths=(20, 200))
+    checks = gpu_check.plan(TESTS, tmp_path / "ckpt", None, config)
+    assert [c.name for c in checks] == ["tests", "tune", "recsys-w20", "recsys-w200", "kernel"]
+    assert checks[0].argv[1:5] == ["-m", "pytest", "-m", "gpu"]
+    recsys = checks[3].argv
+    assert recsys[recsys.index("--beam-width") + 1] == "200"
+    assert recsys[recsys.index("--device") + 1] == "cuda" and "--data" not in recsys
+    assert sum(c.limit_s for c in checks) < 12 * 60  # the window the issue gives
+    without = gpu_check.plan(TESTS, None, None, config)
+    assert [c.name for c in without] == ["tests", "tune", "kernel"]
+
+
+def test_a_check_keeps_its_output_and_a_cut_check_says_so(tmp_path):
+    say = gpu_check.Check("say", [sys.executable, "-c", "print('hello')"], 30)
+    fail = gpu_check.Check("fail", [sys.executable, "-c", "raise SystemExit(3)"], 30)
+    code = "import time; print('started', flush=True); time.sleep(30)"
+    slow = gpu_check.Check("slow", [sys.executable, "-c", code], 2)
+    outcomes = [gpu_check.run_check(c, tmp_path) for c in (say, fail, slow)]
+    assert [o.status for o in outcomes] == ["ok", "failed (exit 3)", "cut at its limit (2 s)"]
+    assert (tmp_path / "say.txt").read_text().endswith("hello\n")
+    assert "started" in (tmp_path / "slow.txt").read_text()  # printed before the cut
+    assert not list(tmp_path.glob("*.partial"))
+    text = gpu_check.summary(outcomes, "a test machine")
+    assert "| fail | failed (exit 3) |" in text and text.startswith("# GPU check on a test")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_without_a_gpu_it_refuses_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        gpu_check.gpu_check(tmp_path / "out", None, None, TESTS)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_machine_reports_its_device():
+    from genrec_spec.machine import describe_device
+
+    assert torch.cuda.get_device_name() in describe_device("cuda")
