@@ -34,16 +34,16 @@ class GpuCheckConfig:
     """Defaults of ``genrec-spec gpu-check``."""
 
     beam_widths: tuple[int, ...] = (20, 200)  # bench recsys, one check each
-    recsys_users: int = 100  # batch-1 users of each bench recsys
+    recsys_users: int = 60  # batch-1 users of each bench recsys
     recsys_batch_sizes: str = "64,256"
     kernel_shapes: tuple[str, ...] = ("32x2048x64", "1x2048x64")  # the host-clock check
-    # Seconds each check may take: about 9 minutes in all, inside a 12-minute window with the
+    # Seconds each check may take: under 8 minutes in all, inside a 12-minute window with the
     # install and the machine's start.
     limits: tuple[tuple[str, int], ...] = (
-        ("tests", 150),
-        ("tune", 200),
+        ("tests", 120),
+        ("tune", 160),
         ("recsys", 75),  # each beam width
-        ("kernel", 60),
+        ("kernel", 40),
     )
 
 

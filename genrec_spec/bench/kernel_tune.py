@@ -11,7 +11,7 @@ reference, so a config that is fast and wrong shows up as such.
 Columns: the config, microseconds, speedup over sdpa-dense, the time over the bytes floor (each
 row's root K/V read once, tree Q/K/V read once, output written once, at the device's peak
 memory bandwidth given by ``--peak-gbs``), and the max error against the reference. The last
-lines give each shape's fastest config and the current default's time.
+``best`` line after each shape gives its fastest config and the current default's time.
 """
 
 import itertools
@@ -107,13 +107,13 @@ def tune(
     """Time every config of `grid` on every case; print a line per config (module docstring)
     and return each case's fastest."""
     results = []
-    for case in cases:
+    for case in cases:  # each case's best is printed as soon as it is known
         x = make_inputs(case, heads[0], heads[1], head_dim, dtype, device)
-        results.append(_tune_case(case, x, grid, peak_gbs, timer, out))
-    for r in results:
+        r = _tune_case(case, x, grid, peak_gbs, timer, out)
         out(f"best {r.case.tree} {r.case.batch}x{r.case.root}x{r.case.nodes}: "
             f"{describe_config(r.config)} {r.us:.1f} us ({r.sdpa_us / r.us:.2f}x sdpa-dense); "
             f"default {r.default_us:.1f} us ({r.sdpa_us / r.default_us:.2f}x)")  # fmt: skip
+        results.append(r)
     return results
 
 
