@@ -274,7 +274,9 @@ class _Search:
             allowed = self.constraint.allowed(
                 states, rows, lambda: [self.prompts[r] + tree.path(r, n) for r, n in pairs]
             )
-        best = log_probs(chosen, allowed, self.config.renormalize).topk(tree.width, dim=-1)
+        normalized = getattr(self.target, "outputs_log_probs", False)
+        scores = log_probs(chosen, allowed, self.config.renormalize, normalized)
+        best = scores.topk(tree.width, dim=-1)
         if bool(torch.isnan(best.values).any()):  # a NaN logit makes its row's log-probs NaN
             raise DecodeInputError(
                 "the target's logits contain NaN",

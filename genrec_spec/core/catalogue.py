@@ -35,6 +35,7 @@ class TokenTrie:
     leaf_items: Tensor  # [nodes] int64: the item a finished sequence is; -1 elsewhere
     num_items: int  # distinct sequences (items with identical sequences count once)
     longest: int  # tokens in the longest sequence (end token included)
+    shortest: int  # tokens in the shortest
 
     @classmethod
     def from_sequences(
@@ -52,13 +53,13 @@ class TokenTrie:
             raise DecodeInputError("the catalogue is empty", "give at least one item sequence")
         children: list[dict[int, int]] = [{}]
         leaf: dict[int, int] = {}
-        longest = 0
+        longest, shortest = 0, 1 << 62
         for item, sequence in enumerate(sequences):
             tokens = list(sequence)
             if eos_token_id is not None and (not tokens or tokens[-1] != eos_token_id):
                 tokens.append(eos_token_id)
             _check_tokens(item, tokens, vocab_size)
-            longest = max(longest, len(tokens))
+            longest, shortest = max(longest, len(tokens)), min(shortest, len(tokens))
             node = 0
             for token in tokens:
                 if node in leaf:
@@ -88,6 +89,7 @@ class TokenTrie:
             leaf_items=leaf_items,
             num_items=len(leaf),
             longest=longest,
+            shortest=shortest,
         )
 
     @property

@@ -106,16 +106,19 @@ class AllowedTokens:
 
 
 def check_catalogue(constraint: Constraint | None, eos: list[int], max_new_tokens: int) -> None:
-    """A catalogue needs the end token (an item is finished there) and room for its longest
-    sequence: otherwise a row could stop or run on outside the catalogue."""
+    """A catalogue needs the end token (an item is finished there), or items of one length that
+    max_new_tokens ends (Semantic IDs), and room for its longest sequence: otherwise a row could
+    stop or run on outside the catalogue."""
     if not isinstance(constraint, Catalogue):
         return
-    if not eos:
+    longest = constraint.trie.longest
+    if not eos and not constraint.trie.shortest == longest == max_new_tokens:
         raise DecodeInputError(
-            "a catalogue constraint needs eos_token_id: an item is finished at its end token",
+            "a catalogue constraint needs eos_token_id (an item is finished at its end token) "
+            f"unless its items all have max_new_tokens tokens (they have "
+            f"{constraint.trie.shortest}..{longest}; max_new_tokens = {max_new_tokens})",
             "pass the token every catalogue sequence ends with as eos_token_id",
         )
-    longest = constraint.trie.longest
     if max_new_tokens < longest:
         raise DecodeInputError(
             f"max_new_tokens = {max_new_tokens} is shorter than the catalogue's longest "
@@ -128,14 +131,18 @@ def log_probs(
     logits: Tensor,  # [Q, V]
     allowed: Tensor | None,  # [Q, V] bool, None: no constraint
     renormalize: bool = False,
+    normalized: bool = False,  # the logits are log-probabilities already
 ) -> Tensor:  # [Q, V] float32, -inf at disallowed tokens
     """Next-token log-probabilities under a constraint, by one of two rules: the full
     vocabulary's log-probabilities masked to the allowed tokens (transformers' rule, whose beam
     scores are then comparable to an unconstrained model's), or, with ``renormalize``, the
-    distribution renormalised over the allowed tokens (the recommender's rule: a forced token
-    costs exactly 0). A prefix with no allowed token (a finished catalogue item) gets -inf
-    everywhere under both."""
+    distribution renormalised over the allowed tokens (a forced token costs exactly 0). A prefix
+    with no allowed token (a finished catalogue item) gets -inf everywhere under both.
+    ``normalized`` logits (a target whose outputs are log-probs: the recommender) are masked as
+    they are under the first rule, so the scores are the target's own, bit for bit."""
     logits = logits.float()
+    if normalized and not renormalize:
+        return logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
     if allowed is None:
         return torch.log_softmax(logits, dim=-1)
     if renormalize:

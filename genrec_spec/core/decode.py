@@ -92,10 +92,11 @@ def _check_limits(target: Target, lengths: Tensor, max_new_tokens: int) -> None:
 
 
 def _check_vocab(target: Target, tokens: Tensor) -> None:
-    if int(tokens.max()) >= target.vocab_size:
+    # A target may read prompts in a vocabulary of their own (the recommender: item ids).
+    vocab = getattr(target, "prompt_vocab_size", None) or target.vocab_size
+    if int(tokens.max()) >= vocab:
         raise DecodeInputError(
-            f"token id {int(tokens.max())} is outside the target's vocabulary of "
-            f"{target.vocab_size}",
+            f"token id {int(tokens.max())} is outside the target's vocabulary of {vocab}",
             "tokenize with the target's own tokenizer",
         )
 

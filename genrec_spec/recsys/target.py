@@ -1,0 +1,131 @@
+"""The Semantic-ID recommender as a core ``Target``: the history is the root, code levels are
+tokens, so the core's ``beam_search`` (and its drafters) decode it.
+
+    target = RecommenderTarget(model)
+    catalogue = target.catalogue()
+    out = beam_search(target, histories, max_new_tokens=model.num_levels, constraint=catalogue,
+                      config=BeamConfig(num_beams=W, num_return_sequences=K, length_penalty=0))
+    items = target.items(out, catalogue)  # [B, K], scores out.scores: beam's exactly
+
+Vocabularies: prompts are item indices (the history, oldest first); generated tokens are codes
+in one flattened code vocabulary, code c of level l being token ``offsets[l] + c``. A tree's
+root (parent -1, the history's last item) is scored by the history pass: its output is the
+level-0 log-probs; a node at depth d carries a level d - 1 code and outputs level d's.
+Outputs are the model's own log-probabilities (``outputs_log_probs``), which beam search reads
+as they are, masked to the catalogue: exactly the scores of the recommender's ``beam``.
+
+The whole history is encoded at prefill (the model keeps its most recent ``max_len`` items);
+every grow re-scores the pending code tree against it, as ``beam`` does a level at a time.
+Items are whole code tuples, so the recommender decodes by beam search only: ``commit`` (the
+single-path loop of ``generate``) is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from genrec_spec.core.catalogue import TokenTrie
+from genrec_spec.core.constraints import Catalogue
+from genrec_spec.core.targets import grown
+from genrec_spec.core.tree import topology
+from genrec_spec.core.types import DecodeInputError, DraftTree
+
+# The model slides over long histories itself; no prompt is too long for it.
+UNBOUNDED = 1 << 30
+
+
+@dataclass
+class RecommenderCache:
+    state: object  # the model's HistoryState of the B histories
+    tree: DraftTree | None = None  # the nodes grown since prefill
+
+
+class RecommenderTarget:
+    outputs_log_probs = True  # outputs are log-probs: read as they are, not re-normalised
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.device = model.item_codes.device
+        self.sizes = torch.tensor(model.codebook_sizes, device=self.device)  # [L]
+        self.offsets = torch.cat([self.sizes.new_zeros(1), self.sizes.cumsum(0)])  # [L + 1]
+        self.vocab_size = int(self.offsets[-1])
+        self.prompt_vocab_size = model.num_items
+        self.max_length = UNBOUNDED
+
+    def catalogue(self) -> Catalogue:
+        """The model's items as code-token sequences (fixed length L, no end token)."""
+        tokens = self.model.item_codes + self.offsets[:-1]  # [I, L]
+        return Catalogue(TokenTrie.from_sequences(tokens.tolist(), self.vocab_size))
+
+    def items(self, output, catalogue: Catalogue) -> Tensor:  # [B, K] int64 item indices
+        """The items of a ``beam_search`` output under ``catalogue`` (each result is one full
+        code tuple: the trie's leaf names its item)."""
+        batch, k = output.scores.shape
+        tokens = output.values.view(batch * k, -1).to(catalogue.trie.child_offsets.device)
+        nodes = catalogue.start(batch * k, tokens.device)
+        for level in range(tokens.shape[1]):
+            nodes = catalogue.advance(nodes, tokens[:, level])
+        return catalogue.trie.items(nodes).view(batch, k)
+
+    def prefill(
+        self, tokens: Tensor, lengths: Tensor, capacity: int, hidden_layers: Sequence[int] = ()
+    ) -> RecommenderCache:
+        if hidden_layers:
+            raise DecodeInputError(
+                "the recommender exposes no hidden states to drafters",
+                "use drafters that need none (the catalogue's)",
+            )
+        keep = torch.arange(tokens.shape[1], device=tokens.device) < lengths[:, None]
+        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        return RecommenderCache(self.model.encode_history(tokens[keep], offsets))
+
+    def grow_tree(self, cache: RecommenderCache, tokens: Tensor, parents: Tensor) -> Tensor:
+        cache.tree = grown(cache.tree, tokens, parents)
+        return self._score(cache, tokens.shape[1])
+
+    def score_tree(self, cache: RecommenderCache, tree: DraftTree) -> Tensor:
+        cache.tree = tree
+        return self._score(cache, tree.num_nodes)
+
+    def commit(self, cache: RecommenderCache, nodes: Tensor, counts: Tensor) -> None:
+        raise DecodeInputError(
+            "the recommender emits whole items (code tuples): it decodes by beam search",
+            "use genrec_spec.beam_search with the target's catalogue",
+        )
+
+    def _score(self, cache: RecommenderCache, m: int) -> Tensor:  # [B, M, V] of the last m
+        """Log-probs of the last m nodes of the pending tree: the roots' from the history pass,
+        the code nodes' from one ``score_tree`` pass over every code node that predicts a level
+        (the model keeps no K/V of tree nodes, so earlier ones are context again). A node of
+        the last level predicts nothing: -inf everywhere."""
+        tree, model = cache.tree, self.model
+        batch, n = tree.tokens.shape
+        _, depth = topology(tree.parents, validate=False)  # [B, N], roots at 0
+        root, scored = depth == 0, (depth > 0) & (depth < model.num_levels)
+        out = torch.full((batch, n, self.vocab_size), float("-inf"), device=self.device)
+        level0 = cache.state.level0_log_probs  # [B, V0]
+        out[:, :, : level0.shape[1]] = torch.where(root[..., None], level0[:, None], -torch.inf)
+        if not bool(scored.any()):
+            return out[:, n - m :]
+        # The model's tree: each row's scored nodes, in tree order (parents first), padded.
+        order = torch.sort((~scored).long(), dim=1, stable=True).indices  # [B, N]
+        order = order[:, : int(scored.sum(1).max())]  # [B, C]
+        real = scored.gather(1, order)
+        rank = torch.cumsum(scored.long(), 1) - 1  # [B, N] a scored node's slot in `order`
+        parent = tree.parents.gather(1, order).clamp_min(0)  # a root's children: below history
+        model_parents = torch.where(real & scored.gather(1, parent), rank.gather(1, parent), -1)
+        levels = torch.where(real, depth.gather(1, order) - 1, 0)
+        codes = torch.where(real, tree.tokens.gather(1, order) - self.offsets[levels], 0)
+        log_probs = model.score_tree(cache.state, codes, levels, model_parents)  # [B, C, Vmax]
+        rows, slots = real.nonzero(as_tuple=True)
+        following = levels[rows, slots] + 1  # the level each node predicts
+        width = torch.arange(log_probs.shape[2], device=self.device)
+        inside = width < self.sizes[following][:, None]  # [Q, Vmax]; -inf past its codebook
+        q, c = inside.nonzero(as_tuple=True)
+        columns = self.offsets[following][q] + c
+        out[rows[q], order[rows, slots][q], columns] = log_probs[rows[q], slots[q], c]
+        return out[:, n - m :]

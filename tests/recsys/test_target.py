@@ -1,0 +1,92 @@
+"""The recommender as a core Target: the core's beam search decodes it to the recommender's own
+`beam` lists and scores, plain and speculative."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from genrec_spec import BeamConfig, beam_search
+from genrec_spec.core.types import DecodeInputError
+from genrec_spec.llm.proposers.catalogue import CatalogueDrafter
+from genrec_spec.models.recsys.config import TiedLevelsConfig
+from genrec_spec.models.recsys.recommender import SemanticIdRecommender
+from genrec_spec.recsys.decoders import beam
+from genrec_spec.recsys.target import RecommenderTarget
+
+
+def prompts_of(users) -> list[list[int]]:
+    bounds = users.offsets.tolist()
+    return [users.values[a:b].tolist() for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def core_beam(model, users, k: int, width: int, drafter: bool = False):
+    """(items [B, K], scores [B, K], passes) of the core's beam search on the recommender."""
+    target = RecommenderTarget(model)
+    catalogue = target.catalogue()
+    out = beam_search(
+        target,
+        prompts_of(users),
+        config=BeamConfig(num_beams=width, num_return_sequences=k, length_penalty=0.0),
+        max_new_tokens=model.num_levels,
+        constraint=catalogue,
+        drafter=CatalogueDrafter(catalogue) if drafter else None,
+    )
+    return target.items(out, catalogue), out.scores, out.stats.target_forwards
+
+
+def tied(model, data) -> SemanticIdRecommender:
+    """The same config with tied code levels: log-probs normalised over a prefix's children."""
+    objective = replace(
+        model.config.item_objective, level0=True, tied_levels=TiedLevelsConfig(residual=False)
+    )
+    config = replace(model.config, item_objective=objective)
+    torch.manual_seed(1)
+    return SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).eval()
+
+
+@pytest.mark.parametrize("levels", ["untied", "tied"])
+@pytest.mark.parametrize(("k", "width"), [(3, 3), (5, 8)])
+def test_core_beam_search_equals_the_recommenders_beam(tiny_model, levels, k, width):
+    model, data = tiny_model
+    if levels == "tied":
+        model = tied(model, data)
+    users = data.test.select(torch.arange(len(data.test)))
+    want = beam.decode(model, users.values, users.offsets, k=k, trie=beam.item_trie(model),
+                       beam_width=width)  # fmt: skip
+    for drafter in (False, True):
+        items, scores, passes = core_beam(model, users, k, width, drafter)
+        assert torch.equal(items, want.items)
+        # The model's own log-probs, summed alike (from trees laid out otherwise: rounding).
+        torch.testing.assert_close(scores, want.scores, rtol=0, atol=1e-5)
+        assert passes == model.num_levels  # the history pass, then one per level but the last
+
+
+def test_the_catalogue_is_every_item_as_code_tokens(tiny_model):
+    model, _ = tiny_model
+    target = RecommenderTarget(model)
+    catalogue = target.catalogue()
+    assert catalogue.trie.num_items == model.num_items
+    assert catalogue.trie.shortest == catalogue.trie.longest == model.num_levels
+    assert target.vocab_size == sum(model.codebook_sizes)
+    assert target.prompt_vocab_size == model.num_items
+
+
+def test_bad_use_is_refused(tiny_model):
+    model, data = tiny_model
+    target = RecommenderTarget(model)
+    users = data.test.select(torch.arange(2))
+    catalogue = target.catalogue()
+    with pytest.raises(DecodeInputError, match="unless its items all have max_new_tokens"):
+        beam_search(target, prompts_of(users), max_new_tokens=model.num_levels + 1,
+                    constraint=catalogue)  # fmt: skip
+    with pytest.raises(DecodeInputError, match="outside the target's vocabulary"):
+        beam_search(target, [[model.num_items]], max_new_tokens=model.num_levels,
+                    constraint=catalogue)  # fmt: skip
+    cache = target.prefill(torch.tensor([[1, 2]]), torch.tensor([2]), 8)
+    with pytest.raises(DecodeInputError, match="decodes by beam search"):
+        target.commit(cache, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long))
+    with pytest.raises(DecodeInputError, match="no hidden states"):
+        target.prefill(torch.tensor([[1, 2]]), torch.tensor([2]), 8, hidden_layers=(1,))
