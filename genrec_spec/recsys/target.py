@@ -31,7 +31,6 @@ from torch import Tensor
 from genrec_spec.core.catalogue import TokenTrie
 from genrec_spec.core.constraints import Catalogue
 from genrec_spec.core.targets import grown
-from genrec_spec.core.tree import topology
 from genrec_spec.core.types import DecodeInputError, DraftTree
 
 # The model slides over long histories itself; no prompt is too long for it.
@@ -42,6 +41,7 @@ UNBOUNDED = 1 << 30
 class RecommenderCache:
     state: object  # the model's HistoryState of the B histories
     tree: DraftTree | None = None  # the nodes grown since prefill
+    depth: Tensor | None = None  # [B, N] each node's depth (roots 0), kept as the tree grows
 
 
 class RecommenderTarget:
@@ -85,11 +85,24 @@ class RecommenderTarget:
 
     def grow_tree(self, cache: RecommenderCache, tokens: Tensor, parents: Tensor) -> Tensor:
         cache.tree = grown(cache.tree, tokens, parents)
+        cache.depth = self._depths(cache.depth, parents)
         return self._score(cache, tokens.shape[1])
 
     def score_tree(self, cache: RecommenderCache, tree: DraftTree) -> Tensor:
-        cache.tree = tree
+        cache.tree, cache.depth = tree, self._depths(None, tree.parents)
         return self._score(cache, tree.num_nodes)
+
+    def _depths(self, depth: Tensor | None, parents: Tensor) -> Tensor:  # [B, N + M]
+        """The depths after appending nodes with these parents [B, M]: one gather per level,
+        since a new node's parent may be new too (codes are at most L deep)."""
+        old = 0 if depth is None else depth.shape[1]
+        full = parents.new_zeros(parents.shape[0], old + parents.shape[1])
+        if depth is not None:
+            full[:, :old] = depth
+        for _ in range(self.model.num_levels + 1):
+            above = full.gather(1, parents.clamp_min(0)) + 1
+            full[:, old:] = torch.where(parents >= 0, above, 0)
+        return full
 
     def commit(self, cache: RecommenderCache, nodes: Tensor, counts: Tensor) -> None:
         raise DecodeInputError(
@@ -102,15 +115,17 @@ class RecommenderTarget:
         the code nodes' from one ``score_tree`` pass over every code node that predicts a level
         (the model keeps no K/V of tree nodes, so earlier ones are context again). A node of
         the last level predicts nothing: -inf everywhere."""
-        tree, model = cache.tree, self.model
+        tree, model, depth = cache.tree, self.model, cache.depth  # depth [B, N], roots 0
         batch, n = tree.tokens.shape
-        _, depth = topology(tree.parents, validate=False)  # [B, N], roots at 0
         root, scored = depth == 0, (depth > 0) & (depth < model.num_levels)
-        out = torch.full((batch, n, self.vocab_size), float("-inf"), device=self.device)
+        out = torch.full((batch, m, self.vocab_size), float("-inf"), device=self.device)
         level0 = cache.state.level0_log_probs  # [B, V0]
-        out[:, :, : level0.shape[1]] = torch.where(root[..., None], level0[:, None], -torch.inf)
-        if not bool(scored.any()):
-            return out[:, n - m :]
+        new_root = root[:, n - m :, None]
+        out[:, :, : level0.shape[1]] = torch.where(new_root, level0[:, None], -torch.inf)
+        wanted = scored.clone()
+        wanted[:, : n - m] = False  # earlier nodes are context: their outputs are not needed
+        if not bool(wanted.any()):
+            return out
         # The model's tree: each row's scored nodes, in tree order (parents first), padded.
         order = torch.sort((~scored).long(), dim=1, stable=True).indices  # [B, N]
         order = order[:, : int(scored.sum(1).max())]  # [B, C]
@@ -121,11 +136,12 @@ class RecommenderTarget:
         levels = torch.where(real, depth.gather(1, order) - 1, 0)
         codes = torch.where(real, tree.tokens.gather(1, order) - self.offsets[levels], 0)
         log_probs = model.score_tree(cache.state, codes, levels, model_parents)  # [B, C, Vmax]
-        rows, slots = real.nonzero(as_tuple=True)
+        rows, slots = (real & wanted.gather(1, order)).nonzero(as_tuple=True)
         following = levels[rows, slots] + 1  # the level each node predicts
         width = torch.arange(log_probs.shape[2], device=self.device)
         inside = width < self.sizes[following][:, None]  # [Q, Vmax]; -inf past its codebook
         q, c = inside.nonzero(as_tuple=True)
         columns = self.offsets[following][q] + c
-        out[rows[q], order[rows, slots][q], columns] = log_probs[rows[q], slots[q], c]
-        return out[:, n - m :]
+        nodes = order[rows, slots] - (n - m)
+        out[rows[q], nodes[q], columns] = log_probs[rows[q], slots[q], c]
+        return out
