@@ -292,8 +292,11 @@ class _Search:
 
 def _link(beams: _Beams, tree: BeamTree) -> None:
     """Point every beam at its scored (or planned) node, where it has one."""
-    for row, w in (beams.nodes < 0).nonzero().tolist():
-        beams.nodes[row, w] = tree.child(row, int(beams.parents[row, w]), int(beams.last[row, w]))
+    missing = beams.nodes < 0
+    rows = missing.nonzero()[:, 0].tolist()
+    pairs = zip(rows, beams.parents[missing].tolist(), beams.last[missing].tolist(), strict=True)
+    found = [tree.child(row, parent, token) for row, parent, token in pairs]
+    beams.nodes[missing] = torch.tensor(found, dtype=torch.long)
 
 
 def _select(

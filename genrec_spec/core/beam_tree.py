@@ -63,19 +63,16 @@ class BeamTree:
         """Append the planned nodes of every row (numbered by ``add``) and pad the rows to one
         count M. Returns tokens, parents [B, M] for the target and real [B, M] bool."""
         m = max(len(p) for p in plans)
-        tokens = torch.zeros(self.batch, m, dtype=torch.long)
-        parents = torch.full((self.batch, m), -1, dtype=torch.long)
-        real = torch.zeros(self.batch, m, dtype=torch.bool)
         for row, nodes in enumerate(plans):
-            for i, (parent, token, _) in enumerate(nodes):
-                tokens[row, i], parents[row, i], real[row, i] = token, parent, True
-            padding = [(-1, 0, -1)] * (m - len(nodes))
-            for parent, token, state in nodes + padding:
-                self.parents[row].append(parent)
-                self.tokens[row].append(token)
-                self.states[row].append(state)
+            padded = nodes + [(-1, 0, -1)] * (m - len(nodes))
+            self.parents[row] += [parent for parent, _, _ in padded]
+            self.tokens[row] += [token for _, token, _ in padded]
+            self.states[row] += [state for _, _, state in padded]
+        tokens = torch.tensor([t[self.size :] for t in self.tokens], dtype=torch.long)
+        parents = torch.tensor([p[self.size :] for p in self.parents], dtype=torch.long)
+        real = torch.tensor([[i < len(p) for i in range(m)] for p in plans], dtype=torch.bool)
         self.size += m
-        return tokens, parents, real
+        return tokens.view(self.batch, m), parents.view(self.batch, m), real.view(self.batch, m)
 
     def store(self, values: Tensor, tokens: Tensor) -> None:
         """Append the planned nodes' best candidates: values, tokens [B, M, C]."""

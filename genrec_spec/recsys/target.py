@@ -135,7 +135,10 @@ class RecommenderTarget:
         model_parents = torch.where(real & scored.gather(1, parent), rank.gather(1, parent), -1)
         levels = torch.where(real, depth.gather(1, order) - 1, 0)
         codes = torch.where(real, tree.tokens.gather(1, order) - self.offsets[levels], 0)
-        log_probs = model.score_tree(cache.state, codes, levels, model_parents)  # [B, C, Vmax]
+        # Output heads only for the trailing slots that hold every row's new nodes.
+        context = (scored & ~wanted).sum(1)  # [B] scored nodes before the new ones
+        last = order.shape[1] - int(context.min())
+        log_probs = model.score_tree(cache.state, codes, levels, model_parents, last=last)
         rows, slots = (real & wanted.gather(1, order)).nonzero(as_tuple=True)
         following = levels[rows, slots] + 1  # the level each node predicts
         width = torch.arange(log_probs.shape[2], device=self.device)
@@ -143,5 +146,6 @@ class RecommenderTarget:
         q, c = inside.nonzero(as_tuple=True)
         columns = self.offsets[following][q] + c
         nodes = order[rows, slots] - (n - m)
-        out[rows[q], nodes[q], columns] = log_probs[rows[q], slots[q], c]
+        first = order.shape[1] - last  # log_probs [B, last, Vmax] are slots first..C-1
+        out[rows[q], nodes[q], columns] = log_probs[rows[q], slots[q] - first, c]
         return out
