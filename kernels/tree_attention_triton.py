@@ -43,13 +43,13 @@ class TritonTreeConfig:
     block_rows: int = 64  # query rows (G heads x nodes) per program; 64 suits one MMA tile
     block_root: int = 64  # root keys per step of the root loop
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
     # Root slices per (row, KV head, node block); None picks enough to give every SM
     # `programs_per_sm` programs, each slice at least `min_slice` keys long: slices pay off while
-    # programs are fewer than about two per SM, and cost a merge otherwise.
+    # programs are fewer than the SMs, and cost a merge otherwise.
     root_splits: int | None = None
-    programs_per_sm: int = 2
-    min_slice: int = 512
+    programs_per_sm: int = 1
+    min_slice: int = 256
 
 
 @triton.jit

@@ -5,8 +5,9 @@ with a time limit, most important first, and each writes its output as it goes (
 its limit keeps what it printed):
 
 1. ``tests``: the GPU-marked tests (every test file that has one), the Triton kernel compiled;
-2. ``tune``: ``bench kernel --tune``, the kernel's launch parameters swept on the GPU, timed by
-   CUDA-graph replay against SDPA with a dense mask;
+2. ``tune``: ``bench kernel --tune --grid narrow``, the kernel's launch parameters around the
+   default swept on the GPU, timed by CUDA-graph replay against SDPA with a dense mask (the
+   full grid, ``--grid full``, takes longer than a short window allows);
 3. ``recsys-wN``: ``bench recsys --device cuda --beam-width N`` for each beam width, on a trained
    checkpoint (``--ckpt``): beam, spec_beam and every other decoder on the same users;
 4. ``kernel``: ``bench kernel --device cuda`` on a few shapes, timed by the host clock with each
@@ -41,7 +42,7 @@ class GpuCheckConfig:
     # install and the machine's start.
     limits: tuple[tuple[str, int], ...] = (
         ("tests", 120),
-        ("tune", 160),
+        ("tune", 120),
         ("recsys", 75),  # each beam width
         ("kernel", 40),
     )
@@ -77,7 +78,7 @@ def plan(tests: Path, ckpt: Path | None, data: Path | None, config: GpuCheckConf
     files = [str(p) for p in gpu_test_files(tests)]
     checks = [
         Check("tests", [sys.executable, "-m", "pytest", "-m", "gpu", "-q", *files], limit["tests"]),
-        Check("tune", [*cli, "bench", "kernel", "--tune"], limit["tune"]),
+        Check("tune", [*cli, "bench", "kernel", "--tune", "--grid", "narrow"], limit["tune"]),
     ]
     if ckpt is not None:
         source = [*cli, "bench", "recsys", "--ckpt", str(ckpt), "--device", "cuda"]

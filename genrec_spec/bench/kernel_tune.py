@@ -46,6 +46,11 @@ class TuneGrid:
     root_splits: tuple[int | None, ...] = (None, 1, 2, 4, 8)  # None: the default's own pick
 
 
+# The launches worth a second look after a full sweep: 64-128 rows, 64-key steps, 4 warps.
+NARROW = TuneGrid(block_rows=(64, 128), block_root=(64,), warps_stages=((4, 2), (4, 3)))
+GRIDS = {"full": TuneGrid(), "narrow": NARROW}
+
+
 def configs(grid: TuneGrid):
     """Every TritonTreeConfig of the grid, the default first."""
     from genrec_spec.kernels.tree_attention_triton import TritonTreeConfig
@@ -146,7 +151,9 @@ def _tune_case(case: Case, x: dict, grid: TuneGrid, peak_gbs: float, timer, out)
     return Tuned(case, best, times[best], default, sdpa_us)
 
 
-def tune_kernel(run: KernelBench, config: BenchConfig, peak_gbs: float) -> list[Tuned]:
+def tune_kernel(
+    run: KernelBench, config: BenchConfig, peak_gbs: float, grid: TuneGrid = TuneGrid()
+) -> list[Tuned]:
     """`tune` on the run's shapes (default ``config.tune_shapes``) with ``config.tune_tree``."""
     device, heads, dtype = resolve(run, config)
     if device.type != "cuda":
@@ -158,4 +165,4 @@ def tune_kernel(run: KernelBench, config: BenchConfig, peak_gbs: float) -> list[
     print(f"Triton tree-attention launch sweep on {describe_device(device)}: "
           f"Hq/Hkv {heads[0]}/{heads[1]}, D {config.head_dim}, {dtype}, GPU time by CUDA-graph "
           "replay (median)")  # fmt: skip
-    return tune(cases, heads, config.head_dim, dtype, device, peak_gbs=peak_gbs)
+    return tune(cases, heads, config.head_dim, dtype, device, grid, peak_gbs)

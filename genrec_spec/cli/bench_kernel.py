@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from genrec_spec.bench import kernel
 from genrec_spec.bench.kernel import DTYPES, TREES, BenchConfig, KernelBench, benchmark
-from genrec_spec.bench.kernel_tune import tune_kernel
+from genrec_spec.bench.kernel_tune import GRIDS, tune_kernel
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--peak-gbs", type=float, default=c.peak_gbs, help="--tune: the GPU's memory bandwidth"
     )
+    parser.add_argument(
+        "--grid", choices=list(GRIDS), default="full", help="--tune: the launches swept"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
     )
     shapes = tuple(args.shapes) if args.shapes else None
     if args.tune:
-        tune_kernel(KernelBench(shapes, args.quick, args.heads, args.dtype, args.device), config,
-                    args.peak_gbs)  # fmt: skip
+        run = KernelBench(shapes, args.quick, args.heads, args.dtype, args.device)
+        tune_kernel(run, config, args.peak_gbs, GRIDS[args.grid])
         return 0
     benchmark(KernelBench(shapes, args.quick, args.heads, args.dtype, args.device), config)
     return 0
