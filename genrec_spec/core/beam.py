@@ -121,8 +121,9 @@ def beam_search(
             target, tokens.to(device), lengths.to(device), tokens.shape[1] + max_new_tokens
         )
         # transformers keeps 2W candidates a step (more with several eos tokens), so a node
-        # needs no more than its best 2W next tokens.
+        # needs no more than its best 2W next tokens, nor more than a catalogue allows.
         keep = max(2, 1 + len(eos)) * config.num_beams
+        allows = constraint.trie.widest if isinstance(constraint, Catalogue) else keep
         search = _Search(
             target,
             cache,
@@ -131,7 +132,7 @@ def beam_search(
             config,
             constraint,
             drafter,
-            min(keep, target.vocab_size),
+            min(keep, target.vocab_size, allows),
         )
         beams = _start(tokens, lengths, config.num_beams, max_new_tokens)
         eos_t = torch.tensor(eos, dtype=torch.long)

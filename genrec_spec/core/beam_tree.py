@@ -31,8 +31,10 @@ class BeamTree:
     tokens: list[list[int]] = field(default_factory=list)  # [B][size]
     states: list[list[int]] = field(default_factory=list)  # [B][size] constraint states
     children: list[dict[tuple[int, int], int]] = field(default_factory=list)  # (parent, token)
-    top_values: Tensor | None = None  # [B, size, C] float32 log-probs, best first; -inf pads
-    top_tokens: Tensor | None = None  # [B, size, C] int64
+    # [B, capacity, C] log-probs (best first; -inf pads) and tokens of the first `size` nodes;
+    # the capacity doubles when full, so a pass copies only its own nodes.
+    top_values: Tensor | None = None
+    top_tokens: Tensor | None = None
 
     def __post_init__(self) -> None:
         self.parents = [[] for _ in range(self.batch)]
@@ -75,12 +77,18 @@ class BeamTree:
         return tokens.view(self.batch, m), parents.view(self.batch, m), real.view(self.batch, m)
 
     def store(self, values: Tensor, tokens: Tensor) -> None:
-        """Append the planned nodes' best candidates: values, tokens [B, M, C]."""
-        if self.top_values is None:
-            self.top_values, self.top_tokens = values, tokens
-        else:
-            self.top_values = torch.cat([self.top_values, values], dim=1)
-            self.top_tokens = torch.cat([self.top_tokens, tokens], dim=1)
+        """Store the last planned nodes' best candidates: values, tokens [B, M, C]."""
+        start = self.size - values.shape[1]
+        if self.top_values is None or self.top_values.shape[1] < self.size:
+            capacity = max(self.size, 2 * (0 if self.top_values is None else start))
+            grown_values = values.new_full((self.batch, capacity, self.width), float("-inf"))
+            grown_tokens = tokens.new_zeros(self.batch, capacity, self.width)
+            if start:
+                grown_values[:, :start] = self.top_values[:, :start]
+                grown_tokens[:, :start] = self.top_tokens[:, :start]
+            self.top_values, self.top_tokens = grown_values, grown_tokens
+        self.top_values[:, start : self.size] = values
+        self.top_tokens[:, start : self.size] = tokens
 
     def candidates(self, nodes: Tensor) -> tuple[Tensor, Tensor]:  # [B, W] -> 2 x [B, W, C]
         """The stored candidates (log-probs, tokens) of each beam's node."""

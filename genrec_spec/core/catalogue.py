@@ -36,6 +36,7 @@ class TokenTrie:
     num_items: int  # distinct sequences (items with identical sequences count once)
     longest: int  # tokens in the longest sequence (end token included)
     shortest: int  # tokens in the shortest
+    widest: int  # the most children a node has (allowed tokens after any prefix)
 
     @classmethod
     def from_sequences(
@@ -90,6 +91,7 @@ class TokenTrie:
             num_items=len(leaf),
             longest=longest,
             shortest=shortest,
+            widest=int(counts.max()),
         )
 
     @property

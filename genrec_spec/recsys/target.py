@@ -143,9 +143,11 @@ class RecommenderTarget:
         following = levels[rows, slots] + 1  # the level each node predicts
         width = torch.arange(log_probs.shape[2], device=self.device)
         inside = width < self.sizes[following][:, None]  # [Q, Vmax]; -inf past its codebook
-        q, c = inside.nonzero(as_tuple=True)
-        columns = self.offsets[following][q] + c
-        nodes = order[rows, slots] - (n - m)
+        # Each node's codebook lands at its level's offset; the rest goes to a spare column.
+        columns = torch.where(inside, self.offsets[following][:, None] + width, self.vocab_size)
         first = order.shape[1] - last  # log_probs [B, last, Vmax] are slots first..C-1
-        out[rows[q], nodes[q], columns] = log_probs[rows[q], slots[q] - first, c]
+        values = log_probs[rows, slots - first]  # [Q, Vmax]
+        dense = values.new_full((len(rows), self.vocab_size + 1), float("-inf"))
+        dense.scatter_(1, columns, values.masked_fill(~inside, float("-inf")))
+        out[rows, order[rows, slots] - (n - m)] = dense[:, : self.vocab_size]
         return out
