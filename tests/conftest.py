@@ -154,17 +154,14 @@ def tiny_model(tiny_data_dir: Path):
     return model.eval(), data
 
 
-@pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory) -> Path:
-    """A checkpoint folder of an untrained tiny model (all heads) on its own tiny data folder,
-    with the manifest `genrec-spec train` writes (data path and hash), for product tests that
-    load from disk; read-only, shared by the session."""
+def write_tiny_checkpoint(root: Path, users: int = 24) -> Path:
+    """A checkpoint folder of an untrained tiny model (all heads) on its own tiny data folder of
+    `users` users, with the manifest `genrec-spec train` writes (data path and hash)."""
     from genrec_spec.models.recsys.recommender import SemanticIdRecommender
     from genrec_spec.recsys.checkpoint import save_checkpoint
     from genrec_spec.recsys.data import load_prepared
 
-    root = tmp_path_factory.mktemp("tiny_checkpoint")
-    data = load_prepared(write_tiny_prepared(root / "data"))
+    data = load_prepared(write_tiny_prepared(root / "data", users=users))
     torch.manual_seed(0)
     config = tiny_recommender_config()
     model = SemanticIdRecommender(
@@ -173,6 +170,19 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     manifest = {"data": {"path": str(data.path), "data_hash": data.data_hash, "name": "tiny"}}
     save_checkpoint(root / "ckpt", model, manifest)
     return root / "ckpt"
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """`write_tiny_checkpoint`'s 24-user checkpoint, for product tests that load from disk;
+    read-only, shared by the session."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_checkpoint"))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_writer():
+    """The writer itself, for tests that need more users."""
+    return write_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

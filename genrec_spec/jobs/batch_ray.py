@@ -117,7 +117,9 @@ def run_ray(
     address = config.ray_address
     try:
         ray.init(
-            address=address,
+            # "local": a Ray of its own here, even where `ray start` left a cluster running
+            # (which address=None would join).
+            address=address or "local",
             num_cpus=None if address else config.ray_cpus,
             log_to_driver=False,
             include_dashboard=False,
