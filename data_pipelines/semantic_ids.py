@@ -48,17 +48,23 @@ class SemanticIdConfig:
     """Seed of every k-means initialisation (level i uses seed + i); same seed, same codes."""
     niter: int = 25
     """Lloyd iterations per k-means."""
+    train_points_per_code: int = 256
+    """Each k-means trains on at most this many items per code (a seeded sample; faiss's own
+    default), then assigns every item: catalogues up to 65,536 items at 256 codes train on all
+    of them, larger ones on a sample, so the training cost stops growing with the catalogue."""
     use_gpu: bool | None = None
     """None: faiss GPU when faiss sees a GPU, else CPU. True/False force it."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("rq", "pq"):
             raise DataError(f"unknown semantic-ID kind {self.kind!r}", 'use kind "rq" or "pq"')
-        if min(self.levels, self.pq_digits, self.niter) < 1 or self.codebook_size < 2:
+        counts = (self.levels, self.pq_digits, self.niter, self.train_points_per_code)
+        if min(counts) < 1 or self.codebook_size < 2:
             raise DataError(
                 f"levels={self.levels}, pq_digits={self.pq_digits}, niter={self.niter}, "
+                f"train_points_per_code={self.train_points_per_code}, "
                 f"codebook_size={self.codebook_size} are out of range",
-                "use levels, pq_digits, niter >= 1 and codebook_size >= 2",
+                "use levels, pq_digits, niter, train_points_per_code >= 1 and codebook_size >= 2",
             )
 
 
@@ -90,10 +96,9 @@ def _kmeans(x: np.ndarray, k: int, seed: int, config: SemanticIdConfig, gpu: boo
         seed=seed,
         gpu=gpu,
         # Item catalogues are small (n / k is ~5-15): faiss's default minimum of 39 points per
-        # centroid only prints warnings here, and its default maximum (256) would subsample
-        # silently above 65k items. Train on every item instead.
+        # centroid only prints warnings here.
         min_points_per_centroid=1,
-        max_points_per_centroid=max(256, math.ceil(len(x) / k)),
+        max_points_per_centroid=config.train_points_per_code,
     )
     km.train(x)
     _, assignment = km.assign(x)

@@ -1,17 +1,24 @@
 """A synthetic catalogue of any size, for measuring cost against catalogue size:
 ``genrec-spec prepare --dataset synthetic:N`` (``load_dataset("synthetic:N")``).
 
-Items: N item embeddings of dimension 384 (the text encoder's), drawn from a clustered
-distribution as real item embeddings are: ``topics`` unit centres, each item its topic's centre
-plus isotropic noise, L2-normalised (cosine to its own centre ~0.7, to another ~0). Item i's
-topic is i mod topics, and its rank inside the topic i // topics, so the items of a topic are
-spread over the whole index.
+Items: N item embeddings of dimension 384 (the text encoder's), drawn from a two-level clustered
+distribution of low intrinsic dimension, as real item embeddings are (genres, then sub-genres,
+in a few dozen effective directions): ~N^(1/3) topics, ~N^(2/3) groups, each group under one
+topic and ~N^(1/3) items in each group. In a ``latent_dim`` space an item is its topic's centre
+plus its group's (weight ``group_weight``) plus its own direction (weight ``noise``), all unit
+vectors; a fixed orthonormal map takes it to 384 dimensions, where a little isotropic noise
+(``ambient``) is added and the vector L2-normalised. Item i's group is i mod groups and group
+g's topic g mod topics, so every cluster is spread over the whole index. Residual k-means then
+finds structure at every level (topics, groups, items within a group): with 3 levels of 256
+codes, 9 of 10^4 and 921 of 10^5 items need the collision code, as real text embeddings give
+a few. (Isotropic noise in all 384 dimensions instead collapses the last level's codes.)
 
 Interactions: users who browse. A user starts at a random item and steps to the next items of
-the same topic (rank + 1 most of the time, + 2 or + 3 otherwise), and with probability
-``jump`` moves to a random item of another topic: sequential structure a next-item model can
-learn (the next item is one of a few given the last), as the tiny test data's +1 walks. About
-``interactions_per_item`` interactions per item, ``mean_length`` per user, so users grow with N.
+its group (rank + 1 most of the time, + 2 or + 3 otherwise); with probability ``jump`` a step
+leaves for a random item, half the time one of the same topic: sequential structure a next-item
+model can learn (the next item is one of a few given the last), as the tiny test data's +1
+walks. About ``interactions_per_item`` interactions per item, ``mean_length`` per user, so users
+grow with N. Items nobody touched stay in the catalogue (cold items).
 
 Everything is drawn in chunks from generators seeded by (seed, what, chunk index), so any chunk
 can be drawn alone (to stream a catalogue larger than memory) and equals its slice of the whole;
@@ -33,17 +40,20 @@ SPEC_PREFIX = "synthetic:"
 @dataclass(frozen=True)
 class SyntheticConfig:
     dim: int = 384  # embedding width, the text encoder's
-    topics_per_sqrt_item: float = 1.0  # topics = this * sqrt(N): ~100 at 10^4, ~3,000 at 10^7
-    noise: float = 0.05  # per-dimension noise around a topic centre (cosine to it ~0.7)
+    latent_dim: int = 32  # the directions items vary in
+    group_weight: float = 0.6  # a group's centre, relative to its topic's
+    noise: float = 0.8  # an item's own direction, relative to its topic's centre
+    ambient: float = 0.02  # isotropic noise per embedding dimension
     interactions_per_item: float = 2.0
     mean_length: int = 20  # interactions per user (each user has 10..30)
-    jump: float = 0.1  # chance a step leaves the topic for a random item
+    jump: float = 0.1  # chance a step leaves the group (half of the jumps stay in the topic)
     seed: int = 0
     chunk: int = 1 << 16  # items (or users) drawn per generator call
     time_step: int = 60  # seconds between a user's interactions
 
-    def topics(self, items: int) -> int:
-        return max(1, min(items, round(self.topics_per_sqrt_item * items**0.5)))
+    def clusters(self, items: int) -> tuple[int, int]:  # (topics, groups)
+        topics = max(1, round(items ** (1 / 3)))
+        return topics, max(topics, min(items, round(items ** (2 / 3))))
 
 
 def parse_size(spec: str) -> int:
@@ -65,56 +75,86 @@ def _rng(config: SyntheticConfig, what: int, chunk: int) -> np.random.Generator:
     return np.random.default_rng([config.seed, what, chunk])
 
 
-def topic_centres(items: int, config: SyntheticConfig) -> np.ndarray:  # [T, dim] float32
-    centres = _rng(config, 0, 0).standard_normal((config.topics(items), config.dim))
-    return (centres / np.linalg.norm(centres, axis=1, keepdims=True)).astype(np.float32)
+def _directions(rng: np.random.Generator, rows: int, dim: int) -> np.ndarray:  # unit rows
+    x = rng.standard_normal((rows, dim), dtype=np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def centres(items: int, config: SyntheticConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Topic centres [T, k] and group centres [G, k] (unit, latent), and the map [k, dim] to the
+    embedding space (orthonormal rows)."""
+    topics, groups = config.clusters(items)
+    k = config.latent_dim
+    gaussian = _rng(config, 0, 2).standard_normal((config.dim, k))
+    projection = np.linalg.qr(gaussian)[0].T.astype(np.float32)
+    return (
+        _directions(_rng(config, 0, 0), topics, k),
+        _directions(_rng(config, 0, 1), groups, k),
+        projection,
+    )
 
 
 def embedding_chunk(
-    items: int, start: int, stop: int, centres: np.ndarray, config: SyntheticConfig
+    start: int, stop: int, centres: tuple[np.ndarray, ...], config: SyntheticConfig
 ) -> np.ndarray:  # [stop - start, dim] float32, L2-normalised: items start..stop-1
-    """The embeddings of items start..stop-1 (stop - start <= config.chunk, start a multiple of
-    it: one generator call per chunk)."""
-    noise = _rng(config, 1, start // config.chunk).standard_normal((stop - start, config.dim))
-    x = centres[np.arange(start, stop) % len(centres)] + config.noise * noise.astype(np.float32)
+    """The embeddings of items start..stop-1 (start a multiple of config.chunk, stop - start at
+    most config.chunk: one generator call per chunk)."""
+    topic, group, projection = centres
+    rng = _rng(config, 1, start // config.chunk)
+    g = np.arange(start, stop) % len(group)
+    own = _directions(rng, stop - start, config.latent_dim)
+    z = topic[g % len(topic)] + config.group_weight * group[g] + config.noise * own
+    x = z @ projection + config.ambient * rng.standard_normal(
+        (stop - start, config.dim), np.float32
+    )
     return x / np.linalg.norm(x, axis=1, keepdims=True)
 
 
 def embeddings(items: int, config: SyntheticConfig) -> np.ndarray:  # [N, dim] float32
-    centres = topic_centres(items, config)
+    both = centres(items, config)
     out = np.empty((items, config.dim), dtype=np.float32)
     for start in range(0, items, config.chunk):
         stop = min(items, start + config.chunk)
-        out[start:stop] = embedding_chunk(items, start, stop, centres, config)
+        out[start:stop] = embedding_chunk(start, stop, both, config)
     return out
+
+
+def _members(cluster: np.ndarray, clusters: int, total: int) -> np.ndarray:
+    """How many of 0..total-1 are congruent to each `cluster` modulo `clusters`."""
+    return (total - cluster + clusters - 1) // clusters
 
 
 def interaction_chunk(
     items: int, first_user: int, users: int, config: SyntheticConfig
 ) -> pd.DataFrame:  # user_id, item_id, timestamp, rating of `users` users
     rng = _rng(config, 2, first_user // config.chunk)
-    topics = config.topics(items)
+    topics, groups = config.clusters(items)
     lengths = rng.integers(config.mean_length // 2, config.mean_length * 3 // 2 + 1, users)
     steps = int(lengths.sum())
-    user = np.repeat(np.arange(first_user, first_user + users), lengths)
+    user = np.repeat(np.arange(users), lengths)  # within the chunk
     first = np.concatenate([[True], user[1:] != user[:-1]])  # a user's first interaction
     jump = first | (rng.random(steps) < config.jump)
-    landing = rng.integers(0, items, steps)  # where a jump lands
-    advance = rng.choice([1, 2, 3], steps, p=[0.8, 0.15, 0.05])  # in-topic rank steps
-    # Walk: item = the last landing, advanced within its topic by the steps since then.
+    # Landings: a random item; half the later jumps a random item of the user's home topic
+    # (the first item's): a random group of it, then a random item of that group.
+    landing = rng.integers(0, items, steps)
+    home = (landing[first] % groups % topics)[user]  # [steps]
+    stay = jump & ~first & (rng.random(steps) < 0.5)
+    group = home + topics * (rng.random(steps) * _members(home, topics, groups)).astype(np.int64)
+    member = (rng.random(steps) * _members(group, groups, items)).astype(np.int64)
+    landing = np.where(stay, group + groups * member, landing)
+    # Walk: the last landing, advanced within its group by the rank steps since then.
+    advance = rng.choice([1, 2, 3], steps, p=[0.8, 0.15, 0.05])
     segment = np.cumsum(jump) - 1
     start_item = landing[jump][segment]
     moved = np.cumsum(np.where(jump, 0, advance))
     moved -= moved[jump][segment]
-    rank = start_item // topics + moved
-    topic = start_item % topics
-    in_topic = (items - topic + topics - 1) // topics  # items of each topic
-    item = topic + (rank % in_topic) * topics
+    group = start_item % groups
+    item = group + ((start_item // groups + moved) % _members(group, groups, items)) * groups
     order = np.arange(steps) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     return pd.DataFrame(
         {
-            "user_id": pd.Series(user).map("u{}".format),
-            "item_id": pd.Series(item).map("s{}".format),
+            "user_id": np.char.add("u", (user + first_user).astype(str)).astype(object),
+            "item_id": np.char.add("s", item.astype(str)).astype(object),
             "timestamp": (order * config.time_step).astype(np.int64),
             "rating": np.ones(steps, dtype=np.float32),
         }
@@ -136,8 +176,8 @@ def interactions(items: int, config: SyntheticConfig) -> pd.DataFrame:
 
 def item_table(items: int) -> pd.DataFrame:
     """item_id and text of every item (the catalogue, cold items included)."""
-    ids = pd.Series(np.arange(items)).map("s{}".format)
-    return pd.DataFrame({"item_id": ids, "text": "Item: " + ids + "."})
+    ids = np.char.add("s", np.arange(items).astype(str)).astype(object)
+    return pd.DataFrame({"item_id": ids, "text": "Item: " + pd.Series(ids) + "."})
 
 
 def memory_needed(items: int, config: SyntheticConfig) -> int:

@@ -18,23 +18,32 @@ from genrec_spec.data_pipelines.prepare import PrepareConfig, prepare
 SMALL = synthetic.SyntheticConfig(chunk=256)
 
 
-def test_embeddings_cluster_around_their_topics_and_chunks_stand_alone():
+def test_embeddings_cluster_in_two_levels_and_chunks_stand_alone():
     items = 1000
     x = synthetic.embeddings(items, SMALL)
-    centres = synthetic.topic_centres(items, SMALL)  # [T, 384]
+    topic, group, projection = synthetic.centres(items, SMALL)  # [T, k], [G, k], [k, 384]
+    assert (len(topic), len(group)) == SMALL.clusters(items) == (10, 100)
+    assert np.allclose(projection @ projection.T, np.eye(SMALL.latent_dim), atol=1e-5)
     assert x.shape == (items, 384) and np.allclose(np.linalg.norm(x, axis=1), 1, atol=1e-5)
-    own = (x * centres[np.arange(items) % len(centres)]).sum(1)
-    other = (x * centres[(np.arange(items) + 1) % len(centres)]).sum(1)
-    assert 0.6 < own.mean() < 0.8 and abs(other.mean()) < 0.05
-    alone = synthetic.embedding_chunk(items, 512, 768, centres, SMALL)
+    g = np.arange(items) % len(group)
+
+    def cosine(centres, index):
+        return (x * (centres @ projection)[index]).sum(1).mean()
+
+    # Nearer its own topic than its group, both far above the others'.
+    assert cosine(topic, g % 10) > cosine(group, g) > 0.3
+    assert abs(cosine(topic, (g + 1) % 10)) < 0.1 and abs(cosine(group, (g + 1) % 100)) < 0.1
+    # Low intrinsic dimension: the latent directions hold almost all of each vector.
+    assert np.linalg.norm(x @ projection.T, axis=1).min() > 0.9
+    alone = synthetic.embedding_chunk(512, 768, (topic, group, projection), SMALL)
     assert np.array_equal(alone, x[512:768])
     assert np.array_equal(synthetic.embeddings(items, SMALL), x)  # same seed, same data
 
 
-def test_users_browse_forward_inside_a_topic():
+def test_users_browse_forward_inside_a_group_and_stay_near_their_topic():
     items = 3000
     frame = synthetic.interactions(items, SMALL)
-    topics = SMALL.topics(items)
+    topics, groups = SMALL.clusters(items)
     assert frame["user_id"].nunique() == synthetic.users_for(items, SMALL)
     lengths = frame.groupby("user_id", sort=False).size()
     assert lengths.between(10, 30).all()
@@ -42,10 +51,14 @@ def test_users_browse_forward_inside_a_topic():
     assert ((0 <= item) & (item < items)).all()
     same_user = frame["user_id"].to_numpy()[1:] == frame["user_id"].to_numpy()[:-1]
     step = item[1:] - item[:-1]
-    in_topic = same_user & (step % topics == 0)
-    # Most steps stay in the topic, and most of those go to the next item of the topic.
-    assert in_topic.sum() / same_user.sum() > 0.8
-    assert (step[in_topic] == topics).mean() > 0.7
+    in_group = same_user & (step % groups == 0)
+    # Most steps stay in the group, most of those to the group's next item; and jumps land in
+    # the user's topic more often than chance (1 / topics).
+    assert in_group.sum() / same_user.sum() > 0.8
+    assert (step[in_group] == groups).mean() > 0.7
+    left = same_user & ~in_group
+    same_topic = (item[1:] % groups % topics) == (item[:-1] % groups % topics)
+    assert same_topic[left].mean() > 0.3 > 1 / topics
     assert (
         frame.groupby("user_id", sort=False)["timestamp"]
         .apply(lambda t: t.is_monotonic_increasing)
