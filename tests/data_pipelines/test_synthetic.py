@@ -91,3 +91,11 @@ def test_prepare_runs_the_whole_pipeline_on_it(tmp_path):
     saved = np.load(out / "item_embeddings.npy")
     assert np.array_equal(saved, synthetic.embeddings(600, synthetic.SyntheticConfig()))
     assert json.loads((out / "manifest.json").read_text())["name"] == "synthetic-600"
+
+
+def test_levels_follow_the_catalogue_size():
+    from genrec_spec.data_pipelines.prepare import levels_for
+
+    assert [levels_for(n, 256) for n in (1682, 3706, 10**5, 262_144)] == [3, 3, 3, 3]
+    assert [levels_for(n, 256) for n in (262_145, 10**6, 10**7)] == [4, 4, 4]
+    assert levels_for(10**6, 16) == 7  # 16^7 = 268M >= 64M tuples
