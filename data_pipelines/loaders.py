@@ -107,9 +107,9 @@ def load_dataset(spec: str) -> RawDataset:
     if kind == "amazon" and path:
         return _load_amazon(path)
     if kind == "synthetic":
-        from genrec_spec.data_pipelines.synthetic import synthetic_dataset
+        from genrec_spec.data_pipelines.synthetic import synthetic_parts
 
-        return synthetic_dataset(spec)
+        return RawDataset(**synthetic_parts(spec))
     raise DataError(f"unknown dataset spec {spec!r}", f"use one of: {VALID_SPECS}")
 
 

@@ -197,11 +197,10 @@ def available_memory() -> int:
     raise DataError("/proc/meminfo has no MemAvailable", "run on Linux")
 
 
-def synthetic_dataset(spec: str, config: SyntheticConfig = SyntheticConfig()):
-    """`load_dataset("synthetic:N")`: a RawDataset with its embeddings. Refuses, before any
-    work, a size whose peak would not fit in the memory available now."""
-    from genrec_spec.data_pipelines.loaders import RawDataset
-
+def synthetic_parts(spec: str, config: SyntheticConfig = SyntheticConfig()) -> dict:
+    """The fields of `load_dataset("synthetic:N")`'s RawDataset: name, interactions, items,
+    missing_metadata, embeddings. Refuses, before any work, a size whose peak would not fit in
+    the memory available now."""
     items = parse_size(spec)
     needed, free = memory_needed(items, config), available_memory()
     if needed > free:
@@ -213,10 +212,10 @@ def synthetic_dataset(spec: str, config: SyntheticConfig = SyntheticConfig()):
             f"{free / 2**30:.1f} GiB are available",
             f"use at most synthetic:{most} here, or a machine with more memory",
         )
-    return RawDataset(
-        name=f"synthetic-{items}",
-        interactions=interactions(items, config),
-        items=item_table(items),
-        missing_metadata=0,
-        embeddings=embeddings(items, config),
-    )
+    return {
+        "name": f"synthetic-{items}",
+        "interactions": interactions(items, config),
+        "items": item_table(items),
+        "missing_metadata": 0,
+        "embeddings": embeddings(items, config),
+    }
