@@ -69,6 +69,19 @@ class Catalogue:
     def allowed(self, states: Tensor, rows: Tensor, sequences: Sequences) -> Tensor:
         return self.trie.allowed(states)  # [Q, V]
 
+    def items_of(self, values: Tensor, offsets: Tensor) -> Tensor:  # [R] int64
+        """The item each of R ragged token rows (values, offsets [R + 1]: a decoder's output)
+        is: its trie leaf's, the first of items sharing the sequence; -1 for a row that is not
+        a whole catalogue sequence."""
+        lengths = offsets.diff()  # [R]
+        start = offsets[:-1]
+        nodes = self.start(len(lengths), values.device)
+        for j in range(int(lengths.max()) if len(lengths) else 0):
+            inside = j < lengths
+            token = values[(start + j).clamp(max=max(len(values) - 1, 0))]
+            nodes = torch.where(inside, self.advance(nodes, token), nodes)
+        return self.trie.items(nodes)
+
     def children(self, state: int) -> list[tuple[int, int]]:
         """(token, child state) of one node's children, in token order (host side)."""
         if state < 0:

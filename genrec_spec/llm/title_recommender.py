@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
 from genrec_spec.core.beam import BeamConfig, beam_search
@@ -100,10 +99,6 @@ class TitleRecommender:
         self.eos = int(tokenizer.eos_token_id)
         sequences = [tokenizer(t, add_special_tokens=False).input_ids for t in self.titles]
         self.catalogue = Catalogue.of(sequences, len(tokenizer), eos_token_id=self.eos)
-        # A finished beam (title tokens + eos) -> its item; the first of items sharing a title.
-        self._item_of: dict[tuple[int, ...], int] = {}
-        for item, sequence in enumerate(sequences):
-            self._item_of.setdefault((*sequence, self.eos), item)
 
     def prompt(self, history: Sequence[int]) -> list[int]:
         """The chat prompt of one user (item indices, oldest first), ready for the reply."""
@@ -144,8 +139,6 @@ class TitleRecommender:
             constraint=self.catalogue,
             drafter=drafter,
         )
-        items = self._items(out.tolist())
+        # A finished beam (title tokens + eos) is its item: the first of items sharing a title.
+        items = self.catalogue.items_of(out.values, out.offsets).view(out.scores.shape)
         return TitleRecommendations(items=items, scores=out.scores, stats=out.stats)
-
-    def _items(self, rows: list[list[list[int]]]) -> Tensor:  # -> [B, K]
-        return torch.tensor([[self._item_of.get(tuple(seq), -1) for seq in row] for row in rows])

@@ -5,7 +5,7 @@ tokens, so the core's ``beam_search`` (and its drafters) decode it.
     catalogue = target.catalogue()
     out = beam_search(target, histories, max_new_tokens=model.num_levels, constraint=catalogue,
                       config=BeamConfig(num_beams=W, num_return_sequences=K, length_penalty=0))
-    items = target.items(out, catalogue)  # [B, K], scores out.scores: beam's exactly
+    items = catalogue.items_of(out.values, out.offsets).view(out.scores.shape)  # [B, K]
 
 Vocabularies: prompts are item indices (the history, oldest first); generated tokens are codes
 in one flattened code vocabulary, code c of level l being token ``offsets[l] + c``. A tree's
@@ -16,8 +16,8 @@ as they are, masked to the catalogue: exactly the scores of the recommender's ``
 
 The whole history is encoded at prefill (the model keeps its most recent ``max_len`` items);
 every grow re-scores the pending code tree against it, as ``beam`` does a level at a time.
-Items are whole code tuples, so the recommender decodes by beam search only: ``commit`` (the
-single-path loop of ``generate``) is refused.
+Items are whole code tuples, so the recommender decodes by beam search only: ``score_tree`` and
+``commit`` (the single-path loop of ``generate``) are refused.
 """
 
 from __future__ import annotations
@@ -61,16 +61,6 @@ class RecommenderTarget:
         tokens = self.model.item_codes + self.offsets[:-1]  # [I, L]
         return Catalogue(TokenTrie.from_sequences(tokens.tolist(), self.vocab_size))
 
-    def items(self, output, catalogue: Catalogue) -> Tensor:  # [B, K] int64 item indices
-        """The items of a ``beam_search`` output under ``catalogue`` (each result is one full
-        code tuple: the trie's leaf names its item)."""
-        batch, k = output.scores.shape
-        tokens = output.values.view(batch * k, -1).to(catalogue.trie.child_offsets.device)
-        nodes = catalogue.start(batch * k, tokens.device)
-        for level in range(tokens.shape[1]):
-            nodes = catalogue.advance(nodes, tokens[:, level])
-        return catalogue.trie.items(nodes).view(batch, k)
-
     def prefill(
         self, tokens: Tensor, lengths: Tensor, capacity: int, hidden_layers: Sequence[int] = ()
     ) -> RecommenderCache:
@@ -89,8 +79,7 @@ class RecommenderTarget:
         return self._score(cache, tokens.shape[1])
 
     def score_tree(self, cache: RecommenderCache, tree: DraftTree) -> Tensor:
-        cache.tree, cache.depth = tree, self._depths(None, tree.parents)
-        return self._score(cache, tree.num_nodes)
+        _refuse_single_path()
 
     def _depths(self, depth: Tensor | None, parents: Tensor) -> Tensor:  # [B, N + M]
         """The depths after appending nodes with these parents [B, M]: one gather per level,
@@ -105,10 +94,7 @@ class RecommenderTarget:
         return full
 
     def commit(self, cache: RecommenderCache, nodes: Tensor, counts: Tensor) -> None:
-        raise DecodeInputError(
-            "the recommender emits whole items (code tuples): it decodes by beam search",
-            "use genrec_spec.beam_search with the target's catalogue",
-        )
+        _refuse_single_path()
 
     def _score(self, cache: RecommenderCache, m: int) -> Tensor:  # [B, M, V] of the last m
         """Log-probs of the last m nodes of the pending tree: the roots' from the history pass,
@@ -151,3 +137,11 @@ class RecommenderTarget:
         dense.scatter_(1, columns, values.masked_fill(~inside, float("-inf")))
         out[rows, order[rows, slots] - (n - m)] = dense[:, : self.vocab_size]
         return out
+
+
+def _refuse_single_path() -> None:
+    """``generate``'s score-then-commit loop keeps one path; a recommendation is K whole items."""
+    raise DecodeInputError(
+        "the recommender emits whole items (code tuples): it decodes by beam search",
+        "use genrec_spec.beam_search with the target's catalogue",
+    )

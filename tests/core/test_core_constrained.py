@@ -173,3 +173,11 @@ def test_a_catalogue_without_its_end_token_or_room_is_refused(setup):
             eos_token_id=EOS,
             constraint=catalogue,
         )
+
+
+def test_items_of_names_each_whole_sequence_and_nothing_else():
+    catalogue = Catalogue.of([[1, 2], [1, 3, 2], [1, 2]], vocab_size=5, eos_token_id=4)
+    rows = [[1, 3, 2, 4], [1, 2, 4], [1, 3], [0, 4], []]  # item 1, items 0 = 2, a prefix, none
+    values = torch.tensor([t for row in rows for t in row])
+    offsets = torch.tensor([0, *torch.tensor([len(r) for r in rows]).cumsum(0).tolist()])
+    assert catalogue.items_of(values, offsets).tolist() == [1, 0, -1, -1, -1]

@@ -299,6 +299,7 @@ def test_core_beam_search_equals_beam_on_trained_ml100k(ml100k_model, ml100k_dir
     from genrec_spec import BeamConfig, beam_search
     from genrec_spec.llm.proposers.catalogue import CatalogueDrafter
     from genrec_spec.recsys.data import load_prepared
+    from genrec_spec.recsys.history_cache import rows_of
     from genrec_spec.recsys.target import RecommenderTarget
 
     model = ml100k_model
@@ -307,8 +308,7 @@ def test_core_beam_search_equals_beam_on_trained_ml100k(ml100k_model, ml100k_dir
     want = beam.decode(model, part.values, part.offsets, k=10, trie=trie, beam_width=20)
     target = RecommenderTarget(model)
     catalogue = target.catalogue()
-    bounds = part.offsets.tolist()
-    prompts = [part.values[a:b].tolist() for a, b in zip(bounds, bounds[1:], strict=False)]
+    prompts = rows_of(part.values, part.offsets)
     for drafter in (None, CatalogueDrafter(catalogue)):
         out = beam_search(
             target,
@@ -318,6 +318,7 @@ def test_core_beam_search_equals_beam_on_trained_ml100k(ml100k_model, ml100k_dir
             constraint=catalogue,
             drafter=drafter,
         )
-        assert torch.equal(target.items(out, catalogue), want.items)
+        items = catalogue.items_of(out.values, out.offsets).view(out.scores.shape)
+        assert torch.equal(items, want.items)
         # The same log-probs summed alike, from trees laid out otherwise: rounding apart.
         torch.testing.assert_close(out.scores, want.scores, rtol=0, atol=1e-5)

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -14,12 +12,8 @@ from genrec_spec.llm.proposers.catalogue import CatalogueDrafter
 from genrec_spec.models.recsys.config import TiedLevelsConfig
 from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 from genrec_spec.recsys.decoders import beam
+from genrec_spec.recsys.history_cache import rows_of
 from genrec_spec.recsys.target import RecommenderTarget
-
-
-def prompts_of(users) -> list[list[int]]:
-    bounds = users.offsets.tolist()
-    return [users.values[a:b].tolist() for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def core_beam(model, users, k: int, width: int, drafter: bool = False):
@@ -28,31 +22,28 @@ def core_beam(model, users, k: int, width: int, drafter: bool = False):
     catalogue = target.catalogue()
     out = beam_search(
         target,
-        prompts_of(users),
+        rows_of(users.values, users.offsets),
         config=BeamConfig(num_beams=width, num_return_sequences=k, length_penalty=0.0),
         max_new_tokens=model.num_levels,
         constraint=catalogue,
         drafter=CatalogueDrafter(catalogue) if drafter else None,
     )
-    return target.items(out, catalogue), out.scores, out.stats.target_forwards
-
-
-def tied(model, data) -> SemanticIdRecommender:
-    """The same config with tied code levels: log-probs normalised over a prefix's children."""
-    objective = replace(
-        model.config.item_objective, level0=True, tied_levels=TiedLevelsConfig(residual=False)
-    )
-    config = replace(model.config, item_objective=objective)
-    torch.manual_seed(1)
-    return SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).eval()
+    items = catalogue.items_of(out.values, out.offsets).view(out.scores.shape)
+    return items, out.scores, out.stats.target_forwards
 
 
 @pytest.mark.parametrize("levels", ["untied", "tied"])
 @pytest.mark.parametrize(("k", "width"), [(3, 3), (5, 8)])
-def test_core_beam_search_equals_the_recommenders_beam(tiny_model, levels, k, width):
+def test_core_beam_search_equals_the_recommenders_beam(
+    tiny_model, with_objective, levels, k, width
+):
     model, data = tiny_model
-    if levels == "tied":
-        model = tied(model, data)
+    if levels == "tied":  # log-probs normalised over a prefix's children
+        tied = with_objective(
+            model.config, level0=True, tied_levels=TiedLevelsConfig(residual=False)
+        )
+        torch.manual_seed(1)
+        model = SemanticIdRecommender(tied, data.item_codes, data.codebook_sizes).eval()
     users = data.test.select(torch.arange(len(data.test)))
     want = beam.decode(model, users.values, users.offsets, k=k, trie=beam.item_trie(model),
                        beam_width=width)  # fmt: skip
@@ -80,8 +71,8 @@ def test_bad_use_is_refused(tiny_model):
     users = data.test.select(torch.arange(2))
     catalogue = target.catalogue()
     with pytest.raises(DecodeInputError, match="unless its items all have max_new_tokens"):
-        beam_search(target, prompts_of(users), max_new_tokens=model.num_levels + 1,
-                    constraint=catalogue)  # fmt: skip
+        beam_search(target, rows_of(users.values, users.offsets),
+                    max_new_tokens=model.num_levels + 1, constraint=catalogue)  # fmt: skip
     with pytest.raises(DecodeInputError, match="outside the target's vocabulary"):
         beam_search(target, [[model.num_items]], max_new_tokens=model.num_levels,
                     constraint=catalogue)  # fmt: skip
