@@ -74,7 +74,8 @@ def configs(grid: TuneGrid):
 
 
 def describe_config(config) -> str:
-    """The config's fields that differ from the default's, e.g. 'rows 256 root 128 w8 s3 x4'."""
+    """The swept fields, e.g. 'rows 256 root 128 w8 s3 slices    4' (slices auto: the default's
+    own pick)."""
     splits = "auto" if config.root_splits is None else str(config.root_splits)
     return (
         f"rows {config.block_rows:>3} root {config.block_root:>3} w{config.num_warps} "
@@ -135,8 +136,8 @@ def _tune_case(case: Case, x: dict, grid: TuneGrid, peak_gbs: float, timer, out)
     args += [ancestor_bitmask(x["parents"]), x["q"].shape[-1] ** -0.5]
     head = f"{case.tree:>8} {case.batch:>3} {case.root:>5} {case.nodes:>4}"
     out(f"{head}  sdpa-dense {sdpa_us:.1f} us, bytes floor {floor_us:.1f} us")
-    times = {}
-    for config in configs(grid):
+    times, launches = {}, configs(grid)
+    for config in launches:
         try:
             error = (launch_tree_attention(*args, config)[0].float() - expected).abs().max()
             us = timer(lambda c=config: launch_tree_attention(*args, c))
@@ -147,7 +148,7 @@ def _tune_case(case: Case, x: dict, grid: TuneGrid, peak_gbs: float, timer, out)
         out(f"{head}  {describe_config(config)} {us:>9.1f} {sdpa_us / us:>7.2f}x "
             f"{us / floor_us:>6.1f}x floor  err {error.item():.1e}")  # fmt: skip
     best = min(times, key=times.get)
-    default = times.get(configs(grid)[0], float("nan"))
+    default = times.get(launches[0], float("nan"))
     return Tuned(case, best, times[best], default, sdpa_us)
 
 

@@ -47,11 +47,11 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
     )
     shapes = tuple(args.shapes) if args.shapes else None
+    run = KernelBench(shapes, args.quick, args.heads, args.dtype, args.device)
     if args.tune:
-        run = KernelBench(shapes, args.quick, args.heads, args.dtype, args.device)
         tune_kernel(run, config, args.peak_gbs, GRIDS[args.grid])
-        return 0
-    benchmark(KernelBench(shapes, args.quick, args.heads, args.dtype, args.device), config)
+    else:
+        benchmark(run, config)
     return 0
 
 

@@ -207,6 +207,7 @@ class _Search:
         self.target, self.cache = target, cache
         self.prompts = [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist(), strict=True)]
         self.config, self.constraint, self.drafter = config, constraint, drafter
+        self.normalized = getattr(target, "outputs_log_probs", False)  # read as they are
         self.tree = BeamTree(tokens.shape[0], width)
         self.start = (
             constraint.start(tokens.shape[0]).tolist() if constraint else [0] * tokens.shape[0]
@@ -275,8 +276,7 @@ class _Search:
             allowed = self.constraint.allowed(
                 states, rows, lambda: [self.prompts[r] + tree.path(r, n) for r, n in pairs]
             )
-        normalized = getattr(self.target, "outputs_log_probs", False)
-        scores = log_probs(chosen, allowed, self.config.renormalize, normalized)
+        scores = log_probs(chosen, allowed, self.config.renormalize, self.normalized)
         best = scores.topk(tree.width, dim=-1)
         if bool(torch.isnan(best.values).any()):  # a NaN logit makes its row's log-probs NaN
             raise DecodeInputError(

@@ -72,9 +72,9 @@ class BeamTree:
             self.states[row] += [state for _, _, state in padded]
         tokens = torch.tensor([t[self.size :] for t in self.tokens], dtype=torch.long)
         parents = torch.tensor([p[self.size :] for p in self.parents], dtype=torch.long)
-        real = torch.tensor([[i < len(p) for i in range(m)] for p in plans], dtype=torch.bool)
+        real = torch.arange(m) < torch.tensor([len(p) for p in plans])[:, None]  # [B, M]
         self.size += m
-        return tokens.view(self.batch, m), parents.view(self.batch, m), real.view(self.batch, m)
+        return tokens.view(self.batch, m), parents.view(self.batch, m), real
 
     def store(self, values: Tensor, tokens: Tensor) -> None:
         """Store the last planned nodes' best candidates: values, tokens [B, M, C]."""
