@@ -81,10 +81,11 @@ class RawDataset:
 
     interactions: one row per rating event, in source-file order (duplicates kept):
         user_id (str), item_id (str), timestamp (int64, Unix seconds), rating (float32).
-    items: exactly the items that occur in `interactions`, one row each: item_id (str), the
-        source's text fields as strings ("" when unknown; MOVIELENS_FIELDS or AMAZON_FIELDS)
-        and `text` (module docstring). Order: metadata-file order, then items without a
-        metadata row in order of first appearance in `interactions`.
+    items: exactly the items that occur in `interactions` (a synthetic catalogue: every item,
+        cold ones too), one row each: item_id (str), the source's text fields as strings (""
+        when unknown; MOVIELENS_FIELDS or AMAZON_FIELDS) and `text` (module docstring). Order:
+        metadata-file order, then items without a metadata row in order of first appearance in
+        `interactions`.
     missing_metadata: how many items had no metadata row (their text is "Item: <item_id>.").
     """
 

@@ -135,9 +135,9 @@ def prepare(
     return manifest
 
 
-# Code tuples per item the quantiser levels should offer: with 3 x 256 codes, 13 of 10^4 and
-# 1,014 of 10^5 synthetic items share their tuple with another (0.1-1%), 55,858 of 10^6 (5.6%),
-# and 497 of 10^6 with 4 levels (docs/results/scale.md); 64 tuples an item keeps it under ~1%.
+# Code tuples per item the quantiser levels should offer: about this many keep the items that
+# share their tuple with another near 1% or fewer on synthetic catalogues of 10^4-10^6 items
+# (docs/results/scale.md#the-data-pipeline).
 TUPLES_PER_ITEM = 64
 
 

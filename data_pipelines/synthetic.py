@@ -9,9 +9,9 @@ plus its group's (weight ``group_weight``) plus its own direction (weight ``nois
 vectors; a fixed orthonormal map takes it to 384 dimensions, where a little isotropic noise
 (``ambient``) is added and the vector L2-normalised. Item i's group is i mod groups and group
 g's topic g mod topics, so every cluster is spread over the whole index. Residual k-means then
-finds structure at every level (topics, groups, items within a group): with 3 levels of 256
-codes, 9 of 10^4 and 921 of 10^5 items need the collision code, as real text embeddings give
-a few. (Isotropic noise in all 384 dimensions instead collapses the last level's codes.)
+finds structure at every level (topics, groups, items within a group) and few items need the
+collision code, as with real text embeddings; isotropic noise in all 384 dimensions instead
+collapses the last level's codes (docs/results/scale.md has both measured).
 
 Interactions: users who browse. A user starts at a random item and steps to the next items of
 its group (rank + 1 most of the time, + 2 or + 3 otherwise); with probability ``jump`` a step
