@@ -35,7 +35,13 @@ import torch
 from torch import Tensor
 
 from genrec_spec.core.beam_tree import BeamTree, Planned
-from genrec_spec.core.constraints import Catalogue, Constraint, check_catalogue, log_probs
+from genrec_spec.core.constraints import (
+    Catalogue,
+    Constraint,
+    catalogue_log_probs,
+    check_catalogue,
+    log_probs,
+)
 from genrec_spec.core.decode import _check_limits, pack_prompts, prefill_checked
 from genrec_spec.core.targets import Target, as_target
 from genrec_spec.core.types import DecodeInputError, DecodeStats, Generation
@@ -269,26 +275,43 @@ class _Search:
         nodes = tree.size - tokens.shape[1] + slots
         # [Q, V] the real nodes' logits (all of them, without a copy, when no row pads)
         chosen = logits.flatten(0, 1) if bool(real.all()) else logits[rows, slots]
-        allowed = None
-        if self.constraint is not None:
-            pairs = list(zip(rows.tolist(), nodes.tolist(), strict=True))
-            states = torch.tensor([tree.states[r][n] for r, n in pairs])
-            allowed = self.constraint.allowed(
-                states, rows, lambda: [self.prompts[r] + tree.path(r, n) for r, n in pairs]
-            )
-        scores = log_probs(chosen, allowed, self.config.renormalize, self.normalized)
-        best = scores.topk(tree.width, dim=-1)
+        scores, choices = self._log_probs(chosen, rows, nodes)  # [Q, C] each
+        best = scores.topk(min(tree.width, scores.shape[1]), dim=-1)
         if bool(torch.isnan(best.values).any()):  # a NaN logit makes its row's log-probs NaN
             raise DecodeInputError(
                 "the target's logits contain NaN",
                 "check the model's weights and dtype (fp16 overflow is a common cause)",
             )
+        kept = best.indices if choices is None else choices.gather(1, best.indices)
         values = torch.full((*tokens.shape, tree.width), float("-inf"))
         options = torch.zeros(*tokens.shape, tree.width, dtype=torch.long)
-        values[rows, slots], options[rows, slots] = best.values, best.indices
+        values[rows, slots, : kept.shape[1]] = best.values
+        options[rows, slots, : kept.shape[1]] = kept
         tree.store(values, options)
         self.passes += 1
         self.nodes += len(rows)
+
+    def _log_probs(
+        self,
+        logits: Tensor,  # [Q, V] the scored nodes'
+        rows: Tensor,  # [Q] their rows
+        nodes: Tensor,  # [Q] their node numbers
+    ) -> tuple[Tensor, Tensor | None]:  # [Q, C] log-probs, [Q, C] their tokens (None: 0..V-1)
+        """The nodes' next-token log-probabilities under the constraint; a catalogue reads
+        only each node's children."""
+        if self.constraint is None:
+            return log_probs(logits, None, self.config.renormalize, self.normalized), None
+        tree = self.tree
+        pairs = list(zip(rows.tolist(), nodes.tolist(), strict=True))
+        states = torch.tensor([tree.states[r][n] for r, n in pairs], dtype=torch.long)
+        if isinstance(self.constraint, Catalogue):
+            return catalogue_log_probs(
+                logits, self.constraint.trie, states, self.config.renormalize, self.normalized
+            )
+        allowed = self.constraint.allowed(
+            states, rows, lambda: [self.prompts[r] + tree.path(r, n) for r, n in pairs]
+        )
+        return log_probs(logits, allowed, self.config.renormalize, self.normalized), None
 
 
 def _link(beams: _Beams, tree: BeamTree) -> None:

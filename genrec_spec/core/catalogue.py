@@ -110,6 +110,17 @@ class TokenTrie:
         found = (self.edge_keys[edge] == keys) & (nodes >= 0)
         return torch.where(found, self.child_nodes[edge], -1)
 
+    def children_of(self, nodes: Tensor) -> tuple[Tensor, Tensor]:  # [Q] -> 2 x [Q, C]
+        """Each node's child tokens in token order, C the most any of them has (at least 1),
+        and which of the C slots hold one (-1 nodes have none)."""
+        counts = torch.where(nodes >= 0, self.child_counts(nodes.clamp_min(0)), 0)  # [Q]
+        most = max(1, int(counts.max())) if len(nodes) else 1
+        slots = torch.arange(most, device=nodes.device)
+        exists = slots < counts[:, None]  # [Q, C]
+        edge = self.child_offsets[nodes.clamp_min(0)][:, None] + slots
+        tokens = self.child_tokens[edge.clamp(max=max(len(self.child_tokens) - 1, 0))]
+        return tokens.masked_fill(~exists, 0), exists
+
     def allowed(self, nodes: Tensor) -> Tensor:  # [Q] -> [Q, V] bool
         """The tokens each node lets through (its children's); none for -1."""
         counts = torch.where(nodes >= 0, self.child_counts(nodes.clamp_min(0)), 0)

@@ -164,6 +164,26 @@ def log_probs(
     return torch.log_softmax(logits, dim=-1).masked_fill(~allowed, float("-inf"))
 
 
+def catalogue_log_probs(
+    logits: Tensor,  # [Q, V]
+    trie: TokenTrie,
+    states: Tensor,  # [Q] trie nodes
+    renormalize: bool = False,
+    normalized: bool = False,
+) -> tuple[Tensor, Tensor]:  # values [Q, C] float32 (-inf pads), tokens [Q, C]
+    """``log_probs`` under a catalogue, for each node's children only (C the most children of
+    any of the nodes): the same values at the allowed tokens, without a [Q, V] mask, so a
+    search reads C candidates per node instead of V."""
+    tokens, exists = trie.children_of(states)  # [Q, C] each
+    logits = logits.float()
+    if not (normalized or renormalize):  # the full vocabulary's log-probs, then the children's
+        logits = torch.log_softmax(logits, dim=-1)
+    values = logits.gather(1, tokens).masked_fill(~exists, float("-inf"))
+    if renormalize:
+        values = torch.log_softmax(values, dim=-1).masked_fill(~exists, float("-inf"))
+    return values, tokens
+
+
 class ConstrainedTrees:
     """A constraint applied to ``generate``'s draft trees: each row's state after its generated
     tokens, each tree node's state along its path, and the target's logits masked to the

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from genrec_spec import CallableTarget, ControllerConfig, SamplingParams, generate
-from genrec_spec.core.constraints import AllowedTokens, Catalogue
+from genrec_spec.core.constraints import AllowedTokens, Catalogue, catalogue_log_probs, log_probs
 from genrec_spec.core.sampling import probabilities
 from genrec_spec.llm.proposers import CatalogueProposer, DraftModelProposer
 
@@ -181,3 +181,24 @@ def test_items_of_names_each_whole_sequence_and_nothing_else():
     values = torch.tensor([t for row in rows for t in row])
     offsets = torch.tensor([0, *torch.tensor([len(r) for r in rows]).cumsum(0).tolist()])
     assert catalogue.items_of(values, offsets).tolist() == [1, 0, -1, -1, -1]
+
+
+@pytest.mark.parametrize(
+    ("renormalize", "normalized"), [(False, False), (True, False), (False, True)]
+)
+def test_catalogue_log_probs_are_log_probs_at_the_childrens_tokens(setup, renormalize, normalized):
+    catalogue = setup[2]
+    trie = catalogue.trie
+    states = torch.arange(-1, trie.num_nodes)  # every node, a leaf and a node outside it
+    logits = torch.randn(len(states), VOCAB, generator=torch.Generator().manual_seed(0))
+    dense = log_probs(logits, trie.allowed(states), renormalize, normalized)  # [Q, V]
+    values, tokens = catalogue_log_probs(logits, trie, states, renormalize, normalized)
+    _, exists = trie.children_of(states)
+    assert values.shape[1] == trie.widest
+    assert torch.equal(exists.sum(1), trie.allowed(states).sum(1))
+    # Each child's value is the dense rule's at its token (renormalised over fewer columns:
+    # up to rounding); the pads are -inf.
+    want = dense.gather(1, tokens)[exists]
+    torch.testing.assert_close(values[exists], want, rtol=0, atol=0 if not renormalize else 1e-6)
+    assert bool((values[~exists] == float("-inf")).all())
+    assert torch.equal(tokens[exists].sort().values, dense.isfinite().nonzero()[:, 1].sort().values)
