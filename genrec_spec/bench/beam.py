@@ -130,15 +130,17 @@ def hf_allowed_tokens(catalogue, eos: int) -> Callable[[int], Callable]:
     """A ``prefix_allowed_tokens_fn`` over the catalogue for transformers' generate, for
     prompts left-padded to ``width``: the generated part's trie node, walked from its parent's
     (a dict per prefix, as a user would write it)."""
+    trie = catalogue.trie
+    offsets, tokens, nodes = (
+        t.tolist() for t in (trie.child_offsets, trie.child_tokens, trie.child_nodes)
+    )
     allowed: dict[tuple[int, ...], list[int]] = {}
-
-    def children(prefix: tuple[int, ...], state: int) -> None:
-        options = catalogue.children(state)
-        allowed[prefix] = [token for token, _ in options]
-        for token, child in options:
-            children((*prefix, token), child)
-
-    children((), 0)
+    walk = [((), 0)]  # (prefix, its trie node) still to list
+    while walk:
+        prefix, node = walk.pop()
+        edges = range(offsets[node], offsets[node + 1])
+        allowed[prefix] = [tokens[e] for e in edges]
+        walk.extend(((*prefix, tokens[e]), nodes[e]) for e in edges)
 
     def make(width: int) -> Callable:
         def fn(batch_id: int, input_ids: torch.Tensor) -> list[int]:

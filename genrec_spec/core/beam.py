@@ -34,7 +34,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from genrec_spec.core.beam_tree import BeamTree, Planned
+from genrec_spec.core.beam_tree import MAX_NODES, BeamTree
 from genrec_spec.core.constraints import (
     Catalogue,
     Constraint,
@@ -78,11 +78,10 @@ class BeamOutput(Generation):
 
 
 class BeamDrafter(Protocol):
-    def draft(
-        self, tree: BeamTree, row: int, frontier: list[tuple[int, int]], plan, budget: int
-    ) -> None:
-        """Plan at most ``budget`` nodes below the frontier's (node, state) pairs (the row's
-        beams, best first) with ``tree.add``."""
+    def draft(self, tree: BeamTree, rows: Tensor, nodes: Tensor, budget: int) -> None:
+        """Plan at most ``budget`` nodes per row with ``tree.add`` below the frontier: rows,
+        nodes [F] the live beams' nodes, once each, rows grouped ascending and each row's best
+        beam first."""
         ...
 
 
@@ -214,10 +213,12 @@ class _Search:
         self.prompts = [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist(), strict=True)]
         self.config, self.constraint, self.drafter = config, constraint, drafter
         self.normalized = getattr(target, "outputs_log_probs", False)  # read as they are
-        self.tree = BeamTree(tokens.shape[0], width)
-        self.start = (
-            constraint.start(tokens.shape[0]).tolist() if constraint else [0] * tokens.shape[0]
-        )
+        batch = tokens.shape[0]
+        # Keys pack tokens below this: generated ones, and the roots' (prompt tokens, which a
+        # recommender draws from its items, not its codes).
+        tokens_below = max(target.vocab_size, getattr(target, "prompt_vocab_size", 0))
+        self.tree = BeamTree(batch, width, tokens_below)
+        self.start = constraint.start(batch) if constraint else torch.zeros(batch, dtype=torch.long)
         self.passes = self.speculative = self.nodes = self.drafted = self.row_steps = 0
 
     def score_beams(self, beams: _Beams, open_rows: Tensor) -> None:
@@ -227,48 +228,35 @@ class _Search:
         if not bool(need.any()):
             return
         tree = self.tree
-        plans: list[list[Planned]] = [[] for _ in range(tree.batch)]
-        rows = need.nonzero()[:, 0].tolist()
-        parents, tokens = beams.parents[need].tolist(), beams.last[need].tolist()
-        states = self._states(rows, parents, tokens)
-        for row, parent, token, state in zip(rows, parents, tokens, states, strict=True):
-            if tree.child(row, parent, token) < 0:  # copies of a beam (the first step) plan once
-                tree.add(row, plans[row], parent, token, state)
-        planned = sum(len(p) for p in plans)
+        rows, parents, tokens = need.nonzero()[:, 0], beams.parents[need], beams.last[need]
+        # Copies of a beam (the first step's) plan one node.
+        once = _first_occurrences(tree.key(rows, parents, tokens))
+        rows, parents, tokens = rows[once], parents[once], tokens[once]
+        tree.add(rows, parents, tokens, self._states(rows, parents, tokens))
         _link(beams, tree)
         if self.drafter is not None:
             live = open_rows[:, None] & (beams.scores > float("-inf"))
-            rows = open_rows.nonzero().flatten().tolist()
-            budget = max(1, self.config.draft_nodes // len(rows))
-            for row in rows:
-                nodes = dict.fromkeys(beams.nodes[row][live[row]].tolist())  # best first, once
-                frontier = [(node, self._node_state(row, node, plans[row])) for node in nodes]
-                self.drafter.draft(tree, row, frontier, plans[row], budget)
-        self._pass(plans)
-        self.drafted += sum(len(p) for p in plans) - planned
+            budget = max(1, self.config.draft_nodes // int(open_rows.sum()))
+            rows_live, nodes_live = live.nonzero()[:, 0], beams.nodes[live]
+            once = _first_occurrences(rows_live * MAX_NODES + nodes_live)
+            self.drafter.draft(tree, rows_live[once], nodes_live[once], budget)
+        self.drafted += int(tree.pending.sum()) - len(rows)
         self.speculative += self.drafter is not None
+        self._pass()
 
-    def _states(self, rows: list[int], parents: list[int], tokens: list[int]) -> list[int]:
+    def _states(self, rows: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:  # [Q] each
         """The constraint state after each (parent node, token), in one batched step; a root
         (parent -1) is the row's empty generated prefix."""
         if self.constraint is None:
-            return [0] * len(rows)
-        above = [
-            self.tree.states[r][p] if p >= 0 else 0 for r, p in zip(rows, parents, strict=True)
-        ]
-        moved = self.constraint.advance(torch.tensor(above), torch.tensor(tokens)).tolist()
-        return [
-            m if p >= 0 else self.start[r] for r, p, m in zip(rows, parents, moved, strict=True)
-        ]
+            return torch.zeros_like(rows)
+        above = self.tree.states[rows, parents.clamp_min(0)]
+        moved = self.constraint.advance(above, tokens)
+        return torch.where(parents >= 0, moved, self.start[rows])
 
-    def _node_state(self, row: int, node: int, plan: list[Planned]) -> int:
-        existing = len(self.tree.states[row])
-        return self.tree.states[row][node] if node < existing else plan[node - existing][2]
-
-    def _pass(self, plans: list[list[Planned]]) -> None:
+    def _pass(self) -> None:
         """Score the planned nodes and store their best candidates."""
         tree = self.tree
-        tokens, parents, real = tree.plan(plans)
+        tokens, parents, real = tree.plan()
         device = getattr(self.target, "device", tokens.device)
         logits = self.target.grow_tree(self.cache, tokens.to(device), parents.to(device)).cpu()
         rows, slots = real.nonzero(as_tuple=True)
@@ -302,12 +290,12 @@ class _Search:
         if self.constraint is None:
             return log_probs(logits, None, self.config.renormalize, self.normalized), None
         tree = self.tree
-        pairs = list(zip(rows.tolist(), nodes.tolist(), strict=True))
-        states = torch.tensor([tree.states[r][n] for r, n in pairs], dtype=torch.long)
+        states = tree.states[rows, nodes]
         if isinstance(self.constraint, Catalogue):
             return catalogue_log_probs(
                 logits, self.constraint.trie, states, self.config.renormalize, self.normalized
             )
+        pairs = list(zip(rows.tolist(), nodes.tolist(), strict=True))
         allowed = self.constraint.allowed(
             states, rows, lambda: [self.prompts[r] + tree.path(r, n) for r, n in pairs]
         )
@@ -317,10 +305,16 @@ class _Search:
 def _link(beams: _Beams, tree: BeamTree) -> None:
     """Point every beam at its scored (or planned) node, where it has one."""
     missing = beams.nodes < 0
-    rows = missing.nonzero()[:, 0].tolist()
-    pairs = zip(rows, beams.parents[missing].tolist(), beams.last[missing].tolist(), strict=True)
-    found = [tree.child(row, parent, token) for row, parent, token in pairs]
-    beams.nodes[missing] = torch.tensor(found, dtype=torch.long)
+    rows = missing.nonzero()[:, 0]
+    beams.nodes[missing] = tree.child(rows, beams.parents[missing], beams.last[missing])
+
+
+def _first_occurrences(keys: Tensor) -> Tensor:  # [Q] -> [F]
+    """The positions of the first occurrence of each distinct key, in order."""
+    ordered, order = keys.sort(stable=True)
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    return order[first].sort().values
 
 
 def _select(

@@ -1,11 +1,16 @@
-"""The scored tree of a beam search: per row, every node scored so far, each node's constraint
-state and the best next-token log-probabilities at it.
+"""The scored tree of a beam search: per row, every node scored or planned so far, each node's
+constraint state and the best next-token log-probabilities at it.
 
 Rows share one node numbering, the target's pending tree (``Target.grow_tree``): a pass adds
 the same number of nodes M to every row, rows with fewer real nodes padding with nodes no beam
-reaches. Node 0 of every row is its root, the prompt's last token. The host-side part (which
-child a (parent, token) pair is, each node's path) is plain Python: a step looks up a few beams
-per row, and drafting walks a few nodes per beam.
+reaches (parent -1, state -1). Node 0 of every row is its root, the prompt's last token. All
+bookkeeping is batched tensor work: a (row, parent, token) triple is one int64 key, and the keys
+of every node are kept sorted, so looking up the children of a whole step's beams (or a draft's
+nodes) is one ``searchsorted``.
+
+A pass is planned with ``add`` (nodes get their numbers at once, so a planned node can be the
+parent of another: a drafter plans below the beams' new nodes), then ``plan`` closes it and gives
+the target its nodes, and ``store`` keeps their best candidates once scored.
 """
 
 from __future__ import annotations
@@ -15,66 +20,95 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-# A node to add: (parent node, token, constraint state); the parent may be a node added earlier
-# in the same plan (nodes are numbered in the order they are planned).
-Planned = tuple[int, int, int]
+# Node numbers per row are below this, so (row, parent, token) packs into one int64 key.
+MAX_NODES = 1 << 24
 
 
 @dataclass
 class BeamTree:
-    """Scored nodes of B rows (module docstring)."""
+    """Scored and planned nodes of B rows (module docstring)."""
 
     batch: int
     width: int  # C: best next-token candidates kept per node
-    size: int = 0  # nodes per row (real and padding)
-    parents: list[list[int]] = field(default_factory=list)  # [B][size], -1 for roots
-    tokens: list[list[int]] = field(default_factory=list)  # [B][size]
-    states: list[list[int]] = field(default_factory=list)  # [B][size] constraint states
-    children: list[dict[tuple[int, int], int]] = field(default_factory=list)  # (parent, token)
-    # [B, capacity, C] log-probs (best first; -inf pads) and tokens of the first `size` nodes;
-    # the capacity doubles when full, so a pass copies only its own nodes.
+    vocab_size: int  # tokens (generated and prompt) are below this: keys pack them
+    size: int = 0  # nodes per row in closed passes (real and padding)
+    pending: Tensor = field(init=False)  # [B] nodes planned per row for the next pass
+    parents: Tensor = field(init=False)  # [B, capacity] -1 for roots and padding
+    tokens: Tensor = field(init=False)  # [B, capacity]
+    states: Tensor = field(init=False)  # [B, capacity] constraint states (-1 padding)
+    keys: Tensor = field(init=False)  # [R] sorted keys of every real node
+    key_nodes: Tensor = field(init=False)  # [R] the node each key names
+    # [B, capacity, C] log-probs (best first; -inf pads) and tokens of the first `size` nodes
     top_values: Tensor | None = None
     top_tokens: Tensor | None = None
 
     def __post_init__(self) -> None:
-        self.parents = [[] for _ in range(self.batch)]
-        self.tokens = [[] for _ in range(self.batch)]
-        self.states = [[] for _ in range(self.batch)]
-        self.children = [{} for _ in range(self.batch)]
+        self.pending = torch.zeros(self.batch, dtype=torch.long)
+        # One padding slot to start with, so gathers at a root's parent (-1, clamped) read one.
+        self.parents = torch.full((self.batch, 1), -1, dtype=torch.long)
+        self.tokens = torch.zeros(self.batch, 1, dtype=torch.long)
+        self.states = torch.full((self.batch, 1), -1, dtype=torch.long)
+        self.keys = torch.zeros(0, dtype=torch.long)
+        self.key_nodes = torch.zeros(0, dtype=torch.long)
 
-    def child(self, row: int, parent: int, token: int) -> int:
-        """The node (parent, token) leads to; -1 when it is not scored (nor planned)."""
-        return self.children[row].get((parent, token), -1)
+    def key(self, rows: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:  # [Q] each -> [Q]
+        """The int64 naming each (row, parent node, token): rows ascend with it."""
+        return (rows * MAX_NODES + parents + 1) * self.vocab_size + tokens
+
+    def child(self, rows: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:  # [Q] -> [Q]
+        """The node each (row, parent node, token) leads to; -1 where none is scored or
+        planned (a parent of -1 is the row's root position: the root node itself)."""
+        keys = self.key(rows, parents, tokens)
+        at = torch.searchsorted(self.keys, keys).clamp(max=max(len(self.keys) - 1, 0))
+        if not len(self.keys):
+            return torch.full_like(keys, -1)
+        return torch.where(self.keys[at] == keys, self.key_nodes[at], -1)
+
+    def add(self, rows: Tensor, parents: Tensor, tokens: Tensor, states: Tensor) -> Tensor:
+        """Plan Q distinct new nodes (rows [Q] grouped ascending, their parent nodes, tokens and
+        constraint states) for the next pass; returns their numbers [Q]."""
+        if not len(rows):
+            return rows
+        rank = rank_within_rows(rows, self.batch)  # [Q] order among the row's new nodes
+        nodes = self.size + self.pending[rows] + rank
+        self.pending += torch.bincount(rows, minlength=self.batch)
+        self._reserve(self.size + int(self.pending.max()))
+        self.parents[rows, nodes], self.tokens[rows, nodes] = parents, tokens
+        self.states[rows, nodes] = states
+        keys = torch.cat([self.keys, self.key(rows, parents, tokens)])
+        order = keys.argsort()
+        self.keys, self.key_nodes = keys[order], torch.cat([self.key_nodes, nodes])[order]
+        return nodes
+
+    def plan(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Close the planned pass: every row padded to M nodes. Returns tokens, parents [B, M]
+        for the target and real [B, M] bool."""
+        m = int(self.pending.max())
+        window = slice(self.size, self.size + m)
+        real = torch.arange(m) < self.pending[:, None]  # [B, M]
+        self.size, self.pending = self.size + m, torch.zeros_like(self.pending)
+        return self.tokens[:, window], self.parents[:, window], real
+
+    def _reserve(self, needed: int) -> None:
+        """Room for `needed` nodes per row, doubling (new slots are padding)."""
+        have = self.parents.shape[1]
+        if needed <= have:
+            return
+        if needed > MAX_NODES:
+            raise ValueError(f"a beam search row grew past {MAX_NODES} nodes")
+        extra = max(needed, 2 * have) - have
+        self.parents = torch.cat([self.parents, self.parents.new_full((self.batch, extra), -1)], 1)
+        self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(self.batch, extra)], 1)
+        self.states = torch.cat([self.states, self.states.new_full((self.batch, extra), -1)], 1)
 
     def path(self, row: int, node: int) -> list[int]:
         """Tokens from the root (excluded) down to node (included)."""
+        parents, tokens = self.parents[row].tolist(), self.tokens[row].tolist()
         out = []
-        while self.parents[row][node] >= 0:
-            out.append(self.tokens[row][node])
-            node = self.parents[row][node]
+        while parents[node] >= 0:
+            out.append(tokens[node])
+            node = parents[node]
         return out[::-1]
-
-    def add(self, row: int, plan: list[Planned], parent: int, token: int, state: int) -> int:
-        """Plan one node of ``row`` for the next pass; returns the number it will have."""
-        node = self.size + len(plan)
-        plan.append((parent, token, state))
-        self.children[row][(parent, token)] = node
-        return node
-
-    def plan(self, plans: list[list[Planned]]) -> tuple[Tensor, Tensor, Tensor]:
-        """Append the planned nodes of every row (numbered by ``add``) and pad the rows to one
-        count M. Returns tokens, parents [B, M] for the target and real [B, M] bool."""
-        m = max(len(p) for p in plans)
-        for row, nodes in enumerate(plans):
-            padded = nodes + [(-1, 0, -1)] * (m - len(nodes))
-            self.parents[row] += [parent for parent, _, _ in padded]
-            self.tokens[row] += [token for _, token, _ in padded]
-            self.states[row] += [state for _, _, state in padded]
-        tokens = torch.tensor([t[self.size :] for t in self.tokens], dtype=torch.long)
-        parents = torch.tensor([p[self.size :] for p in self.parents], dtype=torch.long)
-        real = torch.arange(m) < torch.tensor([len(p) for p in plans])[:, None]  # [B, M]
-        self.size += m
-        return tokens.view(self.batch, m), parents.view(self.batch, m), real
 
     def store(self, values: Tensor, tokens: Tensor) -> None:
         """Store the last planned nodes' best candidates: values, tokens [B, M, C]."""
@@ -94,3 +128,10 @@ class BeamTree:
         """The stored candidates (log-probs, tokens) of each beam's node."""
         index = nodes.clamp_min(0)[..., None].expand(-1, -1, self.width)
         return self.top_values.gather(1, index), self.top_tokens.gather(1, index)
+
+
+def rank_within_rows(rows: Tensor, batch: int) -> Tensor:  # [Q] ascending -> [Q]
+    """Each element's position among the elements of its row (rows grouped ascending)."""
+    counts = torch.bincount(rows, minlength=batch)
+    starts = counts.cumsum(0) - counts
+    return torch.arange(len(rows)) - starts[rows]

@@ -44,15 +44,7 @@ class Catalogue:
     def __init__(self, trie: TokenTrie) -> None:
         self.trie = trie
         self.vocab_size = trie.vocab_size
-        # Host copies for drafting, which walks a few nodes at a time.
-        self._offsets = trie.child_offsets.tolist()
-        self._tokens = trie.child_tokens.tolist()
-        self._nodes = trie.child_nodes.tolist()
-        # Items below each node (a child's id is above its parent's: sum children first).
-        self.items_below = [int(item >= 0) for item in trie.leaf_items.tolist()]
-        for node in range(trie.num_nodes - 1, -1, -1):
-            for child in self._nodes[self._offsets[node] : self._offsets[node + 1]]:
-                self.items_below[node] += self.items_below[child]
+        self.items_below = _items_below(trie)  # [nodes] catalogue items under each node
 
     @classmethod
     def of(
@@ -82,13 +74,6 @@ class Catalogue:
             nodes = torch.where(inside, self.advance(nodes, token), nodes)
         return self.trie.items(nodes)
 
-    def children(self, state: int) -> list[tuple[int, int]]:
-        """(token, child state) of one node's children, in token order (host side)."""
-        if state < 0:
-            return []
-        low, high = self._offsets[state], self._offsets[state + 1]
-        return list(zip(self._tokens[low:high], self._nodes[low:high], strict=True))
-
 
 class AllowedTokens:
     """transformers' ``prefix_allowed_tokens_fn(batch_id, input_ids) -> list[int]`` as a
@@ -116,6 +101,22 @@ class AllowedTokens:
                 )
             mask[i, tokens] = True
         return mask.to(states.device)
+
+
+def _items_below(trie: TokenTrie) -> Tensor:  # [nodes] int64
+    """How many catalogue items each node's subtree ends, summed a depth at a time upwards."""
+    parent = torch.full((trie.num_nodes,), -1, dtype=torch.long)
+    parent[trie.child_nodes] = torch.repeat_interleave(
+        torch.arange(trie.num_nodes), trie.child_counts(torch.arange(trie.num_nodes))
+    )
+    depth = torch.zeros(trie.num_nodes, dtype=torch.long)
+    for _ in range(trie.longest):  # a node's depth is its parent's + 1
+        depth = torch.where(parent >= 0, depth[parent.clamp_min(0)] + 1, 0)
+    below = (trie.leaf_items >= 0).long()
+    for level in range(trie.longest, 0, -1):
+        at = depth == level
+        below.index_add_(0, parent[at], below[at])
+    return below
 
 
 def check_catalogue(constraint: Constraint | None, eos: list[int], max_new_tokens: int) -> None:

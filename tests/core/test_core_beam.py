@@ -280,8 +280,10 @@ def test_the_trie_steps_and_lists_children():
         node = trie.step(node, torch.tensor([token]))
     assert int(trie.forced(node)) == EOS
     assert int(trie.items(trie.step(node, torch.tensor([EOS])))) == 1
-    assert [token for token, _ in catalogue.children(0)] == [4, 8]
-    assert catalogue.items_below[0] == 3 and catalogue.items_below[int(after_4[0])] == 2
+    tokens, exists = trie.children_of(torch.tensor([0, int(after_4[0]), -1]))
+    assert tokens[exists].tolist() == [4, 8, 5, 6] and exists.sum(1).tolist() == [2, 2, 0]
+    assert catalogue.items_below[[0, int(after_4[0])]].tolist() == [3, 2]
+    assert bool((catalogue.items_below[trie.leaf_items >= 0] == 1).all())
 
 
 def test_nan_logits_are_refused():

@@ -44,7 +44,7 @@ def hf_constrained_beam(hf_model, recommender, prompts, config):
             state = torch.zeros(1, dtype=torch.long)
             for token in ids[width:].tolist():
                 state = catalogue.advance(state, torch.tensor([token]))
-            return [t for t, _ in catalogue.children(int(state))] or [eos]
+            return catalogue.trie.allowed(state)[0].nonzero().flatten().tolist() or [eos]
 
         return allowed
 

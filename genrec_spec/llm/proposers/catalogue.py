@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
-from genrec_spec.core.beam_tree import BeamTree, Planned
+from genrec_spec.core.beam_tree import BeamTree, rank_within_rows
 from genrec_spec.core.constraints import Catalogue, ConstrainedTrees
 from genrec_spec.core.tree import chain
 from genrec_spec.core.types import Acceptance, DecodeInputError, DecodeState, DraftTree
@@ -62,28 +63,23 @@ class CatalogueDrafter:
     fanout: int = 1
     items: int = 1
 
-    def draft(
-        self,
-        tree: BeamTree,
-        row: int,
-        frontier: list[tuple[int, int]],
-        plan: list[Planned],
-        budget: int,
-    ) -> None:
-        level = frontier
+    def draft(self, tree: BeamTree, rows: Tensor, nodes: Tensor, budget: int) -> None:
+        """``BeamDrafter.draft``: a level at a time below the frontier (rows, nodes [F])."""
+        trie, left = self.catalogue.trie, torch.full((tree.batch,), budget)
+        states = tree.states[rows, nodes]  # [F]
         for _ in range(self.depth):
-            below = []
-            for node, state in level:
-                options = self.catalogue.children(state)
-                few = state >= 0 and self.catalogue.items_below[state] <= self.items
-                if len(options) > self.fanout and not few:
-                    continue
-                for token, child_state in options:
-                    child = tree.child(row, node, token)
-                    if child < 0:
-                        if budget == 0:
-                            return
-                        child = tree.add(row, plan, node, token, child_state)
-                        budget -= 1
-                    below.append((child, child_state))
-            level = below
+            if not len(rows):
+                return
+            tokens, exists = trie.children_of(states)  # [F, C]
+            few = (states >= 0) & (self.catalogue.items_below[states.clamp_min(0)] <= self.items)
+            exists &= (few | (exists.sum(1) <= self.fanout))[:, None]
+            at, slot = exists.nonzero(as_tuple=True)  # frontier order, then token order
+            rows, parents, tokens = rows[at], nodes[at], tokens[at, slot]
+            states = trie.step(states[at], tokens)
+            nodes = tree.child(rows, parents, tokens)  # [F'] -1: not planned yet
+            new = (nodes < 0).nonzero()[:, 0]
+            take = new[rank_within_rows(rows[new], tree.batch) < left[rows[new]]]
+            nodes[take] = tree.add(rows[take], parents[take], tokens[take], states[take])
+            left -= torch.bincount(rows[take], minlength=tree.batch)
+            kept = nodes >= 0  # over budget: not drafted, nor anything below it
+            rows, nodes, states = rows[kept], nodes[kept], states[kept]
