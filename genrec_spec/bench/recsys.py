@@ -36,6 +36,8 @@ from genrec_spec.recsys.scoring import PrefixTree, TrieIndex, node_mask, prefix_
 
 # Benchmark rows that are a registered decoder with fixed options.
 VARIANTS: dict[str, tuple[str, dict]] = {
+    # beam through the engine's beam_search on the recommender as a Target (the same lists)
+    "beam-core": ("beam", {"engine": "core"}),
     "rpg-exact": ("rpg", {"mode": "exact"}),
     # spec_beam with its other drafts (its default, "auto", drafts "items" on models with the
     # item objective): the whole first code level scored with the history; the NEZHA head's beam

@@ -28,10 +28,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from genrec_spec.core.beam import BeamConfig, beam_search
 from genrec_spec.core.catalogue import TokenTrie
 from genrec_spec.core.constraints import Catalogue
 from genrec_spec.core.targets import grown
-from genrec_spec.core.types import DecodeInputError, DraftTree
+from genrec_spec.core.types import DecodeInputError, DecodeStats, DraftTree
+from genrec_spec.models.derived import DerivedCache
+from genrec_spec.recsys.history_cache import rows_of
 
 # The model slides over long histories itself; no prompt is too long for it.
 UNBOUNDED = 1 << 30
@@ -137,6 +140,35 @@ class RecommenderTarget:
         dense.scatter_(1, columns, values.masked_fill(~inside, float("-inf")))
         out[rows, order[rows, slots] - (n - m)] = dense[:, : self.vocab_size]
         return out
+
+
+_CATALOGUES = DerivedCache()  # item_codes table -> (target, its catalogue)
+
+
+def core_beam(
+    model,  # SemanticIdRecommender
+    values: Tensor,  # [M] int64 history item indices, oldest first within a row
+    offsets: Tensor,  # [B + 1] int64
+    k: int,
+    width: int,  # W
+) -> tuple[Tensor, Tensor, DecodeStats]:  # items [B, K], scores [B, K], stats
+    """The recommender's trie-constrained beam search on the core (module docstring): items and
+    scores as the recommender's ``beam`` gives them."""
+    codes = model.item_codes
+    target, catalogue = _CATALOGUES.get(codes, (codes,), lambda: _target_and_catalogue(model))
+    out = beam_search(
+        target,
+        rows_of(values, offsets),
+        config=BeamConfig(num_beams=width, num_return_sequences=k, length_penalty=0.0),
+        max_new_tokens=model.num_levels,
+        constraint=catalogue,
+    )
+    return catalogue.items_of(out.values, out.offsets).view(out.scores.shape), out.scores, out.stats
+
+
+def _target_and_catalogue(model) -> tuple[RecommenderTarget, Catalogue]:
+    target = RecommenderTarget(model)
+    return target, target.catalogue()
 
 
 def _refuse_single_path() -> None:

@@ -12,6 +12,7 @@ from genrec_spec.llm.proposers.catalogue import CatalogueDrafter
 from genrec_spec.models.recsys.config import TiedLevelsConfig
 from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 from genrec_spec.recsys.decoders import beam
+from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.history_cache import rows_of
 from genrec_spec.recsys.target import RecommenderTarget
 
@@ -81,3 +82,18 @@ def test_bad_use_is_refused(tiny_model):
         target.commit(cache, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long))
     with pytest.raises(DecodeInputError, match="no hidden states"):
         target.prefill(torch.tensor([[1, 2]]), torch.tensor([2]), 8, hidden_layers=(1,))
+
+
+def test_the_beam_decoder_runs_on_the_core_engine(tiny_model):
+    model, data = tiny_model
+    users = data.test.select(torch.arange(len(data.test)))
+    trie = beam.item_trie(model)
+    native = beam.decode(model, users.values, users.offsets, k=4, trie=trie, beam_width=6)
+    core = beam.decode(model, users.values, users.offsets, k=4, trie=trie, beam_width=6,
+                       engine="core")  # fmt: skip
+    assert torch.equal(core.items, native.items)
+    torch.testing.assert_close(core.scores, native.scores, rtol=0, atol=1e-5)
+    assert core.stats["target_passes"] == native.stats["target_passes"] == model.num_levels
+    assert core.stats["truncated_histories"] == native.stats["truncated_histories"]
+    with pytest.raises(DecodeOptionError, match="engine"):
+        beam.decode(model, users.values, users.offsets, k=4, trie=trie, engine="fast")

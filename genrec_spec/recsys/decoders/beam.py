@@ -30,9 +30,11 @@ from torch import Tensor
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.recsys.errors import DecodeOptionError
+from genrec_spec.recsys.target import core_beam
 from genrec_spec.recsys.types import Recommendations
 
 DEFAULT_MIN_BEAM_WIDTH = 20  # beam width when none is given: max(k, this)
+ENGINES = ("native", "core")
 
 _TRIES = DerivedCache()  # item_codes table -> the trie of its items
 
@@ -213,10 +215,27 @@ def decode(
     k: int,
     trie: PrefixTrie,
     beam_width: int | None = None,  # W >= k; None = max(k, DEFAULT_MIN_BEAM_WIDTH)
+    # "native": this module's search, a level at a time; "core": the engine's beam_search on
+    # the recommender as a Target (recsys.target), the same lists
+    engine: str = "native",
 ) -> Recommendations:
     start_time = time.perf_counter()
     width = beam_width_for(k, beam_width, model.num_items)
     check_trie(model, trie)
+    if engine not in ENGINES:
+        raise DecodeOptionError(f"unknown engine {engine!r}", f"use one of {', '.join(ENGINES)}")
+    if engine == "core":
+        items, scores, stats = core_beam(model, values, offsets, k, width)
+        return Recommendations(
+            items=items,
+            scores=scores,
+            stats={
+                "target_passes": stats.target_forwards,
+                "nodes_scored": stats.nodes_scored,
+                "wall_time_s": time.perf_counter() - start_time,
+                "truncated_histories": int((offsets.diff() > model.config.max_len).sum()),
+            },
+        )
     state = model.encode_history(values, offsets)
     history, passes, nodes_scored = search(model, state, trie, width)
     items, scores = finish(history[-1], trie, k)
