@@ -22,6 +22,11 @@ Speculative beam search: a ``drafter`` adds nodes below the beams to every pass 
 catalogue's forced continuations: ``llm.proposers.CatalogueDrafter``); a step whose beams all
 reach scored nodes needs no pass. Selection reads the same log-probabilities, so the output is
 plain beam search's, up to the float rounding of a node scored in another pass.
+
+Plain or speculative, a catalogue's forced token costs exactly 0 where log-probs are renormalised
+over the allowed tokens (``BeamConfig.renormalize``, or a target whose outputs are:
+``forced_tokens_free``): its node's candidates are known without the target, so a step whose new
+nodes are all such needs no pass; they wait, planned, for the pass that scores their children.
 """
 
 from __future__ import annotations
@@ -219,6 +224,10 @@ class _Search:
         tokens_below = max(target.vocab_size, getattr(target, "prompt_vocab_size", 0))
         self.tree = BeamTree(batch, width, tokens_below)
         self.start = constraint.start(batch) if constraint else torch.zeros(batch, dtype=torch.long)
+        # A catalogue's forced token costs exactly 0 where log-probs are renormalised over the
+        # allowed tokens (by the rule, or by the target's own outputs): known without a pass.
+        free = config.renormalize or getattr(target, "forced_tokens_free", False)
+        self.forced_free = isinstance(constraint, Catalogue) and free
         self.passes = self.speculative = self.nodes = self.drafted = self.row_steps = 0
 
     def score_beams(self, beams: _Beams, open_rows: Tensor) -> None:
@@ -232,15 +241,23 @@ class _Search:
         # Copies of a beam (the first step's) plan one node.
         once = _first_occurrences(tree.key(rows, parents, tokens))
         rows, parents, tokens = rows[once], parents[once], tokens[once]
-        tree.add(rows, parents, tokens, self._states(rows, parents, tokens))
+        waiting = int(tree.pending.sum())  # known nodes planned at earlier steps
+        states = self._states(rows, parents, tokens)
+        nodes = tree.add(rows, parents, tokens, states)
         _link(beams, tree)
+        if self.forced_free:
+            forced = self.constraint.trie.forced(states)  # [Q] -1: a choice
+            known = forced >= 0
+            tree.know(rows[known], nodes[known], forced[known])
+            if bool(known.all()):  # no new node needs the target: they wait for a pass
+                return
         if self.drafter is not None:
             live = open_rows[:, None] & (beams.scores > float("-inf"))
             budget = max(1, self.config.draft_nodes // int(open_rows.sum()))
             rows_live, nodes_live = live.nonzero()[:, 0], beams.nodes[live]
             once = _first_occurrences(rows_live * MAX_NODES + nodes_live)
             self.drafter.draft(tree, rows_live[once], nodes_live[once], budget)
-        self.drafted += int(tree.pending.sum()) - len(rows)
+        self.drafted += int(tree.pending.sum()) - waiting - len(rows)
         self.speculative += self.drafter is not None
         self._pass()
 
@@ -261,8 +278,13 @@ class _Search:
         logits = self.target.grow_tree(self.cache, tokens.to(device), parents.to(device)).cpu()
         rows, slots = real.nonzero(as_tuple=True)
         nodes = tree.size - tokens.shape[1] + slots
+        self.passes += 1
+        self.nodes += len(rows)
+        unknown = ~tree.known[rows, nodes]
+        whole = bool(real.all()) and bool(unknown.all())
+        rows, slots, nodes = rows[unknown], slots[unknown], nodes[unknown]
         # [Q, V] the real nodes' logits (all of them, without a copy, when no row pads)
-        chosen = logits.flatten(0, 1) if bool(real.all()) else logits[rows, slots]
+        chosen = logits.flatten(0, 1) if whole else logits[rows, slots]
         scores, choices = self._log_probs(chosen, rows, nodes)  # [Q, C] each
         best = scores.topk(min(tree.width, scores.shape[1]), dim=-1)
         if bool(torch.isnan(best.values).any()):  # a NaN logit makes its row's log-probs NaN
@@ -271,13 +293,7 @@ class _Search:
                 "check the model's weights and dtype (fp16 overflow is a common cause)",
             )
         kept = best.indices if choices is None else choices.gather(1, best.indices)
-        values = torch.full((*tokens.shape, tree.width), float("-inf"))
-        options = torch.zeros(*tokens.shape, tree.width, dtype=torch.long)
-        values[rows, slots, : kept.shape[1]] = best.values
-        options[rows, slots, : kept.shape[1]] = kept
-        tree.store(values, options)
-        self.passes += 1
-        self.nodes += len(rows)
+        tree.store(rows, nodes, best.values, kept)
 
     def _log_probs(
         self,

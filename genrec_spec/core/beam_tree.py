@@ -10,7 +10,9 @@ nodes) is one ``searchsorted``.
 
 A pass is planned with ``add`` (nodes get their numbers at once, so a planned node can be the
 parent of another: a drafter plans below the beams' new nodes), then ``plan`` closes it and gives
-the target its nodes, and ``store`` keeps their best candidates once scored.
+the target its nodes, and ``store`` keeps their best candidates once scored. A node whose
+candidates need no target (``know``: a forced token that costs nothing) can wait planned until
+a pass carries it as the parent of nodes that do.
 """
 
 from __future__ import annotations
@@ -38,9 +40,12 @@ class BeamTree:
     states: Tensor = field(init=False)  # [B, capacity] constraint states (-1 padding)
     keys: Tensor = field(init=False)  # [R] sorted keys of every real node
     key_nodes: Tensor = field(init=False)  # [R] the node each key names
-    # [B, capacity, C] log-probs (best first; -inf pads) and tokens of the first `size` nodes
-    top_values: Tensor | None = None
-    top_tokens: Tensor | None = None
+    # [B, capacity, C] each node's best candidates: log-probs (best first; -inf pads), tokens
+    top_values: Tensor = field(init=False)
+    top_tokens: Tensor = field(init=False)
+    # [B, capacity] bool: candidates known when planned (a forced token that costs nothing),
+    # so the pass that carries the node (as the parent of others) need not score it
+    known: Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         self.pending = torch.zeros(self.batch, dtype=torch.long)
@@ -50,6 +55,9 @@ class BeamTree:
         self.states = torch.full((self.batch, 1), -1, dtype=torch.long)
         self.keys = torch.zeros(0, dtype=torch.long)
         self.key_nodes = torch.zeros(0, dtype=torch.long)
+        self.top_values = torch.full((self.batch, 1, self.width), float("-inf"))
+        self.top_tokens = torch.zeros(self.batch, 1, self.width, dtype=torch.long)
+        self.known = torch.zeros(self.batch, 1, dtype=torch.bool)
 
     def key(self, rows: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:  # [Q] each -> [Q]
         """The int64 naming each (row, parent node, token): rows ascend with it."""
@@ -97,9 +105,16 @@ class BeamTree:
         if needed > MAX_NODES:
             raise ValueError(f"a beam search row grew past {MAX_NODES} nodes")
         extra = max(needed, 2 * have) - have
-        self.parents = torch.cat([self.parents, self.parents.new_full((self.batch, extra), -1)], 1)
-        self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(self.batch, extra)], 1)
-        self.states = torch.cat([self.states, self.states.new_full((self.batch, extra), -1)], 1)
+
+        def grown(table: Tensor, fill) -> Tensor:
+            return torch.cat(
+                [table, table.new_full((self.batch, extra, *table.shape[2:]), fill)], 1
+            )
+
+        self.parents, self.tokens = grown(self.parents, -1), grown(self.tokens, 0)
+        self.states, self.known = grown(self.states, -1), grown(self.known, False)
+        self.top_values = grown(self.top_values, float("-inf"))
+        self.top_tokens = grown(self.top_tokens, 0)
 
     def path(self, row: int, node: int) -> list[int]:
         """Tokens from the root (excluded) down to node (included)."""
@@ -110,19 +125,15 @@ class BeamTree:
             node = parents[node]
         return out[::-1]
 
-    def store(self, values: Tensor, tokens: Tensor) -> None:
-        """Store the last planned nodes' best candidates: values, tokens [B, M, C]."""
-        start = self.size - values.shape[1]
-        if self.top_values is None or self.top_values.shape[1] < self.size:
-            capacity = max(self.size, 2 * (0 if self.top_values is None else start))
-            grown_values = values.new_full((self.batch, capacity, self.width), float("-inf"))
-            grown_tokens = tokens.new_zeros(self.batch, capacity, self.width)
-            if start:
-                grown_values[:, :start] = self.top_values[:, :start]
-                grown_tokens[:, :start] = self.top_tokens[:, :start]
-            self.top_values, self.top_tokens = grown_values, grown_tokens
-        self.top_values[:, start : self.size] = values
-        self.top_tokens[:, start : self.size] = tokens
+    def store(self, rows: Tensor, nodes: Tensor, values: Tensor, tokens: Tensor) -> None:
+        """Keep Q nodes' best candidates: rows, nodes [Q], values, tokens [Q, C' <= C]."""
+        self.top_values[rows, nodes, : values.shape[1]] = values
+        self.top_tokens[rows, nodes, : tokens.shape[1]] = tokens
+
+    def know(self, rows: Tensor, nodes: Tensor, tokens: Tensor) -> None:
+        """Planned nodes [Q] whose one candidate is ``tokens`` [Q] at log-prob 0 (forced)."""
+        self.store(rows, nodes, torch.zeros(len(rows), 1), tokens[:, None])
+        self.known[rows, nodes] = True
 
     def candidates(self, nodes: Tensor) -> tuple[Tensor, Tensor]:  # [B, W] -> 2 x [B, W, C]
         """The stored candidates (log-probs, tokens) of each beam's node."""

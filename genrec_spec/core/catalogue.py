@@ -137,7 +137,9 @@ class TokenTrie:
         """The one token a node allows, where it has exactly one child; -1 elsewhere."""
         safe = nodes.clamp_min(0)
         one = (self.child_counts(safe) == 1) & (nodes >= 0)
-        return torch.where(one, self.child_tokens[self.child_offsets[safe]], -1)
+        # A leaf's first edge may lie past the last edge: clamped, never read.
+        first = self.child_offsets[safe].clamp(max=len(self.child_tokens) - 1)
+        return torch.where(one, self.child_tokens[first], -1)
 
     def items(self, nodes: Tensor) -> Tensor:  # [...] -> [...] int64
         """The item each finished node is; -1 for nodes that end no sequence."""

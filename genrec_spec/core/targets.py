@@ -17,10 +17,12 @@ the committed root: parent -1). A later commit keeps a path among all of them.
 After prefill and score_tree, ``cache.hidden`` maps each requested layer to hidden states
 [B, T or N, D] of the tokens just processed (for trained drafters such as EAGLE), or is empty.
 
-Two optional attributes: ``prompt_vocab_size`` for a target whose prompts are in a vocabulary
-of their own, and ``outputs_log_probs = True`` for one whose outputs are normalised
-log-probabilities, which beam search then reads as they are (the recommender:
-``recsys.target.RecommenderTarget``, item ids in, code tokens out).
+Three optional attributes: ``prompt_vocab_size`` for a target whose prompts are in a
+vocabulary of their own, ``outputs_log_probs = True`` for one whose outputs are normalised
+log-probabilities, which beam search then reads as they are, and ``forced_tokens_free = True``
+for one whose log-probs are normalised over a catalogue's allowed tokens, so a forced token
+costs exactly 0 (the recommender: ``recsys.target.RecommenderTarget``, item ids in, code
+tokens out).
 
 Adapters: ``CallableTarget`` (any causal ids -> logits callable; no cache), ``HFTarget`` (any
 ``transformers`` causal LM; 4D tree mask + position ids + a DynamicCache) and ``NativeTarget``

@@ -58,6 +58,8 @@ class RecommenderTarget:
         self.vocab_size = int(self.offsets[-1])
         self.prompt_vocab_size = model.num_items
         self.max_length = UNBOUNDED
+        # Code levels normalised over a prefix's children give a forced code log-prob 0.
+        self.forced_tokens_free = model.forced_codes_free
 
     def catalogue(self) -> Catalogue:
         """The model's items as code-token sequences (fixed length L, no end token)."""

@@ -322,3 +322,13 @@ def test_core_beam_search_equals_beam_on_trained_ml100k(ml100k_model, ml100k_dir
         assert torch.equal(items, want.items)
         # The same log-probs summed alike, from trees laid out otherwise: rounding apart.
         torch.testing.assert_close(out.scores, want.scores, rtol=0, atol=1e-5)
+    # Batch 1: a level where no beam has a choice costs no pass, on the core as in beam.
+    passes = []
+    for user in range(8):
+        one = part.select(torch.tensor([user]))
+        native = beam.decode(model, one.values, one.offsets, k=10, trie=trie, beam_width=20)
+        core = beam.decode(model, one.values, one.offsets, k=10, trie=trie, beam_width=20,
+                           engine="core")  # fmt: skip
+        assert torch.equal(core.items, native.items)
+        passes.append((native.stats["target_passes"], core.stats["target_passes"]))
+    assert all(a == b for a, b in passes) and min(a for a, _ in passes) < model.num_levels
