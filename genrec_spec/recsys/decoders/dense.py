@@ -6,22 +6,42 @@ next item directly: log p(item | h) = log_softmax(h . E)[item], with h the last 
 and E the item embedding table the history tokens read (tied, as in SASRec). One backbone pass
 and one [B, D] x [D, I] product score every catalogue item, so the top-K is exact under that
 objective; no code, trie or beam is involved (the trie argument is checked only, like every
-decoder's).
-Scores are the items' log-probabilities over the catalogue.
+decoder's). Scores are then the items' log-probabilities over the catalogue.
+
+That product is linear in the catalogue. With `item_search="index"`, or "auto" (the default) on
+a catalogue of at least `ItemIndexConfig.min_items` items, the top-K come instead from an
+approximate inner-product index over the same item table (`recsys.item_index`): the decoder is
+then approximate (an item the index misses is missing from the list; `index_recall` measures the
+share of the exact top-K it keeps), and its scores are the items' logits, not log-probabilities:
+the softmax normaliser sums over every item, which is what the index avoids. Both rank alike;
+they differ per row by that normaliser. `item_search="exact"` always takes the product.
 
 Shape letters: B users, M history items, I items, D model width, K recommendations.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.recsys.blocks import HistoryState
-from genrec_spec.recsys.decoders.heads import rank_catalogue
+from genrec_spec.recsys.decoders.heads import check_decode_args, rank_catalogue
 from genrec_spec.recsys.errors import DecodeOptionError
+from genrec_spec.recsys.item_index import exact_top_items, recall_at_k, top_items, use_index
 from genrec_spec.recsys.types import Recommendations
+
+
+@dataclass(frozen=True)
+class DenseConfig:
+    """Defaults of the `dense` decoder's options."""
+
+    # "exact": the [B, I] product; "index": the approximate item index; "auto": the index from
+    # `ItemIndexConfig.min_items` items on
+    item_search: str = "auto"
 
 
 def check_item_objective(model, what: str = "the dense decoder") -> None:
@@ -46,6 +66,39 @@ def decode(
     *,
     k: int,
     trie: PrefixTrie,
+    item_search: str = DenseConfig.item_search,
 ) -> Recommendations:
-    """Top-K catalogue items by log p(item | history) (one backbone pass, one product)."""
-    return rank_catalogue(model, values, offsets, k, trie, lambda s: item_log_probs(model, s))
+    """Top-K catalogue items by log p(item | history) (one backbone pass, one product), or by
+    item logit through the approximate item index (module docstring)."""
+    if not use_index(model, item_search):
+        return rank_catalogue(model, values, offsets, k, trie, lambda s: item_log_probs(model, s))
+    check_item_objective(model)
+    check_decode_args(model, k, trie)
+    start = time.perf_counter()
+    state = model.encode_history(values, offsets)
+    found = top_items(model, state.hidden, k)
+    return Recommendations(
+        items=found.items,
+        scores=found.scores,
+        stats={
+            "target_passes": 1,
+            "nodes_scored": 0,
+            "item_index": 1,
+            "wall_time_s": time.perf_counter() - start,
+            "truncated_histories": int(state.truncated.sum()),
+        },
+    )
+
+
+@torch.no_grad()
+def index_recall(
+    model,  # SemanticIdRecommender trained with the item objective
+    values: Tensor,  # [M] int64 item indices of B histories, oldest first
+    offsets: Tensor,  # [B+1] int64
+    *,
+    k: int,
+) -> Tensor:  # [B] recall@K: the share of each row's exact top-K the item index finds
+    """How much of the exact product's top-K `decode(..., item_search="index")` returns."""
+    check_item_objective(model)
+    hidden = model.encode_history(values, offsets).hidden  # [B, D]
+    return recall_at_k(top_items(model, hidden, k).items, exact_top_items(model, hidden, k).items)

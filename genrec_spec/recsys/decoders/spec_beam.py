@@ -1,7 +1,7 @@
 """Lossless speculative beam search over Semantic IDs: `beam`'s exact top-K in fewer passes.
 
-    decode(model, values, offsets, *, k, trie, beam_width=None, draft="auto",
-           draft_items=None, lookahead=None, draft_width=None) -> Recommendations
+    decode(model, values, offsets, *, k, trie, beam_width=None, draft="auto", draft_items=None,
+           lookahead=None, draft_width=None, item_search="auto") -> Recommendations
 
 Trie-constrained beam search needs, at level l, the target's log-probs of level l at each of the
 W beams (prefixes of length l). Which prefixes those are is known only after level l - 1 was
@@ -13,7 +13,9 @@ selected, so `beam` pays one sequential target pass per level. Here:
    result). After the history pass: `"items"` takes, at every prefix length 2..L-1, the
    `draft_width` (default 2 W) prefixes under which the model's item objective puts the most
    probability (one [B, D] x [D, I] product: on a model whose code levels are tied to that
-   objective a prefix's beam score is close to the log of that mass); `"nezha"` runs the
+   objective a prefix's beam score is close to the log of that mass; from
+   `ItemIndexConfig.min_items` items on, or with `item_search="index"`, the prefixes of the
+   items the approximate item index finds instead, `recsys.item_index`); `"nezha"` runs the
    model's NEZHA draft head's trie-constrained beam (width `draft_width`, default 2 W) from the
    exact level-0 beams down to prefixes of length L - 1. `"none"` drafts nothing. `"auto"`
    (default): "items" on a model with the item objective, else "frontier".
@@ -70,6 +72,7 @@ from genrec_spec.recsys.decoders.beam import (
 from genrec_spec.recsys.decoders.dense import check_item_objective, item_log_probs
 from genrec_spec.recsys.decoders.nezha import draft_head_of, head_beams
 from genrec_spec.recsys.errors import DecodeOptionError
+from genrec_spec.recsys.item_index import top_items, use_index
 from genrec_spec.recsys.scoring import (
     PrefixTree,
     TrieIndex,
@@ -93,6 +96,12 @@ class SpecBeamConfig:
     # model has the item objective, else "frontier".
     draft: str = "auto"
     draft_width: int | None = None  # "items": prefixes per length; "nezha": beam width; None: 2 W
+    # "items" through the item index (`item_index.use_index`: "exact", "index", or "auto": the
+    # index from `ItemIndexConfig.min_items` items on)
+    item_search: str = "auto"
+    # Not an option: "items" through the index retrieves this many items per drafted prefix of
+    # a length (the prefixes of the items of highest logit hold most of the mass).
+    draft_items_per_prefix: int = 2
     # Levels of the current beams' descendants a follow-up pass also scores (0: only the
     # missing prefixes; 1: their children; L - 2: all the decode can still need). None: 0 with
     # a draft made after the history pass (follow-ups for its misses only), else 1.
@@ -176,24 +185,34 @@ def item_draft(
     beams: Beams,  # [B, W] the exact level-0 beams
     trie: PrefixTrie,
     width: int,  # prefixes drafted per prefix length
+    item_search: str = "auto",  # "exact", "index" or "auto" (`item_index.use_index`)
 ) -> Tensor:  # [B, scorable] bool: the level-0 beams and the most probable deeper prefixes
     """The "items" draft: at every prefix length 2..L-1 the `width` prefixes under which the
-    item objective (`dense`'s distribution: one [B, D] x [D, I] product) puts the most
-    probability (the caller drops those whose next code is forced). On a model whose code
-    levels are tied to that objective a prefix's beam score is close to the log of that mass, so
-    these are the prefixes the beam tends to keep."""
+    item objective (`dense`'s distribution) puts the most probability (the caller drops those
+    whose next code is forced). On a model whose code levels are tied to that objective a
+    prefix's beam score is close to the log of that mass, so these are the prefixes the beam
+    tends to keep. The mass comes from the exact [B, D] x [D, I] product, or, through the item
+    index, from the `draft_items_per_prefix` x `width` items of highest logit (the rest of the
+    catalogue counted as no mass): what is drafted changes, never the decode's result."""
     index = TrieIndex.of(trie)
-    probs = item_log_probs(model, state).exp()  # [B, I]
     deeper = item_prefixes(trie, model.item_codes)[:, 1:]  # [I, L-2] their longer prefixes
+    if use_index(model, item_search):
+        count = SpecBeamConfig.draft_items_per_prefix * width
+        found = top_items(model, state.hidden, count)  # [B, R]
+        probs = (found.scores - found.scores[:, :1]).exp().nan_to_num(0.0)  # [B, R]; pads: 0
+        nodes = deeper[found.items.clamp(min=0)].flatten(1)  # [B, R (L-2)] item-major
+        spread = probs[:, :, None].expand(-1, -1, deeper.shape[1]).flatten(1)  # the same order
+    else:
+        probs = item_log_probs(model, state).exp()  # [B, I]
+        nodes = deeper.T.reshape(1, -1).expand(len(probs), -1)  # [B, (L-2) I] length-major
+        spread = probs.repeat(1, deeper.shape[1])  # the same order
     mass = probs.new_zeros(probs.shape[0], index.scorable)  # [B, scorable]
-    mass.scatter_add_(
-        1, deeper.T.reshape(1, -1).expand(len(probs), -1), probs.repeat(1, deeper.shape[1])
-    )
+    mass.scatter_add_(1, nodes, spread)
     member = node_mask(beams.nodes, index.scorable)
     for depth in range(2, trie.levels):
         low, high = trie.level_starts[depth], trie.level_starts[depth + 1]
-        top = mass[:, low:high].topk(min(width, high - low), dim=1).indices + low
-        member.scatter_(1, top, True)
+        top = mass[:, low:high].topk(min(width, high - low), dim=1)
+        member.scatter_(1, top.indices + low, top.values > 0)  # no prefix that holds no mass
     return member
 
 
@@ -293,10 +312,12 @@ def decode(
     draft_items: Tensor | None = None,  # [B, R] int64 items whose prefixes pass 1 also scores
     lookahead: int | None = SpecBeamConfig.lookahead,  # descendant levels per follow-up
     draft_width: int | None = SpecBeamConfig.draft_width,  # "items" / "nezha" draft's width
+    item_search: str = SpecBeamConfig.item_search,  # "items" draft: "exact", "index" or "auto"
 ) -> Recommendations:
     start_time = time.perf_counter()
     width = beam_width_for(k, beam_width, model.num_items)
     draft, lookahead = resolve_options(model, draft, lookahead, draft_width)
+    use_index(model, item_search)  # raises on a bad value before any work
     check_trie(model, trie)
     batch = offsets.numel() - 1
     draft_codes = None
@@ -317,8 +338,9 @@ def decode(
     beams = extend(start_beams(batch, trie), state.level0_log_probs[:, None], trie, 0, width)
     drafted = first.slots >= 0  # [B, scorable] prefixes some draft proposed
     if draft in AFTER_HISTORY:  # scored with the first follow-up, beside the level-0 beams
+        options = {"item_search": item_search} if draft == "items" else {}
         drafted = drafted | AFTER_HISTORY[draft](
-            model, state, beams, trie, draft_width or 2 * width
+            model, state, beams, trie, draft_width or 2 * width, **options
         )
     drafted &= to_score
     for level in range(1, model.num_levels):

@@ -1,0 +1,165 @@
+"""Approximate top-K items by the item objective: a faiss inner-product index over the model's
+item table, so that a request does not multiply its user states by the whole catalogue.
+
+    found = top_items(model, state.hidden, k)      # the index's (or the exact product's) top-K
+    recall_at_k(found.items, exact_top_items(model, state.hidden, k).items)  # [B]
+
+The model's item logit is q(h) . e_i (`CodeLevels.item_scores`): q the history state h, and e_i
+the item's row of the tied output table; with a cosine temperature both at unit length and q
+divided by the temperature. The index holds the e_i exactly as the model scores them and is
+searched with q(h), so its inner-product order is the model's logit order, and the score of an
+item it finds is that item's logit. It cannot give log-probabilities: the softmax normaliser
+sums over every item, which is what the index avoids.
+
+Kinds (`ItemIndexConfig.kind`): "ivf" (`IndexIVFFlat`: spherical k-means lists, `nprobe` of them
+scanned exactly per query) and "hnsw" (`IndexHNSWFlat`, a proximity graph). IVF is the default:
+it builds several times faster, its cost per query is set by one knob (the items in the probed
+lists) and does not grow with K, which the "items" draft asks large (hundreds of items at wide
+beams: HNSW must then widen its candidate list to at least K), and with plain dot-product logits
+(no temperature) its probed lists are scanned exactly, where HNSW's graph assumes a metric.
+`genrec-spec bench scale` measures both (docs/results/scale.md).
+
+The index is built once per item table (and config) and again when the table changes, like the
+catalogue trie (`beam.item_trie`). `use_index` decides, per decode, between the index and the
+exact product: "auto" uses the index from `ItemIndexConfig.min_items` items on.
+
+Shape letters: B users, D model width, I items, K results.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from genrec_spec.models.derived import DerivedCache
+from genrec_spec.recsys.errors import DecodeOptionError
+
+KINDS = ("ivf", "hnsw")
+SEARCHES = ("auto", "exact", "index")  # the decoders' `item_search` option
+
+
+@dataclass(frozen=True)
+class ItemIndexConfig:
+    """The approximate item index, and from which catalogue size decoders search it."""
+
+    # "auto" searches the index from this many items on, the exact [B, I] product below
+    min_items: int = 100_000
+    kind: str = "ivf"  # "ivf" or "hnsw" (module docstring)
+    lists_per_sqrt_item: float = 1.0  # ivf: k-means lists = this x sqrt(I)
+    train_items_per_list: int = 64  # ivf: k-means trains on a sample of this many items a list
+    nprobe: int = 128  # ivf: lists scanned per query (every list of a small catalogue)
+    hnsw_links: int = 32  # hnsw: graph links per item (faiss's M)
+    ef_construction: int = 64  # hnsw: candidates kept while building
+    ef_search: int = 128  # hnsw: candidates kept per query (raised to K when K is larger)
+    seed: int = 0  # ivf: the k-means seed
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise DecodeOptionError(
+                f"item index kind {self.kind!r} is not one of {KINDS}",
+                'use kind "ivf" or "hnsw"',
+            )
+        counts = ("min_items", "nprobe", "train_items_per_list", "hnsw_links", "ef_construction")
+        small = [
+            f"{n} = {getattr(self, n)}" for n in (*counts, "ef_search") if getattr(self, n) < 1
+        ]
+        if small:
+            raise DecodeOptionError(
+                f"item index {', '.join(small)} must be >= 1", "use counts >= 1"
+            )
+        if self.lists_per_sqrt_item <= 0:
+            raise DecodeOptionError(
+                f"lists_per_sqrt_item must be > 0, got {self.lists_per_sqrt_item}",
+                "use a positive factor (lists = factor x sqrt(items))",
+            )
+
+
+@dataclass(frozen=True)
+class FoundItems:
+    """Top-K items of each row, best first."""
+
+    items: Tensor  # [B, K] int64; -1 where the index found fewer than K
+    scores: Tensor  # [B, K] their item logits; -inf where items is -1
+
+
+class ItemIndex:
+    """A faiss inner-product index over one item table (rows in item order)."""
+
+    def __init__(self, table: Tensor, config: ItemIndexConfig) -> None:  # table: [I, D]
+        import faiss  # a declared dependency, imported only where an index is built
+
+        x = np.ascontiguousarray(table.detach().float().cpu().numpy())
+        items, dim = x.shape
+        self.config = config
+        self.items = items
+        if config.kind == "hnsw":
+            self.index = faiss.IndexHNSWFlat(dim, config.hnsw_links, faiss.METRIC_INNER_PRODUCT)
+            self.index.hnsw.efConstruction = config.ef_construction
+        else:
+            lists = max(1, min(items, round(config.lists_per_sqrt_item * math.sqrt(items))))
+            quantizer = faiss.IndexFlatIP(dim)
+            self.index = faiss.IndexIVFFlat(quantizer, dim, lists, faiss.METRIC_INNER_PRODUCT)
+            self.index.cp.seed = config.seed
+            self.index.cp.min_points_per_centroid = 1  # small catalogues: few items a list
+            self.index.cp.max_points_per_centroid = config.train_items_per_list
+            self.index.train(x)  # on a seeded sample of train_items_per_list items a list
+            self.index.nprobe = min(config.nprobe, lists)
+        self.index.add(x)
+
+    def search(self, query: Tensor, k: int) -> FoundItems:  # query: [B, D] -> [B, K]
+        if self.config.kind == "hnsw":
+            self.index.hnsw.efSearch = max(self.config.ef_search, k)
+        q = np.ascontiguousarray(query.detach().float().cpu().numpy())
+        scores, items = self.index.search(q, min(k, self.items))
+        items = torch.from_numpy(items).to(query.device)
+        scores = torch.from_numpy(scores).to(query.device, query.dtype)
+        return FoundItems(items=items, scores=scores.masked_fill(items < 0, float("-inf")))
+
+
+_INDEXES = DerivedCache()  # item table (as the model scores with it) -> its ItemIndex
+
+
+def item_index(model, config: ItemIndexConfig = ItemIndexConfig()) -> ItemIndex:
+    """The model's item index, built once per item table and config, again when the table is
+    rewritten in place (an optimiser step, `load_state_dict`) or replaced."""
+    with torch.no_grad():  # with a temperature: the unit rows the model caches per weight version
+        table = model._item_table()  # [I, D] the rows its logits read
+    return _INDEXES.get(table, (table,), lambda: ItemIndex(table, config), extra=config)
+
+
+def use_index(model, item_search: str, config: ItemIndexConfig = ItemIndexConfig()) -> bool:
+    """Whether a decode searches the index ("index"; "auto" from config.min_items items on) or
+    takes the exact product ("exact"); raises on another value."""
+    if item_search not in SEARCHES:
+        raise DecodeOptionError(
+            f"item_search must be one of {SEARCHES}, got {item_search!r}",
+            '"auto" (the index for large catalogues), "exact" or "index"',
+        )
+    return item_search == "index" or (item_search == "auto" and model.num_items >= config.min_items)
+
+
+def top_items(
+    model,  # SemanticIdRecommender with the item objective
+    hidden: Tensor,  # [B, D] history states
+    k: int,
+    config: ItemIndexConfig = ItemIndexConfig(),
+) -> FoundItems:  # [B, K] the index's top-K by item logit
+    return item_index(model, config).search(model._item_query(hidden), k)
+
+
+def exact_top_items(model, hidden: Tensor, k: int) -> FoundItems:  # hidden: [B, D] -> [B, K]
+    """The exact top-K by item logit: the whole [B, I] product."""
+    top = model.item_scores(hidden).topk(min(k, model.num_items), dim=1)
+    return FoundItems(items=top.indices, scores=top.values)
+
+
+def recall_at_k(
+    found: Tensor,  # [B, K] int64 items an approximate search returned (-1: none)
+    exact: Tensor,  # [B, K] int64 the exact top-K
+) -> Tensor:  # [B] the share of each row's exact top-K that was found
+    hit = (exact[:, :, None] == found[:, None, :]).any(dim=2)  # [B, K]
+    return hit.float().mean(dim=1)

@@ -1,0 +1,164 @@
+"""The approximate item index (`recsys.item_index`): its top-K against the exact product in the
+model's own geometry (dot product and cosine over a temperature), `dense` through it with its
+recall against the exact list, and `spec_beam`'s "items" draft through it, still beam's lists."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from genrec_spec.data_pipelines.trie import PrefixTrie
+from genrec_spec.models.recsys.config import ItemObjectiveConfig, RecommenderConfig
+from genrec_spec.models.recsys.recommender import SemanticIdRecommender
+from genrec_spec.recsys.decoders import beam, dense, spec_beam
+from genrec_spec.recsys.decoders.spec_beam import same_top_k
+from genrec_spec.recsys.errors import DecodeOptionError
+from genrec_spec.recsys.item_index import (
+    ItemIndexConfig,
+    exact_top_items,
+    item_index,
+    recall_at_k,
+    top_items,
+    use_index,
+)
+
+
+def _model(seed: int, items: int, temperature: float, tied: bool = False) -> SemanticIdRecommender:
+    """A random model with the item objective over `items` items with random unique IDs
+    (3 levels + the collision code); `tied`: level 0 and the deeper levels tied to it."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = (6, 5, 4)
+    codes = torch.stack([torch.randint(0, v, (items,), generator=g) for v in sizes], dim=1)
+    collision = torch.zeros(items, dtype=torch.long)
+    seen: dict[tuple, int] = {}
+    for i, key in enumerate(map(tuple, codes.tolist())):
+        collision[i] = seen.get(key, 0)
+        seen[key] = int(collision[i]) + 1
+    objective = ItemObjectiveConfig(temperature=temperature, level0=tied)
+    if not tied:
+        objective = replace(objective, tied_levels=None)
+    config = RecommenderConfig(
+        dim=16,
+        layers=1,
+        heads=2,
+        max_len=10,
+        item_objective=objective,
+        parallel_heads=None,
+        long_id_heads=None,
+        draft_head=None,
+    )
+    model = SemanticIdRecommender(
+        config, torch.cat([codes, collision[:, None]], dim=1), [*sizes, int(collision.max()) + 1]
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model.eval()
+
+
+def _histories(model, users: int, seed: int):
+    """Uneven rows, an empty one first."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, model.config.max_len + 3, (users,), generator=g)
+    lengths[0] = 0
+    values = torch.randint(0, model.num_items, (int(lengths.sum()),), generator=g)
+    return values, torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+
+
+def _trie(model) -> PrefixTrie:
+    return PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.05])
+@pytest.mark.parametrize("kind", ["ivf", "hnsw"])
+def test_index_top_k_is_the_exact_top_k_on_a_small_catalogue(temperature, kind):
+    """With every list probed (IVF) or a candidate list past the catalogue (HNSW) the index is
+    exact: the same items in the same order with the model's logits, in its geometry (plain dot
+    product, or cosine over a temperature)."""
+    model = _model(0, 150, temperature)
+    values, offsets = _histories(model, 7, seed=1)
+    hidden = model.encode_history(values, offsets).hidden  # [B, D]
+    config = ItemIndexConfig(kind=kind, nprobe=1000, ef_search=200)
+    found = top_items(model, hidden, 12, config)
+    want = exact_top_items(model, hidden, 12)
+    assert torch.equal(found.items, want.items)
+    assert torch.allclose(found.scores, want.scores, atol=1e-4)
+    assert torch.equal(recall_at_k(found.items, want.items), torch.ones(7))
+
+
+def test_index_recall_on_a_larger_catalogue():
+    """Default settings, a catalogue with several lists not probed: most of the exact top-10."""
+    model = _model(1, 3000, 0.05)
+    values, offsets = _histories(model, 16, seed=2)
+    recall = dense.index_recall(model, values, offsets, k=10)
+    assert recall.shape == (16,)
+    assert float(recall.mean()) >= 0.5
+
+
+def test_index_is_cached_per_item_table():
+    model = _model(2, 200, 0.05)
+    first = item_index(model)
+    assert item_index(model) is first
+    assert item_index(model, ItemIndexConfig(kind="hnsw")) is not first  # another config
+    with torch.no_grad():
+        model.embeddings.embeddings["t_item"].weight.mul_(2.0)  # an in-place rewrite
+    assert item_index(model) is not first
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.05])
+def test_dense_through_the_index_reports_its_recall(temperature):
+    """dense with the index forced: the index's items with their logits; its recall against
+    dense's exact list is what `index_recall` reports."""
+    model = _model(3, 3000, temperature)
+    values, offsets = _histories(model, 9, seed=3)
+    trie = _trie(model)
+    exact = dense.decode(model, values, offsets, k=10, trie=trie, item_search="exact")
+    approx = dense.decode(model, values, offsets, k=10, trie=trie, item_search="index")
+    assert approx.items.shape == exact.items.shape == (9, 10)
+    assert approx.stats["item_index"] == 1 and "item_index" not in exact.stats
+    recall = dense.index_recall(model, values, offsets, k=10)
+    assert torch.equal(recall_at_k(approx.items, exact.items), recall)
+    # The logits rank like the exact log-probs: equal where both lists hold the item.
+    logits = model.item_scores(model.encode_history(values, offsets).hidden)
+    assert torch.allclose(approx.scores, logits.gather(1, approx.items), atol=1e-4)
+
+
+def test_auto_uses_the_index_from_the_threshold():
+    model = _model(4, 150, 0.05)
+    assert not use_index(model, "auto")
+    assert use_index(model, "auto", ItemIndexConfig(min_items=150))
+    assert use_index(model, "index") and not use_index(model, "exact")
+    with pytest.raises(DecodeOptionError, match="item_search must be one of"):
+        use_index(model, "faiss")
+    values, offsets = _histories(model, 2, seed=0)
+    with pytest.raises(DecodeOptionError, match="item_search must be one of"):
+        spec_beam.decode(model, values, offsets, k=3, trie=_trie(model), item_search="hnsw")
+    with pytest.raises(DecodeOptionError, match="is not one of"):
+        ItemIndexConfig(kind="flat")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_spec_beam_with_the_indexed_items_draft_equals_beam(seed):
+    """The index only decides which prefixes the "items" draft proposes: the lists stay beam's,
+    whatever it misses (narrow and wide drafts, few and many lists probed)."""
+    model = _model(seed, 400, 0.05, tied=True)
+    trie = _trie(model)
+    values, offsets = _histories(model, 10, seed=seed)
+    for k, width in [(1, 1), (5, 10), (30, 45)]:
+        want = beam.decode(model, values, offsets, k=k, trie=trie, beam_width=width)
+        for draft_width in (1, None, 200):
+            got = spec_beam.decode(
+                model,
+                values,
+                offsets,
+                k=k,
+                trie=trie,
+                beam_width=width,
+                draft="items",
+                draft_width=draft_width,
+                item_search="index",
+            )
+            assert same_top_k(want, got).all(), (k, width, draft_width)
+            assert 0.0 < got.stats["draft_hit_rate"] <= 1.0
