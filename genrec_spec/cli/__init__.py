@@ -48,7 +48,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "bench": (
         "genrec_spec.cli.bench",
-        "benchmarks: kernel | q4 | llm | recsys, ratios against a same-run baseline",
+        "benchmarks: beam | kernel | q4 | llm | recsys | scale, against a same-run baseline",
     ),
     "gpu-check": (
         "genrec_spec.cli.gpu_check",

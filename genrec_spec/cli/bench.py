@@ -22,4 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "genrec_spec.cli.bench_recsys",
         "recommendation decoders: batch-1 latency and throughput of each vs beam, same users",
     ),
+    "scale": (
+        "genrec_spec.cli.bench_scale",
+        "cost against catalogue size: prepare, trie, model memory, decoder latency, synthetic",
+    ),
 }

@@ -1,0 +1,302 @@
+"""Cost against catalogue size (``genrec-spec bench scale``).
+
+    report = bench_scale(BenchScaleConfig(sizes=(10_000, 100_000)), log=print)
+
+For each synthetic catalogue size N (`genrec-spec prepare --dataset synthetic:N`, prepared once
+under --data-root and reused, `bench.scale_prepare`):
+
+  prepare        wall time and peak memory (max RSS) of the prepare process
+  trie           build time of the catalogue trie (`PrefixTrie.from_codes`, median of repeats)
+                 and its bytes per item (every tensor of the trie)
+  model          bytes of the parameters and buffers of a RANDOM-WEIGHT model of the default
+                 config (`RecommenderConfig()`) built on the catalogue: enough for speed, not
+                 for quality. Its item table is, by default, a fixed random projection of the
+                 catalogue's own item embeddings to the model width (`item_table="embeddings"`),
+                 so that items cluster as a trained table's do; a table of random rows has no
+                 structure for an index to find (`item_table="random"`)
+  index          build time of the approximate item index (`recsys.item_index`) and its
+                 recall@K against the exact product, on the users timed
+  latency        per decoder (`beam`, `spec_beam`, `dense` with the exact product and through
+                 the index: `dense-index`), beam width and batch size: the median over repeats
+                 of the seconds per call, each repeat on other users of the test split, the
+                 decoders taking turns call by call (drift of a shared machine hits each alike);
+                 throughput is batch / latency. `dense` has no beam, so one width.
+
+A cell whose tied levels would gather more than `max_gather_gib` of item windows is skipped
+and says so, and a cell whose untimed first call took more than `max_call_s` is not repeated
+(its one call is reported).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from genrec_spec.bench.errors import BenchError
+from genrec_spec.bench.scale_prepare import PrepareCost, prepared_catalogue
+from genrec_spec.machine import describe_device
+
+DECODERS = ("beam", "spec_beam", "dense", "dense-index")
+ITEM_TABLES = ("embeddings", "random")
+
+
+@dataclass(frozen=True)
+class BenchScaleConfig:
+    """Defaults of ``genrec-spec bench scale``."""
+
+    sizes: tuple[int, ...] = (10_000, 100_000, 1_000_000)  # catalogue sizes N
+    data_root: str | None = None  # where catalogues are prepared and reused; None: a temp dir
+    # Semantic-ID levels at every size (the targets compare like with like); None: prepare's
+    # own choice by catalogue size
+    levels: int | None = 3
+    prepare_options: tuple[str, ...] = ()  # other arguments of `genrec-spec prepare`
+    decoders: tuple[str, ...] = DECODERS
+    beam_widths: tuple[int, ...] = (20, 200, 512)
+    batch_sizes: tuple[int, ...] = (1, 64)
+    k: int = 10
+    repeats: int = 5  # timed calls per cell, each on other users (median)
+    recall_users: int = 256  # users the index's recall is measured on
+    item_table: str = "embeddings"  # the random model's item table: "embeddings" or "random"
+    max_gather_gib: float = 4.0  # skip a cell whose tied levels would gather more than this
+    max_call_s: float = 30.0  # a cell whose first call takes longer is not repeated
+    threads: int = 1  # torch and faiss CPU threads
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.decoders) - set(DECODERS))
+        if unknown or self.item_table not in ITEM_TABLES:
+            raise BenchError(
+                f"unknown decoders {unknown} or item table {self.item_table!r}",
+                f"choose decoders from {','.join(DECODERS)} and a table from {ITEM_TABLES}",
+            )
+        counts = self.sizes + self.beam_widths + self.batch_sizes
+        counts += (self.k, self.repeats, self.recall_users, self.threads)
+        if not (self.sizes and self.beam_widths and self.batch_sizes) or min(counts) < 1:
+            raise BenchError(
+                f"sizes {self.sizes}, widths {self.beam_widths}, batches {self.batch_sizes}, "
+                f"k {self.k}, repeats {self.repeats}, recall users {self.recall_users}, "
+                f"threads {self.threads}",
+                "give non-empty lists and values >= 1",
+            )
+        if min(self.beam_widths) < self.k:
+            raise BenchError(
+                f"beam widths {self.beam_widths} must be >= k = {self.k}",
+                f"pass --beam-widths of at least {self.k}",
+            )
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One decoder at one width and batch size."""
+
+    decoder: str
+    beam_width: int | None  # None: the decoder has no beam
+    batch: int
+    latency_ms: float | None  # median per call; None: skipped
+    users_per_s: float | None
+    calls: int  # timed calls (1: the first call was over max_call_s)
+    note: str = ""  # why skipped or not repeated
+
+
+@dataclass(frozen=True)
+class SizeReport:
+    """Everything measured at one catalogue size."""
+
+    items: int
+    users: int
+    levels: int  # code levels of an item (collision code included)
+    prepare: PrepareCost
+    trie_build_s: float
+    trie_bytes_per_item: float
+    model_bytes: int
+    index_build_s: float | None  # None: no decoder read the index
+    recall_at_k: float | None
+    cells: list[Cell]
+
+
+def trie_bytes(trie) -> int:
+    """Bytes of every tensor of a `PrefixTrie`."""
+    tensors = (trie.child_offsets, trie.child_codes, trie.edge_keys, trie.leaf_items)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def random_model(data, item_table: str, seed: int):
+    """A random-weight `SemanticIdRecommender` of the default config on the catalogue; with
+    item_table="embeddings" its item rows are the item embeddings through one seeded random
+    projection, at the random rows' mean length (module docstring)."""
+    from genrec_spec.models.recsys.config import RecommenderConfig
+    from genrec_spec.models.recsys.recommender import SemanticIdRecommender
+
+    torch.manual_seed(seed)
+    config = RecommenderConfig()
+    if data.long_ids is None:
+        config = replace(config, long_id_heads=None)
+    model = SemanticIdRecommender(
+        config, data.item_codes, data.codebook_sizes, data.long_ids, data.long_id_sizes
+    )
+    if item_table == "embeddings":
+        weight = model.embeddings.embeddings["t_item"].weight  # [I, D]
+        vectors = np.load(data.path / "item_embeddings.npy", mmap_mode="r")  # [I, E]
+        g = torch.Generator().manual_seed(seed)
+        projection = torch.randn(vectors.shape[1], weight.shape[1], generator=g)  # [E, D]
+        with torch.no_grad():
+            scale = weight.norm(dim=1).mean()
+            for start in range(0, len(weight), 100_000):  # chunks: N x E floats need not fit
+                rows = torch.from_numpy(np.array(vectors[start : start + 100_000])) @ projection
+                weight[start : start + len(rows)] = torch.nn.functional.normalize(rows) * scale
+    return model.eval()
+
+
+def model_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def gather_gib(model, batch: int, width: int, decoder: str) -> float:
+    """GiB of item windows a tied level gathers at once for a beam of `width` on `batch` rows
+    (every beam reads the items under its prefix; spec_beam's drafts about triple the nodes)."""
+    if model.config.tied_levels is None or decoder.startswith("dense"):
+        return 0.0
+    window = max(model._prefix_index().widths[:-1])  # most items under a scored prefix
+    nodes = batch * width * (3 if decoder == "spec_beam" else 1)
+    return nodes * window * model.config.dim * 4 / 2**30
+
+
+def decoder_calls(names: tuple[str, ...]) -> dict[str, Callable]:
+    """name -> call(model, values, offsets, k, trie, width)."""
+    from genrec_spec.recsys.decoders import beam, dense, spec_beam
+
+    calls = {
+        "beam": lambda m, v, o, k, t, w: beam.decode(m, v, o, k=k, trie=t, beam_width=w),
+        "spec_beam": lambda m, v, o, k, t, w: spec_beam.decode(m, v, o, k=k, trie=t, beam_width=w),
+        "dense": lambda m, v, o, k, t, w: dense.decode(m, v, o, k=k, trie=t, item_search="exact"),
+        "dense-index": lambda m, v, o, k, t, w: dense.decode(
+            m, v, o, k=k, trie=t, item_search="index"
+        ),
+    }
+    return {n: calls[n] for n in names}
+
+
+def time_cells(model, histories, trie, settings: BenchScaleConfig, log) -> list[Cell]:
+    """Every decoder at every width and batch size (module docstring)."""
+    calls = decoder_calls(settings.decoders)
+    cells = []
+    for batch in settings.batch_sizes:
+        for width in settings.beam_widths:
+            names = [
+                n for n in calls if not n.startswith("dense") or width == min(settings.beam_widths)
+            ]
+            seconds: dict[str, list[float]] = {n: [] for n in names}
+            notes = dict.fromkeys(names, "")
+            for name in names:
+                gib = gather_gib(model, batch, width, name)
+                if gib > settings.max_gather_gib:
+                    notes[name] = f"skipped: its tied levels would gather ~{gib:.0f} GiB"
+                    continue
+                part = histories.select(torch.arange(batch))
+                start = time.perf_counter()
+                calls[name](model, part.values, part.offsets, settings.k, trie, width)
+                first = time.perf_counter() - start
+                if first > settings.max_call_s:
+                    seconds[name].append(first)
+                    notes[name] = f"one call (the first took over {settings.max_call_s:.0f} s)"
+            for repeat in range(settings.repeats):
+                rows = torch.arange(batch) + (repeat + 1) * batch
+                part = histories.select(rows % len(histories))
+                turn = repeat % len(names)
+                for name in names[turn:] + names[:turn]:
+                    if notes[name]:
+                        continue
+                    start = time.perf_counter()
+                    calls[name](model, part.values, part.offsets, settings.k, trie, width)
+                    seconds[name].append(time.perf_counter() - start)
+            for name in names:
+                latency = statistics.median(seconds[name]) if seconds[name] else None
+                cells.append(
+                    Cell(
+                        decoder=name,
+                        beam_width=None if name.startswith("dense") else width,
+                        batch=batch,
+                        latency_ms=None if latency is None else latency * 1e3,
+                        users_per_s=None if latency is None else batch / latency,
+                        calls=len(seconds[name]),
+                        note=notes[name],
+                    )
+                )
+                log(f"  batch {batch} width {width} {name}: {_ms(cells[-1].latency_ms)} ms")
+    return cells
+
+
+def bench_size(items: int, root: Path, settings: BenchScaleConfig, log) -> SizeReport:
+    """Prepare (or reuse) one catalogue and measure it (module docstring)."""
+    from genrec_spec.data_pipelines.trie import PrefixTrie
+    from genrec_spec.recsys.data import load_prepared, sample_users
+    from genrec_spec.recsys.decoders.dense import index_recall
+    from genrec_spec.recsys.item_index import item_index
+
+    cost = prepared_catalogue(items, root, settings.levels, log, settings.prepare_options)
+    data = load_prepared(cost.folder)
+    builds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        trie = PrefixTrie.from_codes(data.item_codes, tuple(data.codebook_sizes))
+        builds.append(time.perf_counter() - start)
+    model = random_model(data, settings.item_table, settings.seed)
+    needed = max(settings.recall_users, (settings.repeats + 1) * max(settings.batch_sizes))
+    users = sample_users(len(data.test), min(needed, len(data.test)), settings.seed)
+    histories = data.test.select(users)
+    index_s = recall = None
+    if "dense-index" in settings.decoders:
+        start = time.perf_counter()
+        item_index(model)
+        index_s = time.perf_counter() - start
+        part = histories.select(torch.arange(min(settings.recall_users, len(histories))))
+        recall = float(index_recall(model, part.values, part.offsets, k=settings.k).mean())
+        log(f"  item index built in {index_s:.1f} s, recall@{settings.k} {recall:.3f}")
+    cells = time_cells(model, histories, trie, settings, log)
+    return SizeReport(
+        items=items,
+        users=len(data.test),
+        levels=len(data.codebook_sizes),
+        prepare=cost,
+        trie_build_s=statistics.median(builds),
+        trie_bytes_per_item=trie_bytes(trie) / items,
+        model_bytes=model_bytes(model),
+        index_build_s=index_s,
+        recall_at_k=recall,
+        cells=cells,
+    )
+
+
+def bench_scale(
+    settings: BenchScaleConfig, log: Callable[[str], None] = lambda line: None
+) -> tuple[str, list[SizeReport]]:  # (a header line saying how it was measured, each size)
+    """Every size of `settings` (module docstring); `bench.scale_report` formats them."""
+    import faiss
+
+    torch.set_num_threads(settings.threads)
+    faiss.omp_set_num_threads(settings.threads)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="genrec-scale-") as temp:
+        root = Path(settings.data_root or temp)
+        reports = []
+        for items in settings.sizes:
+            log(f"synthetic:{items}")
+            reports.append(bench_size(items, root, settings, log))
+    header = (
+        f"bench scale: {describe_device('cpu')}, {settings.threads} thread(s), K={settings.k}, "
+        f"median of {settings.repeats} calls per cell; a random-weight model of the default "
+        f"config (item table: {settings.item_table}), speed only; "
+        f"{time.perf_counter() - started:.0f} s"
+    )
+    return header, reports
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"

@@ -1,0 +1,70 @@
+"""`genrec-spec bench scale`: prepare time and memory, trie, model memory and decoder latency
+against synthetic catalogue size (``genrec_spec.bench.scale``), written to --out."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from genrec_spec.bench import scale
+from genrec_spec.bench.scale import DECODERS, ITEM_TABLES, BenchScaleConfig, bench_scale
+from genrec_spec.bench.scale_report import format_text, write
+from genrec_spec.cli.args import config_from_args
+from genrec_spec.cli.bench_llm import _list
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    c = BenchScaleConfig()
+    parser.description = scale.__doc__  # what is measured and how
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--sizes", type=_list(int), default=c.sizes, help="catalogue sizes")
+    parser.add_argument(
+        "--data-root",
+        default=c.data_root,
+        help="folder the catalogues are prepared in and reused from (default: a temp folder)",
+    )
+    parser.add_argument(
+        "--levels", type=int, default=c.levels, help="Semantic-ID levels; 0 = prepare's choice"
+    )
+    parser.add_argument(
+        "--prepare-options",
+        type=str.split,
+        default=c.prepare_options,
+        help='other arguments of genrec-spec prepare, e.g. "--codebook-size 64"',
+    )
+    parser.add_argument(
+        "--decoders", type=_list(str), default=c.decoders, help=f"of {','.join(DECODERS)}"
+    )
+    parser.add_argument("--beam-widths", type=_list(int), default=c.beam_widths)
+    parser.add_argument("--batch-sizes", type=_list(int), default=c.batch_sizes)
+    parser.add_argument("--k", type=int, default=c.k, help="recommendations per user")
+    parser.add_argument("--repeats", type=int, default=c.repeats, help="timed calls per cell")
+    parser.add_argument("--recall-users", type=int, default=c.recall_users)
+    parser.add_argument("--item-table", choices=ITEM_TABLES, default=c.item_table)
+    parser.add_argument("--max-gather-gib", type=float, default=c.max_gather_gib)
+    parser.add_argument("--max-call-s", type=float, default=c.max_call_s)
+    parser.add_argument("--threads", type=int, default=c.threads, help="torch and faiss threads")
+    parser.add_argument("--seed", type=int, default=c.seed)
+    parser.add_argument(
+        "--out", type=Path, help="write scale.json, scale.md and scale.png to this folder"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = config_from_args(
+        BenchScaleConfig,
+        args,
+        levels=args.levels or None,
+        prepare_options=tuple(args.prepare_options),
+    )
+    header, reports = bench_scale(
+        settings, log=lambda line: print(line, file=sys.stderr, flush=True)
+    )
+    print(format_text(header, reports))
+    if args.out:
+        written = write(header, reports, settings, args.out)
+        if args.out / "scale.png" not in written:
+            print("matplotlib is not installed: no plot", file=sys.stderr)
+        print("wrote " + ", ".join(str(p) for p in written))
+    return 0

@@ -1,0 +1,49 @@
+"""`genrec-spec bench scale` on a tiny synthetic catalogue: prepared in a child process with its
+cost recorded, reused on the next run, every decoder timed at batch 1 and 2, the report written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from genrec_spec.bench.errors import BenchError
+from genrec_spec.bench.scale import BenchScaleConfig, bench_scale
+from genrec_spec.bench.scale_report import format_text, write
+
+
+def test_bench_scale_on_a_tiny_catalogue(tmp_path):
+    settings = BenchScaleConfig(
+        sizes=(600,),
+        data_root=str(tmp_path / "data"),
+        prepare_options=("--codebook-size", "16", "--long-id-digits", "0"),
+        beam_widths=(10, 12),
+        batch_sizes=(1, 2),
+        repeats=1,
+        recall_users=4,
+    )
+    header, (report,) = bench_scale(settings)
+    assert report.items == 600 and report.levels == 4  # 3 levels + the collision code
+    assert report.prepare.measured and report.prepare.peak_rss_bytes > 0
+    assert report.trie_bytes_per_item > 0 and report.model_bytes > 0
+    assert 0.0 <= report.recall_at_k <= 1.0
+    # beam and spec_beam at each width, dense and dense-index once, at each batch size
+    assert len(report.cells) == 2 * (2 * 2 + 2)
+    assert all(c.latency_ms > 0 and c.calls == 1 for c in report.cells)
+    text = format_text(header, [report])
+    assert "dense-index" in text and "random-weight" in text
+    written = write(header, [report], settings, tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "scale.json").read_text())
+    assert saved["sizes"][0]["items"] == 600 and tmp_path / "out" / "scale.md" in written
+
+    # A second run reuses the folder and its recorded cost.
+    _, (again,) = bench_scale(settings)
+    assert not again.prepare.measured
+    assert again.prepare.wall_s == report.prepare.wall_s
+
+
+def test_bad_settings_raise():
+    with pytest.raises(BenchError, match="unknown decoders"):
+        BenchScaleConfig(decoders=("beam", "tiger"))
+    with pytest.raises(BenchError, match="must be >= k"):
+        BenchScaleConfig(beam_widths=(5,), k=10)
