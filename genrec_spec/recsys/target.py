@@ -34,7 +34,6 @@ from genrec_spec.core.constraints import Catalogue
 from genrec_spec.core.targets import grown
 from genrec_spec.core.types import DecodeInputError, DecodeStats, DraftTree
 from genrec_spec.models.derived import DerivedCache
-from genrec_spec.recsys.history_cache import rows_of
 
 # The model slides over long histories itself; no prompt is too long for it.
 UNBOUNDED = 1 << 30
@@ -158,9 +157,14 @@ def core_beam(
     scores as the recommender's ``beam`` gives them."""
     codes = model.item_codes
     target, catalogue = _CATALOGUES.get(codes, (codes,), lambda: _target_and_catalogue(model))
+    lengths = offsets.diff()  # [B]
+    columns = torch.arange(int(lengths.max()), device=values.device)
+    inside = columns < lengths[:, None]  # [B, T]
+    at = (offsets[:-1, None] + columns).clamp(max=len(values) - 1)
     out = beam_search(
         target,
-        rows_of(values, offsets),
+        torch.where(inside, values[at], 0),  # [B, T] right-padded histories
+        prompt_lengths=lengths,
         config=BeamConfig(num_beams=width, num_return_sequences=k, length_penalty=0.0),
         max_new_tokens=model.num_levels,
         constraint=catalogue,
