@@ -45,6 +45,10 @@ from genrec_spec.machine import describe_device
 
 DECODERS = ("beam", "spec_beam", "dense", "dense-index")
 ITEM_TABLES = ("embeddings", "random")
+# The random model's code levels: the default config's (level 0 from the item softmax, levels
+# 1.. tied to it: both read every item under a prefix), or TIGER's plain code heads (a head per
+# level over its codebook: trie-bounded), the item objective kept for dense and the items draft.
+MODELS = ("default", "code-heads")
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ class BenchScaleConfig:
     repeats: int = 5  # timed calls per cell, each on other users (median)
     recall_users: int = 256  # users the index's recall is measured on
     item_table: str = "embeddings"  # the random model's item table: "embeddings" or "random"
+    model: str = "default"  # the random model's code levels: "default" or "code-heads"
     max_gather_gib: float = 4.0  # skip a cell whose tied levels would gather more than this
     max_call_s: float = 30.0  # a cell whose first call takes longer is not repeated
     threads: int = 1  # torch and faiss CPU threads
@@ -71,10 +76,12 @@ class BenchScaleConfig:
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.decoders) - set(DECODERS))
-        if unknown or self.item_table not in ITEM_TABLES:
+        if unknown or self.item_table not in ITEM_TABLES or self.model not in MODELS:
             raise BenchError(
-                f"unknown decoders {unknown} or item table {self.item_table!r}",
-                f"choose decoders from {','.join(DECODERS)} and a table from {ITEM_TABLES}",
+                f"unknown decoders {unknown}, item table {self.item_table!r} or model "
+                f"{self.model!r}",
+                f"choose decoders from {','.join(DECODERS)}, a table from {ITEM_TABLES} and a "
+                f"model from {MODELS}",
             )
         counts = self.sizes + self.beam_widths + self.batch_sizes
         counts += (self.k, self.repeats, self.recall_users, self.threads)
@@ -127,15 +134,19 @@ def trie_bytes(trie) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def random_model(data, item_table: str, seed: int):
-    """A random-weight `SemanticIdRecommender` of the default config on the catalogue; with
-    item_table="embeddings" its item rows are the item embeddings through one seeded random
-    projection, at the random rows' mean length (module docstring)."""
+def random_model(data, item_table: str, seed: int, levels: str = "default"):
+    """A random-weight `SemanticIdRecommender` of the default config on the catalogue (with
+    levels="code-heads", its code levels as plain heads: `MODELS`); with item_table="embeddings"
+    its item rows are the item embeddings through one seeded random projection, at the random
+    rows' mean length (module docstring)."""
     from genrec_spec.models.recsys.config import RecommenderConfig
     from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 
     torch.manual_seed(seed)
     config = RecommenderConfig()
+    if levels == "code-heads":
+        heads = replace(config.item_objective, level0=False, tied_levels=None)
+        config = replace(config, item_objective=heads)
     if data.long_ids is None:
         config = replace(config, long_id_heads=None)
     model = SemanticIdRecommender(
@@ -247,7 +258,7 @@ def bench_size(items: int, root: Path, settings: BenchScaleConfig, log) -> SizeR
         start = time.perf_counter()
         trie = PrefixTrie.from_codes(data.item_codes, tuple(data.codebook_sizes))
         builds.append(time.perf_counter() - start)
-    model = random_model(data, settings.item_table, settings.seed)
+    model = random_model(data, settings.item_table, settings.seed, settings.model)
     needed = max(settings.recall_users, (settings.repeats + 1) * max(settings.batch_sizes))
     users = sample_users(len(data.test), min(needed, len(data.test)), settings.seed)
     histories = data.test.select(users)
@@ -292,7 +303,8 @@ def bench_scale(
     header = (
         f"bench scale: {describe_device('cpu')}, {settings.threads} thread(s), K={settings.k}, "
         f"median of {settings.repeats} calls per cell; a random-weight model of the default "
-        f"config (item table: {settings.item_table}), speed only; "
+        f"config (code levels: {settings.model}; item table: {settings.item_table}), speed "
+        "only; "
         f"{time.perf_counter() - started:.0f} s"
     )
     return header, reports

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from genrec_spec.bench import scale
-from genrec_spec.bench.scale import DECODERS, ITEM_TABLES, BenchScaleConfig, bench_scale
+from genrec_spec.bench.scale import DECODERS, ITEM_TABLES, MODELS, BenchScaleConfig, bench_scale
 from genrec_spec.bench.scale_report import format_text, write
 from genrec_spec.cli.args import config_from_args
 from genrec_spec.cli.bench_llm import _list
@@ -42,6 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=c.repeats, help="timed calls per cell")
     parser.add_argument("--recall-users", type=int, default=c.recall_users)
     parser.add_argument("--item-table", choices=ITEM_TABLES, default=c.item_table)
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default=c.model,
+        help="code levels: the default config's (read every item under a prefix) or plain "
+        "code heads (trie-bounded)",
+    )
     parser.add_argument("--max-gather-gib", type=float, default=c.max_gather_gib)
     parser.add_argument("--max-call-s", type=float, default=c.max_call_s)
     parser.add_argument("--threads", type=int, default=c.threads, help="torch and faiss threads")

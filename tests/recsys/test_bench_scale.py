@@ -4,6 +4,7 @@ cost recorded, reused on the next run, every decoder timed at batch 1 and 2, the
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -36,14 +37,19 @@ def test_bench_scale_on_a_tiny_catalogue(tmp_path):
     saved = json.loads((tmp_path / "out" / "scale.json").read_text())
     assert saved["sizes"][0]["items"] == 600 and tmp_path / "out" / "scale.md" in written
 
-    # A second run reuses the folder and its recorded cost.
-    _, (again,) = bench_scale(settings)
-    assert not again.prepare.measured
+    # A second run reuses the folder and its recorded cost; plain code heads read no item
+    # windows, so the model loses the tied levels' tables.
+    heads = replace(settings, model="code-heads", beam_widths=(10,), batch_sizes=(2,))
+    header, (again,) = bench_scale(heads)
+    assert not again.prepare.measured and "code levels: code-heads" in header
     assert again.prepare.wall_s == report.prepare.wall_s
+    assert len(again.cells) == 2 + 2 and all(c.latency_ms > 0 for c in again.cells)
 
 
 def test_bad_settings_raise():
     with pytest.raises(BenchError, match="unknown decoders"):
         BenchScaleConfig(decoders=("beam", "tiger"))
+    with pytest.raises(BenchError, match="model 'tiger'"):
+        BenchScaleConfig(model="tiger")
     with pytest.raises(BenchError, match="must be >= k"):
         BenchScaleConfig(beam_widths=(5,), k=10)
