@@ -43,7 +43,6 @@ UNBOUNDED = 1 << 30
 class RecommenderCache:
     state: object  # the model's HistoryState of the B histories
     tree: DraftTree | None = None  # the nodes grown since prefill
-    depth: Tensor | None = None  # [B, N] each node's depth (roots 0), kept as the tree grows
 
 
 class RecommenderTarget:
@@ -79,23 +78,10 @@ class RecommenderTarget:
 
     def grow_tree(self, cache: RecommenderCache, tokens: Tensor, parents: Tensor) -> Tensor:
         cache.tree = grown(cache.tree, tokens, parents)
-        cache.depth = self._depths(cache.depth, parents)
         return self._score(cache, tokens.shape[1])
 
     def score_tree(self, cache: RecommenderCache, tree: DraftTree) -> Tensor:
         _refuse_single_path()
-
-    def _depths(self, depth: Tensor | None, parents: Tensor) -> Tensor:  # [B, N + M]
-        """The depths after appending nodes with these parents [B, M]: one gather per level,
-        since a new node's parent may be new too (codes are at most L deep)."""
-        old = 0 if depth is None else depth.shape[1]
-        full = parents.new_zeros(parents.shape[0], old + parents.shape[1])
-        if depth is not None:
-            full[:, :old] = depth
-        for _ in range(self.model.num_levels + 1):
-            above = full.gather(1, parents.clamp_min(0)) + 1
-            full[:, old:] = torch.where(parents >= 0, above, 0)
-        return full
 
     def commit(self, cache: RecommenderCache, nodes: Tensor, counts: Tensor) -> None:
         _refuse_single_path()
@@ -105,8 +91,12 @@ class RecommenderTarget:
         the code nodes' from one ``score_tree`` pass over every code node that predicts a level
         (the model keeps no K/V of tree nodes, so earlier ones are context again). A node of
         the last level predicts nothing: -inf everywhere."""
-        tree, model, depth = cache.tree, self.model, cache.depth  # depth [B, N], roots 0
+        tree, model = cache.tree, self.model
         batch, n = tree.tokens.shape
+        # [B, N] each node's depth: a code token's value says its level (codes are offset per
+        # level); roots (and padding, no beam's) are 0
+        level = torch.bucketize(tree.tokens, self.offsets[1:], right=True)
+        depth = torch.where(tree.parents >= 0, level + 1, 0)
         root, scored = depth == 0, (depth > 0) & (depth < model.num_levels)
         out = torch.full((batch, m, self.vocab_size), float("-inf"), device=self.device)
         level0 = cache.state.level0_log_probs  # [B, V0]
