@@ -11,7 +11,6 @@ import torch
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.recsys.config import ItemObjectiveConfig, RecommenderConfig
-from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 from genrec_spec.recsys.decoders import beam, dense, spec_beam
 from genrec_spec.recsys.decoders.spec_beam import same_top_k
 from genrec_spec.recsys.errors import DecodeOptionError
@@ -25,17 +24,10 @@ from genrec_spec.recsys.item_index import (
 )
 
 
-def _model(seed: int, items: int, temperature: float, tied: bool = False) -> SemanticIdRecommender:
-    """A random model with the item objective over `items` items with random unique IDs
-    (3 levels + the collision code); `tied`: level 0 and the deeper levels tied to it."""
-    g = torch.Generator().manual_seed(seed)
-    sizes = (6, 5, 4)
-    codes = torch.stack([torch.randint(0, v, (items,), generator=g) for v in sizes], dim=1)
-    collision = torch.zeros(items, dtype=torch.long)
-    seen: dict[tuple, int] = {}
-    for i, key in enumerate(map(tuple, codes.tolist())):
-        collision[i] = seen.get(key, 0)
-        seen[key] = int(collision[i]) + 1
+def _model(build, seed: int, items: int, temperature: float, tied: bool = False):
+    """A random model (`build`: the random_recommender fixture) with the item objective over
+    `items` items (3 levels + the collision code); `tied`: level 0 and the deeper levels tied
+    to it."""
     objective = ItemObjectiveConfig(temperature=temperature, level0=tied)
     if not tied:
         objective = replace(objective, tied_levels=None)
@@ -49,22 +41,7 @@ def _model(seed: int, items: int, temperature: float, tied: bool = False) -> Sem
         long_id_heads=None,
         draft_head=None,
     )
-    model = SemanticIdRecommender(
-        config, torch.cat([codes, collision[:, None]], dim=1), [*sizes, int(collision.max()) + 1]
-    )
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return model.eval()
-
-
-def _histories(model, users: int, seed: int):
-    """Uneven rows, an empty one first."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, model.config.max_len + 3, (users,), generator=g)
-    lengths[0] = 0
-    values = torch.randint(0, model.num_items, (int(lengths.sum()),), generator=g)
-    return values, torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    return build(config, seed, (6, 5, 4), items)
 
 
 def _trie(model) -> PrefixTrie:
@@ -73,12 +50,14 @@ def _trie(model) -> PrefixTrie:
 
 @pytest.mark.parametrize("temperature", [0.0, 0.05])
 @pytest.mark.parametrize("kind", ["ivf", "hnsw"])
-def test_index_top_k_is_the_exact_top_k_on_a_small_catalogue(temperature, kind):
+def test_index_top_k_is_the_exact_top_k_on_a_small_catalogue(
+    temperature, kind, random_recommender, uneven_histories
+):
     """With every list probed (IVF) or a candidate list past the catalogue (HNSW) the index is
     exact: the same items in the same order with the model's logits, in its geometry (plain dot
     product, or cosine over a temperature)."""
-    model = _model(0, 150, temperature)
-    values, offsets = _histories(model, 7, seed=1)
+    model = _model(random_recommender, 0, 150, temperature)
+    values, offsets = uneven_histories(model, 7, seed=1)
     hidden = model.encode_history(values, offsets).hidden  # [B, D]
     config = ItemIndexConfig(kind=kind, nprobe=1000, ef_search=200)
     found = top_items(model, hidden, 12, config)
@@ -88,17 +67,17 @@ def test_index_top_k_is_the_exact_top_k_on_a_small_catalogue(temperature, kind):
     assert torch.equal(recall_at_k(found.items, want.items), torch.ones(7))
 
 
-def test_index_recall_on_a_larger_catalogue():
+def test_index_recall_on_a_larger_catalogue(random_recommender, uneven_histories):
     """Default settings, a catalogue with several lists not probed: most of the exact top-10."""
-    model = _model(1, 3000, 0.05)
-    values, offsets = _histories(model, 16, seed=2)
+    model = _model(random_recommender, 1, 3000, 0.05)
+    values, offsets = uneven_histories(model, 16, seed=2)
     recall = dense.index_recall(model, values, offsets, k=10)
     assert recall.shape == (16,)
     assert float(recall.mean()) >= 0.5
 
 
-def test_index_is_cached_per_item_table():
-    model = _model(2, 200, 0.05)
+def test_index_is_cached_per_item_table(random_recommender):
+    model = _model(random_recommender, 2, 200, 0.05)
     first = item_index(model)
     assert item_index(model) is first
     assert item_index(model, ItemIndexConfig(kind="hnsw")) is not first  # another config
@@ -108,11 +87,13 @@ def test_index_is_cached_per_item_table():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.05])
-def test_dense_through_the_index_reports_its_recall(temperature):
+def test_dense_through_the_index_reports_its_recall(
+    temperature, random_recommender, uneven_histories
+):
     """dense with the index forced: the index's items with their logits; its recall against
     dense's exact list is what `index_recall` reports."""
-    model = _model(3, 3000, temperature)
-    values, offsets = _histories(model, 9, seed=3)
+    model = _model(random_recommender, 3, 3000, temperature)
+    values, offsets = uneven_histories(model, 9, seed=3)
     trie = _trie(model)
     exact = dense.decode(model, values, offsets, k=10, trie=trie, item_search="exact")
     approx = dense.decode(model, values, offsets, k=10, trie=trie, item_search="index")
@@ -125,14 +106,14 @@ def test_dense_through_the_index_reports_its_recall(temperature):
     assert torch.allclose(approx.scores, logits.gather(1, approx.items), atol=1e-4)
 
 
-def test_auto_uses_the_index_from_the_threshold():
-    model = _model(4, 150, 0.05)
+def test_auto_uses_the_index_from_the_threshold(random_recommender, uneven_histories):
+    model = _model(random_recommender, 4, 150, 0.05)
     assert not use_index(model, "auto")
     assert use_index(model, "auto", ItemIndexConfig(min_items=150))
     assert use_index(model, "index") and not use_index(model, "exact")
     with pytest.raises(DecodeOptionError, match="item_search must be one of"):
         use_index(model, "faiss")
-    values, offsets = _histories(model, 2, seed=0)
+    values, offsets = uneven_histories(model, 2, seed=0)
     with pytest.raises(DecodeOptionError, match="item_search must be one of"):
         spec_beam.decode(model, values, offsets, k=3, trie=_trie(model), item_search="hnsw")
     with pytest.raises(DecodeOptionError, match="is not one of"):
@@ -140,12 +121,14 @@ def test_auto_uses_the_index_from_the_threshold():
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_spec_beam_with_the_indexed_items_draft_equals_beam(seed):
+def test_spec_beam_with_the_indexed_items_draft_equals_beam(
+    seed, random_recommender, uneven_histories
+):
     """The index only decides which prefixes the "items" draft proposes: the lists stay beam's,
     whatever it misses (narrow and wide drafts, few and many lists probed)."""
-    model = _model(seed, 400, 0.05, tied=True)
+    model = _model(random_recommender, seed, 400, 0.05, tied=True)
     trie = _trie(model)
-    values, offsets = _histories(model, 10, seed=seed)
+    values, offsets = uneven_histories(model, 10, seed=seed)
     for k, width in [(1, 1), (5, 10), (30, 45)]:
         want = beam.decode(model, values, offsets, k=k, trie=trie, beam_width=width)
         for draft_width in (1, None, 200):

@@ -25,17 +25,10 @@ from genrec_spec.recsys.types import Recommendations
 
 
 def _random_model(
-    seed: int, sizes: tuple[int, ...], items: int, item_levels: str = "none"
+    build, seed: int, sizes: tuple[int, ...], items: int, item_levels: str = "none"
 ) -> SemanticIdRecommender:
-    """Unique random Semantic IDs (a collision code appended) and large random weights, so the
-    code distributions are peaked like a trained model's instead of near-uniform."""
-    g = torch.Generator().manual_seed(seed)
-    codes = torch.stack([torch.randint(0, v, (items,), generator=g) for v in sizes], dim=1)
-    collision = torch.zeros(items, dtype=torch.long)
-    seen: dict[tuple, int] = {}
-    for i, key in enumerate(map(tuple, codes.tolist())):
-        collision[i] = seen.get(key, 0)
-        seen[key] = int(collision[i]) + 1
+    """`build` (the random_recommender fixture) on a small config whose code levels are tied
+    to the item objective as `item_levels` says."""
     config = RecommenderConfig(
         dim=16,
         layers=2,
@@ -56,24 +49,7 @@ def _random_model(
             temperature=0.05 if item_levels in ("cosine", "residual") else 0.0,  # cosine logits
         ),
     )
-    model = SemanticIdRecommender(
-        config,
-        torch.cat([codes, collision[:, None]], dim=1),
-        [*sizes, int(collision.max()) + 1],
-    )
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return model.eval()
-
-
-def _histories(model, users: int, seed: int):
-    """Uneven rows: empty ones and ones longer than max_len (truncated) included."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, model.config.max_len + 6, (users,), generator=g)
-    lengths[0] = 0
-    values = torch.randint(0, model.num_items, (int(lengths.sum()),), generator=g)
-    return values, torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    return build(config, seed, sizes, items)
 
 
 MODELS = [(0, (5, 4), 60), (1, (4, 3, 3), 90), (2, (6, 5, 4), 150)]  # seed, sizes, items
@@ -90,10 +66,12 @@ PASSES = {
 
 @pytest.mark.parametrize(("seed", "sizes", "items"), MODELS)
 @pytest.mark.parametrize("item_levels", ["none", "level0", "all", "cosine", "residual"])
-def test_spec_beam_equals_beam(seed, sizes, items, item_levels):
-    model = _random_model(seed, sizes, items, item_levels)
+def test_spec_beam_equals_beam(
+    seed, sizes, items, item_levels, random_recommender, uneven_histories
+):
+    model = _random_model(random_recommender, seed, sizes, items, item_levels)
     trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
-    values, offsets = _histories(model, users=12, seed=seed)
+    values, offsets = uneven_histories(model, users=12, seed=seed)
     levels = model.num_levels
     for k, width in [(1, 1), (5, 10), (30, 45)]:
         want = beam.decode(model, values, offsets, k=k, trie=trie, beam_width=width)
@@ -115,14 +93,16 @@ def test_spec_beam_equals_beam(seed, sizes, items, item_levels):
 
 @pytest.mark.parametrize(("seed", "sizes", "items"), MODELS)
 @pytest.mark.parametrize(("draft", "item_levels"), [("nezha", "none"), ("items", "residual")])
-def test_post_history_draft_equals_beam(seed, sizes, items, draft, item_levels):
+def test_post_history_draft_equals_beam(
+    seed, sizes, items, draft, item_levels, random_recommender, uneven_histories
+):
     """A draft made after the history pass (the NEZHA head's beam, the item objective's mass)
     only decides what is scored early: the list stays beam's whether the draft holds every needed
     prefix (wide) or few (width 1: follow-ups), and every needed prefix is scored by the last
     level's pass at the latest."""
-    model = _random_model(seed, sizes, items, item_levels)
+    model = _random_model(random_recommender, seed, sizes, items, item_levels)
     trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
-    values, offsets = _histories(model, users=12, seed=seed)
+    values, offsets = uneven_histories(model, users=12, seed=seed)
     for k, width in [(1, 1), (5, 10), (30, 45)]:
         want = beam.decode(model, values, offsets, k=k, trie=trie, beam_width=width)
         for draft_width, lookahead in itertools.product((1, 3, None, 200), (0, 1)):
@@ -142,15 +122,16 @@ def test_post_history_draft_equals_beam(seed, sizes, items, draft, item_levels):
             assert 0.0 < got.stats["draft_hit_rate"] <= 1.0  # level-0 beams are always drafted
 
 
-def test_forced_codes_cost_nothing(monkeypatch):
+def test_forced_codes_cost_nothing(monkeypatch, random_recommender, uneven_histories):
     """Levels normalised over a prefix's children (tied levels) give a prefix's only child
     log-prob exactly 0: beam skips a level where no beam has a choice and returns bitwise what
     scoring every level returns; spec_beam, which never scores such prefixes, returns the same
     with every draft."""
-    model = _random_model(6, (8, 8, 8), 60, "residual")  # 512 IDs, 60 items: few collisions
+    # 512 IDs, 60 items: few collisions
+    model = _random_model(random_recommender, 6, (8, 8, 8), 60, "residual")
     assert model.forced_codes_free
     trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
-    values, offsets = _histories(model, users=12, seed=6)
+    values, offsets = uneven_histories(model, users=12, seed=6)
     settings = [(1, 1), (5, 8), (10, 30)]  # k, beam width
     fast = [beam.decode(model, values, offsets, k=k, trie=trie, beam_width=w) for k, w in settings]
     one_user = [  # each user alone at width 1: its collision code is nearly always forced
@@ -182,12 +163,12 @@ def test_forced_codes_cost_nothing(monkeypatch):
 
 
 @pytest.mark.parametrize("drafted", [1, 3, "all"])
-def test_item_drafts_that_hit_and_miss(drafted):
+def test_item_drafts_that_hit_and_miss(drafted, random_recommender, uneven_histories):
     """Drafting every item's prefixes needs no follow-up (one pass, every needed prefix
     drafted); a few random items leave most prefixes to the follow-up passes."""
-    model = _random_model(3, (5, 4, 3), 80)
+    model = _random_model(random_recommender, 3, (5, 4, 3), 80)
     trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
-    values, offsets = _histories(model, users=9, seed=4)
+    values, offsets = uneven_histories(model, users=9, seed=4)
     count = model.num_items if drafted == "all" else drafted
     g = torch.Generator().manual_seed(5)
     items = torch.stack([torch.randperm(model.num_items, generator=g)[:count] for _ in range(9)])
@@ -220,10 +201,10 @@ def test_same_top_k_rejects_different_lists():
     assert same_top_k(ref, shifted).tolist() == [True, False]
 
 
-def test_bad_options_raise():
-    model = _random_model(0, (5, 4), 60)
+def test_bad_options_raise(random_recommender, uneven_histories):
+    model = _random_model(random_recommender, 0, (5, 4), 60)
     trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
-    values, offsets = _histories(model, users=2, seed=0)
+    values, offsets = uneven_histories(model, users=2, seed=0)
     with pytest.raises(DecodeOptionError, match="valid drafts: auto, frontier, items, nezha, none"):
         spec_beam.decode(model, values, offsets, k=3, trie=trie, draft="heads")
     config = replace(model.config, item_objective=None)
