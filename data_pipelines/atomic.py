@@ -2,15 +2,19 @@
 
 Everything is written under a temporary sibling name and renamed into place when complete: a
 crash, a kill or a bad input leaves the destination as it was (absent, or the previous complete
-version), never a partial result that looks finished.
+version), never a partial result that looks finished. An exception removes the temporary folder;
+a process killed outright cannot, so its folder (named after its host and process id) is removed
+by the next `atomic_dir` of the same destination once that process is gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,7 +32,9 @@ def atomic_dir(dest: Path, *, overwrite: bool = False) -> Iterator[Path]:
     parent = dest.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=parent))
+        _remove_abandoned(dest)
+        prefix = f"{_temporary_prefix(dest)}{os.getpid()}-"
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     except OSError as exc:
         raise PermissionError(
             f"cannot create the output folder beside {dest}: {exc.strerror}. "
@@ -46,6 +52,29 @@ def atomic_dir(dest: Path, *, overwrite: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _temporary_prefix(dest: Path) -> str:  # .<name>.tmp-<host>- (then <pid>-<random>)
+    return f".{dest.name}.tmp-{socket.gethostname()}-"
+
+
+def _remove_abandoned(dest: Path) -> None:
+    """Remove the temporary folders of `dest` left by killed processes of this host."""
+    prefix = _temporary_prefix(dest)
+    for path in dest.parent.glob(f"{glob.escape(prefix)}*"):
+        pid = path.name[len(prefix) :].split("-", 1)[0]
+        if path.is_dir() and pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def check_output_dir(dest: Path, *, overwrite: bool = False) -> None:

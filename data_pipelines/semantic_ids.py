@@ -12,7 +12,13 @@ Two quantisers share one result type (`SemanticIds`):
   items share all digits (e.g. identical texts); `codes.shape[1]` says which happened.
 
 The collision code numbers the items of a group 0, 1, 2, ... in item-index order, so the result
-is deterministic and no two items share an ID (checked before returning).
+is deterministic and no two items share an ID.
+
+Every k-means trains on a sample (at most `train_points_per_code` items a code: the rows faiss
+itself would draw, `sampled_kmeans`) and then assigns every item, `batch_rows` at a time. So the
+embeddings can be a matrix on disk larger than memory (`NpyRows`): a build reads it in two
+sequential passes (the samples, then the assignment), and the codes equal those of the same
+matrix in memory.
 
 faiss runs on GPU when one is visible to it, else on CPU. A fixed seed gives identical codes on
 the same machine and faiss thread count; another thread count (or GPU) may round distances
@@ -30,6 +36,13 @@ import numpy as np
 import torch
 
 from genrec_spec.data_pipelines.errors import DataError
+from genrec_spec.data_pipelines.npy_rows import row_batches
+from genrec_spec.data_pipelines.sampled_kmeans import (
+    assign,
+    gather_rows,
+    train_kmeans,
+    training_rows,
+)
 
 
 @dataclass(frozen=True)
@@ -54,17 +67,28 @@ class SemanticIdConfig:
     of them, larger ones on a sample, so the training cost stops growing with the catalogue."""
     use_gpu: bool | None = None
     """None: faiss GPU when faiss sees a GPU, else CPU. True/False force it."""
+    batch_rows: int = 1 << 16
+    """Rows read and assigned at a time: bounds the memory a build over a matrix on disk holds
+    beside its samples and codes. The codes do not depend on it."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("rq", "pq"):
             raise DataError(f"unknown semantic-ID kind {self.kind!r}", 'use kind "rq" or "pq"')
-        counts = (self.levels, self.pq_digits, self.niter, self.train_points_per_code)
+        counts = (
+            self.levels,
+            self.pq_digits,
+            self.niter,
+            self.train_points_per_code,
+            self.batch_rows,
+        )
         if min(counts) < 1 or self.codebook_size < 2:
             raise DataError(
                 f"levels={self.levels}, pq_digits={self.pq_digits}, niter={self.niter}, "
                 f"train_points_per_code={self.train_points_per_code}, "
-                f"codebook_size={self.codebook_size} are out of range",
-                "use levels, pq_digits, niter, train_points_per_code >= 1 and codebook_size >= 2",
+                f"batch_rows={self.batch_rows}, codebook_size={self.codebook_size} are out of "
+                "range",
+                "use levels, pq_digits, niter, train_points_per_code, batch_rows >= 1 and "
+                "codebook_size >= 2",
             )
 
 
@@ -87,79 +111,173 @@ class SemanticIds:
     """
 
 
-def _kmeans(x: np.ndarray, k: int, seed: int, config: SemanticIdConfig, gpu: bool):
-    """Train k-means on x [n, d]; return (centroids [k, d], assignment [n] int64)."""
-    km = faiss.Kmeans(
-        x.shape[1],
-        k,
-        niter=config.niter,
-        seed=seed,
-        gpu=gpu,
-        # Item catalogues are small (n / k is ~5-15): faiss's default minimum of 39 points per
-        # centroid only prints warnings here.
-        min_points_per_centroid=1,
-        max_points_per_centroid=config.train_points_per_code,
+def _read_as_rows(embeddings):  # [I, E] tensor, array or NpyRows -> the same, row-sliceable
+    if isinstance(embeddings, torch.Tensor):
+        return embeddings.detach().cpu().numpy()  # no copy for a CPU tensor
+    return embeddings
+
+
+def _train(x: np.ndarray, seed: int, config: SemanticIdConfig, gpu: bool) -> faiss.Kmeans:
+    return train_kmeans(
+        x, config.codebook_size, seed, config.niter, config.train_points_per_code, gpu
     )
-    km.train(x)
-    _, assignment = km.assign(x)
-    return km.centroids, assignment.astype(np.int64)
 
 
-def _residual_codes(x: np.ndarray, config: SemanticIdConfig, gpu: bool):
-    """RQ-KMeans on x [I, E]: (codes [I, levels], reconstruction [I, E])."""
-    residual = x.copy()
-    codes = []
-    for level in range(config.levels):
-        centroids, code = _kmeans(residual, config.codebook_size, config.seed + level, config, gpu)
-        residual -= centroids[code]
-        codes.append(code)
-    return np.stack(codes, axis=1), x - residual
+def _sample(rows: int, seed: int, config: SemanticIdConfig) -> np.ndarray | None:  # [m] or None
+    return training_rows(rows, config.codebook_size, config.train_points_per_code, seed)
 
 
-def _product_codes(x: np.ndarray, config: SemanticIdConfig, gpu: bool):
-    """Product k-means on x [I, E]: (codes [I, pq_digits], reconstruction [I, E])."""
-    n, dim = x.shape
-    digits = config.pq_digits
+def _train_residual(x, config: SemanticIdConfig, gpu: bool) -> list[faiss.Kmeans]:
+    """RQ-KMeans codebooks, one per level, each trained on its sample's residual: the sample
+    rows minus the centroids of the codes the earlier levels give them."""
+    seeds = [config.seed + level for level in range(config.levels)]
+    requests = [(_sample(len(x), seed, config), np.copy) for seed in seeds]
+    levels: list[faiss.Kmeans] = []
+    for seed, residual in zip(seeds, gather_rows(x, requests, config.batch_rows), strict=True):
+        for km in levels:
+            residual -= km.centroids[assign(km, residual)]
+        levels.append(_train(residual, seed, config, gpu))
+    return levels
+
+
+def _assign_residual(x, levels: list[faiss.Kmeans], config: SemanticIdConfig):
+    """RQ codes of every row of x [I, E], a batch at a time: (codes [I, levels] int64, squared
+    reconstruction error [I] float32)."""
+    codes = np.empty((len(x), len(levels)), dtype=np.int64)
+    errors = np.empty(len(x), dtype=np.float32)
+    for start, block in row_batches(x, config.batch_rows):
+        rows = slice(start, start + len(block))
+        residual = block.copy()
+        for level, km in enumerate(levels):
+            codes[rows, level] = code = assign(km, residual)
+            residual -= km.centroids[code]
+        errors[rows] = ((block - (block - residual)) ** 2).sum(1)
+    return codes, errors
+
+
+def _train_product(x, config: SemanticIdConfig, gpu: bool):
+    """PQ codebooks, one per digit (each on its own sample's slice of the vector), after the
+    OPQ rotation when asked for: (rotation or None, [digits] Kmeans)."""
+    dim, digits = x.shape[1], config.pq_digits
     if dim % digits:
         raise DataError(
             f"pq_digits={digits} does not divide the embedding dimension {dim}",
             f"use --pq-digits among the divisors of {dim} (e.g. 16 or 32 for 384)",
         )
-    rotation = None
-    if config.opq:
-        # OPQ's rotation is trained with its own PQ of 2**bits codes; few iterations suffice
-        # for a catalogue of thousands (faiss's default of 50 takes minutes on CPU).
-        bits = int(math.log2(config.codebook_size))
-        opq_pq = faiss.ProductQuantizer(dim, digits, bits)  # kept alive: OPQ holds a raw pointer
-        opq_pq.cp.min_points_per_centroid = 1
-        opq_pq.cp.seed = config.seed
-        rotation = faiss.OPQMatrix(dim, digits)
-        rotation.niter = 8
-        rotation.pq = opq_pq
-        rotation.train(x)
-        x = rotation.apply(x)
-    chunk = dim // digits
-    codes, recon = [], np.empty_like(x)
-    for digit in range(digits):
-        part = np.ascontiguousarray(x[:, digit * chunk : (digit + 1) * chunk])
-        centroids, code = _kmeans(part, config.codebook_size, config.seed + digit, config, gpu)
-        recon[:, digit * chunk : (digit + 1) * chunk] = centroids[code]
-        codes.append(code)
-    if rotation is not None:
-        recon = rotation.reverse_transform(recon)
-    return np.stack(codes, axis=1), recon
+    rotation = _train_rotation(x, config) if config.opq else None
+    width = dim // digits
+
+    def digit(d: int):  # rotated rows [b, E] -> the slice digit d is cut from [b, width]
+        return lambda rows: np.ascontiguousarray(rows[:, d * width : (d + 1) * width])
+
+    seeds = [config.seed + d for d in range(digits)]
+    requests = [(_sample(len(x), seed, config), digit(d)) for d, seed in enumerate(seeds)]
+    samples = gather_rows(x, requests, config.batch_rows, lambda rows: _rotate(rotation, rows))
+    return rotation, [
+        _train(part, seed, config, gpu) for part, seed in zip(samples, seeds, strict=True)
+    ]
+
+
+def _train_rotation(x, config: SemanticIdConfig):
+    """An OPQ rotation, trained (as faiss's OPQMatrix.train does) on at most its
+    `max_train_points` rows: the first of `rand_perm(n, 1234)`."""
+    dim, digits = x.shape[1], config.pq_digits
+    # OPQ's rotation is trained with its own PQ of 2**bits codes; few iterations suffice
+    # for a catalogue of thousands (faiss's default takes minutes on CPU).
+    bits = int(math.log2(config.codebook_size))
+    opq_pq = faiss.ProductQuantizer(dim, digits, bits)  # kept alive: OPQ holds a raw pointer
+    opq_pq.cp.min_points_per_centroid = 1
+    opq_pq.cp.seed = config.seed
+    rotation = faiss.OPQMatrix(dim, digits)
+    rotation.niter = 8
+    rotation.pq = opq_pq
+    rows = training_rows(len(x), 1, rotation.max_train_points, 1234)
+    (sample,) = gather_rows(x, [(rows, np.copy)], config.batch_rows)
+    rotation.train(sample)
+    rotation.referenced_objects = [opq_pq]  # alive as long as the rotation
+    return rotation
+
+
+def _rotate(rotation, rows: np.ndarray) -> np.ndarray:  # [b, E] -> [b, E]
+    return rows if rotation is None else rotation.apply(np.ascontiguousarray(rows))
+
+
+def _assign_product(x, rotation, digits: list[faiss.Kmeans], config: SemanticIdConfig):
+    """PQ codes of every row of x [I, E], a batch at a time: (codes [I, digits] int64, squared
+    reconstruction error [I] float32, measured against the unrotated rows)."""
+    width = x.shape[1] // len(digits)
+    codes = np.empty((len(x), len(digits)), dtype=np.int64)
+    errors = np.empty(len(x), dtype=np.float32)
+    for start, block in row_batches(x, config.batch_rows):
+        rows = slice(start, start + len(block))
+        rotated = _rotate(rotation, block)
+        recon = np.empty_like(rotated)
+        for d, km in enumerate(digits):
+            cut = slice(d * width, (d + 1) * width)
+            codes[rows, d] = code = assign(km, rotated[:, cut])
+            recon[:, cut] = km.centroids[code]
+        if rotation is not None:
+            recon = rotation.reverse_transform(recon)
+        errors[rows] = ((block - recon) ** 2).sum(1)
+    return codes, errors
+
+
+def _row_words(codes: np.ndarray) -> list[np.ndarray]:  # [I, L] ints -> W x [I] uint64
+    """Rows packed into as few 64-bit words as their columns' bit widths allow, the first
+    column in the most significant bits: equal rows give equal words, and the words compare as
+    the rows do (lexicographically)."""
+    words, word, used = [], np.zeros(len(codes), dtype=np.uint64), 0
+    for column in codes.T:
+        low = column.min() if len(column) else 0
+        value = (column - low).astype(np.uint64)
+        bits = max(1, int(value.max()).bit_length()) if len(value) else 1
+        if used + bits > 64:
+            words.append(word)
+            word, used = np.zeros(len(codes), dtype=np.uint64), 0
+        word = (word << np.uint64(bits)) | value
+        used += bits
+    return [*words, word]
+
+
+def _sorted_rows(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """codes [I, L] -> (order [I]: items sorted by their codes, item-index order among equal
+    rows; first [I] bool: sorted position i starts a new distinct row)."""
+    words = _row_words(codes)
+    order = np.argsort(words[0], kind="stable")
+    head = words[0][order]
+    tie = head[1:] == head[:-1]  # [I - 1] equal first words: the other words decide
+    if len(words) > 1 and tie.any():
+        tied = np.zeros(len(order), dtype=bool)
+        tied[1:] |= tie
+        tied[:-1] |= tie
+        at = np.flatnonzero(tied)  # runs of equal first words, each contiguous
+        run = np.cumsum(np.concatenate([[True], ~tie])[at])
+        items = order[at]
+        keys = [w[items] for w in reversed(words[1:])] + [run]  # lexsort: last key first
+        order[at] = items[np.lexsort(keys)]  # stable: item order within equal rows
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = False
+    for w in words:
+        ranked = w[order]
+        first[1:] |= ranked[1:] != ranked[:-1]
+    return order, first
 
 
 def collision_codes(codes: np.ndarray) -> np.ndarray:
     """codes [I, L] -> [I] int64: rank of each item among the items with the same codes, in
     item-index order (0 for the first, 1 for the next...)."""
-    _, group, counts = np.unique(codes, axis=0, return_inverse=True, return_counts=True)
-    group = group.reshape(-1)
-    order = np.argsort(group, kind="stable")  # items grouped, item-index order inside a group
-    group_start = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    codes = np.asarray(codes)
+    order, first = _sorted_rows(codes)
+    position = np.arange(len(codes))
+    group_start = np.maximum.accumulate(np.where(first, position, 0))  # [I] sorted positions
     rank = np.empty(len(codes), dtype=np.int64)
-    rank[order] = np.arange(len(codes)) - group_start[group[order]]
+    rank[order] = position - group_start
     return rank
+
+
+def count_unique_rows(codes: np.ndarray) -> int:  # codes: [I, L] ints
+    """How many distinct rows `codes` has."""
+    return int(_sorted_rows(np.asarray(codes))[1].sum()) if len(codes) else 0
 
 
 def _usage(codes: np.ndarray, size: int) -> tuple[float, float]:
@@ -169,20 +287,18 @@ def _usage(codes: np.ndarray, size: int) -> tuple[float, float]:
     return float(len(p_used) / size), float(np.exp(-(p_used * np.log(p_used)).sum()))
 
 
-def build_semantic_ids(embeddings: torch.Tensor, config: SemanticIdConfig) -> SemanticIds:
-    # embeddings: [I, E] float
-    """Quantise item embeddings into unique Semantic IDs (see the module docstring)."""
+def build_semantic_ids(embeddings, config: SemanticIdConfig) -> SemanticIds:
+    # embeddings: [I, E] float: a tensor, an array, or `NpyRows` (a matrix on disk)
+    """Quantise item embeddings into unique Semantic IDs (see the module docstring), reading
+    them `config.batch_rows` rows at a time."""
     start = time.perf_counter()
-    if embeddings.dim() != 2 or len(embeddings) == 0:
+    x = _read_as_rows(embeddings)
+    if len(x.shape) != 2 or len(x) == 0:
         raise DataError(
-            f"item embeddings must be a non-empty [items, dim] matrix, "
-            f"got shape {tuple(embeddings.shape)}",
+            f"item embeddings must be a non-empty [items, dim] matrix, got shape {tuple(x.shape)}",
             "pass one embedding row per item",
         )
-    x = np.ascontiguousarray(embeddings.detach().cpu().numpy(), dtype=np.float32)
     n = len(x)
-    if not np.isfinite(x).all():
-        raise DataError("item embeddings contain NaN or inf", "re-run the embedding step")
     if config.codebook_size > n:
         raise DataError(
             f"codebook size {config.codebook_size} is larger than the {n} items "
@@ -193,18 +309,20 @@ def build_semantic_ids(embeddings: torch.Tensor, config: SemanticIdConfig) -> Se
     if gpu and faiss.get_num_gpus() == 0:
         raise DataError("use_gpu=True but faiss sees no GPU", "install faiss-gpu or use_gpu=None")
 
-    quantise = _residual_codes if config.kind == "rq" else _product_codes
-    codes, recon = quantise(x, config, gpu)
+    if config.kind == "rq":
+        codes, errors = _assign_residual(x, _train_residual(x, config, gpu), config)
+    else:
+        codes, errors = _assign_product(x, *_train_product(x, config, gpu), config)
     collision = collision_codes(codes)
     max_group = int(collision.max()) + 1
     usage = [_usage(codes[:, level], config.codebook_size) for level in range(codes.shape[1])]
     sizes = (config.codebook_size,) * codes.shape[1]
+    # The collision code ranks the items of each group of equal codes: with it (or with no
+    # group of two) every item's ID is its own.
     has_collision_level = config.kind == "rq" or max_group > 1
     if has_collision_level:
         codes = np.concatenate([codes, collision[:, None]], axis=1)
         sizes += (max_group,)
-    unique = len(np.unique(codes, axis=0))
-    assert unique == n, f"{n - unique} items still share a Semantic ID"
     collisions = int((collision > 0).sum())
     stats = {
         "utilisation": [u for u, _ in usage],
@@ -212,7 +330,7 @@ def build_semantic_ids(embeddings: torch.Tensor, config: SemanticIdConfig) -> Se
         "unique_prefixes": n - collisions,
         "collisions_before_code": collisions,
         "max_items_per_prefix": max_group,
-        "quantization_mse": float(((x - recon) ** 2).sum(1).mean()),
+        "quantization_mse": float(errors.mean()),
         "seconds": time.perf_counter() - start,
         "backend": "faiss-gpu" if gpu else "faiss-cpu",
     }

@@ -21,12 +21,14 @@ walks. About ``interactions_per_item`` interactions per item, ``mean_length`` pe
 grow with N. Items nobody touched stay in the catalogue (cold items).
 
 Everything is drawn in chunks from generators seeded by (seed, what, chunk index), so any chunk
-can be drawn alone (to stream a catalogue larger than memory) and equals its slice of the whole;
-the same seed and chunk size give the same data.
+can be drawn alone and equals its slice of the whole; the same seed and chunk size give the same
+data. The embeddings are handed to `prepare` as such a stream (`SyntheticEmbeddings`), which
+writes them to disk a chunk at a time: a catalogue's embeddings can be larger than memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,12 +112,32 @@ def embedding_chunk(
     return x / np.linalg.norm(x, axis=1, keepdims=True)
 
 
+@dataclass(frozen=True)
+class SyntheticEmbeddings:
+    """The item embeddings [N, dim] float32 of a catalogue of N items, drawn a chunk at a time
+    as they are read (`chunks`): never whole in memory. `prepare` writes them to disk so."""
+
+    items: int
+    config: SyntheticConfig
+
+    @property
+    def shape(self) -> tuple[int, int]:  # (N, dim)
+        return self.items, self.config.dim
+
+    def chunks(self) -> Iterator[np.ndarray]:  # [<= config.chunk, dim] float32 each, in order
+        both = centres(self.items, self.config)
+        for start in range(0, self.items, self.config.chunk):
+            stop = min(self.items, start + self.config.chunk)
+            yield embedding_chunk(start, stop, both, self.config)
+
+
 def embeddings(items: int, config: SyntheticConfig) -> np.ndarray:  # [N, dim] float32
-    both = centres(items, config)
+    """All of `SyntheticEmbeddings(items, config)` in memory."""
     out = np.empty((items, config.dim), dtype=np.float32)
-    for start in range(0, items, config.chunk):
-        stop = min(items, start + config.chunk)
-        out[start:stop] = embedding_chunk(start, stop, both, config)
+    start = 0
+    for chunk in SyntheticEmbeddings(items, config).chunks():
+        out[start : start + len(chunk)] = chunk
+        start += len(chunk)
     return out
 
 
@@ -180,12 +202,21 @@ def item_table(items: int) -> pd.DataFrame:
     return pd.DataFrame({"item_id": ids, "text": "Item: " + pd.Series(ids) + "."})
 
 
+# What the streamed `prepare` of a synthetic catalogue holds at its peak: per item (its codes,
+# Semantic and long IDs as int64, the item table and index, the sorts of the collision codes),
+# per interaction row (the interaction table, the split, their parquet writes) and a fixed part
+# (the k-means samples, a batch of rows, a slice of items.parquet). Measured peaks, with a
+# margin, are in docs/results/scale.md.
+PEAK_BYTES_PER_ITEM = 500
+PEAK_BYTES_PER_ROW = 250
+PEAK_FIXED_BYTES = 1 << 30
+
+
 def memory_needed(items: int, config: SyntheticConfig) -> int:
-    """Bytes `prepare` holds at its peak for N synthetic items: the embeddings about four times
-    over (them, the quantiser's copy, residual and reconstruction) and the interaction tables
-    about three times (raw, split, written), ~100 bytes a row."""
+    """Bytes `prepare` holds at its peak for N synthetic items. The embeddings are not among
+    them: they are written to disk a chunk at a time and read back a batch at a time."""
     rows = users_for(items, config) * config.mean_length
-    return 4 * items * config.dim * 4 + 3 * rows * 100
+    return PEAK_BYTES_PER_ITEM * items + PEAK_BYTES_PER_ROW * rows + PEAK_FIXED_BYTES
 
 
 def available_memory() -> int:
@@ -217,5 +248,5 @@ def synthetic_parts(spec: str, config: SyntheticConfig = SyntheticConfig()) -> d
         "interactions": interactions(items, config),
         "items": item_table(items),
         "missing_metadata": 0,
-        "embeddings": embeddings(items, config),
+        "embeddings": SyntheticEmbeddings(items, config),
     }
