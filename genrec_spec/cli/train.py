@@ -16,6 +16,18 @@ budget still ends annealed.
 
 Under `torchrun --nproc_per_node N` the same command trains with DistributedDataParallel (gloo on
 CPU, NCCL on GPU); `batch_size` stays the global batch, so the optimisation matches one process.
+
+After every epoch the run leaves its resume state in `CKPT.resume.pt` beside the checkpoint
+folder (removed once the checkpoint is written). If the run is killed, the same command with
+`--resume` continues after the last completed epoch and writes the checkpoint the uninterrupted
+run would have written; with no resume state there it starts afresh, so a restart loop can always
+pass it:
+
+    until genrec-spec train --data DIR --out CKPT --config C --resume; do sleep 10; done
+
+A resume state is only continued on request: without `--resume` the command refuses to start
+over it (`--overwrite` starts over and discards it), and it refuses one left by another config,
+data or number of processes. The checkpoint's manifest lists the epochs the run resumed after.
 """
 
 from __future__ import annotations
@@ -28,7 +40,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True, type=Path, help="folder from genrec-spec prepare")
     parser.add_argument("--out", required=True, type=Path, help="checkpoint folder (created)")
     parser.add_argument("--config", type=Path, default=None, help="JSON config (configs/*.json)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --out; without --resume, start over an interrupted run",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the interrupted run whose resume state is beside --out (if there is one)",
+    )
     parser.add_argument("--epochs", type=int, default=None, help="override train.epochs")
     parser.add_argument("--device", default=None, help="override train.device (auto|cpu|cuda)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -46,7 +67,14 @@ def run(args: argparse.Namespace) -> int:
     if args.no_progress:
         overrides["train"]["progress"] = False
     model_config, train_config = load_config(args.config, overrides)
-    manifest = train(args.data, args.out, model_config, train_config, overwrite=args.overwrite)
+    manifest = train(
+        args.data,
+        args.out,
+        model_config,
+        train_config,
+        overwrite=args.overwrite,
+        resume=args.resume,
+    )
     if manifest is not None:  # rank 0 only
         best = manifest["best"]
         print(

@@ -17,3 +17,8 @@ class MetricInputError(GenrecError):
 
 class CheckpointError(GenrecError):
     """A checkpoint folder that cannot be read, or data that does not match it."""
+
+
+class ResumeError(GenrecError):
+    """A training resume state that cannot be used: unasked for, unreadable, or left by another
+    run (another config, data or number of processes)."""

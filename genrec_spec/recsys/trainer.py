@@ -5,7 +5,9 @@ One step: a global batch of users (the same on every process) -> each process ta
 `forward_train` losses -> AdamW. After each epoch the validation users are ranked by the
 model's exact item trie-constrained log-likelihoods (`models.recsys.item_scores`: every
 catalogue item as a branch of prefix trees over the history) and by the PinRec / RPG heads'
-item scores; early stopping watches the exact NDCG@10.
+item scores; early stopping watches the exact NDCG@10. Each epoch reports its training
+throughput (`seq_per_s`: users per second of the optimiser steps, validation excluded) and
+leaves a resume state (`resume.py`) that a restarted run continues from.
 """
 
 from __future__ import annotations
@@ -37,13 +39,20 @@ from genrec_spec.recsys.data import (
 from genrec_spec.recsys.decoders import nezha
 from genrec_spec.recsys.decoders.beam import beam_width_for, item_trie
 from genrec_spec.recsys.metrics import per_user_metrics, ranks_from_topk
+from genrec_spec.recsys.resume import (
+    TrainProgress,
+    check_resume_request,
+    load_resume_state,
+    resume_path,
+    save_resume_state,
+)
 from genrec_spec.recsys.train_config import TrainConfig, TrainConfigError
 
 EVAL_K = 10
 
 
 @dataclass
-class _Run:
+class TrainRun:
     """One training run's state, shared by its epochs."""
 
     config: TrainConfig
@@ -73,36 +82,40 @@ def train(
     config: TrainConfig,
     *,
     overwrite: bool = False,
+    resume: bool = False,
 ) -> dict | None:
     """Train, validate, early-stop and write the checkpoint; returns its manifest on rank 0
-    (None on the other ranks)."""
-    start_time = time.perf_counter()
+    (None on the other ranks). After every epoch but the last a resume state is left beside
+    `out` (`resume.resume_path`). `resume` continues the interrupted run from it (or starts
+    afresh where there is none); `overwrite` replaces an existing `out` and, without `resume`,
+    starts over, discarding the resume state."""
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:  # fail before hours of training
         raise FileExistsError(
             f"checkpoint folder {out} exists; choose another --out or pass --overwrite"
         )
-    run = _start(data_dir, model_config, config)
+    state_file = resume_path(out)
+    check_resume_request(state_file, resume=resume, overwrite=overwrite)
+    run = start_run(data_dir, model_config, config)
+    progress = _resume_or_start(run, state_file, resume)
+    start_time = time.perf_counter() - progress.elapsed_s
     valid_rows = _validation_rows(run.data.valid, config)[run.rank :: run.world]
-    history, best, best_state, stale = [], None, None, 0
-    for epoch in range(1, config.epochs + 1):
+    for epoch in range(progress.epoch + 1, config.epochs + 1):
         epoch_start = time.perf_counter()
         record = _train_epoch(run, epoch)
         record.update(validate(run.model, run.data, run.data.valid, valid_rows, config, run.device))
         record["epoch_s"] = round(time.perf_counter() - epoch_start, 2)
-        history.append(record)
         if run.rank == 0:
             print(_format_epoch(record), flush=True)
         # A frozen backbone's ranking cannot move, so its heads keep the last (annealed) epoch.
-        if best is None or record["ndcg@10"] > best["ndcg@10"] or config.freeze_backbone:
-            best, stale = record, 0
-            best_state = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
-        else:
-            stale += 1
-        if _should_stop(run, epoch, stale, time.perf_counter() - start_time, record["epoch_s"]):
+        progress.add_epoch(record, run.model, keep_last=config.freeze_backbone)
+        elapsed_s = time.perf_counter() - start_time
+        if _should_stop(run, epoch, progress.stale, elapsed_s, record["epoch_s"]):
             break
+        progress.elapsed_s = elapsed_s
+        save_resume_state(state_file, run, progress)
 
-    run.model.load_state_dict(best_state)
+    run.model.load_state_dict(progress.best_state)
     manifest = None
     if run.rank == 0:
         manifest = save_checkpoint(
@@ -115,21 +128,39 @@ def train(
                     "name": run.data.manifest.get("name"),
                 },
                 "train_config": asdict(config),
-                "metrics": history,
-                "best": best,
-                "stopped_after_epoch": history[-1]["epoch"],
+                "metrics": progress.history,
+                "best": progress.best,
+                "stopped_after_epoch": progress.epoch,
+                "resumed_after_epochs": progress.resumed_after,
                 "world_size": run.world,
                 "device": str(run.device),
                 "threads": torch.get_num_threads(),
+                # The epochs' time across restarts (not the time the run lay killed).
                 "wall_time_s": round(time.perf_counter() - start_time, 1),
             },
             overwrite=overwrite,
         )
-    _finish(run)
+        state_file.unlink(missing_ok=True)
+    finish_run(run)
     return manifest
 
 
-def _start(data_dir: Path, model_config: RecommenderConfig, config: TrainConfig) -> _Run:
+def _resume_or_start(run: TrainRun, state_file: Path, resume: bool) -> TrainProgress:
+    """The progress of the interrupted run `state_file` holds (restored into `run`) when
+    resuming, else a fresh start (a stale state removed: --overwrite)."""
+    if resume and state_file.is_file():
+        progress = load_resume_state(state_file, run)
+        if run.rank == 0:
+            print(f"resuming after epoch {progress.epoch} from {state_file}", flush=True)
+        return progress
+    if run.rank == 0:
+        if resume:
+            print(f"no resume state at {state_file}: starting at epoch 1", flush=True)
+        state_file.unlink(missing_ok=True)
+    return TrainProgress()
+
+
+def start_run(data_dir: Path, model_config: RecommenderConfig, config: TrainConfig) -> TrainRun:
     """The processes, the data, the model (seeded), its optimizer and the generators."""
     rank, world, device = _setup_processes(config)
     torch.manual_seed(config.seed)
@@ -140,7 +171,7 @@ def _start(data_dir: Path, model_config: RecommenderConfig, config: TrainConfig)
         ddp = DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
-    return _Run(
+    return TrainRun(
         config=config,
         data=data,
         model=model,
@@ -158,15 +189,13 @@ def _start(data_dir: Path, model_config: RecommenderConfig, config: TrainConfig)
     )
 
 
-def _train_epoch(run: _Run, epoch: int) -> dict:
-    """One epoch of optimiser steps: {epoch, steps, lr, train_<loss> (per-step means)}."""
-    config, model = run.config, run.model
-    model.train()
-    batches = [
-        b
-        for b in epoch_batches(run.data.train.lengths, config.batch_size, run.order_gen)
-        if len(b) >= run.world
-    ]
+def _train_epoch(run: TrainRun, epoch: int) -> dict:
+    """One epoch of optimiser steps: {epoch, steps, lr, train_s, seq_per_s, train_<loss>
+    (per-step means)}; `train_s` times the steps alone and `seq_per_s` is the users they
+    trained on per second (every process's together)."""
+    config = run.config
+    run.model.train()
+    batches = epoch_user_batches(run)
     sums: dict[str, torch.Tensor] = {}
     bar = tqdm(
         batches,
@@ -175,33 +204,64 @@ def _train_epoch(run: _Run, epoch: int) -> dict:
         leave=False,
         dynamic_ncols=True,
     )
+    start = time.perf_counter()
     for step, users in enumerate(bar):
-        total_steps = run.planned_epochs * run.steps_per_epoch
-        run.lr = config.lr * _warmup_cosine(run.done_steps, config.warmup_steps, total_steps)
-        for group in run.optimizer.param_groups:
-            group["lr"] = run.lr
-        part = run.data.train.select(users[run.rank :: run.world])
-        values, offsets = training_windows(
-            part, model.config.max_len + 1, config.window, run.local_gen
-        )
-        layout = train_layout(
-            values, offsets, model.num_levels - 1, config.branches_per_row, run.local_gen
-        ).to(run.device)
-        losses = run.ddp(layout)
-        run.optimizer.zero_grad(set_to_none=True)
-        losses["loss"].backward()
-        torch.nn.utils.clip_grad_norm_(run.trainable, config.grad_clip)
-        run.optimizer.step()
-        run.done_steps += 1
+        losses = train_step(run, users)
         for name, value in losses.items():
             sums[name] = sums.get(name, 0.0) + value.detach()
         if step % 20 == 0:
             bar.set_postfix(loss=f"{float(losses['loss'].detach()):.3f}")
-    record = {"epoch": epoch, "steps": len(batches), "lr": run.lr}
+    train_s = synchronized_time(run) - start
+    sequences = sum(len(users) for users in batches)
+    record = {
+        "epoch": epoch,
+        "steps": len(batches),
+        "lr": run.lr,
+        "train_s": round(train_s, 2),
+        "seq_per_s": round(sequences / max(train_s, 1e-9), 2),
+    }
     return record | _mean_over_processes(sums, len(batches))
 
 
-def _should_stop(run: _Run, epoch: int, stale: int, elapsed_s: float, epoch_s: float) -> bool:
+def epoch_user_batches(run: TrainRun) -> list[torch.Tensor]:  # each [B] int64 train rows
+    """The next epoch's global batches of users (the same on every process), drawn from the
+    run's batch-order generator; a last batch too small to give every process a user is
+    dropped."""
+    batches = epoch_batches(run.data.train.lengths, run.config.batch_size, run.order_gen)
+    return [users for users in batches if len(users) >= run.world]
+
+
+def train_step(run: TrainRun, users: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One optimiser step on a global batch of users (`users`: [B] train rows; this process
+    takes every world-th): the schedule's learning rate, training windows, one tree per user,
+    the losses, backward, clipping, AdamW. Returns the losses (undetached)."""
+    config, model = run.config, run.model
+    total_steps = run.planned_epochs * run.steps_per_epoch
+    run.lr = config.lr * _warmup_cosine(run.done_steps, config.warmup_steps, total_steps)
+    for group in run.optimizer.param_groups:
+        group["lr"] = run.lr
+    part = run.data.train.select(users[run.rank :: run.world])
+    values, offsets = training_windows(part, model.config.max_len + 1, config.window, run.local_gen)
+    layout = train_layout(
+        values, offsets, model.num_levels - 1, config.branches_per_row, run.local_gen
+    ).to(run.device)
+    losses = run.ddp(layout)
+    run.optimizer.zero_grad(set_to_none=True)
+    losses["loss"].backward()
+    torch.nn.utils.clip_grad_norm_(run.trainable, config.grad_clip)
+    run.optimizer.step()
+    run.done_steps += 1
+    return losses
+
+
+def synchronized_time(run: TrainRun) -> float:
+    """`time.perf_counter()` once the device has finished the work queued so far."""
+    if run.device.type == "cuda":
+        torch.cuda.synchronize(run.device)
+    return time.perf_counter()
+
+
+def _should_stop(run: TrainRun, epoch: int, stale: int, elapsed_s: float, epoch_s: float) -> bool:
     """Stop early, or when another epoch like this one would overrun the time budget; the
     decisions are shared, so no process is left waiting and all use one learning rate."""
     config = run.config
@@ -215,7 +275,7 @@ def _should_stop(run: _Run, epoch: int, stale: int, elapsed_s: float, epoch_s: f
     return stop
 
 
-def _finish(run: _Run) -> None:
+def finish_run(run: TrainRun) -> None:
     """Leave the process group (under torchrun)."""
     if run.world > 1:
         # Free DDP's reducer while the process group is still registered. Freed after
@@ -293,7 +353,8 @@ def _mean_over_processes(sums: dict[str, torch.Tensor], steps: int) -> dict[str,
 
 
 def _setup_processes(config: TrainConfig) -> tuple[int, int, torch.device]:
-    """(rank, world size, device); starts the process group under torchrun."""
+    """(rank, world size, device); starts the process group under torchrun (once: runs side by
+    side, as `bench train` has them, share it)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
@@ -303,7 +364,8 @@ def _setup_processes(config: TrainConfig) -> tuple[int, int, torch.device]:
         )
     rank, device = 0, torch.device("cpu")
     if world > 1:
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if use_cuda else "gloo")
         rank = dist.get_rank()
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -400,5 +462,5 @@ def _format_epoch(r: dict) -> str:
     return (
         f"epoch {r['epoch']}: loss {r['train_loss']:.4f} ({label} {codes:.4f}) | valid nll "
         f"{r['nll']:.4f} hr@10 {r['hr@10']:.4f} ndcg@10 {r['ndcg@10']:.4f}{heads} | "
-        f"{r['epoch_s']:.0f} s"
+        f"{r['seq_per_s']:.1f} seq/s, {r['epoch_s']:.0f} s"
     )

@@ -1,11 +1,13 @@
-"""`genrec-spec train`: loss goes down, checkpoints round-trip, bad input, reproducibility, heads
-after a frozen backbone, DistributedDataParallel with 2 processes, and (slow) real ML-100K."""
+"""`genrec-spec train`: loss goes down, checkpoints round-trip, bad input, reproducibility, a
+killed run resumes to the uninterrupted run's checkpoint, heads after a frozen backbone,
+DistributedDataParallel with 2 processes (and its resume), and (slow) real ML-100K."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,8 +20,11 @@ from genrec_spec.cli.train import add_arguments, run
 from genrec_spec.data_pipelines.errors import DataError
 from genrec_spec.models.recsys.config import FLAT_ADDED_LATER, CodeHeadsConfig
 from genrec_spec.models.recsys.item_scores import item_log_likelihoods
+from genrec_spec.recsys import trainer
 from genrec_spec.recsys.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from genrec_spec.recsys.data import load_prepared
+from genrec_spec.recsys.errors import ResumeError
+from genrec_spec.recsys.resume import load_resume_state, resume_path
 from genrec_spec.recsys.train_config import TrainConfig, load_config
 from genrec_spec.recsys.trainer import _epochs_that_fit, _warmup_cosine, train
 
@@ -67,11 +72,28 @@ TINY_TRAIN = {
 }
 
 
-def _train(data: Path, out: Path, **train_overrides) -> dict:
+# Per-epoch record fields that time the run: they differ between any two runs.
+TIMINGS = ("epoch_s", "train_s", "seq_per_s")
+
+
+def _train(
+    data: Path,
+    out: Path,
+    *,
+    model: dict | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    **train_overrides,
+) -> dict:
     model_config, train_config = load_config(
-        None, {"model": TINY_MODEL, "train": {**TINY_TRAIN, **train_overrides}}
+        None,
+        {"model": {**TINY_MODEL, **(model or {})}, "train": {**TINY_TRAIN, **train_overrides}},
     )
-    return train(data, out, model_config, train_config)
+    return train(data, out, model_config, train_config, resume=resume, overwrite=overwrite)
+
+
+def _untimed(metrics: list[dict]) -> list[dict]:
+    return [{k: v for k, v in epoch.items() if k not in TIMINGS} for epoch in metrics]
 
 
 def _cli(args: list[str]) -> int:
@@ -97,6 +119,9 @@ def test_training_lowers_loss_and_writes_a_checkpoint(tiny_prepared, tmp_path):
     assert {"torch", "torchrec", "python"} <= set(manifest["versions"])
     assert {"hr@10", "ndcg@10", "parallel_hr@10", "long_id_ndcg@10"} <= set(manifest["best"])
     assert not model.training and model.num_items == 40
+    assert all(e["seq_per_s"] > 0 and 0 < e["train_s"] < e["epoch_s"] for e in manifest["metrics"])
+    assert manifest["resumed_after_epochs"] == []
+    assert not resume_path(tmp_path / "ckpt").exists()  # removed with the checkpoint written
 
 
 def test_checkpoint_round_trip(tiny_model, tmp_path):
@@ -149,10 +174,92 @@ def test_seeded_training_is_reproducible(tiny_data_dir, tmp_path):
     random_parts = {"epochs": 1, "window": "random", "branches_per_row": 2}
     first = _train(tiny_data_dir, tmp_path / "a", **random_parts)["metrics"]
     second = _train(tiny_data_dir, tmp_path / "b", **random_parts)["metrics"]
-    drop = ("epoch_s",)
-    assert [{k: v for k, v in e.items() if k not in drop} for e in first] == [
-        {k: v for k, v in e.items() if k not in drop} for e in second
-    ]
+    assert _untimed(first) == _untimed(second)
+
+
+class _Killed(Exception):
+    """Stands for the kill of a training process."""
+
+
+def _kill_after(monkeypatch, epoch: int) -> None:
+    """Make training die right after it has left its resume state of `epoch`."""
+    save = trainer.save_resume_state
+
+    def save_then_die(path, run, progress):
+        save(path, run, progress)
+        if progress.epoch == epoch:
+            raise _Killed
+
+    monkeypatch.setattr(trainer, "save_resume_state", save_then_die)
+
+
+# Every generator matters: random windows and branch positions, dropout; no time budget (its
+# epoch plan depends on timings); CPU, whose kernels are deterministic (CUDA's embedding
+# backward accumulates in no fixed order).
+RESUMED = {
+    "epochs": 4,
+    "window": "random",
+    "branches_per_row": 2,
+    "max_minutes": 0,
+    "device": "cpu",
+}
+DROPOUT = {"dropout": 0.1}
+
+
+def test_a_killed_run_resumes_to_the_uninterrupted_checkpoint(tiny_data_dir, tmp_path, monkeypatch):
+    whole = _train(tiny_data_dir, tmp_path / "whole", model=DROPOUT, **RESUMED)
+    cut = tmp_path / "cut"
+    with monkeypatch.context() as patch:
+        _kill_after(patch, 2)
+        with pytest.raises(_Killed):
+            _train(tiny_data_dir, cut, model=DROPOUT, **RESUMED)
+    assert resume_path(cut).is_file() and not cut.exists()
+    with pytest.raises(ResumeError, match="interrupted run.*--resume.*--overwrite"):
+        _train(tiny_data_dir, cut, model=DROPOUT, **RESUMED)  # only continued on request
+
+    resumed = _train(tiny_data_dir, cut, model=DROPOUT, resume=True, **RESUMED)
+    assert _untimed(resumed["metrics"]) == _untimed(whole["metrics"])
+    assert resumed["best"] | dict.fromkeys(TIMINGS) == whole["best"] | dict.fromkeys(TIMINGS)
+    assert (resumed["resumed_after_epochs"], whole["resumed_after_epochs"]) == ([2], [])
+    a = load_checkpoint(tmp_path / "whole")[0].state_dict()
+    b = load_checkpoint(cut)[0].state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit for bit
+    assert not resume_path(cut).exists()
+    # Nothing to resume: --resume starts afresh (a restart loop can always pass it).
+    again = _train(tiny_data_dir, tmp_path / "fresh", model=DROPOUT, resume=True, **RESUMED)
+    assert _untimed(again["metrics"]) == _untimed(whole["metrics"])
+
+
+def test_a_resume_state_of_another_run_is_refused(
+    tiny_data_dir, tiny_prepared, tmp_path, monkeypatch
+):
+    cut = tmp_path / "cut"
+    with monkeypatch.context() as patch:
+        _kill_after(patch, 1)
+        with pytest.raises(_Killed):
+            _train(tiny_data_dir, cut, **RESUMED)
+    other_data = tiny_prepared(tmp_path / "other", users=40)
+    refusals = {  # what the resuming run changes -> what the message names
+        "train.lr 0.004 -> 0.002": (tiny_data_dir, {}, {"lr": 2e-3}),
+        "model.dim 16 -> 8": (tiny_data_dir, {"dim": 8}, {}),
+        "data_hash": (other_data, {}, {}),
+    }
+    for named, (data, model, train_changes) in refusals.items():
+        with pytest.raises(ResumeError, match=rf"another run: .*{re.escape(named)}.*--overwrite"):
+            _train(data, cut, model=model, resume=True, **{**RESUMED, **train_changes})
+    (tmp_path / "bad.pt").write_bytes(b"not a resume state")
+    with pytest.raises(ResumeError, match="cannot be read.*--overwrite"):
+        load_resume_state(tmp_path / "bad.pt", None)
+    # How the run executes may change (progress bars, threads, device).
+    resumed = _train(tiny_data_dir, cut, resume=True, **{**RESUMED, "progress": True})
+    assert resumed["resumed_after_epochs"] == [1]
+    # --overwrite starts over: the state is discarded and the run ends without resuming.
+    with monkeypatch.context() as patch:
+        _kill_after(patch, 1)
+        with pytest.raises(_Killed):
+            _train(tiny_data_dir, tmp_path / "cut2", **RESUMED)
+    fresh = _train(tiny_data_dir, tmp_path / "cut2", overwrite=True, **RESUMED)
+    assert fresh["resumed_after_epochs"] == [] and not resume_path(tmp_path / "cut2").exists()
 
 
 def test_heads_after_a_frozen_backbone(tiny_data_dir, tmp_path):
@@ -287,16 +394,28 @@ def test_bad_input_is_reported_clearly(tiny_data_dir, tmp_path):
         _train(tiny_data_dir, tmp_path / "taken")
 
 
-def test_two_processes_match_one(tiny_prepared, tmp_path, free_port):
+def test_two_processes_match_one_and_resume(tiny_prepared, tmp_path, free_port):
     """torchrun with 2 gloo processes: same global batches, so the same losses and metrics as
-    one process up to float reduction order (each process averages its own half)."""
+    one process up to float reduction order (each process averages its own half). Killed after
+    its first epoch and resumed, the two-process run ends with the uninterrupted one's weights
+    and metrics (rank 0 wrote the resume state, each rank restored its own generators)."""
     data = tiny_prepared(tmp_path / "data", users=64)
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model": TINY_MODEL, "train": {**TINY_TRAIN, "epochs": 3}}))
     script = tmp_path / "train_cli.py"
+    # DIE_AFTER_EPOCH: every process exits once the resume state of that epoch is written.
     script.write_text(
-        "import argparse, sys\n"
+        "import argparse, os, sys\n"
+        "import torch.distributed as dist\n"
         "from genrec_spec.cli.train import add_arguments, run\n"
+        "from genrec_spec.recsys import trainer\n"
+        "die_after, save = int(os.environ.get('DIE_AFTER_EPOCH', 0)), trainer.save_resume_state\n"
+        "def save_then_die(path, train_run, progress):\n"
+        "    save(path, train_run, progress)\n"
+        "    if progress.epoch == die_after:\n"
+        "        dist.barrier() if dist.is_initialized() else None\n"
+        "        os._exit(3)\n"
+        "trainer.save_resume_state = save_then_die\n"
         "p = argparse.ArgumentParser(); add_arguments(p); sys.exit(run(p.parse_args()))\n"
     )
     # Loopback only: `--standalone` advertises socket.getfqdn() as the master address, and where
@@ -305,24 +424,28 @@ def test_two_processes_match_one(tiny_prepared, tmp_path, free_port):
     # likewise binds the interface its host name resolves to.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     common = [str(script), "--data", str(data), "--config", str(config)]
-    launches = {
-        "one": [sys.executable, *common],
-        "two": [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=1",
-            "--nproc-per-node=2",
-            "--master-addr=127.0.0.1",
-            f"--master-port={free_port}",
-            *common,
-        ],
-    }
-    for out, command in launches.items():
+    one = [sys.executable, *common]
+    two = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port}",
+        *common,
+    ]
+    launches = (  # (out, command, extra arguments, DIE_AFTER_EPOCH, exit code expected)
+        ("one", one, [], "0", 0),
+        ("two", two, [], "0", 0),
+        ("cut", two, [], "1", None),
+        ("cut", two, ["--resume"], "0", 0),
+    )
+    for out, command, extra, die_after, expected in launches:
         # Its own session, so that a hang is killed with torchrun's workers (14-27 s here).
         run = subprocess.Popen(
-            [*command, "--out", str(tmp_path / out)],
-            env=env,
+            [*command, "--out", str(tmp_path / out), *extra],
+            env={**env, "DIE_AFTER_EPOCH": die_after},
             cwd=REPO,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -336,14 +459,24 @@ def test_two_processes_match_one(tiny_prepared, tmp_path, free_port):
             pytest.fail(
                 f"{out}: still running after 300 s; stderr {run.communicate()[1][-3000:]!r}"
             )
-        assert run.returncode == 0, stderr[-3000:]
-    one = json.loads((tmp_path / "one" / "manifest.json").read_text())
-    two = json.loads((tmp_path / "two" / "manifest.json").read_text())
-    assert (one["world_size"], two["world_size"]) == (1, 2)
+        if expected is None:  # killed: no checkpoint, a resume state
+            assert run.returncode != 0 and resume_path(tmp_path / out).is_file(), stderr[-3000:]
+            assert not (tmp_path / out).exists()
+        else:
+            assert run.returncode == expected, stderr[-3000:]
+    one, two, cut = (
+        json.loads((tmp_path / name / "manifest.json").read_text())
+        for name in ("one", "two", "cut")
+    )
+    assert (one["world_size"], two["world_size"], cut["world_size"]) == (1, 2, 2)
     for a, b in zip(one["metrics"], two["metrics"], strict=True):
         assert a["steps"] == b["steps"] and a["valid_users"] == b["valid_users"]
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=0.02)
         assert abs(a["ndcg@10"] - b["ndcg@10"]) < 0.05
+    assert _untimed(cut["metrics"]) == _untimed(two["metrics"])
+    assert (cut["resumed_after_epochs"], two["resumed_after_epochs"]) == ([1], [])
+    a, b = (load_checkpoint(tmp_path / name)[0].state_dict() for name in ("two", "cut"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow
