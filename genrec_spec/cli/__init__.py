@@ -48,7 +48,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "bench": (
         "genrec_spec.cli.bench",
-        "benchmarks: beam | kernel | q4 | llm | recsys | scale, against a same-run baseline",
+        "benchmarks: beam | kernel | q4 | llm | recsys | scale | train, each against a baseline",
     ),
     "gpu-check": (
         "genrec_spec.cli.gpu_check",

@@ -26,4 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "genrec_spec.cli.bench_scale",
         "cost against catalogue size: prepare, trie, model memory, decoder latency, synthetic",
     ),
+    "train": (
+        "genrec_spec.cli.bench_train",
+        "training throughput: sequences/s of optimiser steps, against config variants, same run",
+    ),
 }
