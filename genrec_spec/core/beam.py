@@ -311,10 +311,13 @@ class _Search:
             return catalogue_log_probs(
                 logits, self.constraint.trie, states, self.config.renormalize, self.normalized
             )
-        pairs = list(zip(rows.tolist(), nodes.tolist(), strict=True))
-        allowed = self.constraint.allowed(
-            states, rows, lambda: [self.prompts[r] + tree.path(r, n) for r, n in pairs]
-        )
+
+        def sequences() -> list[list[int]]:  # each node's prompt and generated tokens
+            at = rows.tolist()
+            paths = tree.paths(at, nodes.tolist())
+            return [self.prompts[r] + path for r, path in zip(at, paths, strict=True)]
+
+        allowed = self.constraint.allowed(states, rows, sequences)
         return log_probs(logits, allowed, self.config.renormalize, self.normalized), None
 
 

@@ -67,9 +67,9 @@ class BeamTree:
         """The node each (row, parent node, token) leads to; -1 where none is scored or
         planned (a parent of -1 is the row's root position: the root node itself)."""
         keys = self.key(rows, parents, tokens)
-        at = torch.searchsorted(self.keys, keys).clamp(max=max(len(self.keys) - 1, 0))
         if not len(self.keys):
             return torch.full_like(keys, -1)
+        at = torch.searchsorted(self.keys, keys).clamp(max=len(self.keys) - 1)
         return torch.where(self.keys[at] == keys, self.key_nodes[at], -1)
 
     def add(self, rows: Tensor, parents: Tensor, tokens: Tensor, states: Tensor) -> Tensor:
@@ -116,14 +116,17 @@ class BeamTree:
         self.top_values = grown(self.top_values, float("-inf"))
         self.top_tokens = grown(self.top_tokens, 0)
 
-    def path(self, row: int, node: int) -> list[int]:
-        """Tokens from the root (excluded) down to node (included)."""
-        parents, tokens = self.parents[row].tolist(), self.tokens[row].tolist()
+    def paths(self, rows: list[int], nodes: list[int]) -> list[list[int]]:
+        """Each node's tokens from the root (excluded) down to it (included), host side."""
+        parents, tokens = self.parents.tolist(), self.tokens.tolist()
         out = []
-        while parents[node] >= 0:
-            out.append(tokens[node])
-            node = parents[node]
-        return out[::-1]
+        for row, node in zip(rows, nodes, strict=True):
+            path = []
+            while parents[row][node] >= 0:
+                path.append(tokens[row][node])
+                node = parents[row][node]
+            out.append(path[::-1])
+        return out
 
     def store(self, rows: Tensor, nodes: Tensor, values: Tensor, tokens: Tensor) -> None:
         """Keep Q nodes' best candidates: rows, nodes [Q], values, tokens [Q, C' <= C]."""

@@ -123,14 +123,10 @@ class TokenTrie:
 
     def allowed(self, nodes: Tensor) -> Tensor:  # [Q] -> [Q, V] bool
         """The tokens each node lets through (its children's); none for -1."""
-        counts = torch.where(nodes >= 0, self.child_counts(nodes.clamp_min(0)), 0)
-        rows = torch.repeat_interleave(torch.arange(len(nodes), device=nodes.device), counts)
-        starts = torch.repeat_interleave(self.child_offsets[nodes.clamp_min(0)], counts)
-        within = torch.arange(len(rows), device=nodes.device) - torch.repeat_interleave(
-            counts.cumsum(0) - counts, counts
-        )
+        tokens, exists = self.children_of(nodes)  # [Q, C] each
+        at, slot = exists.nonzero(as_tuple=True)
         mask = torch.zeros(len(nodes), self.vocab_size, dtype=torch.bool, device=nodes.device)
-        mask[rows, self.child_tokens[starts + within]] = True
+        mask[at, tokens[at, slot]] = True
         return mask
 
     def forced(self, nodes: Tensor) -> Tensor:  # [...] -> [...] int64

@@ -106,9 +106,7 @@ class AllowedTokens:
 def _items_below(trie: TokenTrie) -> Tensor:  # [nodes] int64
     """How many catalogue items each node's subtree ends, summed a depth at a time upwards."""
     parent = torch.full((trie.num_nodes,), -1, dtype=torch.long)
-    parent[trie.child_nodes] = torch.repeat_interleave(
-        torch.arange(trie.num_nodes), trie.child_counts(torch.arange(trie.num_nodes))
-    )
+    parent[trie.child_nodes] = trie.edge_keys // trie.vocab_size  # edge keys: parent * V + token
     depth = torch.zeros(trie.num_nodes, dtype=torch.long)
     for _ in range(trie.longest):  # a node's depth is its parent's + 1
         depth = torch.where(parent >= 0, depth[parent.clamp_min(0)] + 1, 0)
