@@ -33,6 +33,7 @@ from genrec_spec.core.catalogue import TokenTrie
 from genrec_spec.core.constraints import Catalogue
 from genrec_spec.core.targets import grown
 from genrec_spec.core.types import DecodeInputError, DecodeStats, DraftTree
+from genrec_spec.data_pipelines.jagged import jagged_to_padded, padded_to_jagged
 from genrec_spec.models.derived import DerivedCache
 
 # The model slides over long histories itself; no prompt is too long for it.
@@ -72,9 +73,8 @@ class RecommenderTarget:
                 "the recommender exposes no hidden states to drafters",
                 "use drafters that need none (the catalogue's)",
             )
-        keep = torch.arange(tokens.shape[1], device=tokens.device) < lengths[:, None]
-        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-        return RecommenderCache(self.model.encode_history(tokens[keep], offsets))
+        values, offsets = padded_to_jagged(tokens, lengths, backend="torch")
+        return RecommenderCache(self.model.encode_history(values, offsets))
 
     def grow_tree(self, cache: RecommenderCache, tokens: Tensor, parents: Tensor) -> Tensor:
         cache.tree = grown(cache.tree, tokens, parents)
@@ -133,7 +133,7 @@ class RecommenderTarget:
         return out
 
 
-_CATALOGUES = DerivedCache()  # item_codes table -> (target, its catalogue)
+_CATALOGUES = DerivedCache()  # model -> (its target, its catalogue), again when item_codes change
 
 
 def core_beam(
@@ -145,15 +145,13 @@ def core_beam(
 ) -> tuple[Tensor, Tensor, DecodeStats]:  # items [B, K], scores [B, K], stats
     """The recommender's trie-constrained beam search on the core (module docstring): items and
     scores as the recommender's ``beam`` gives them."""
-    codes = model.item_codes
-    target, catalogue = _CATALOGUES.get(codes, (codes,), lambda: _target_and_catalogue(model))
+    target, catalogue = _CATALOGUES.get(
+        model, (model.item_codes,), lambda: _target_and_catalogue(model)
+    )
     lengths = offsets.diff()  # [B]
-    columns = torch.arange(int(lengths.max()), device=values.device)
-    inside = columns < lengths[:, None]  # [B, T]
-    at = (offsets[:-1, None] + columns).clamp(max=len(values) - 1)
     out = beam_search(
         target,
-        torch.where(inside, values[at], 0),  # [B, T] right-padded histories
+        jagged_to_padded(values, offsets, int(lengths.max()), 0, backend="torch"),  # [B, T]
         prompt_lengths=lengths,
         config=BeamConfig(num_beams=width, num_return_sequences=k, length_penalty=0.0),
         max_new_tokens=model.num_levels,
