@@ -6,9 +6,10 @@ Steps: load -> time-ordered leave-one-out split -> item text -> MiniLM embedding
 IDs (faiss residual k-means + a collision code; optionally product-quantised long IDs) -> write
 the output folder atomically.
 
-Catalogues larger than memory (a synthetic one of millions of items) stream: their embeddings
-come in chunks, are written to item_embeddings.npy as they come, and the IDs are cut from that
-file a batch of rows at a time (`semantic_ids`); items.parquet is written a slice at a time.
+The item embeddings are written to item_embeddings.npy a chunk at a time and the IDs are cut
+from that file a batch of rows at a time (`semantic_ids`); items.parquet is written a slice at a
+time. So a catalogue larger than memory (a synthetic one of millions of items, whose embeddings
+come in chunks) streams through disk.
 Everything goes to a temporary folder beside --out, renamed to --out when complete: a failed or
 killed run leaves no --out (`atomic`).
 
@@ -59,8 +60,8 @@ class PrepareConfig:
     # embedding cache folder; None = $GENREC_SPEC_CACHE or ~/.cache/genrec_spec
     cache_dir: str | None = None
     progress: bool = True  # progress bars on long steps
-    # Embedding rows read at a time when the IDs are cut from a matrix on disk (a streamed
-    # catalogue); the IDs do not depend on it.
+    # Embedding rows read at a time when the IDs are cut from item_embeddings.npy; the IDs do
+    # not depend on it.
     batch_rows: int = 1 << 16
 
 
@@ -180,56 +181,39 @@ def _build_ids(emb, config: PrepareConfig):  # emb [I, E] -> (semantic IDs, long
 
 
 def _item_embeddings(raw, items, split, config: PrepareConfig, path: Path):
-    """The vectors the IDs are cut from, written to `path` (item_embeddings.npy). Returns them in
-    memory ([I, E] tensor) for a dataset embedded here or bringing an array; for one that
-    brings a chunk stream (a synthetic catalogue, possibly larger than memory), they are written a
-    chunk at a time and returned on disk (`NpyRows`, [I, E])."""
+    """The vectors the IDs are cut from ([I, E]), written to `path` (item_embeddings.npy) a
+    chunk at a time and returned on disk (`NpyRows`): the data's own (an array, or a chunk
+    stream `chunks()` for a synthetic catalogue possibly larger than memory) or the item texts'
+    embeddings, each chunk mixed with its rows of the collaborative vectors when asked for."""
     import numpy as np
 
-    cf = None
+    from genrec_spec.data_pipelines.npy_rows import NpyRows, NpyRowWriter
+
+    source = raw.embeddings
+    if source is None:
+        from genrec_spec.data_pipelines.text_embed import embed_texts
+
+        texts = items["text"].tolist()
+        source = embed_texts(texts, cache_dir=config.cache_dir, progress=config.progress).numpy()
+    chunks = [source] if isinstance(source, np.ndarray) else source.chunks()
+    rows, width = source.shape
+    mix = None
     if config.cf_weight > 0:
-        from genrec_spec.data_pipelines.cf_embed import cf_embeddings
+        import torch
+
+        from genrec_spec.data_pipelines.cf_embed import cf_embeddings, mix_embeddings
 
         train = split.train
         cf = cf_embeddings(train.values, train.offsets, len(items), config.cf_dim, config.seed)
-    source = raw.embeddings
-    if source is not None and not isinstance(source, np.ndarray):
-        return _write_streamed(source, cf, config.cf_weight, path)
-    import torch
+        width += cf.shape[1]
 
-    if source is not None:  # the data brings its own
-        emb = torch.from_numpy(source)
-    else:
-        from genrec_spec.data_pipelines.text_embed import embed_texts
+        def mix(chunk: np.ndarray, start: int) -> np.ndarray:  # [b, E] -> [b, E + C]
+            part = cf[start : start + len(chunk)]  # the chunk's rows of cf
+            return mix_embeddings(torch.from_numpy(chunk), part, config.cf_weight).numpy()
 
-        emb = embed_texts(
-            items["text"].tolist(), cache_dir=config.cache_dir, progress=config.progress
-        )
-    if cf is not None:
-        from genrec_spec.data_pipelines.cf_embed import mix_embeddings
-
-        emb = mix_embeddings(emb, cf, config.cf_weight)
-    np.save(path, emb.numpy())
-    return emb
-
-
-def _write_streamed(source, cf, cf_weight: float, path: Path):
-    """Write a chunk stream ([I, E] in chunks, `source.chunks()`) to `path`, each chunk mixed
-    with its rows of the collaborative vectors `cf` ([I, C] or None); returns `NpyRows`."""
-    from genrec_spec.data_pipelines.npy_rows import NpyRows, NpyRowWriter
-
-    rows, dim = source.shape
-    width = dim + (cf.shape[1] if cf is not None else 0)
     with NpyRowWriter(path, (rows, width)) as writer:
-        for chunk in source.chunks():
-            if cf is not None:
-                import torch
-
-                from genrec_spec.data_pipelines.cf_embed import mix_embeddings
-
-                part = cf[writer.rows : writer.rows + len(chunk)]
-                chunk = mix_embeddings(torch.from_numpy(chunk), part, cf_weight).numpy()
-            writer.write(chunk)
+        for chunk in chunks:
+            writer.write(chunk if mix is None else mix(chunk, writer.rows))
     return NpyRows(path)
 
 

@@ -36,17 +36,17 @@ def training_rows(rows: int, k: int, points_per_code: int, seed: int) -> np.ndar
     return perm[:sample].astype(np.int64)
 
 
-Request = tuple[np.ndarray | None, Callable[[np.ndarray], np.ndarray]]
+Request = tuple[np.ndarray | None, slice]  # (row ids [m] or None: every row, the columns)
 
 
 def gather_rows(
     x, requests: Sequence[Request], batch: int, transform: Callable | None = None
 ) -> list[np.ndarray]:
-    # x: [N, E] array or NpyRows -> one [m, ...] array per request
-    """For each request (row ids [m] in the order wanted, or None for every row; a function
-    applied to those rows [b, E'] -> [b, ...]), the function of its rows, read in one pass over
-    x and first mapped by `transform` ([b, E] -> [b, E'], e.g. a rotation) if given. Refuses
-    rows that are not finite before any k-means runs on them."""
+    # x: [N, E] array or NpyRows -> one [m, columns] array per request
+    """For each request (row ids [m] in the order wanted, or None for every row; the columns
+    wanted), those rows' columns, read in one pass over x and first mapped by `transform`
+    ([b, E] -> [b, E'], e.g. a rotation) if given. Refuses rows that are not finite before any
+    k-means runs on them. Every result is a fresh array, the caller's to change."""
     plans = []  # (sorted row ids, their order in the request) or None
     for rows, _ in requests:
         order = None if rows is None else np.argsort(rows, kind="stable")
@@ -56,15 +56,15 @@ def gather_rows(
         if not np.isfinite(block).all():
             raise DataError("item embeddings contain NaN or inf", "re-run the embedding step")
         block = block if transform is None else transform(block)
-        for plan, (_, keep), part in zip(plans, requests, parts, strict=True):
+        for plan, (_, columns), part in zip(plans, requests, parts, strict=True):
             if plan is None:
-                part.append(keep(block))
+                part.append(block[:, columns])
                 continue
             lo, hi = np.searchsorted(plan[0], [start, start + len(block)])
-            part.append(keep(block[plan[0][lo:hi] - start]))
+            part.append(block[plan[0][lo:hi] - start, columns])
     out = []
     for plan, part in zip(plans, parts, strict=True):
-        rows = np.concatenate(part)
+        rows = np.concatenate(part)  # a copy, even of a single view of x
         if plan is not None:
             rows[plan[1]] = rows.copy()  # sorted row-id order -> the request's order
         out.append(rows)

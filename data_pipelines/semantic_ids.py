@@ -27,6 +27,7 @@ differently and move a few borderline items.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -131,7 +132,7 @@ def _train_residual(x, config: SemanticIdConfig, gpu: bool) -> list[faiss.Kmeans
     """RQ-KMeans codebooks, one per level, each trained on its sample's residual: the sample
     rows minus the centroids of the codes the earlier levels give them."""
     seeds = [config.seed + level for level in range(config.levels)]
-    requests = [(_sample(len(x), seed, config), np.copy) for seed in seeds]
+    requests = [(_sample(len(x), seed, config), slice(None)) for seed in seeds]
     levels: list[faiss.Kmeans] = []
     for seed, residual in zip(seeds, gather_rows(x, requests, config.batch_rows), strict=True):
         for km in levels:
@@ -140,19 +141,26 @@ def _train_residual(x, config: SemanticIdConfig, gpu: bool) -> list[faiss.Kmeans
     return levels
 
 
-def _assign_residual(x, levels: list[faiss.Kmeans], config: SemanticIdConfig):
-    """RQ codes of every row of x [I, E], a batch at a time: (codes [I, levels] int64, squared
-    reconstruction error [I] float32)."""
-    codes = np.empty((len(x), len(levels)), dtype=np.int64)
+def _encode_rows(x, encode, width: int, config: SemanticIdConfig):
+    """`encode` ([b, E] -> (codes [b, width] int64, squared reconstruction error [b])) run over
+    every row of x [I, E], a batch at a time: (codes [I, width] int64, errors [I] float32)."""
+    codes = np.empty((len(x), width), dtype=np.int64)
     errors = np.empty(len(x), dtype=np.float32)
     for start, block in row_batches(x, config.batch_rows):
         rows = slice(start, start + len(block))
-        residual = block.copy()
-        for level, km in enumerate(levels):
-            codes[rows, level] = code = assign(km, residual)
-            residual -= km.centroids[code]
-        errors[rows] = ((block - (block - residual)) ** 2).sum(1)
+        codes[rows], errors[rows] = encode(block)
     return codes, errors
+
+
+def _encode_residual(levels: list[faiss.Kmeans], block: np.ndarray):
+    # block [b, E] -> (RQ codes [b, levels], squared reconstruction error [b])
+    residual = block.copy()
+    codes = np.empty((len(block), len(levels)), dtype=np.int64)
+    for level, km in enumerate(levels):
+        codes[:, level] = code = assign(km, residual)
+        residual -= km.centroids[code]
+    recon = block - residual  # [b, E] the sum of the chosen centroids
+    return codes, ((block - recon) ** 2).sum(1)
 
 
 def _train_product(x, config: SemanticIdConfig, gpu: bool):
@@ -167,11 +175,11 @@ def _train_product(x, config: SemanticIdConfig, gpu: bool):
     rotation = _train_rotation(x, config) if config.opq else None
     width = dim // digits
 
-    def digit(d: int):  # rotated rows [b, E] -> the slice digit d is cut from [b, width]
-        return lambda rows: np.ascontiguousarray(rows[:, d * width : (d + 1) * width])
-
     seeds = [config.seed + d for d in range(digits)]
-    requests = [(_sample(len(x), seed, config), digit(d)) for d, seed in enumerate(seeds)]
+    requests = [  # each digit's sample of the rotated rows, its slice of the columns
+        (_sample(len(x), seed, config), slice(d * width, (d + 1) * width))
+        for d, seed in enumerate(seeds)
+    ]
     samples = gather_rows(x, requests, config.batch_rows, lambda rows: _rotate(rotation, rows))
     return rotation, [
         _train(part, seed, config, gpu) for part, seed in zip(samples, seeds, strict=True)
@@ -192,7 +200,7 @@ def _train_rotation(x, config: SemanticIdConfig):
     rotation.niter = 8
     rotation.pq = opq_pq
     rows = training_rows(len(x), 1, rotation.max_train_points, 1234)
-    (sample,) = gather_rows(x, [(rows, np.copy)], config.batch_rows)
+    (sample,) = gather_rows(x, [(rows, slice(None))], config.batch_rows)
     rotation.train(sample)
     rotation.referenced_objects = [opq_pq]  # alive as long as the rotation
     return rotation
@@ -202,24 +210,20 @@ def _rotate(rotation, rows: np.ndarray) -> np.ndarray:  # [b, E] -> [b, E]
     return rows if rotation is None else rotation.apply(np.ascontiguousarray(rows))
 
 
-def _assign_product(x, rotation, digits: list[faiss.Kmeans], config: SemanticIdConfig):
-    """PQ codes of every row of x [I, E], a batch at a time: (codes [I, digits] int64, squared
-    reconstruction error [I] float32, measured against the unrotated rows)."""
-    width = x.shape[1] // len(digits)
-    codes = np.empty((len(x), len(digits)), dtype=np.int64)
-    errors = np.empty(len(x), dtype=np.float32)
-    for start, block in row_batches(x, config.batch_rows):
-        rows = slice(start, start + len(block))
-        rotated = _rotate(rotation, block)
-        recon = np.empty_like(rotated)
-        for d, km in enumerate(digits):
-            cut = slice(d * width, (d + 1) * width)
-            codes[rows, d] = code = assign(km, rotated[:, cut])
-            recon[:, cut] = km.centroids[code]
-        if rotation is not None:
-            recon = rotation.reverse_transform(recon)
-        errors[rows] = ((block - recon) ** 2).sum(1)
-    return codes, errors
+def _encode_product(rotation, digits: list[faiss.Kmeans], block: np.ndarray):
+    # block [b, E] -> (PQ codes [b, digits], squared reconstruction error [b], measured against
+    # the unrotated rows)
+    width = block.shape[1] // len(digits)
+    rotated = _rotate(rotation, block)
+    codes = np.empty((len(block), len(digits)), dtype=np.int64)
+    recon = np.empty_like(rotated)
+    for d, km in enumerate(digits):
+        cut = slice(d * width, (d + 1) * width)
+        codes[:, d] = code = assign(km, rotated[:, cut])
+        recon[:, cut] = km.centroids[code]
+    if rotation is not None:
+        recon = rotation.reverse_transform(recon)
+    return codes, ((block - recon) ** 2).sum(1)
 
 
 def _row_words(codes: np.ndarray) -> list[np.ndarray]:  # [I, L] ints -> W x [I] uint64
@@ -310,9 +314,12 @@ def build_semantic_ids(embeddings, config: SemanticIdConfig) -> SemanticIds:
         raise DataError("use_gpu=True but faiss sees no GPU", "install faiss-gpu or use_gpu=None")
 
     if config.kind == "rq":
-        codes, errors = _assign_residual(x, _train_residual(x, config, gpu), config)
+        encode = functools.partial(_encode_residual, _train_residual(x, config, gpu))
+        width = config.levels
     else:
-        codes, errors = _assign_product(x, *_train_product(x, config, gpu), config)
+        encode = functools.partial(_encode_product, *_train_product(x, config, gpu))
+        width = config.pq_digits
+    codes, errors = _encode_rows(x, encode, width, config)
     collision = collision_codes(codes)
     max_group = int(collision.max()) + 1
     usage = [_usage(codes[:, level], config.codebook_size) for level in range(codes.shape[1])]

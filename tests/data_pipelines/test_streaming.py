@@ -105,7 +105,7 @@ def test_prepare_streamed_in_tiny_chunks_writes_what_the_in_memory_path_writes(
 
     def parts(spec, in_memory):
         fields = original(spec, TINY)
-        if in_memory:  # the embeddings as one array: prepare takes its in-memory path
+        if in_memory:  # the embeddings as one array: prepare writes them in one chunk
             fields["embeddings"] = synthetic.embeddings(len(fields["items"]), TINY)
         return fields
 
