@@ -31,8 +31,8 @@ from genrec_spec.bench.errors import BenchError
 from genrec_spec.machine import describe_device
 from genrec_spec.models.recsys.config import RecommenderConfig
 from genrec_spec.recsys.train_config import TrainConfig
+from genrec_spec.recsys.train_run import TrainRun
 from genrec_spec.recsys.trainer import (
-    TrainRun,
     epoch_user_batches,
     finish_run,
     start_run,
@@ -105,9 +105,7 @@ def bench_training(
         table = _profile(runs[0], config.profile) if config.profile else None
         _sum_cpu_over_processes(runs)
     finally:
-        for variant in runs[:-1]:
-            variant.run.ddp = None  # finish_run leaves the process group once, after the last
-        finish_run(runs[-1].run)
+        finish_run(*(variant.run for variant in runs))
     base = runs[0].sequences / runs[0].seconds
     rows = [
         {

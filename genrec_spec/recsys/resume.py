@@ -32,10 +32,7 @@ from torch import Tensor
 
 from genrec_spec.data_pipelines.atomic import atomic_write_bytes
 from genrec_spec.recsys.errors import ResumeError
-
-# `run` arguments are the trainer's `TrainRun` (model, optimiser, schedule, generators, rank);
-# not imported here, which would make the two modules import each other.
-TrainRun = object
+from genrec_spec.recsys.train_run import TrainRun
 
 RESUME_VERSION = 1
 # TrainConfig fields that choose how a run executes, not what it computes: a resumed run may set
@@ -47,7 +44,6 @@ RUN_ONLY_FIELDS = ("progress", "threads", "device")
 class TrainProgress:
     """What the epoch loop carries from one epoch to the next, besides modules and generators."""
 
-    epoch: int = 0  # epochs completed
     history: list[dict] = field(default_factory=list)  # each completed epoch's record
     best: dict | None = None  # the best epoch's record
     best_state: dict[str, Tensor] | None = None  # the best epoch's weights
@@ -55,10 +51,14 @@ class TrainProgress:
     elapsed_s: float = 0.0  # time of the completed epochs, across restarts, against max_minutes
     resumed_after: list[int] = field(default_factory=list)  # epochs a restart continued after
 
+    @property
+    def epoch(self) -> int:
+        """The last completed epoch (0: none)."""
+        return self.history[-1]["epoch"] if self.history else 0
+
     def add_epoch(self, record: dict, model: torch.nn.Module, keep_last: bool) -> None:
         """Append an epoch's record; it becomes the best on a higher valid NDCG@10 (or always,
         with `keep_last`), and its weights are kept."""
-        self.epoch = record["epoch"]
         self.history.append(record)
         if self.best is None or record["ndcg@10"] > self.best["ndcg@10"] or keep_last:
             self.best, self.stale = record, 0

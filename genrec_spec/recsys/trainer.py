@@ -16,7 +16,7 @@ import gc
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -47,32 +47,9 @@ from genrec_spec.recsys.resume import (
     save_resume_state,
 )
 from genrec_spec.recsys.train_config import TrainConfig, TrainConfigError
+from genrec_spec.recsys.train_run import TrainRun
 
 EVAL_K = 10
-
-
-@dataclass
-class TrainRun:
-    """One training run's state, shared by its epochs."""
-
-    config: TrainConfig
-    data: PreparedData
-    model: SemanticIdRecommender
-    ddp: torch.nn.Module | None  # the model, or its DistributedDataParallel wrapper
-    trainable: list[torch.nn.Parameter]
-    optimizer: torch.optim.Optimizer
-    rank: int
-    world: int
-    device: torch.device
-    order_gen: torch.Generator  # the batch order, the same on every rank
-    local_gen: torch.Generator  # this rank's windows and branch positions
-    steps_per_epoch: int
-    # The cosine decay spans the epochs planned: `epochs`, or fewer once the time budget (at
-    # the speed of the epoch just run) would run out first, so a run cut by `max_minutes` still
-    # ends at a low learning rate.
-    planned_epochs: int
-    lr: float
-    done_steps: int = 0
 
 
 def train(
@@ -275,15 +252,17 @@ def _should_stop(run: TrainRun, epoch: int, stale: int, elapsed_s: float, epoch_
     return stop
 
 
-def finish_run(run: TrainRun) -> None:
-    """Leave the process group (under torchrun)."""
-    if run.world > 1:
+def finish_run(*runs: TrainRun) -> None:
+    """Leave the process group (under torchrun) once, after freeing the DDP wrapper of every
+    run that shares it (`bench train` runs several side by side)."""
+    if runs[0].world > 1:
         # Free DDP's reducer while the process group is still registered. Freed after
         # destroy_process_group, the reducer held the group's last reference and destroyed it
         # from a destructor that keeps the GIL while joining gloo's worker threads, one of which
         # needed the GIL to drop a finished collective's tensors: a worker hung at exit, now and
         # then under load (seen with py-spy). The group's own handle releases the GIL first.
-        run.ddp = None
+        for run in runs:
+            run.ddp = None
         gc.collect()  # in case the module's hooks hold the reducer in a reference cycle
         dist.barrier()
         dist.destroy_process_group()
