@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from genrec_spec.bench.errors import BenchError
+from genrec_spec.data_pipelines.atomic import atomic_write_bytes
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,6 @@ def prepared_catalogue(
     )
     fields = asdict(cost)
     del fields["measured"]
-    record.write_text(json.dumps(fields, indent=1) + "\n")
+    atomic_write_bytes(record, (json.dumps(fields, indent=1) + "\n").encode())
     log(f"prepared in {wall:.1f} s, peak {cost.peak_rss_bytes / 2**30:.2f} GiB")
     return cost

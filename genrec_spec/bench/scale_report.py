@@ -13,6 +13,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from genrec_spec.bench.scale import Cell
+
 TARGET_WIDTH = 200
 TARGET_RATIO = 2.0
 TARGET_RECALL = 0.95
@@ -22,11 +24,14 @@ def _fmt(value, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _cell(report, decoder: str, width: int | None, batch: int) -> Cell | None:
+    key = (decoder, width, batch)
+    return next((c for c in report.cells if (c.decoder, c.beam_width, c.batch) == key), None)
+
+
 def _latency(report, decoder: str, width: int | None, batch: int) -> float | None:
-    for cell in report.cells:
-        if (cell.decoder, cell.beam_width, cell.batch) == (decoder, width, batch):
-            return cell.latency_ms
-    return None
+    cell = _cell(report, decoder, width, batch)
+    return None if cell is None else cell.latency_ms
 
 
 def targets(reports: list) -> list[str]:
@@ -92,14 +97,7 @@ def latency_rows(reports: list) -> list[list[str]]:
     for decoder, width, batch in keys:
         row = [decoder, _fmt(width, "d"), str(batch)]
         for r in reports:
-            cell = next(
-                (
-                    c
-                    for c in r.cells
-                    if (c.decoder, c.beam_width, c.batch) == (decoder, width, batch)
-                ),
-                None,
-            )
+            cell = _cell(r, decoder, width, batch)
             if cell is None or cell.latency_ms is None:
                 row.append("-" if cell is None else cell.note)
             else:

@@ -85,6 +85,9 @@ from genrec_spec.recsys.scoring import (
 from genrec_spec.recsys.types import Recommendations
 
 DRAFTS = ("auto", "frontier", "items", "nezha", "none")
+# The "items" draft through the index retrieves this many items per drafted prefix of a length
+# (the prefixes of the items of highest logit hold most of the mass).
+DRAFT_ITEMS_PER_PREFIX = 2
 
 
 @dataclass(frozen=True)
@@ -99,9 +102,6 @@ class SpecBeamConfig:
     # "items" through the item index (`item_index.use_index`: "exact", "index", or "auto": the
     # index from `ItemIndexConfig.min_items` items on)
     item_search: str = "auto"
-    # Not an option: "items" through the index retrieves this many items per drafted prefix of
-    # a length (the prefixes of the items of highest logit hold most of the mass).
-    draft_items_per_prefix: int = 2
     # Levels of the current beams' descendants a follow-up pass also scores (0: only the
     # missing prefixes; 1: their children; L - 2: all the decode can still need). None: 0 with
     # a draft made after the history pass (follow-ups for its misses only), else 1.
@@ -192,12 +192,12 @@ def item_draft(
     whose next code is forced). On a model whose code levels are tied to that objective a
     prefix's beam score is close to the log of that mass, so these are the prefixes the beam
     tends to keep. The mass comes from the exact [B, D] x [D, I] product, or, through the item
-    index, from the `draft_items_per_prefix` x `width` items of highest logit (the rest of the
+    index, from the `DRAFT_ITEMS_PER_PREFIX` x `width` items of highest logit (the rest of the
     catalogue counted as no mass): what is drafted changes, never the decode's result."""
     index = TrieIndex.of(trie)
     deeper = item_prefixes(trie, model.item_codes)[:, 1:]  # [I, L-2] their longer prefixes
     if use_index(model, item_search):
-        count = SpecBeamConfig.draft_items_per_prefix * width
+        count = DRAFT_ITEMS_PER_PREFIX * width
         found = top_items(model, state.hidden, count)  # [B, R]
         probs = (found.scores - found.scores[:, :1]).exp().nan_to_num(0.0)  # [B, R]; pads: 0
         nodes = deeper[found.items.clamp(min=0)].flatten(1)  # [B, R (L-2)] item-major
