@@ -21,7 +21,6 @@ Shape letters: B users, M history items, I items, D model width, K recommendatio
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,7 @@ from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.recsys.blocks import HistoryState
-from genrec_spec.recsys.decoders.heads import check_decode_args, rank_catalogue
+from genrec_spec.recsys.decoders.heads import rank_catalogue, whole_catalogue
 from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.item_index import exact_top_items, recall_at_k, top_items, use_index
 from genrec_spec.recsys.types import Recommendations
@@ -70,24 +69,16 @@ def decode(
 ) -> Recommendations:
     """Top-K catalogue items by log p(item | history) (one backbone pass, one product), or by
     item logit through the approximate item index (module docstring)."""
-    if not use_index(model, item_search):
-        return rank_catalogue(model, values, offsets, k, trie, lambda s: item_log_probs(model, s))
     check_item_objective(model)
-    check_decode_args(model, k, trie)
-    start = time.perf_counter()
-    state = model.encode_history(values, offsets)
-    found = top_items(model, state.hidden, k)
-    return Recommendations(
-        items=found.items,
-        scores=found.scores,
-        stats={
-            "target_passes": 1,
-            "nodes_scored": 0,
-            "item_index": 1,
-            "wall_time_s": time.perf_counter() - start,
-            "truncated_histories": int(state.truncated.sum()),
-        },
-    )
+    if not use_index(model, item_search):
+        top = whole_catalogue(lambda state: item_log_probs(model, state))
+        return rank_catalogue(model, values, offsets, k, trie, top)
+
+    def indexed(state: HistoryState, k: int) -> tuple[Tensor, Tensor, dict]:
+        found = top_items(model, state.hidden, k)
+        return found.items, found.scores, {"item_index": 1}
+
+    return rank_catalogue(model, values, offsets, k, trie, indexed)
 
 
 @torch.no_grad()

@@ -93,8 +93,23 @@ def decode(
 ) -> Recommendations:
     """Top-K catalogue items by the parallel heads' summed level log-probs (one backbone pass)."""
     return rank_catalogue(
-        model, values, offsets, k, trie, lambda state: item_scores(model, state, level0)
+        model, values, offsets, k, trie, whole_catalogue(lambda s: item_scores(model, s, level0))
     )
+
+
+# state, k -> (items [B, K], scores [B, K], stats of the search)
+TopItems = Callable[[HistoryState, int], tuple[Tensor, Tensor, dict]]
+
+
+def whole_catalogue(score: Callable[[HistoryState], Tensor]) -> TopItems:
+    """The top-K of `score` (state -> [B, I], a score of every item)."""
+
+    def top(state: HistoryState, k: int) -> tuple[Tensor, Tensor, dict]:
+        scores = score(state)  # [B, I]
+        best = scores.topk(k, dim=1)
+        return best.indices, best.values, {"items_scored_per_user": scores.shape[1]}
+
+    return top
 
 
 def rank_catalogue(
@@ -103,21 +118,21 @@ def rank_catalogue(
     offsets: Tensor,  # [B+1] int64
     k: int,
     trie: PrefixTrie,
-    score: Callable[[HistoryState], Tensor],  # state -> [B, I] a score of every item
+    top: TopItems,  # the K best items of the history state, by whole catalogue or an index
 ) -> Recommendations:
-    """Top-K catalogue items by `score` after one backbone pass: the body of the decoders that
-    score the whole catalogue from the history state (`heads`, `dense`)."""
+    """Top-K catalogue items after one backbone pass: the body of the decoders that rank the
+    catalogue from the history state (`heads`, `dense`)."""
     check_decode_args(model, k, trie)
     start = time.perf_counter()
     state = model.encode_history(values, offsets)
-    top = score(state).topk(k, dim=1)
+    items, scores, found = top(state, k)
     return Recommendations(
-        items=top.indices,
-        scores=top.values,
+        items=items,
+        scores=scores,
         stats={
             "target_passes": 1,
             "nodes_scored": 0,
-            "items_scored_per_user": model.num_items,
+            **found,
             "wall_time_s": time.perf_counter() - start,
             "truncated_histories": int(state.truncated.sum()),
         },
