@@ -7,8 +7,7 @@ import argparse
 
 from genrec_spec.bench import beam
 from genrec_spec.bench.beam import METHODS, TASKS, BenchBeamConfig, bench_beam
-from genrec_spec.cli.args import config_from_args
-from genrec_spec.cli.bench_llm import _list
+from genrec_spec.cli.args import comma_list, config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,13 +15,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = beam.__doc__  # the methods, tasks, columns and timing
     parser.add_argument("--task", choices=TASKS, default=c.task)
     parser.add_argument(
-        "--methods", type=_list(str), default=c.methods, help=f"of {','.join(METHODS)}"
+        "--methods", type=comma_list(str), default=c.methods, help=f"of {','.join(METHODS)}"
     )
     parser.add_argument(
-        "--beam-widths", type=_list(int), default=c.beam_widths, help="e.g. 5,10,20"
+        "--beam-widths", type=comma_list(int), default=c.beam_widths, help="e.g. 5,10,20"
     )
     parser.add_argument("--k", type=int, default=c.k, help="results per request (at most W)")
-    parser.add_argument("--batch-sizes", type=_list(int), default=c.batch_sizes, help="e.g. 1,8")
+    parser.add_argument(
+        "--batch-sizes", type=comma_list(int), default=c.batch_sizes, help="e.g. 1,8"
+    )
     parser.add_argument("--requests", type=int, default=c.requests, help="users or prompts")
     parser.add_argument("--repeats", type=int, default=c.repeats)
     parser.add_argument("--threads", type=int, default=c.threads, help="torch CPU threads")

@@ -6,23 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 from genrec_spec.bench.llm_config import ALL_METHODS, GEMMA3_METHODS, BenchLLMConfig
+from genrec_spec.cli.args import comma_list
 from genrec_spec.cli.generate import add_tree_arguments
 from genrec_spec.llm.methods import DEFAULT_K, PASS_COSTS
-
-
-def _list(kind: type) -> Callable[[str], tuple]:
-    def parse(text: str) -> tuple:
-        try:
-            return tuple(kind(x) for x in text.split(",") if x.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list") from None
-
-    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,13 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, help=f"default {c.max_new_tokens}")
     parser.add_argument(
         "--methods",
-        type=_list(str),
+        type=comma_list(str),
         default=None,
         help=f"of {','.join(ALL_METHODS)} (default {','.join(c.methods)}; --model gemma3: "
         f"{','.join(GEMMA3_METHODS)})",
     )
-    parser.add_argument("--batch-sizes", type=_list(int), help="e.g. 1,8 (default 1)")
-    parser.add_argument("--temperatures", type=_list(float), help="e.g. 0,0.8 (default 0)")
+    parser.add_argument("--batch-sizes", type=comma_list(int), help="e.g. 1,8 (default 1)")
+    parser.add_argument("--temperatures", type=comma_list(float), help="e.g. 0,0.8 (default 0)")
     parser.add_argument("--repeats", type=int, default=c.repeats)
     parser.add_argument("--threads", type=int, default=c.threads, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=c.seed)

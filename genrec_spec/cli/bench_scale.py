@@ -10,15 +10,14 @@ from pathlib import Path
 from genrec_spec.bench import scale
 from genrec_spec.bench.scale import DECODERS, ITEM_TABLES, MODELS, BenchScaleConfig, bench_scale
 from genrec_spec.bench.scale_report import format_text, write
-from genrec_spec.cli.args import config_from_args
-from genrec_spec.cli.bench_llm import _list
+from genrec_spec.cli.args import comma_list, config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     c = BenchScaleConfig()
     parser.description = scale.__doc__  # what is measured and how
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--sizes", type=_list(int), default=c.sizes, help="catalogue sizes")
+    parser.add_argument("--sizes", type=comma_list(int), default=c.sizes, help="catalogue sizes")
     parser.add_argument(
         "--data-root",
         default=c.data_root,
@@ -34,10 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='other arguments of genrec-spec prepare, e.g. "--codebook-size 64"',
     )
     parser.add_argument(
-        "--decoders", type=_list(str), default=c.decoders, help=f"of {','.join(DECODERS)}"
+        "--decoders", type=comma_list(str), default=c.decoders, help=f"of {','.join(DECODERS)}"
     )
-    parser.add_argument("--beam-widths", type=_list(int), default=c.beam_widths)
-    parser.add_argument("--batch-sizes", type=_list(int), default=c.batch_sizes)
+    parser.add_argument("--beam-widths", type=comma_list(int), default=c.beam_widths)
+    parser.add_argument("--batch-sizes", type=comma_list(int), default=c.batch_sizes)
     parser.add_argument("--k", type=int, default=c.k, help="recommendations per user")
     parser.add_argument("--repeats", type=int, default=c.repeats, help="timed calls per cell")
     parser.add_argument("--recall-users", type=int, default=c.recall_users)
