@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -92,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_subcommands(parser, COMMANDS, argv)
     args = parser.parse_args(argv)
+    # A plain `kill` (SIGTERM) unwinds like Ctrl-C, so a command's temporary outputs are removed
+    # (Python takes signals in its main thread only; a server may install its own handler).
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
     try:
         return int(args._run(args) or 0)
     except USER_ERRORS as exc:
@@ -100,6 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{args._prog}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ killed run leaves no --out.
 from __future__ import annotations
 
 import argparse
-import signal
-import threading
 from pathlib import Path
 
 from genrec_spec.cli.args import config_from_args
@@ -56,18 +54,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(PrepareConfig, args, progress=not args.no_progress)
-    # A plain `kill` (SIGTERM) unwinds like Ctrl-C, so the temporary folder is removed (Python
-    # takes signals in its main thread only).
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
-    try:
-        manifest = prepare(args.dataset, args.out, config, overwrite=args.overwrite)
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+    manifest = prepare(args.dataset, args.out, config, overwrite=args.overwrite)
     print(format_summary(manifest, args.out))
     return 0
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
