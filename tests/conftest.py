@@ -97,6 +97,20 @@ def write_tiny_prepared(
 
 
 @pytest.fixture
+def linear_mode(monkeypatch):
+    """Sets the native Llama's CPU linear mode for one test (``GENREC_SPEC_CPU_LINEAR``, which
+    the process reads once): ``linear_mode("packed")``. The process reads it afresh afterwards."""
+    from genrec_spec.models.llm import cpu_linear
+
+    def force(value: str) -> None:
+        monkeypatch.setenv(cpu_linear.MODE_ENV, value)
+        cpu_linear.forget()
+
+    yield force
+    cpu_linear.forget()
+
+
+@pytest.fixture
 def free_port() -> int:
     """A loopback TCP port nobody listens on (bound once by the OS, then released)."""
     with socket.socket() as probe:

@@ -17,9 +17,10 @@ every path on random weights of that shape, copied until they outgrow the caches
 thread count, the torch build and `VERSION`): another CPU or thread count measures anew.
 `measure_shapes` takes every bucket of a model's shapes at once (benchmarks do, before timing).
 
-``GENREC_SPEC_CPU_LINEAR`` sets the mode: ``measure`` (the default), ``off`` (always
-``F.linear``, nothing measured) or a path's name (that path always; the tests run the exactness
-suites under each). Products that need a gradient, or are not fp32, always take ``F.linear``.
+``GENREC_SPEC_CPU_LINEAR`` sets the mode, read on first use (``forget`` reads it again):
+``measure`` (the default), ``off`` (always ``F.linear``, nothing measured) or a path's name (that
+path always; the tests run the exactness suites under each). Products that need a gradient, or
+are not fp32, always take ``F.linear``.
 """
 
 from __future__ import annotations
@@ -49,19 +50,24 @@ STREAM_BYTES = 32 << 20  # weights per timed product: more than a CPU's caches h
 MAX_COPIES = 64  # of a small weight: a model with tinier matrices keeps them in cache anyway
 PACK_ROWS_HINT = 8  # the row count oneDNN lays the packed weights out for
 REPEATS = 3  # timed rounds per path (medians), after one round of warm-up
-VERSION = 1  # part of the machine key: bump when a path's code changes what it costs
+# Another path must beat F.linear by this share to be chosen. Timed alone, paths within a few
+# percent are a tie, and a tie can go either way inside a model's pass, where the products
+# share the caches with everything else: SmolLM2's gate and up products, oneDNN's by a hair
+# alone, ran its one-row decoding steps slower than F.linear did (docs/results/llm.md).
+MARGIN = 0.05
+VERSION = 2  # part of the machine key: bump when a path's code, or the rule, changes a choice
 _PACKED = DerivedCache()  # weight -> its oneDNN-packed copy
-_CHOSEN: dict[tuple, str] = {}  # (mode variable, threads, shape, rows) -> path, see `linear`
+_CHOSEN: dict[tuple, str] = {}  # (threads, shape, rows) -> path, see `linear`
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
     """``F.linear(x, weight)`` (no bias) by this machine's fastest path for its shape and rows."""
-    if x.device.type != "cpu" or not _measurable(x, weight):
+    if not x.is_cpu or not _measurable(x, weight):
         return F.linear(x, weight)
     rows = x.numel() // x.shape[-1]
-    # A decoding step makes hundreds of small products: their choices are remembered per
-    # process, as a dictionary lookup costs less than choosing again.
-    key = (os.environ.get(MODE_ENV), torch.get_num_threads(), weight.shape, rows)
+    # A decoding step makes hundreds of small products, so what picks a path must cost little
+    # next to a one-row product: the choices (and the mode) are remembered per process.
+    key = (torch.get_num_threads(), weight.shape, rows)
     path = _CHOSEN.get(key)
     if path is None:
         path = _CHOSEN[key] = choice(tuple(weight.shape), rows)
@@ -103,8 +109,9 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     return _PACKED.get(weight, (weight,), lambda: _pack(weight))
 
 
+@functools.cache
 def mode() -> str:
-    """The mode ``GENREC_SPEC_CPU_LINEAR`` sets (module docstring)."""
+    """The mode ``GENREC_SPEC_CPU_LINEAR`` sets (module docstring), read once per process."""
     value = os.environ.get(MODE_ENV) or "measure"
     if value not in MODES:
         raise LlamaError(
@@ -135,9 +142,10 @@ def choice(shape: tuple[int, int], rows: int) -> str:
 
 
 def forget() -> None:
-    """Drop this process's choices, to read or measure them again (when the cache folder or the
-    machine key changes under a running process, as in the tests)."""
+    """Drop this process's choices and mode, to read or measure them again (when the mode, the
+    cache folder or the machine key changes under a running process, as in the tests)."""
     _CHOSEN.clear()
+    mode.cache_clear()
     table.cache_clear()
 
 
@@ -166,7 +174,7 @@ class ChoiceTable:
 
     def measure(self, shape: tuple[int, int], rows: int) -> dict:
         times = time_paths(shape, rows)
-        entry = {"path": min(times, key=times.get), "us": {p: t * 1e6 for p, t in times.items()}}
+        entry = {"path": fastest(times), "us": {p: t * 1e6 for p, t in times.items()}}
         self.entries = self._read() | {self.key(shape, rows): entry}  # keep other processes'
         self._write()
         return entry
@@ -182,6 +190,13 @@ class ChoiceTable:
         self.file.parent.mkdir(parents=True, exist_ok=True)
         record = {"machine": describe(), "choices": self.entries}
         atomic_write_bytes(self.file, json.dumps(record, indent=1).encode())
+
+
+def fastest(times: dict[str, float]) -> str:
+    """The path to take given each path's time: the fastest, unless it beats ``linear`` (the safe
+    default) by less than `MARGIN`."""
+    best = min(times, key=times.get)
+    return best if times[best] < (1 - MARGIN) * times["linear"] else "linear"
 
 
 @torch.no_grad()

@@ -14,8 +14,8 @@ PATHS = cpu_linear.available_paths()
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_native_greedy_is_exact_under_each_path(tiny, monkeypatch, path):
-    monkeypatch.setenv(cpu_linear.MODE_ENV, path)
+def test_native_greedy_is_exact_under_each_path(tiny, path, linear_mode):
+    linear_mode(path)
     model = tiny.native_llama(0)
     prompts = [[5, 9, 2, 33, 7, 5, 9, 2, 8], [4, 60], [12, 3, 3, 40, 22, 3]]
     plain = generate(NativeTarget(model), prompts, max_new_tokens=12)
@@ -29,10 +29,10 @@ def test_native_greedy_is_exact_under_each_path(tiny, monkeypatch, path):
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_native_sampling_is_exact_under_each_path(tiny, monkeypatch, path):
+def test_native_sampling_is_exact_under_each_path(tiny, path, linear_mode):
     """Speculative sampling (a two-level tree drawn without replacement) against the exact
     distribution of the first 2 tokens (64 sequences), for two prompts of different lengths."""
-    monkeypatch.setenv(cpu_linear.MODE_ENV, path)
+    linear_mode(path)
     vocab, length, rows = 8, 2, 10000
     model = tiny.native_llama(2, vocab)
     sampling = SamplingParams(1.0)

@@ -14,22 +14,20 @@ PATHS = cpu_linear.available_paths()
 
 
 @pytest.fixture
-def fresh_cache(tmp_path, monkeypatch):
+def fresh_cache(tmp_path, monkeypatch, linear_mode):
     """An empty cache folder, small timings, and no table left from another test."""
     monkeypatch.setenv("GENREC_SPEC_CACHE", str(tmp_path))
-    monkeypatch.setenv(cpu_linear.MODE_ENV, "measure")
     monkeypatch.setattr(cpu_linear, "STREAM_BYTES", 1 << 16)
     monkeypatch.setattr(cpu_linear, "REPEATS", 1)
-    cpu_linear.forget()
-    yield tmp_path / "cpu_linear"
-    cpu_linear.forget()
+    linear_mode("measure")
+    return tmp_path / "cpu_linear"
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("shape", [(1,), (2,), (3,), (1, 1), (2, 3), (4, 5), (40,), (1, 130)])
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "transposed-view"])
-def test_every_path_gives_f_linear(monkeypatch, path, shape, strided):
-    monkeypatch.setenv(cpu_linear.MODE_ENV, path)
+def test_every_path_gives_f_linear(path, shape, strided, linear_mode):
+    linear_mode(path)
     gen = torch.Generator().manual_seed(len(shape))
     x = torch.randn(*shape, 24, generator=gen)  # [..., in]
     if strided:  # the same values, laid out as a transposed view
@@ -41,8 +39,8 @@ def test_every_path_gives_f_linear(monkeypatch, path, shape, strided):
     torch.testing.assert_close(out, F.linear(x, weight))
 
 
-def test_gradients_take_f_linear(monkeypatch):
-    monkeypatch.setenv(cpu_linear.MODE_ENV, "weight_major")
+def test_gradients_take_f_linear(linear_mode):
+    linear_mode("weight_major")
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 24, generator=gen, requires_grad=True)
     weight = torch.randn(40, 24, generator=gen, requires_grad=True)
@@ -52,10 +50,10 @@ def test_gradients_take_f_linear(monkeypatch):
     torch.testing.assert_close(grads, torch.autograd.grad(expected.square().sum(), (x, weight)))
 
 
-def test_packed_weights_follow_updates(monkeypatch):
+def test_packed_weights_follow_updates(linear_mode):
     if "packed" not in PATHS:
         pytest.skip("this torch build has no oneDNN")
-    monkeypatch.setenv(cpu_linear.MODE_ENV, "packed")
+    linear_mode("packed")
     gen = torch.Generator().manual_seed(1)
     x, weight = torch.randn(5, 24, generator=gen), torch.randn(40, 24, generator=gen)
     with torch.no_grad():
@@ -113,20 +111,28 @@ def test_measured_choice_is_the_fastest_path(fresh_cache, monkeypatch):
     ]
 
 
-def test_modes(fresh_cache, monkeypatch):
-    monkeypatch.setenv(cpu_linear.MODE_ENV, "off")
+def test_a_near_tie_keeps_f_linear():
+    """Another path is chosen only when it beats F.linear by more than the margin."""
+    slower = 1 - cpu_linear.MARGIN / 2
+    assert cpu_linear.fastest({"linear": 1.0, "weight_major": slower}) == "linear"
+    faster = 1 - 2 * cpu_linear.MARGIN
+    assert cpu_linear.fastest({"linear": 1.0, "weight_major": 1.5, "packed": faster}) == "packed"
+
+
+def test_modes(fresh_cache, linear_mode):
+    linear_mode("off")
     assert cpu_linear.choice((48, 32), 1) == "linear"
     cpu_linear.measure_shapes([(48, 32)])
     assert not fresh_cache.exists()  # off: nothing measured, nothing written
     assert cpu_linear.summary([(48, 32)]) == [
         f"cpu linear: off for every product ({cpu_linear.MODE_ENV})"
     ]
-    monkeypatch.setenv(cpu_linear.MODE_ENV, "fastest")
+    linear_mode("fastest")
     with pytest.raises(LlamaError, match="not a mode"):
         cpu_linear.choice((48, 32), 1)
 
 
-def test_linear_remembers_its_choice_and_follows_the_mode(fresh_cache, monkeypatch):
+def test_linear_remembers_its_choice_and_follows_the_mode(fresh_cache, monkeypatch, linear_mode):
     timed = []
     original = cpu_linear.time_paths
     monkeypatch.setattr(
@@ -139,6 +145,6 @@ def test_linear_remembers_its_choice_and_follows_the_mode(fresh_cache, monkeypat
     used = []
     forced = lambda x, weight: used.append(x.shape[0]) or F.linear(x, weight)  # noqa: E731
     monkeypatch.setitem(cpu_linear.PRODUCTS, "weight_major", forced)
-    monkeypatch.setenv(cpu_linear.MODE_ENV, "weight_major")
+    linear_mode("weight_major")
     cpu_linear.linear(x, weight)
     assert used == [3]
