@@ -89,6 +89,16 @@ class GreedyMatch:
         generator: torch.Generator | None,
     ) -> Acceptance:
         # tree [B, N], target_logits [B, N, V]
+        if tree.num_nodes == 1:  # plain decoding: the root's argmax, without the tree's work
+            next_token = target_logits[:, 0].argmax(-1)  # [B]
+            none = torch.zeros_like(next_token)
+            return Acceptance(
+                path=none[:, None],
+                tokens=next_token[:, None],
+                num_accepted=none,
+                next_token=next_token,
+                draft_depth=none,
+            )
         best = target_logits.argmax(-1)  # [B, N]
         parent_best = best.gather(1, tree.parents.clamp_min(0))
         match = (tree.tokens == parent_best) & tree.node_valid()
