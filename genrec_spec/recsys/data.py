@@ -16,7 +16,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import torch
 from torch import Tensor
 
@@ -113,30 +115,34 @@ def load_prepared(path: Path | str) -> PreparedData:
             f"re-create the folder with `genrec-spec prepare --dataset ... --out {path} "
             "--overwrite`",
         )
-    items = pd.read_parquet(path / "items.parquet")
+    # Read through arrow, not pandas: a list column becomes one flat array, not an object per
+    # item (at millions of items, the per-item objects cost most of the load).
+    items = pq.read_table(path / "items.parquet")
     for column in ("item_index", "item_id", "semantic_id"):
-        if column not in items:
+        if column not in items.column_names:
             raise DataError(
                 f"{path / 'items.parquet'} has no {column} column",
                 f"re-create the folder with `genrec-spec prepare --dataset ... --out {path} "
                 "--overwrite`",
             )
-    items = items.sort_values("item_index")
-    if not np.array_equal(items["item_index"].to_numpy(), np.arange(len(items))):
+    order = np.argsort(items["item_index"].to_numpy(), kind="stable")  # [I]
+    if not np.array_equal(items["item_index"].to_numpy()[order], np.arange(len(order))):
         raise DataError(
             f"item_index in {path / 'items.parquet'} is not 0..I-1",
             "re-create the folder with `genrec-spec prepare`",
         )
-    item_codes = torch.from_numpy(np.stack(items["semantic_id"].to_numpy()).astype(np.int64))
+    item_codes = torch.from_numpy(_fixed_width(items, "semantic_id", path)[order])
     long_ids, long_id_sizes = None, None
-    if "long_id" in items and manifest.get("long_id"):
-        long_ids = torch.from_numpy(np.stack(items["long_id"].to_numpy()).astype(np.int64))
+    if "long_id" in items.column_names and manifest.get("long_id"):
+        long_ids = torch.from_numpy(_fixed_width(items, "long_id", path)[order])
         long_id_sizes = [int(v) for v in manifest["long_id"]["codebook_sizes"]]
     splits = {name: _read_split(path / f"{name}.parquet") for name in ("train", "valid", "test")}
     return PreparedData(
         path=path,
         manifest=manifest,
-        item_ids=items["item_id"].astype(str).tolist(),
+        item_ids=pc.cast(items["item_id"], pa.string())
+        .to_numpy(zero_copy_only=False)[order]
+        .tolist(),
         item_codes=item_codes,
         codebook_sizes=[int(v) for v in manifest["semantic_id"]["codebook_sizes"]],
         long_ids=long_ids,
@@ -145,16 +151,34 @@ def load_prepared(path: Path | str) -> PreparedData:
     )
 
 
+def _fixed_width(table: pa.Table, column: str, path: Path) -> np.ndarray:  # [I, width] int64
+    """A list column whose lists all have one length, as a matrix."""
+    lists = table[column].combine_chunks()
+    widths = np.diff(lists.offsets.to_numpy())
+    if len(widths) and (widths != widths[0]).any():
+        raise DataError(
+            f"{column} in {path / 'items.parquet'} has lists of lengths {widths.min()} to "
+            f"{widths.max()}; every item needs one of each",
+            "re-create the folder with `genrec-spec prepare`",
+        )
+    flat = lists.flatten().to_numpy().astype(np.int64)
+    return flat.reshape(len(widths), -1)
+
+
 def _read_split(file: Path) -> Histories:
-    frame = pd.read_parquet(file)
-    histories = [np.asarray(h, dtype=np.int64) for h in frame["history"]]
-    lengths = torch.tensor([len(h) for h in histories], dtype=torch.long)
-    values = np.concatenate(histories) if histories else np.zeros(0, dtype=np.int64)
+    table = pq.read_table(file)
+    histories = table["history"].combine_chunks()
+    offsets = histories.offsets.to_numpy().astype(np.int64)  # [U + 1]
+    values = histories.flatten().to_numpy().astype(np.int64)  # [M]
     return Histories(
-        user_ids=frame["user_id"].astype(str).tolist(),
+        user_ids=pc.cast(table["user_id"], pa.string()).to_pylist(),
         values=torch.from_numpy(values),
-        offsets=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
-        targets=torch.tensor(frame["target"].to_numpy(np.int64)) if "target" in frame else None,
+        offsets=torch.from_numpy(offsets - offsets[0]),
+        targets=(
+            torch.from_numpy(table["target"].to_numpy().astype(np.int64))
+            if "target" in table.column_names
+            else None
+        ),
     )
 
 
