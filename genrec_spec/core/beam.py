@@ -367,6 +367,8 @@ def _select(
     beams.nodes = torch.full_like(beams.parents, -1)
     # Finished: those of the top W that ended, if they beat the worst finished hypothesis.
     ended = hits & (torch.arange(keep) < w)
+    if not bool(ended.any()):  # most steps: the finished hypotheses stay as they are
+        return hits
     penalised = scores / ((step + 1) ** config.length_penalty)
     full = beams.done.all(1, keepdim=True) & (config.early_stopping is True)
     penalised += full.float() * UNREACHABLE
