@@ -12,6 +12,12 @@ ids `level_starts[l] .. level_starts[l + 1] - 1`. Children are CSR: node n's chi
 are numbered in sorted prefix order, the child reached by edge e is node e + 1 (edge e is the
 (e + 1)-th non-root prefix), so no child-id array is stored. `edge_keys = parent * stride + code`
 is sorted too, which turns `child` into one `searchsorted`.
+
+Storage. The arrays grow with the catalogue, so they are kept narrow: offsets and item indices as
+int32 (a trie past int32's node count is refused), codes in the smallest dtype holding the
+largest codebook size. `edge_keys` stays int64: parent * stride outgrows int32 long before the
+node count does. Lookups return int64 (what `gather`, `scatter` and indexing take): readers
+upcast what they gather from these arrays, a few entries per row, not the arrays.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from genrec_spec.data_pipelines.errors import DataError
+
+INDEX_LIMIT = torch.iinfo(torch.int32).max  # most nodes a trie may have (its ids are int32)
 
 
 @dataclass(frozen=True)
@@ -33,10 +41,10 @@ class PrefixTrie:
     """Most children of any node of each level 0..L-1 (bounds the gather in allowed_mask)."""
     stride: int
     """max(codebook_sizes): key multiplier in `edge_keys`."""
-    child_offsets: torch.Tensor  # [nodes + 1] int64, starts at 0
-    child_codes: torch.Tensor  # [nodes - 1] int64, sorted within each node
+    child_offsets: torch.Tensor  # [nodes + 1] int32, starts at 0
+    child_codes: torch.Tensor  # [nodes - 1] int16 or wider (`code_dtype`), sorted per node
     edge_keys: torch.Tensor  # [nodes - 1] int64, parent * stride + code, sorted
-    leaf_items: torch.Tensor  # [I] int64, item index of leaf node level_starts[L] + j
+    leaf_items: torch.Tensor  # [I] int32, item index of leaf node level_starts[L] + j
 
     @property
     def levels(self) -> int:
@@ -103,6 +111,12 @@ class PrefixTrie:
             # Node of each row at level + 1: the running count of new prefixes at this level.
             parent = level_starts[-1] + starts.long().cumsum(0) - 1
             level_starts.append(level_starts[-1] + int(starts.sum()))
+        if level_starts[-1] > INDEX_LIMIT:  # every item is a leaf node, so the items fit too
+            raise DataError(
+                f"the trie of {n} items has {level_starts[-1]} nodes, more than its int32 "
+                f"node ids hold ({INDEX_LIMIT})",
+                "build the trie over fewer items (a part of the catalogue)",
+            )
 
         edge_parent = torch.cat(edge_parents)  # [nodes - 1]
         child_codes = torch.cat(edge_codes)  # [nodes - 1]
@@ -116,10 +130,10 @@ class PrefixTrie:
             level_starts=tuple(level_starts),
             max_children=tuple(max_children),
             stride=stride,
-            child_offsets=child_offsets,
-            child_codes=child_codes,
+            child_offsets=child_offsets.int(),
+            child_codes=child_codes.to(code_dtype(stride)),
             edge_keys=edge_parent * stride + child_codes,
-            leaf_items=leaf_items,
+            leaf_items=leaf_items.int(),
         )
 
     def to(self, device: torch.device | str) -> PrefixTrie:
@@ -164,12 +178,12 @@ class PrefixTrie:
         width = self.codebook_sizes[level]
         at_level = (node >= self.level_starts[level]) & (node < self.level_starts[level + 1])
         safe = torch.where(at_level, node, 0)
-        first, end = self.child_offsets[safe], self.child_offsets[safe + 1]  # [B]
+        first, end = self.child_offsets[safe].long(), self.child_offsets[safe + 1]  # [B]
         # Gather a fixed-width window of child slots; slots past a node's children (and rows of
         # invalid nodes) scatter into a spare column that is dropped.
         slot = first[:, None] + torch.arange(self.max_children[level], device=node.device)
         real = (slot < end[:, None]) & at_level[:, None]  # [B, max_children]
-        code = self.child_codes[slot.clamp(max=len(self.child_codes) - 1)]
+        code = self.child_codes[slot.clamp(max=len(self.child_codes) - 1)].long()
         mask = torch.zeros(len(node), width + 1, dtype=torch.bool, device=node.device)
         mask.scatter_(1, torch.where(real, code, width), True)
         return mask[:, :width]
@@ -203,4 +217,12 @@ class PrefixTrie:
             )
         node = self.node_of(full_codes)
         leaf = (node - self.level_starts[-2]).clamp(min=0)
-        return torch.where(node >= 0, self.leaf_items[leaf], -1)
+        return torch.where(node >= 0, self.leaf_items[leaf].long(), -1)
+
+
+def code_dtype(largest: int) -> torch.dtype:
+    """The narrowest of int16, int32 and int64 that holds `largest` (a codebook size)."""
+    for dtype in (torch.int16, torch.int32):
+        if largest <= torch.iinfo(dtype).max:
+            return dtype
+    return torch.int64

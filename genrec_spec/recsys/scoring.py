@@ -57,7 +57,7 @@ class TrieIndex:
         nodes = torch.arange(len(trie.child_codes) + 1, device=trie.device)
         # Edge e leads to node e + 1 (see PrefixTrie); its key is parent * stride + code.
         parent = torch.cat([nodes[:1] - 1, trie.edge_keys // trie.stride])
-        code = torch.cat([nodes[:1] * 0, trie.child_codes])
+        code = torch.cat([nodes[:1] * 0, trie.child_codes.long()])
         starts = torch.tensor(trie.level_starts[1:], device=trie.device)
         level = torch.bucketize(nodes, starts, right=True) - 1
         scorable = trie.level_starts[trie.levels]

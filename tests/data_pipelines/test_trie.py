@@ -3,6 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from genrec_spec.data_pipelines import trie as trie_module
 from genrec_spec.data_pipelines.errors import DataError
 from genrec_spec.data_pipelines.semantic_ids import SemanticIdConfig, build_semantic_ids
 from genrec_spec.data_pipelines.trie import PrefixTrie
@@ -71,6 +72,34 @@ def test_small_trie_by_hand():
     # A node asked about at the wrong level allows nothing (no host sync to validate it).
     assert not trie.allowed_mask(node, 2).any()
     assert trie.contains(torch.zeros(4, 0, dtype=torch.long)).all()  # the empty prefix
+
+
+def test_arrays_are_narrow_and_lookups_are_int64():
+    codes = torch.tensor([[1, 2, 0], [1, 2, 1], [0, 3, 0], [1, 0, 0]])
+    trie = PrefixTrie.from_codes(codes, (2, 4, 2)).to("cpu")
+    assert trie.child_offsets.dtype == torch.int32 and trie.leaf_items.dtype == torch.int32
+    assert trie.child_codes.dtype == torch.int16 and trie.edge_keys.dtype == torch.int64
+    node = trie.child(trie.root(3), torch.tensor([1, 0, 1]))
+    assert node.dtype == torch.int64
+    assert trie.allowed_mask(node, 1).dtype == torch.bool
+    assert trie.has_choice(node).dtype == torch.bool
+    assert trie.item_of(codes).dtype == torch.int64
+    # A codebook past int16 stores its codes as int32, and they still round-trip.
+    wide_codes = torch.tensor([[0, 40_000], [1, 0], [0, 7]])
+    wide = PrefixTrie.from_codes(wide_codes)
+    assert wide.child_codes.dtype == torch.int32
+    assert wide.item_of(wide_codes).tolist() == [0, 1, 2]
+    node = wide.child(wide.root(2), torch.tensor([0, 1]))
+    assert wide.allowed_mask(node, 1).nonzero().tolist() == [[0, 7], [0, 40_000], [1, 0]]
+
+
+def test_refuses_more_nodes_than_int32_ids_hold(monkeypatch):
+    codes = torch.tensor([[1, 2, 0], [1, 2, 1], [0, 3, 0], [1, 0, 0]])  # 10 nodes
+    monkeypatch.setattr(trie_module, "INDEX_LIMIT", 9)  # stands in for int32's largest value
+    with pytest.raises(DataError, match="10 nodes, more than its int32 node ids"):
+        PrefixTrie.from_codes(codes, (2, 4, 2))
+    monkeypatch.setattr(trie_module, "INDEX_LIMIT", 10)
+    assert PrefixTrie.from_codes(codes, (2, 4, 2)).level_starts[-1] == 10
 
 
 def test_real_ids_round_trip():

@@ -119,10 +119,11 @@ def extend(
     vocab, most = trie.codebook_sizes[level], trie.max_children[level]
     # An empty beam (node -1, score -inf) reads the root's child slots: its candidates stay -inf.
     safe = beams.nodes.clamp(min=0)  # [B, W]
-    edge = trie.child_offsets[safe][..., None] + torch.arange(most, device=safe.device)
+    first = trie.child_offsets[safe].long()  # [B, W] int64 (the trie stores int32)
+    edge = first[..., None] + torch.arange(most, device=safe.device)  # [B, W, C]
     exists = edge < trie.child_offsets[safe + 1][..., None]  # [B, W, C]
     edge = edge.clamp(max=len(trie.child_codes) - 1)
-    code = trie.child_codes[edge]  # [B, W, C]
+    code = trie.child_codes[edge].long()  # [B, W, C]
     candidates = beams.scores[..., None] + log_probs.gather(2, code)
     candidates = candidates.masked_fill(~exists, float("-inf")).flatten(1)  # [B, W * C]
     keep = min(width, candidates.shape[1])
@@ -171,7 +172,7 @@ def finish(
 ) -> tuple[Tensor, Tensor]:  # items [B, K] (-1 pads), scores [B, K] (-inf pads)
     leaf = (beams.nodes[:, :k] - trie.level_starts[-2]).clamp(min=0)
     real = beams.nodes[:, :k] >= 0
-    items = torch.where(real, trie.leaf_items[leaf], -1)
+    items = torch.where(real, trie.leaf_items[leaf].long(), -1)
     scores = beams.scores[:, :k]
     if items.shape[1] < k:  # fewer candidates than k in the whole last level
         pad = k - items.shape[1]

@@ -272,8 +272,10 @@ def children_of(
     batch, scorable = member.shape
     count = member.long()
     delta = torch.zeros(batch, len(trie.child_codes) + 2, dtype=torch.long, device=member.device)
-    delta.scatter_add_(1, (trie.child_offsets[:scorable] + 1).expand(batch, -1), count)
-    delta.scatter_add_(1, (trie.child_offsets[1 : scorable + 1] + 1).expand(batch, -1), -count)
+    # scatter_add_ takes int64 indices; the trie stores int32 offsets.
+    first = trie.child_offsets[: scorable + 1].long() + 1  # [scorable + 1]
+    delta.scatter_add_(1, first[:-1].expand(batch, -1), count)
+    delta.scatter_add_(1, first[1:].expand(batch, -1), -count)
     return delta.cumsum(dim=1)[:, :scorable] > 0
 
 
