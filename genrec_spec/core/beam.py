@@ -143,6 +143,7 @@ def beam_search(
             constraint,
             drafter,
             min(keep, target.vocab_size, allows),
+            max_new_tokens,
         )
         beams = _start(tokens, lengths, config.num_beams, max_new_tokens)
         eos_t = torch.tensor(eos, dtype=torch.long)
@@ -213,7 +214,18 @@ def _start(tokens: Tensor, lengths: Tensor, w: int, max_new_tokens: int) -> _Bea
 class _Search:
     """The scored tree and the passes that grow it."""
 
-    def __init__(self, target: Target, cache, tokens, lengths, config, constraint, drafter, width):
+    def __init__(
+        self,
+        target: Target,
+        cache,
+        tokens,
+        lengths,
+        config,
+        constraint,
+        drafter,
+        width,
+        max_new_tokens,
+    ):
         self.target, self.cache = target, cache
         self.prompts = [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist(), strict=True)]
         self.config, self.constraint, self.drafter = config, constraint, drafter
@@ -222,7 +234,10 @@ class _Search:
         # Keys pack tokens below this: generated ones, and the roots' (prompt tokens, which a
         # recommender draws from its items, not its codes).
         tokens_below = max(target.vocab_size, getattr(target, "prompt_vocab_size", 0))
-        self.tree = BeamTree(batch, width, tokens_below)
+        # Plain beam search adds at most W nodes per row a step (and the root): room for them
+        # all from the start; drafted nodes grow the tree past it.
+        capacity = min(1 + config.num_beams * max_new_tokens, MAX_NODES)
+        self.tree = BeamTree(batch, width, tokens_below, capacity)
         self.start = constraint.start(batch) if constraint else torch.zeros(batch, dtype=torch.long)
         # A catalogue's forced token costs exactly 0 where log-probs are renormalised over the
         # allowed tokens (by the rule, or by the target's own outputs): known without a pass.

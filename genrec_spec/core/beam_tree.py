@@ -33,6 +33,9 @@ class BeamTree:
     batch: int
     width: int  # C: best next-token candidates kept per node
     vocab_size: int  # tokens (generated and prompt) are below this: keys pack them
+    # Node slots per row to start with (all padding); more are added by doubling, which copies
+    # every table, so a search sizes this to the nodes it expects.
+    capacity: int = 1
     size: int = 0  # nodes per row in closed passes (real and padding)
     pending: Tensor = field(init=False)  # [B] nodes planned per row for the next pass
     parents: Tensor = field(init=False)  # [B, capacity] -1 for roots and padding
@@ -49,15 +52,16 @@ class BeamTree:
 
     def __post_init__(self) -> None:
         self.pending = torch.zeros(self.batch, dtype=torch.long)
-        # One padding slot to start with, so gathers at a root's parent (-1, clamped) read one.
-        self.parents = torch.full((self.batch, 1), -1, dtype=torch.long)
-        self.tokens = torch.zeros(self.batch, 1, dtype=torch.long)
-        self.states = torch.full((self.batch, 1), -1, dtype=torch.long)
+        # At least one padding slot, so gathers at a root's parent (-1, clamped) read one.
+        slots = (self.batch, max(1, self.capacity))
+        self.parents = torch.full(slots, -1, dtype=torch.long)
+        self.tokens = torch.zeros(slots, dtype=torch.long)
+        self.states = torch.full(slots, -1, dtype=torch.long)
         self.keys = torch.zeros(0, dtype=torch.long)
         self.key_nodes = torch.zeros(0, dtype=torch.long)
-        self.top_values = torch.full((self.batch, 1, self.width), float("-inf"))
-        self.top_tokens = torch.zeros(self.batch, 1, self.width, dtype=torch.long)
-        self.known = torch.zeros(self.batch, 1, dtype=torch.bool)
+        self.top_values = torch.full((*slots, self.width), float("-inf"))
+        self.top_tokens = torch.zeros(*slots, self.width, dtype=torch.long)
+        self.known = torch.zeros(slots, dtype=torch.bool)
 
     def key(self, rows: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:  # [Q] each -> [Q]
         """The int64 naming each (row, parent node, token): rows ascend with it."""
@@ -95,7 +99,7 @@ class BeamTree:
         window = slice(self.size, self.size + m)
         real = torch.arange(m) < self.pending[:, None]  # [B, M]
         self.size, self.pending = self.size + m, torch.zeros_like(self.pending)
-        return self.tokens[:, window], self.parents[:, window], real
+        return self.tokens[:, window].contiguous(), self.parents[:, window].contiguous(), real
 
     def _reserve(self, needed: int) -> None:
         """Room for `needed` nodes per row, doubling (new slots are padding)."""
