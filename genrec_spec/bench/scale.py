@@ -174,7 +174,7 @@ def gather_gib(model, batch: int, width: int, decoder: str) -> float:
     (every beam reads the items under its prefix; spec_beam's drafts about triple the nodes)."""
     if model.config.tied_levels is None or decoder.startswith("dense"):
         return 0.0
-    window = max(model._prefix_index().widths[:-1])  # most items under a scored prefix
+    window = max(model.prefix_index().widths[:-1])  # most items under a scored prefix
     nodes = batch * width * (3 if decoder == "spec_beam" else 1)
     return nodes * window * model.config.dim * 4 / 2**30
 

@@ -127,7 +127,7 @@ def item_index(model, config: ItemIndexConfig = ItemIndexConfig()) -> ItemIndex:
     """The model's item index, built once per item table and config, again when the table is
     rewritten in place (an optimiser step, `load_state_dict`) or replaced."""
     with torch.no_grad():  # with a temperature: the unit rows the model caches per weight version
-        table = model._item_table()  # [I, D] the rows its logits read
+        table = model.item_keys()  # [I, D] the rows its logits read
     return _INDEXES.get(table, (table,), lambda: ItemIndex(table, config), extra=config)
 
 
@@ -148,7 +148,7 @@ def top_items(
     k: int,
     config: ItemIndexConfig = ItemIndexConfig(),
 ) -> FoundItems:  # [B, K] the index's top-K by item logit
-    return item_index(model, config).search(model._item_query(hidden), k)
+    return item_index(model, config).search(model.item_query(hidden), k)
 
 
 def exact_top_items(model, hidden: Tensor, k: int) -> FoundItems:  # hidden: [B, D] -> [B, K]

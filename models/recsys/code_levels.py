@@ -35,14 +35,14 @@ class CodeLevels:
 
     def item_scores(self, hidden: Tensor) -> Tensor:
         """hidden [B, D] (a HistoryState's) -> [B, I] SASRec-style next-item logits."""
-        return self._item_query(hidden) @ self._item_table().T
+        return self.item_query(hidden) @ self.item_keys().T
 
-    def _item_query(self, hidden: Tensor) -> Tensor:  # [..., D]
+    def item_query(self, hidden: Tensor) -> Tensor:  # [..., D]
         """The state's side of an item logit: itself, or unit length over the temperature."""
         temperature = self.config.item_objective.temperature
         return F.normalize(hidden, dim=-1) / temperature if temperature else hidden
 
-    def _item_table(self) -> Tensor:  # [I, D]
+    def item_keys(self) -> Tensor:  # [I, D]
         """Every item's side of an item logit: its embedding row, or with a temperature the
         row at unit length, normalised once per weight version outside autograd (a decode
         calls it once per level pass)."""
@@ -82,7 +82,7 @@ class CodeLevels:
         # Tied levels with a residual: each row's history-state query, normalised once.
         root_query = node_row = None
         if self.node_item_query is not None:
-            root_query = self._item_query(roots)  # [B, D]
+            root_query = self.item_query(roots)  # [B, D]
             node_row = torch.arange(out_shape[0], device=h.device).repeat_interleave(out_shape[1])
         counts = torch.bincount(levels, minlength=self.num_levels - 1).tolist()
         for level, count in enumerate(counts):
@@ -108,7 +108,7 @@ class CodeLevels:
             # The node's item query: from its own state, or (with a residual) the history
             # state's plus the node's correction.
             if root_query is None:
-                query = self._item_query(h)  # [n, D]
+                query = self.item_query(h)  # [n, D]
             else:
                 query = root_query + self.node_item_query(h)
 
@@ -116,7 +116,7 @@ class CodeLevels:
                 # On CPU F.embedding gathers faster than table[items], and [n, 1, D] @
                 # [n, D, W] multiplies faster than [n, W, D] @ [n, D, 1] at the sizes of the
                 # prefixes' item windows.
-                rows = F.embedding(items, self._item_table())  # [n, W, D]
+                rows = F.embedding(items, self.item_keys())  # [n, W, D]
                 return (query[:, None, :] @ rows.transpose(1, 2)).squeeze(1)
 
             child_logits = self._item_child_logits(item_logits, level, prefixes)
@@ -136,7 +136,9 @@ class CodeLevels:
         logits = self._item_child_logits(item_logits, level, prefixes.reshape(-1, level))
         return logits.unflatten(0, (batch, width))
 
-    def _prefix_index(self) -> ItemPrefixIndex:
+    def prefix_index(self) -> ItemPrefixIndex:
+        """The items sorted by code tuple, each prefix's items one window of them: built once
+        per `item_codes` table (and again when it is rewritten)."""
         codes = self.item_codes
         return _PREFIX_INDEXES.get(
             codes, (codes,), lambda: ItemPrefixIndex.from_codes(codes, self.codebook_sizes)
@@ -149,7 +151,7 @@ class CodeLevels:
         `item_logits_of(items [n, W]) -> [n, W]` for row r's state, exponentiated) on the items
         under each child of the prefix; -inf for codes no item under the prefix has. Each row
         reads the window of the code-sorted item table that holds its prefix's items."""
-        index = self._prefix_index()
+        index = self.prefix_index()
         start, end = index.runs(prefixes)  # [n]
         slot = start[:, None] + torch.arange(index.widths[level - 1], device=start.device)  # [n, W]
         inside = slot < end[:, None]

@@ -56,7 +56,7 @@ class TrainingForward:
             losses["level_0"] = F.cross_entropy(self.code_heads[0](out.states), out.state_level0)
         root_query = None  # [M', D] the branches' item query (tied residual), shared by levels
         if self.node_item_query is not None:
-            root_query = self._item_query(out.anchor_h[out.has_branch])
+            root_query = self.item_query(out.anchor_h[out.has_branch])
         codes = out.branch_codes[out.has_branch]  # [M', L]
         for level in range(1, self.num_levels):
             node_h = out.node_h[:, :, level - 1][out.has_branch]  # [M', D]
