@@ -134,16 +134,9 @@ def beam_search(
         # needs no more than its best 2W next tokens, nor more than a catalogue allows.
         keep = max(2, 1 + len(eos)) * config.num_beams
         allows = constraint.trie.widest if isinstance(constraint, Catalogue) else keep
+        width = min(keep, target.vocab_size, allows)
         search = _Search(
-            target,
-            cache,
-            tokens,
-            lengths,
-            config,
-            constraint,
-            drafter,
-            min(keep, target.vocab_size, allows),
-            max_new_tokens,
+            target, cache, tokens, lengths, config, constraint, drafter, width, max_new_tokens
         )
         beams = _start(tokens, lengths, config.num_beams, max_new_tokens)
         eos_t = torch.tensor(eos, dtype=torch.long)
@@ -215,16 +208,7 @@ class _Search:
     """The scored tree and the passes that grow it."""
 
     def __init__(
-        self,
-        target: Target,
-        cache,
-        tokens,
-        lengths,
-        config,
-        constraint,
-        drafter,
-        width,
-        max_new_tokens,
+        self, target: Target, cache, tokens, lengths, config, constraint, drafter, width, steps
     ):
         self.target, self.cache = target, cache
         self.prompts = [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist(), strict=True)]
@@ -236,7 +220,7 @@ class _Search:
         tokens_below = max(target.vocab_size, getattr(target, "prompt_vocab_size", 0))
         # Plain beam search adds at most W nodes per row a step (and the root): room for them
         # all from the start; drafted nodes grow the tree past it.
-        capacity = min(1 + config.num_beams * max_new_tokens, MAX_NODES)
+        capacity = min(1 + config.num_beams * steps, MAX_NODES)
         self.tree = BeamTree(batch, width, tokens_below, capacity)
         self.start = constraint.start(batch) if constraint else torch.zeros(batch, dtype=torch.long)
         # A catalogue's forced token costs exactly 0 where log-probs are renormalised over the
