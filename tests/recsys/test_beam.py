@@ -163,3 +163,32 @@ def test_item_trie_is_built_once_per_code_table(model):
     assert rebuilt is not trie
     assert torch.equal(rebuilt.leaf_items, _trie(model).leaf_items)
     assert not torch.equal(rebuilt.leaf_items, trie.leaf_items)
+
+
+@pytest.mark.parametrize("width", [3, 8])
+def test_prefixes_no_beam_extends_are_left_out(model, monkeypatch, width):
+    """The pruned tree keeps exactly the current beams' ancestors (parents before children, the
+    current beams last); decoding with it gives the lists of the whole tree and the same scores
+    up to rounding, from fewer nodes."""
+    values, offsets = _histories(model, [5, 2, 7], seed=3)
+    trie = _trie(model)
+    state = model.encode_history(values, offsets)
+    monkeypatch.setattr(beam, "PRUNE_SHARE", 0.0)  # leave out whatever no beam extends
+    history, _, _ = beam.search(model, state, trie, width)
+    codes, levels, parents = beam.beam_tree(history)
+    current = history[-1].nodes.shape[1]
+    for row in range(len(offsets) - 1):
+        kept = set(range(codes.shape[1] - current, codes.shape[1]))  # the current beams
+        for node in list(kept):
+            while parents[row, node] >= 0:
+                assert parents[row, node] < node
+                node = int(parents[row, node])
+                kept.add(node)
+        others = set(range(codes.shape[1])) - kept  # padding only: level 0, code 0, no parent
+        assert all(parents[row, i] < 0 and levels[row, i] == codes[row, i] == 0 for i in others)
+    pruned = beam.decode(model, values, offsets, k=3, trie=trie, beam_width=width)
+    monkeypatch.setattr(beam, "PRUNE_SHARE", 1.0)  # never
+    whole = beam.decode(model, values, offsets, k=3, trie=trie, beam_width=width)
+    assert torch.equal(pruned.items, whole.items)
+    torch.testing.assert_close(pruned.scores, whole.scores)
+    assert pruned.stats["nodes_scored"] < whole.stats["nodes_scored"]
