@@ -313,3 +313,21 @@ def test_core_beam_search_equals_beam_on_trained_ml100k(ml100k_model, ml100k_dir
         assert torch.equal(core.items, native.items)
         passes.append((native.stats["target_passes"], core.stats["target_passes"]))
     assert all(a == b for a, b in passes) and min(a for a, _ in passes) < model.num_levels
+
+
+def test_children_of_marks_exactly_each_members_children():
+    """Against the trie read node by node: every child of a member, nothing else, per row (the
+    members' children past the scorable levels are not marked)."""
+    g = torch.Generator().manual_seed(0)
+    codes = torch.stack([torch.randint(0, v, (60,), generator=g) for v in (4, 5, 6)], 1)
+    codes = torch.unique(codes, dim=0)
+    trie = PrefixTrie.from_codes(codes, (4, 5, 6))
+    scorable = trie.level_starts[-2]  # nodes above the last level
+    member = torch.rand(3, scorable, generator=g) < 0.3  # [B, scorable]
+    offsets = trie.child_offsets.tolist()
+    expected = torch.zeros_like(member)
+    for row, node in member.nonzero().tolist():
+        for child in range(offsets[node] + 1, offsets[node + 1] + 1):
+            if child < scorable:
+                expected[row, child] = True
+    assert torch.equal(spec_beam.children_of(trie, member), expected)
