@@ -30,16 +30,12 @@ from torch import Tensor
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.recsys.errors import DecodeOptionError
-from genrec_spec.recsys.target import core_beam
+from genrec_spec.recsys.target import PRUNE_SHARE, core_beam
 from genrec_spec.recsys.types import Recommendations
 
 DEFAULT_MIN_BEAM_WIDTH = 20  # beam width when none is given: max(k, this)
 ENGINES = ("native", "core")
 
-# Leave out a pass's context prefixes that no current beam extends when they are at least this
-# share of it. Cutting fewer did not pay: the compacted tree costs a copy and, on the demo
-# model at W=20 (a twentieth of the context cut), made decodes slower.
-PRUNE_SHARE = 0.25
 _TRIES = DerivedCache()  # item_codes table -> the trie of its items
 
 
