@@ -111,12 +111,7 @@ class RecommenderTarget:
         wanted[:, : n - m] = False  # earlier nodes are context: their outputs are not needed
         if not bool(wanted.any()):
             return out
-        # A node attends to the history and its own ancestors alone, so context the wanted
-        # nodes do not descend from changes no score: left out when it is a large enough share.
-        kept = scored & _with_ancestors(wanted, tree.parents, model.num_levels - 2)
-        context = int((scored & ~wanted).sum(1).max())
-        if int((kept & ~wanted).sum(1).max()) <= (1 - PRUNE_SHARE) * context:
-            scored = kept
+        scored = context_to_score(scored, wanted, tree.parents, model.num_levels - 2)
         # The model's tree: each row's scored nodes, in tree order (parents first), padded.
         order = torch.sort((~scored).long(), dim=1, stable=True).indices  # [B, N]
         order = order[:, : int(scored.sum(1).max())]  # [B, C]
@@ -144,18 +139,25 @@ class RecommenderTarget:
         return out
 
 
-def _with_ancestors(
-    nodes: Tensor,  # [B, N] bool
+def context_to_score(
+    scored: Tensor,  # [B, N] bool the nodes a pass may feed the model
+    wanted: Tensor,  # [B, N] bool those of them whose outputs it needs
     parents: Tensor,  # [B, N] int64, -1 for roots and padding
-    depth: int,  # the most ancestors a node can have that matter
-) -> Tensor:  # [B, N] bool: the nodes and their ancestors up to `depth` levels up
-    marked, up = nodes.clone(), nodes
-    for _ in range(depth):
+    depth: int,  # the most code ancestors a wanted node has
+) -> Tensor:  # [B, N] bool: `scored`, or its wanted nodes and their ancestors
+    """What a recommender pass feeds the model (both engines' rule). A node attends to the
+    history and its own ancestors alone, so context the wanted nodes do not descend from changes
+    no score; it is left out where it is at least `PRUNE_SHARE` of the context of the row that
+    keeps the most."""
+    marked, up = wanted.clone(), wanted
+    for _ in range(depth):  # the wanted nodes' ancestors, a level at a time
         rows, cols = (up & (parents >= 0)).nonzero(as_tuple=True)
-        up = torch.zeros_like(nodes)
+        up = torch.zeros_like(wanted)
         up[rows, parents[rows, cols]] = True
         marked |= up
-    return marked
+    kept = scored & marked
+    context = int((scored & ~wanted).sum(1).max())
+    return kept if int((kept & ~wanted).sum(1).max()) <= (1 - PRUNE_SHARE) * context else scored
 
 
 _CATALOGUES = DerivedCache()  # model -> (its target, its catalogue), again when item_codes change

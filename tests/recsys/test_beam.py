@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
+from genrec_spec.recsys import target
 from genrec_spec.recsys.decoders import beam
 from genrec_spec.recsys.decoders.spec_beam import same_top_k
 from genrec_spec.recsys.scoring import score
@@ -173,7 +174,7 @@ def test_prefixes_no_beam_extends_are_left_out(model, monkeypatch, width):
     values, offsets = _histories(model, [5, 2, 7], seed=3)
     trie = _trie(model)
     state = model.encode_history(values, offsets)
-    monkeypatch.setattr(beam, "PRUNE_SHARE", 0.0)  # leave out whatever no beam extends
+    monkeypatch.setattr(target, "PRUNE_SHARE", 0.0)  # leave out whatever no beam extends
     history, _, _ = beam.search(model, state, trie, width)
     codes, levels, parents = beam.beam_tree(history)
     current = history[-1].nodes.shape[1]
@@ -187,7 +188,7 @@ def test_prefixes_no_beam_extends_are_left_out(model, monkeypatch, width):
         others = set(range(codes.shape[1])) - kept  # padding only: level 0, code 0, no parent
         assert all(parents[row, i] < 0 and levels[row, i] == codes[row, i] == 0 for i in others)
     pruned = beam.decode(model, values, offsets, k=3, trie=trie, beam_width=width)
-    monkeypatch.setattr(beam, "PRUNE_SHARE", 1.0)  # never
+    monkeypatch.setattr(target, "PRUNE_SHARE", 1.0)  # never
     whole = beam.decode(model, values, offsets, k=3, trie=trie, beam_width=width)
     assert torch.equal(pruned.items, whole.items)
     torch.testing.assert_close(pruned.scores, whole.scores)

@@ -30,7 +30,7 @@ from torch import Tensor
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.recsys.errors import DecodeOptionError
-from genrec_spec.recsys.target import PRUNE_SHARE, core_beam
+from genrec_spec.recsys.target import context_to_score, core_beam
 from genrec_spec.recsys.types import Recommendations
 
 DEFAULT_MIN_BEAM_WIDTH = 20  # beam width when none is given: max(k, this)
@@ -159,11 +159,12 @@ def beam_tree(history: list[Beams]) -> tuple[Tensor, Tensor, Tensor]:
 
     The earlier levels are context: the model keeps no K/V of tree nodes, so every pass scores
     them again. A node attends to the history and its own ancestors alone, so a prefix that no
-    current beam extends changes no score; where such prefixes are at least `PRUNE_SHARE` of the
+    current beam extends changes no score; where such prefixes are a large enough share of the
     context (wide beams, whose lower levels converge on fewer prefixes), they are left out, as
-    the tree's attention grows with the square of its nodes. The kept context then fills the
-    first slots of each row in order, rows with fewer padding with unattached nodes (level 0,
-    parent -1), and the current beams stay the last W."""
+    the tree's attention grows with the square of its nodes (`target.context_to_score`, the
+    core's rule too). The kept context then fills the first slots of each row in order, rows
+    with fewer padding with unattached nodes (level 0, parent -1), and the current beams stay
+    the last W."""
     codes = torch.cat([b.code for b in history], 1)  # [B, N]
     levels = torch.cat([torch.full_like(b.code, d) for d, b in enumerate(history)], 1)
     starts = [0]
@@ -178,15 +179,16 @@ def beam_tree(history: list[Beams]) -> tuple[Tensor, Tensor, Tensor]:
     )
     batch, n = codes.shape
     context = starts[-1]
-    needed = _extended_prefixes(history)  # [B, context]
-    slots = int(needed.sum(1).max()) if context else 0  # C: most context nodes a row keeps
-    if not context or slots > (1 - PRUNE_SHARE) * context:
+    current = history[-1].nodes >= 0  # [B, W] real current beams (the last W nodes)
+    wanted = torch.cat([torch.zeros_like(codes[:, :context], dtype=torch.bool), current], 1)
+    feedable = torch.cat([torch.ones_like(wanted[:, :context]), current], 1)
+    needed = context_to_score(feedable, wanted, parents, len(history) - 1)[:, :context]
+    if bool(needed.all()):
         return codes, levels, parents
+    slots = int(needed.sum(1).max())  # C: most context nodes a row keeps
     order = torch.sort((~needed).long(), dim=1, stable=True).indices[:, :slots]  # [B, C]
     index = torch.cat([order, torch.arange(context, n).expand(batch, -1)], 1)  # [B, C + W]
-    real = torch.cat(
-        [needed.gather(1, order), torch.ones_like(history[-1].nodes, dtype=torch.bool)], 1
-    )
+    real = torch.cat([needed.gather(1, order), torch.ones_like(current)], 1)
     slot_of = torch.cumsum(needed.long(), 1) - 1  # [B, context] a kept node's new slot
     above = parents.gather(1, index)  # the parents' old slots (all context nodes)
     return (
@@ -194,18 +196,6 @@ def beam_tree(history: list[Beams]) -> tuple[Tensor, Tensor, Tensor]:
         torch.where(real, levels.gather(1, index), 0),
         torch.where(real & (above >= 0), slot_of.gather(1, above.clamp(min=0)), -1),
     )
-
-
-def _extended_prefixes(history: list[Beams]) -> Tensor:  # [B, N - W] bool
-    """Which beams of the earlier levels (in `beam_tree`'s node order) a current beam extends,
-    directly or through its own earlier prefixes."""
-    extended = history[-1].nodes >= 0  # [B, W]
-    masks = []
-    for depth in range(len(history) - 1, 0, -1):
-        counts = torch.zeros_like(history[depth - 1].nodes)
-        extended = counts.scatter_add_(1, history[depth].origin, extended.long()) > 0
-        masks.insert(0, extended)
-    return torch.cat(masks, 1) if masks else extended[:, :0]
 
 
 def finish(
