@@ -119,8 +119,9 @@ def offsets_to_lengths(
     return offsets[1:] - offsets[:-1]
 
 
-def _row_positions(offsets: Tensor, num_values: int) -> tuple[Tensor, Tensor]:
-    """Row index [M] and position within the row [M] of every value."""
+def row_positions(offsets: Tensor, num_values: int) -> tuple[Tensor, Tensor]:
+    """Row index [M] and position within the row [M] of every value (offsets [B+1], M values):
+    also how ranges of different lengths are spelled out, one row a range."""
     lengths = offsets[1:] - offsets[:-1]  # [B]
     rows = torch.arange(lengths.numel(), device=offsets.device)  # [B]
     row = torch.repeat_interleave(rows, lengths, output_size=num_values)  # [M]
@@ -138,7 +139,7 @@ def truncate_jagged(
         raise DataError(f"max_len must be >= 0, got {max_len}", "pass the longest history to keep")
     offsets = _check_offsets(offsets, values.shape[0])
     lengths = offsets[1:] - offsets[:-1]  # [B]
-    row, position = _row_positions(offsets, values.shape[0])  # [M], [M]
+    row, position = row_positions(offsets, values.shape[0])  # [M], [M]
     dropped = (lengths - max_len).clamp(min=0)  # [B] oldest items cut from each row
     keep = position >= dropped[row]  # [M]
     return values[keep], lengths_to_offsets(lengths - dropped, backend="torch")
@@ -167,7 +168,7 @@ def jagged_to_padded(
         return torch.ops.fbgemm.jagged_to_padded_dense(values, [offsets], [max_len], pad_value)
     batch = offsets.numel() - 1
     padded = values.new_full((batch, max_len, *values.shape[1:]), pad_value)  # [B, T(, E)]
-    row, position = _row_positions(offsets, values.shape[0])  # [M], [M]
+    row, position = row_positions(offsets, values.shape[0])  # [M], [M]
     padded[row, position] = values
     return padded
 

@@ -60,6 +60,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from genrec_spec.data_pipelines.jagged import lengths_to_offsets, row_positions
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.recsys.decoders.beam import (
     Beams,
@@ -275,9 +276,8 @@ def children_of(
     first = trie.child_offsets[nodes].long() + 1  # [M] each member's first child
     counts = trie.child_offsets[nodes + 1].long() + 1 - first  # [M]
     # [sum counts]: first[m], first[m] + 1, ..., first[m] + counts[m] - 1 for each member m
-    starts = torch.cumsum(counts, 0) - counts
-    owner = torch.repeat_interleave(torch.arange(len(counts), device=member.device), counts)
-    child = first[owner] + torch.arange(len(owner), device=member.device) - starts[owner]
+    owner, within = row_positions(lengths_to_offsets(counts, backend="torch"), int(counts.sum()))
+    child = first[owner] + within
     inside = child < member.shape[1]  # children past the scorable levels are not marked
     out = torch.zeros_like(member)
     out[rows[owner][inside], child[inside]] = True
