@@ -338,7 +338,7 @@ def _first_occurrences(keys: Tensor) -> Tensor:  # [Q] -> [F]
 def _select(
     beams: _Beams,
     values: Tensor,  # [B, W, C] each beam's best next-token log-probs (-inf: none)
-    options: Tensor,  # [B, W, C] their tokens
+    options: Tensor,  # [B, W, C] their tokens (int32)
     eos: Tensor,  # [E] eos token ids
     keep: int,  # candidates kept a step (2W with one eos token)
     step: int,  # tokens generated before this step
@@ -352,7 +352,7 @@ def _select(
     flat = (beams.scores[:, :, None] + values).flatten(1)  # [B, W * C]
     scores, index = flat.topk(keep, dim=1)  # [B, 2W]
     origin = index // c
-    token = options.flatten(1).gather(1, index)
+    token = options.flatten(1).gather(1, index).long()
     sequences = beams.sequences.gather(1, origin[..., None].expand(-1, -1, max_new_tokens)).clone()
     sequences[:, :, step] = token
     hits = torch.isin(token, eos) | (step + 1 >= max_new_tokens)

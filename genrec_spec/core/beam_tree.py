@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 # Node numbers per row are below this, so (row, parent, token) packs into one int64 key.
@@ -44,6 +45,9 @@ class BeamTree:
     keys: Tensor = field(init=False)  # [R] sorted keys of every real node
     key_nodes: Tensor = field(init=False)  # [R] the node each key names
     # [B, capacity, C] each node's best candidates: log-probs (best first; -inf pads), tokens
+    # (int32: a vocabulary fits, at half the bytes to copy). Uninitialised until ``store``:
+    # only scored and known nodes are read, and filling B * capacity * C slots cost a wide
+    # search more than its selection.
     top_values: Tensor = field(init=False)
     top_tokens: Tensor = field(init=False)
     # [B, capacity] bool: candidates known when planned (a forced token that costs nothing),
@@ -59,8 +63,8 @@ class BeamTree:
         self.states = torch.full(slots, -1, dtype=torch.long)
         self.keys = torch.zeros(0, dtype=torch.long)
         self.key_nodes = torch.zeros(0, dtype=torch.long)
-        self.top_values = torch.full((*slots, self.width), float("-inf"))
-        self.top_tokens = torch.zeros(*slots, self.width, dtype=torch.long)
+        self.top_values = torch.empty(*slots, self.width)
+        self.top_tokens = torch.empty(*slots, self.width, dtype=torch.int32)
         self.known = torch.zeros(slots, dtype=torch.bool)
 
     def key(self, rows: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:  # [Q] each -> [Q]
@@ -133,9 +137,11 @@ class BeamTree:
         return out
 
     def store(self, rows: Tensor, nodes: Tensor, values: Tensor, tokens: Tensor) -> None:
-        """Keep Q nodes' best candidates: rows, nodes [Q], values, tokens [Q, C' <= C]."""
-        self.top_values[rows, nodes, : values.shape[1]] = values
-        self.top_tokens[rows, nodes, : tokens.shape[1]] = tokens
+        """Keep Q nodes' best candidates: rows, nodes [Q], values, tokens [Q, C' <= C]; the
+        slots past C' read as -inf (token 0)."""
+        pad = self.width - values.shape[1]
+        self.top_values[rows, nodes] = F.pad(values, (0, pad), value=float("-inf"))
+        self.top_tokens[rows, nodes] = F.pad(tokens.int(), (0, pad))
 
     def know(self, rows: Tensor, nodes: Tensor, tokens: Tensor) -> None:
         """Planned nodes [Q] whose one candidate is ``tokens`` [Q] at log-prob 0 (forced)."""
@@ -143,9 +149,13 @@ class BeamTree:
         self.known[rows, nodes] = True
 
     def candidates(self, nodes: Tensor) -> tuple[Tensor, Tensor]:  # [B, W] -> 2 x [B, W, C]
-        """The stored candidates (log-probs, tokens) of each beam's node."""
-        index = nodes.clamp_min(0)[..., None].expand(-1, -1, self.width)
-        return self.top_values.gather(1, index), self.top_tokens.gather(1, index)
+        """The stored candidates (log-probs, tokens: int32) of each beam's node (a node of -1
+        reads the root's); whole rows of C copied, not gathered element by element."""
+        slots = self.top_values.shape[1]
+        index = (nodes.clamp_min(0) + torch.arange(self.batch)[:, None] * slots).flatten()
+        values = self.top_values.flatten(0, 1).index_select(0, index)
+        tokens = self.top_tokens.flatten(0, 1).index_select(0, index)
+        return values.view(*nodes.shape, -1), tokens.view(*nodes.shape, -1)
 
 
 def rank_within_rows(rows: Tensor, batch: int) -> Tensor:  # [Q] ascending -> [Q]
