@@ -57,9 +57,13 @@ class RecommenderTarget:
     def __init__(self, model) -> None:
         self.model = model
         self.device = model.item_codes.device
-        self.sizes = torch.tensor(model.codebook_sizes, device=self.device)  # [L]
-        self.offsets = torch.cat([self.sizes.new_zeros(1), self.sizes.cumsum(0)])  # [L + 1]
+        sizes = torch.tensor(model.codebook_sizes, device=self.device)  # [L]
+        self.offsets = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)])  # [L + 1]
         self.vocab_size = int(self.offsets[-1])
+        # (first column, codebook size) of each level's codes in the flattened vocabulary
+        self.level_columns = list(
+            zip(self.offsets[:-1].tolist(), model.codebook_sizes, strict=True)
+        )
         self.prompt_vocab_size = model.num_items
         self.max_length = UNBOUNDED
         # Code levels normalised over a prefix's children give a forced code log-prob 0.
@@ -105,38 +109,50 @@ class RecommenderTarget:
         root, scored = depth == 0, (depth > 0) & (depth < model.num_levels)
         out = torch.full((batch, m, self.vocab_size), float("-inf"), device=self.device)
         level0 = cache.state.level0_log_probs  # [B, V0]
-        new_root = root[:, n - m :, None]
-        out[:, :, : level0.shape[1]] = torch.where(new_root, level0[:, None], -torch.inf)
+        rows, slots = root[:, n - m :].nonzero(as_tuple=True)
+        out[rows, slots, : level0.shape[1]] = level0[rows]
         wanted = scored.clone()
         wanted[:, : n - m] = False  # earlier nodes are context: their outputs are not needed
         if not bool(wanted.any()):
             return out
         scored = context_to_score(scored, wanted, tree.parents, model.num_levels - 2)
-        # The model's tree: each row's scored nodes, in tree order (parents first), padded.
-        order = torch.sort((~scored).long(), dim=1, stable=True).indices  # [B, N]
-        order = order[:, : int(scored.sum(1).max())]  # [B, C]
-        real = scored.gather(1, order)
-        rank = torch.cumsum(scored.long(), 1) - 1  # [B, N] a scored node's slot in `order`
+        # The model's tree: each row's context, then its new nodes, each part in tree order
+        # (parents first) and padded to the row with the most, so the new nodes of every row
+        # sit in the last slots, the only ones whose outputs the model computes.
+        context_order, context_real = _in_order(scored & ~wanted)  # [B, C] each
+        new_order, new_real = _in_order(wanted)  # [B, W'] each
+        order, real = (
+            torch.cat([context_order, new_order], 1),
+            torch.cat([context_real, new_real], 1),
+        )
+        rows, slots = real.nonzero(as_tuple=True)
+        slot_of = torch.zeros_like(tree.parents)  # [B, N] a scored node's slot in `order`
+        slot_of[rows, order[rows, slots]] = slots
         parent = tree.parents.gather(1, order).clamp_min(0)  # a root's children: below history
-        model_parents = torch.where(real & scored.gather(1, parent), rank.gather(1, parent), -1)
+        model_parents = torch.where(real & scored.gather(1, parent), slot_of.gather(1, parent), -1)
         levels = torch.where(real, depth.gather(1, order) - 1, 0)
         codes = torch.where(real, tree.tokens.gather(1, order) - self.offsets[levels], 0)
-        # Output heads only for the trailing slots that hold every row's new nodes.
-        context = (scored & ~wanted).sum(1)  # [B] scored nodes before the new ones
-        last = order.shape[1] - int(context.min())
+        last = new_order.shape[1]
         log_probs = model.score_tree(cache.state, codes, levels, model_parents, last=last)
-        rows, slots = (real & wanted.gather(1, order)).nonzero(as_tuple=True)
+        rows, slots = new_real.nonzero(as_tuple=True)
+        slots = slots + context_order.shape[1]  # log_probs [B, W', Vmax] are the last slots
         following = levels[rows, slots] + 1  # the level each node predicts
-        width = torch.arange(log_probs.shape[2], device=self.device)
-        inside = width < self.sizes[following][:, None]  # [Q, Vmax]; -inf past its codebook
-        # Each node's codebook lands at its level's offset; the rest goes to a spare column.
-        columns = torch.where(inside, self.offsets[following][:, None] + width, self.vocab_size)
-        first = order.shape[1] - last  # log_probs [B, last, Vmax] are slots first..C-1
-        values = log_probs[rows, slots - first]  # [Q, Vmax]
-        dense = values.new_full((len(rows), self.vocab_size + 1), float("-inf"))
-        dense.scatter_(1, columns, values.masked_fill(~inside, float("-inf")))
-        out[rows, order[rows, slots] - (n - m)] = dense[:, : self.vocab_size]
+        values = log_probs[rows, slots - context_order.shape[1]]  # [Q, Vmax]
+        at = out.view(-1, self.vocab_size)  # [B * M, V] rows, each node's row below
+        positions = rows * m + order[rows, slots] - (n - m)
+        # Each node's codebook lands at its level's offset, one copy per level predicted.
+        for level in following.unique().tolist():
+            nodes = following == level
+            lo, size = self.level_columns[level]
+            at[positions[nodes], lo : lo + size] = values[nodes, :size]
         return out
+
+
+def _in_order(mask: Tensor) -> tuple[Tensor, Tensor]:  # [B, N] -> [B, S] each
+    """Each row's marked nodes in tree order, padded to the row with the most: their node
+    numbers, and which are real."""
+    order = torch.sort((~mask).long(), dim=1, stable=True).indices[:, : int(mask.sum(1).max())]
+    return order, mask.gather(1, order)
 
 
 def context_to_score(
