@@ -238,23 +238,25 @@ class _Search:
         tree = self.tree
         rows, parents, tokens = need.nonzero()[:, 0], beams.parents[need], beams.last[need]
         # Copies of a beam (the first step's) plan one node.
-        once = _first_occurrences(tree.key(rows, parents, tokens))
+        once, copy_of = _distinct(tree.key(rows, parents, tokens))
         rows, parents, tokens = rows[once], parents[once], tokens[once]
         waiting = int(tree.pending.sum())  # known nodes planned at earlier steps
         states = self._states(rows, parents, tokens)
         nodes = tree.add(rows, parents, tokens, states)
-        _link(beams, tree)
+        beams.nodes[need] = nodes[copy_of]
         if self.forced_free:
             forced = self.constraint.trie.forced(states)  # [Q] -1: a choice
             known = forced >= 0
-            tree.know(rows[known], nodes[known], forced[known])
-            if bool(known.all()):  # no new node needs the target: they wait for a pass
+            count = int(known.sum())
+            if count:
+                tree.know(rows[known], nodes[known], forced[known])
+            if count == len(known):  # no new node needs the target: they wait for a pass
                 return
         if self.drafter is not None:
             live = open_rows[:, None] & (beams.scores > float("-inf"))
             budget = max(1, self.config.draft_nodes // int(open_rows.sum()))
             rows_live, nodes_live = live.nonzero()[:, 0], beams.nodes[live]
-            once = _first_occurrences(rows_live * MAX_NODES + nodes_live)
+            once, _ = _distinct(rows_live * MAX_NODES + nodes_live)
             self.drafter.draft(tree, rows_live[once], nodes_live[once], budget)
         self.drafted += int(tree.pending.sum()) - waiting - len(rows)
         self.speculative += self.drafter is not None
@@ -327,12 +329,20 @@ def _link(beams: _Beams, tree: BeamTree) -> None:
     beams.nodes[missing] = tree.child(rows, beams.parents[missing], beams.last[missing])
 
 
-def _first_occurrences(keys: Tensor) -> Tensor:  # [Q] -> [F]
-    """The positions of the first occurrence of each distinct key, in order."""
+def _distinct(keys: Tensor) -> tuple[Tensor, Tensor]:  # [Q] -> [F], [Q]
+    """The positions of the first occurrence of each distinct key, in order, and for each key
+    the number of its distinct key among them."""
     ordered, order = keys.sort(stable=True)
     first = torch.ones_like(ordered, dtype=torch.bool)
     first[1:] = ordered[1:] != ordered[:-1]
-    return order[first].sort().values
+    group = first.cumsum(0) - 1  # [Q] the distinct key of each sorted position
+    starts = order[first]  # [F] each distinct key's first position, in key order
+    positions, rank = starts.sort()  # rank: the key order of each distinct key, by position
+    number = torch.empty_like(rank)
+    number[rank] = torch.arange(len(rank))
+    copy_of = torch.empty_like(keys)
+    copy_of[order] = number[group]
+    return positions, copy_of
 
 
 def _select(

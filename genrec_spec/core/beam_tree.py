@@ -139,9 +139,10 @@ class BeamTree:
     def store(self, rows: Tensor, nodes: Tensor, values: Tensor, tokens: Tensor) -> None:
         """Keep Q nodes' best candidates: rows, nodes [Q], values, tokens [Q, C' <= C]; the
         slots past C' read as -inf (token 0)."""
-        pad = self.width - values.shape[1]
-        self.top_values[rows, nodes] = F.pad(values, (0, pad), value=float("-inf"))
-        self.top_tokens[rows, nodes] = F.pad(tokens.int(), (0, pad))
+        if values.shape[1] < self.width:
+            pad = self.width - values.shape[1]
+            values, tokens = F.pad(values, (0, pad), value=float("-inf")), F.pad(tokens, (0, pad))
+        self.top_values[rows, nodes], self.top_tokens[rows, nodes] = values, tokens.int()
 
     def know(self, rows: Tensor, nodes: Tensor, tokens: Tensor) -> None:
         """Planned nodes [Q] whose one candidate is ``tokens`` [Q] at log-prob 0 (forced)."""

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from genrec_spec import CallableTarget, HFTarget
-from genrec_spec.core.beam import BeamConfig, beam_search
+from genrec_spec.core.beam import BeamConfig, _distinct, beam_search
+from genrec_spec.core.beam_tree import BeamTree
 from genrec_spec.core.constraints import AllowedTokens, Catalogue
 from genrec_spec.core.types import DecodeInputError
 from genrec_spec.llm.proposers.catalogue import CatalogueDrafter
@@ -293,3 +294,33 @@ def test_nan_logits_are_refused():
 
     with pytest.raises(DecodeInputError, match="NaN"):
         beam_search(CallableTarget(broken, VOCAB), [[1, 9], [2, 3]], max_new_tokens=3)
+
+
+def test_distinct_keys_map_every_copy_to_its_first():
+    keys = torch.randint(0, 6, (40,), generator=torch.Generator().manual_seed(0))
+    positions, copy_of = _distinct(keys)
+    firsts = [i for i, key in enumerate(keys.tolist()) if key not in keys[:i].tolist()]
+    assert positions.tolist() == firsts
+    assert torch.equal(keys[positions][copy_of], keys)
+
+
+def test_the_beam_tree_reads_back_what_it_stored():
+    tree = BeamTree(batch=2, width=3, vocab_size=VOCAB, capacity=4)
+    rows, parents, tokens = (
+        torch.tensor([0, 0, 1]),
+        torch.tensor([-1, 0, -1]),
+        torch.tensor([1, 2, 3]),
+    )
+    nodes = tree.add(rows, parents, tokens, torch.zeros(3, dtype=torch.long))
+    assert nodes.tolist() == [0, 1, 0]
+    assert tree.child(rows, parents, tokens).tolist() == [0, 1, 0]
+    row0 = torch.zeros(2, dtype=torch.long)
+    tree.store(
+        row0, nodes[:2], torch.tensor([[-0.5, -1.0], [-0.25, -2.0]]), torch.tensor([[4, 5], [6, 7]])
+    )
+    tree.know(torch.tensor([1]), torch.tensor([0]), torch.tensor([8]))  # a forced token: log-prob 0
+    # [B, W=2, C=3] candidates, short rows padded with -inf and token 0; node -1 reads the root
+    values, tokens = tree.candidates(torch.tensor([[1, 0], [0, -1]]))
+    inf = float("-inf")
+    assert values.tolist() == [[[-0.25, -2.0, inf], [-0.5, -1.0, inf]], [[0.0, inf, inf]] * 2]
+    assert tokens.tolist() == [[[6, 7, 0], [4, 5, 0]], [[8, 0, 0]] * 2]
