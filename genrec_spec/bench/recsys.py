@@ -32,7 +32,7 @@ from genrec_spec.recsys.data import sample_users
 from genrec_spec.recsys.decoders.beam import beam_width_for, item_trie, search
 from genrec_spec.recsys.decoders.registry import DECODERS, get_decoder, options_for, runs_on
 from genrec_spec.recsys.history_cache import CachedRecommender, HistoryCache, rows_of
-from genrec_spec.recsys.scoring import PrefixTree, TrieIndex, node_mask, prefix_tree
+from genrec_spec.recsys.scoring import PrefixTree, TrieIndex, prefix_tree
 
 # Benchmark rows that are a registered decoder with fixed options.
 VARIANTS: dict[str, tuple[str, dict]] = {
@@ -194,7 +194,7 @@ def needed_prefixes(model, users, trie, width: int) -> PrefixTree:
         state = model.encode_history(users.values, users.offsets)
         history, _, _ = search(model, state, trie, width)
     nodes = torch.cat([beams.nodes for beams in history[:-1]], dim=1)  # [B, (L-1) W]
-    return prefix_tree(index, node_mask(nodes, index.scorable) & index.to_score(model))
+    return prefix_tree(index, index.scored(index.rowwise(nodes), index.to_score(model)), len(nodes))
 
 
 @dataclass

@@ -5,9 +5,10 @@ the target's log-probs at a set of code prefixes (trie nodes) of each user? This
 
 - `TrieIndex`: per trie node its parent, code and level; `prefix_nodes`: the trie nodes of
   items' prefixes.
-- `prefix_tree(index, member)`: a set of trie nodes per row (a [B, nodes] membership mask),
-  closed under ancestors, laid out as one padded tree per row in the node order of the trie
-  (parents first), ready for the model.
+- `NodeSet`: a set of trie nodes per row, kept sparse (sorted keys), so its work follows its
+  members, never the trie's size (a [B, trie nodes] mask is gigabytes at millions of items).
+- `prefix_tree(index, member, batch)`: such a set, closed under ancestors, laid out as one
+  padded tree per row in the node order of the trie (parents first), ready for the model.
 - `score(model, values, offsets, candidates)`: the exact log-likelihood of every candidate
   item, all candidates' distinct prefixes as one tree over the shared history root, scored in
   ONE forward with the history (`model.encode_history_and_tree`).
@@ -23,10 +24,12 @@ V codes, T history tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
 
+from genrec_spec.core.beam_tree import rank_within_rows
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.recsys.errors import RecommenderInputError
@@ -34,6 +37,69 @@ from genrec_spec.recsys.decoders.beam import item_trie
 
 _INDEXES = DerivedCache()  # PrefixTrie -> its TrieIndex
 _ITEM_PREFIXES = DerivedCache()  # PrefixTrie -> its items' prefix nodes
+
+
+@dataclass(frozen=True)
+class NodeSet:
+    """Trie nodes per row: the sorted distinct keys row * stride + node (stride above every
+    node id a set holds). Rows ascend with the keys, and within a row the node ids, so a row's
+    parents come before their children."""
+
+    keys: Tensor  # [K] int64, ascending
+    stride: int
+
+    @classmethod
+    def of(cls, rows: Tensor, nodes: Tensor, stride: int) -> NodeSet:
+        """rows, nodes: the same shape, any order and repeats; nodes of -1 (and any past the
+        stride, which a key could not tell from the next row's) are left out."""
+        keep = (nodes >= 0) & (nodes < stride)
+        return cls(torch.unique(rows[keep] * stride + nodes[keep]), stride)
+
+    @classmethod
+    def rowwise(cls, nodes: Tensor, stride: int) -> NodeSet:  # nodes [B, N], -1 pads
+        rows = torch.arange(nodes.shape[0], device=nodes.device)[:, None].expand_as(nodes)
+        return cls.of(rows, nodes, stride)
+
+    @cached_property
+    def rows(self) -> Tensor:  # [K]
+        return self.keys // self.stride
+
+    @cached_property
+    def nodes(self) -> Tensor:  # [K]
+        return self.keys % self.stride
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def position(self, keys: Tensor) -> tuple[Tensor, Tensor]:  # [...] -> 2 x [...]
+        """Where each key sits in the set and whether it is there at all."""
+        if not len(self.keys):
+            return torch.zeros_like(keys), torch.zeros_like(keys, dtype=torch.bool)
+        at = torch.searchsorted(self.keys, keys).clamp(max=len(self.keys) - 1)
+        return at, self.keys[at] == keys
+
+    def find(self, nodes: Tensor) -> tuple[Tensor, Tensor]:  # [B, ...] -> 2 x [B, ...]
+        """`position` of each row's nodes (row b's in nodes[b]; nodes of -1 are not there)."""
+        rows = torch.arange(nodes.shape[0], device=nodes.device)
+        rows = rows.view(-1, *[1] * (nodes.dim() - 1))
+        at, found = self.position(rows * self.stride + nodes.clamp(min=0))
+        return at, found & (nodes >= 0)
+
+    def value_at(self, values: Tensor, nodes: Tensor) -> Tensor:  # [K], [B, ...] -> [B, ...]
+        """values (one per member, in the set's order) at each row's nodes; -1 where absent."""
+        if not len(values):
+            return torch.full_like(nodes, -1)
+        at, found = self.find(nodes)
+        return torch.where(found, values[at], -1)
+
+    def __or__(self, other: NodeSet) -> NodeSet:
+        return NodeSet(torch.unique(torch.cat([self.keys, other.keys])), self.stride)
+
+    def __sub__(self, other: NodeSet) -> NodeSet:
+        return NodeSet(self.keys[~other.position(self.keys)[1]], self.stride)
+
+    def where(self, keep: Tensor) -> NodeSet:  # keep [K] bool
+        return NodeSet(self.keys[keep], self.stride)
 
 
 @dataclass(frozen=True)
@@ -70,15 +136,27 @@ class TrieIndex:
             return self.choice
         return torch.ones_like(self.choice)
 
-    def with_ancestors(self, member: Tensor) -> Tensor:  # [B, >= scorable] bool -> [B, scorable]
-        """The membership mask closed under ancestors (the root excluded)."""
-        member = member[:, : self.scorable].clone()
-        member[:, 0] = False
+    def with_ancestors(self, member: NodeSet) -> NodeSet:
+        """The set closed under ancestors, the root excluded."""
+        member = member.where(member.nodes > 0)
+        rows, above = member.rows, member.nodes
+        keys = [member.keys]
         for _ in range(int(self.level[self.scorable - 1])):  # prefix lengths above 1
-            rows, nodes = torch.nonzero(member, as_tuple=True)
-            above = self.parent[nodes]
-            member[rows[above > 0], above[above > 0]] = True
-        return member
+            above = self.parent[above].clamp(min=0)  # the root's parent: the root again
+            keys.append(rows * member.stride + above)
+        closed = NodeSet(torch.unique(torch.cat(keys)), member.stride)
+        return closed.where(closed.nodes > 0)
+
+    def nodes(self, rows: Tensor, nodes: Tensor) -> NodeSet:
+        """A `NodeSet` of this trie's scorable nodes (rows, nodes the same shape; -1 pads)."""
+        return NodeSet.of(rows, nodes, self.scorable)
+
+    def rowwise(self, nodes: Tensor) -> NodeSet:  # nodes [B, N] < scorable, -1 pads
+        return NodeSet.rowwise(nodes, self.scorable)
+
+    def scored(self, member: NodeSet, to_score: Tensor) -> NodeSet:
+        """The members whose next level is scored (`to_score` [scorable] bool)."""
+        return member.where(to_score[member.nodes])
 
 
 def prefix_nodes(
@@ -91,14 +169,6 @@ def prefix_nodes(
         node = trie.child(node, flat[:, level])
         out.append(node)
     return torch.stack(out, dim=1).reshape(*codes.shape[:-1], trie.levels - 1)
-
-
-def node_mask(
-    nodes: Tensor,  # [B, N] int64 trie nodes per row, each < scorable; -1 = none
-    scorable: int,
-) -> Tensor:  # [B, scorable] bool, True at each row's nodes
-    spare = torch.zeros(nodes.shape[0], scorable + 1, dtype=torch.bool, device=nodes.device)
-    return spare.scatter_(1, torch.where(nodes >= 0, nodes, scorable), True)[:, :scorable]
 
 
 def item_prefixes(trie: PrefixTrie, item_codes: Tensor) -> Tensor:  # [I] ... -> [I, L-1]
@@ -116,38 +186,44 @@ class PrefixTree:
     codes: Tensor  # [B, N] int64
     levels: Tensor  # [B, N] int64 code level (0..L-2)
     parents: Tensor  # [B, N] int64 tree index of the parent; -1 = child of the history root
-    slots: Tensor  # [B, scorable] int64 tree index of each trie node; -1 = not in the tree
+    members: NodeSet  # the trie nodes in the tree
+    slots: Tensor  # [K] int64 the tree index of each member, in the set's order
 
     @property
     def real_nodes(self) -> int:
-        return int((self.nodes >= 0).sum())
+        return len(self.members)
+
+    def slot_of(self, nodes: Tensor) -> Tensor:  # [B, ...] trie nodes -> [B, ...], -1: absent
+        return self.members.value_at(self.slots, nodes)
 
 
-def prefix_tree(index: TrieIndex, member: Tensor) -> PrefixTree:
-    """member: [B, >= scorable] bool, the trie nodes wanted per row; their ancestors are added
-    (a node's score depends on its whole prefix). Padding nodes are harmless level-0 roots."""
-    batch = member.shape[0]
-    if not bool(member[:, 1 : index.scorable].any()):  # nothing wanted (a draft made later)
-        none = torch.zeros(batch, 0, dtype=torch.long, device=member.device)
-        unscored = torch.full((batch, index.scorable), -1, dtype=torch.long, device=member.device)
-        return PrefixTree(nodes=none, codes=none, levels=none, parents=none, slots=unscored)
+def prefix_tree(index: TrieIndex, member: NodeSet, batch: int) -> PrefixTree:
+    """member: the trie nodes wanted in each of `batch` rows; their ancestors are added (a
+    node's score depends on its whole prefix). Padding nodes are harmless level-0 roots."""
+    device = member.keys.device
+    if not len(member):  # nothing wanted (a draft made later)
+        none = torch.zeros(batch, 0, dtype=torch.long, device=device)
+        return PrefixTree(none, none, none, none, members=member, slots=none.flatten())
     member = index.with_ancestors(member)
-    slots = member.long().cumsum(dim=1) - 1  # [B, scorable] position among the row's nodes
-    rows, nodes = torch.nonzero(member, as_tuple=True)  # row-major, ascending node ids
-    width = int(member.sum(dim=1).max()) if batch else 0
-    tree_nodes = torch.full((batch, width), -1, dtype=torch.long, device=member.device)
-    tree_nodes[rows, slots[rows, nodes]] = nodes
-    safe = tree_nodes.clamp(min=0)
-    parent = index.parent[safe]  # [B, N] trie node of the parent (0 = the root)
-    parents = torch.where(
-        (tree_nodes >= 0) & (parent > 0), slots.gather(1, parent.clamp(min=0)), -1
-    )
+    rows, nodes = member.rows, member.nodes  # row-major, ascending node ids: parents first
+    slots = rank_within_rows(rows, batch)  # [K] each member's tree index
+    width = int(slots.max()) + 1
+
+    def table(values: Tensor, pad: int) -> Tensor:  # [K] -> [B, N]
+        out = torch.full((batch, width), pad, dtype=torch.long, device=device)
+        out[rows, slots] = values
+        return out
+
+    parent = index.parent[nodes]  # trie node of each member's parent (0 = the root)
+    # Every ancestor is a member: a parent other than the root is found at its key.
+    above = member.position(rows * member.stride + parent)[0]
     return PrefixTree(
-        nodes=tree_nodes,
-        codes=torch.where(tree_nodes >= 0, index.code[safe], 0),
-        levels=torch.where(tree_nodes >= 0, index.level[safe], 0),
-        parents=parents,
-        slots=torch.where(member, slots, -1),
+        nodes=table(nodes, -1),
+        codes=table(index.code[nodes], 0),
+        levels=table(index.level[nodes], 0),
+        parents=table(torch.where(parent > 0, slots[above], -1), -1),
+        members=member,
+        slots=slots,
     )
 
 
@@ -184,10 +260,9 @@ def score(
     batch, count = candidates.shape
     codes = model.item_codes[candidates]  # [B, C, L]
     paths = prefix_nodes(trie, codes)  # [B, C, L-1] trie node of each candidate's prefixes
-    member = torch.zeros(batch, index.scorable, dtype=torch.bool, device=candidates.device)
-    member.scatter_(1, paths.flatten(1), True)
     # Prefixes whose next code is forced give it log-prob 0 (`TrieIndex.to_score`): not scored.
-    tree = prefix_tree(index, member & index.to_score(model))
+    member = index.scored(index.rowwise(paths.flatten(1)), index.to_score(model))
+    tree = prefix_tree(index, member, batch)
     state, out = model.encode_history_and_tree(
         values, offsets, tree.codes, tree.levels, tree.parents
     )
@@ -196,6 +271,6 @@ def score(
         return total
     rows = torch.arange(batch, device=candidates.device)[:, None]
     for level in range(1, model.num_levels):
-        at = tree.slots.gather(1, paths[:, :, level - 1])  # [B, C] tree node; -1: forced
+        at = tree.slot_of(paths[:, :, level - 1])  # [B, C] tree node; -1: forced
         total += out[rows, at.clamp(min=0), codes[:, :, level]].masked_fill(at < 0, 0.0)
     return total

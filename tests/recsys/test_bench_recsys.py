@@ -89,7 +89,7 @@ def test_exact_floor_holds_what_beam_needs(tiny_model, tied):
     rows = torch.arange(5)[:, None]
     beams = beam.extend(beam.start_beams(5, trie), state.level0_log_probs[:, None], trie, 0, width)
     for level in range(1, model.num_levels):
-        slot = tree.slots.gather(1, beams.nodes.clamp(min=0))  # [B, W] -1: not in the tree
+        slot = tree.slot_of(beams.nodes)  # [B, W] -1: not in the tree
         need = (beams.nodes >= 0) & to_score[beams.nodes.clamp(min=0)]
         assert bool((slot[need] >= 0).all())  # every beam with a code to score was scored
         step = log_probs[rows, slot.clamp(min=0)].masked_fill(~need[..., None], 0.0)

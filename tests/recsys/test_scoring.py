@@ -12,8 +12,8 @@ from genrec_spec.models.recsys.config import TiedLevelsConfig
 from genrec_spec.models.recsys.errors import RecommenderInputError
 from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 from genrec_spec.recsys.scoring import (
+    NodeSet,
     TrieIndex,
-    node_mask,
     prefix_nodes,
     prefix_tree,
     score,
@@ -110,8 +110,8 @@ def test_fused_pass_equals_encode_then_score_tree(tiny_model):
     trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
     index = TrieIndex.of(trie)
     values, offsets = _histories(model, [7, 1, 15], seed=4)
-    member = torch.rand(3, index.scorable, generator=torch.Generator().manual_seed(5)) < 0.3
-    tree = prefix_tree(index, member)
+    mask = torch.rand(3, index.scorable, generator=torch.Generator().manual_seed(5)) < 0.3
+    tree = prefix_tree(index, index.nodes(*mask.nonzero(as_tuple=True)), 3)
     state, out = model.encode_history_and_tree(
         values, offsets, tree.codes, tree.levels, tree.parents
     )
@@ -130,10 +130,10 @@ def test_prefix_tree_holds_the_nodes_and_their_ancestors(tiny_model):
     index = TrieIndex.of(trie)
     paths = prefix_nodes(trie, model.item_codes)  # [I, L-1]
     assert (paths >= 0).all() and (paths < index.scorable).all()
-    member = torch.zeros(2, index.scorable, dtype=torch.bool)
-    member[0, paths[3, -1]] = True  # a deepest prefix only: its ancestors must come along
-    member[1, paths[:5].flatten()] = True
-    tree = prefix_tree(index, member)
+    # row 0: a deepest prefix only (its ancestors must come along); row 1: five items' prefixes
+    rows = torch.tensor([0] + [1] * paths[:5].numel())
+    member = index.nodes(rows, torch.cat([paths[3, -1:], paths[:5].flatten()]))
+    tree = prefix_tree(index, member, 2)
     assert sorted(tree.nodes[0][tree.nodes[0] >= 0].tolist()) == sorted(paths[3].tolist())
     assert set(tree.nodes[1].tolist()) - {-1} == set(paths[:5].flatten().tolist())
     for b in range(2):
@@ -142,7 +142,7 @@ def test_prefix_tree_holds_the_nodes_and_their_ancestors(tiny_model):
             if node < 0:
                 assert parent == -1  # padding: a harmless root
                 continue
-            assert int(tree.slots[b, node]) == i
+            assert int(tree.slot_of(torch.tensor([[node]] * 2))[b, 0]) == i
             assert int(tree.codes[b, i]) == int(index.code[node])
             if parent < 0:
                 assert int(index.level[node]) == 0
@@ -172,6 +172,19 @@ def test_score_tree_rejects_a_tree_deeper_than_the_code_levels(tiny_model):
         model.score_tree(state, chain * 0, (chain % (model.num_levels - 1)), chain - 1)
 
 
-def test_node_mask_marks_each_rows_nodes():
-    nodes = torch.tensor([[2, -1, 2, 0], [-1, -1, -1, -1]])  # repeats and padding
-    assert node_mask(nodes, 4).tolist() == [[True, False, True, False], [False] * 4]
+def test_node_sets_keep_each_rows_nodes_apart():
+    a = NodeSet.rowwise(torch.tensor([[2, -1, 2, 0], [-1, -1, -1, -1], [3, 1, -1, -1]]), 4)
+    pairs = list(zip(a.rows.tolist(), a.nodes.tolist(), strict=True))
+    assert pairs == [(0, 0), (0, 2), (2, 1), (2, 3)]  # row by row, ascending, repeats once
+    b = NodeSet.of(torch.tensor([1, 2, 0]), torch.tensor([2, 3, 0]), 4)
+    assert (a | b).keys.tolist() == [0, 2, 6, 9, 11]
+    assert (a - b).keys.tolist() == [2, 9]
+    found = a.find(torch.tensor([[2, 3], [2, -1], [1, 0]]))[1]
+    assert found.tolist() == [[True, False], [False, False], [True, False]]
+    assert a.value_at(
+        torch.tensor([5, 6, 7, 8]), torch.tensor([[2, 0], [1, 1], [3, -1]])
+    ).tolist() == [
+        [6, 5],
+        [-1, -1],
+        [8, -1],
+    ]

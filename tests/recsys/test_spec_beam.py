@@ -21,6 +21,7 @@ from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 from genrec_spec.recsys.decoders import beam, spec_beam
 from genrec_spec.recsys.decoders.beam import DecodeOptionError
 from genrec_spec.recsys.decoders.spec_beam import same_top_k
+from genrec_spec.recsys.scoring import NodeSet
 from genrec_spec.recsys.types import Recommendations
 
 
@@ -323,11 +324,13 @@ def test_children_of_marks_exactly_each_members_children():
     codes = torch.unique(codes, dim=0)
     trie = PrefixTrie.from_codes(codes, (4, 5, 6))
     scorable = trie.level_starts[-2]  # nodes above the last level
-    member = torch.rand(3, scorable, generator=g) < 0.3  # [B, scorable]
+    rows, nodes = (torch.rand(3, scorable, generator=g) < 0.3).nonzero(as_tuple=True)
     offsets = trie.child_offsets.tolist()
-    expected = torch.zeros_like(member)
-    for row, node in member.nonzero().tolist():
+    expected = set()
+    for row, node in zip(rows.tolist(), nodes.tolist(), strict=True):
         for child in range(offsets[node] + 1, offsets[node + 1] + 1):
             if child < scorable:
-                expected[row, child] = True
-    assert torch.equal(spec_beam.children_of(trie, member), expected)
+                expected.add((row, child))
+    found = spec_beam.children_of(trie, NodeSet.of(rows, nodes, scorable))
+    assert set(zip(found.rows.tolist(), found.nodes.tolist(), strict=True)) == expected
+    assert bool((found.keys[1:] > found.keys[:-1]).all())  # sorted and distinct

@@ -75,11 +75,11 @@ from genrec_spec.recsys.decoders.nezha import draft_head_of, head_beams
 from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.item_index import top_items, use_index
 from genrec_spec.recsys.scoring import (
+    NodeSet,
     PrefixTree,
     TrieIndex,
     check_candidates,
     item_prefixes,
-    node_mask,
     prefix_nodes,
     prefix_tree,
 )
@@ -130,26 +130,37 @@ def resolve_draft(model, draft: str) -> str:
 class ScoredNodes:
     """The target's log-probs at every prefix scored so far, per row."""
 
-    slots: Tensor  # [B, scorable] int64 index into log_probs' node axis; -1 = not scored
+    members: NodeSet  # the (row, trie node) pairs scored
+    slots: Tensor  # [K] each member's index into log_probs' node axis
     log_probs: Tensor  # [B, N, Vmax] next-level log-probs of the scored nodes
+
+    @classmethod
+    def of(cls, tree: PrefixTree, log_probs: Tensor) -> ScoredNodes:  # tree of every row
+        return cls(tree.members, tree.slots, log_probs)
 
     def add(
         self,
-        rows: Tensor,  # [b] int64 the rows the tree is of
+        rows: Tensor,  # [b] int64 the rows the tree is of, ascending
         tree: PrefixTree,  # of those b rows
         log_probs: Tensor,  # [b, N', Vmax] its log-probs
     ) -> ScoredNodes:
         """Nodes already scored keep their first value (a rescored ancestor is only context)."""
         batch, known, vocab = self.log_probs.shape
-        new = torch.where(tree.slots >= 0, tree.slots + known, -1)  # [b, scorable]
-        slots = self.slots.clone()
-        slots[rows] = torch.where(slots[rows] >= 0, slots[rows], new)
+        new = self.members.stride * rows[tree.members.rows] + tree.members.nodes  # [K'] keys
+        fresh = ~self.members.position(new)[1]
+        keys = torch.cat([self.members.keys, new[fresh]])
+        order = keys.argsort()
+        slots = torch.cat([self.slots, tree.slots[fresh] + known])[order]
         grown = log_probs.new_zeros(batch, log_probs.shape[1], vocab)  # other rows: never read
         grown[rows] = log_probs
-        return ScoredNodes(slots=slots, log_probs=torch.cat([self.log_probs, grown], dim=1))
+        return ScoredNodes(
+            NodeSet(keys[order], self.members.stride),
+            slots,
+            torch.cat([self.log_probs, grown], dim=1),
+        )
 
     def lookup(self, nodes: Tensor) -> Tensor:  # nodes: [B, W] -> [B, W] slot, -1 = unscored
-        return torch.where(nodes >= 0, self.slots.gather(1, nodes.clamp(min=0)), -1)
+        return self.members.value_at(self.slots, nodes)
 
 
 def draft_member(
@@ -158,12 +169,13 @@ def draft_member(
     batch: int,
     draft: str,
     draft_codes: Tensor | None,  # [B, R, L] int64 Semantic IDs of items whose prefixes are drafted
-) -> Tensor:  # [B, scorable] bool trie nodes to score in the first pass
-    member = torch.zeros(batch, index.scorable, dtype=torch.bool, device=trie.device)
-    if draft == "frontier":
-        member[:, 1 : trie.level_starts[2]] = True  # every length-1 prefix
+) -> NodeSet:  # the trie nodes to score in the first pass
+    member = index.rowwise(torch.zeros(batch, 0, dtype=torch.long, device=trie.device))
+    if draft == "frontier":  # every length-1 prefix
+        first = torch.arange(1, trie.level_starts[2], device=trie.device)
+        member = member | index.rowwise(first.expand(batch, -1))
     if draft_codes is not None:
-        member.scatter_(1, prefix_nodes(trie, draft_codes).flatten(1), True)
+        member = member | index.rowwise(prefix_nodes(trie, draft_codes).flatten(1))
     return member
 
 
@@ -173,11 +185,11 @@ def head_draft(
     beams: Beams,  # [B, W] the exact level-0 beams
     trie: PrefixTrie,
     width: int,  # the draft beam's width
-) -> Tensor:  # [B, scorable] bool: the level-0 beams and every prefix the draft beam keeps
+) -> NodeSet:  # the level-0 beams and every prefix the draft beam keeps
     """The "nezha" draft: the draft head's beam (`nezha.head_beams`) from the exact level-0
     beams down to prefixes of length L - 1, guessing the target's beams of levels 1..L-2."""
     found = [beams, *head_beams(model, state, beams, trie, width, model.num_levels - 1)]
-    return node_mask(torch.cat([b.nodes for b in found], dim=1), trie.level_starts[trie.levels])
+    return TrieIndex.of(trie).rowwise(torch.cat([b.nodes for b in found], dim=1))
 
 
 def item_draft(
@@ -187,7 +199,7 @@ def item_draft(
     trie: PrefixTrie,
     width: int,  # prefixes drafted per prefix length
     item_search: str = "auto",  # "exact", "index" or "auto" (`item_index.use_index`)
-) -> Tensor:  # [B, scorable] bool: the level-0 beams and the most probable deeper prefixes
+) -> NodeSet:  # the level-0 beams and the most probable deeper prefixes
     """The "items" draft: at every prefix length 2..L-1 the `width` prefixes under which the
     item objective (`dense`'s distribution) puts the most probability (the caller drops those
     whose next code is forced). On a model whose code levels are tied to that objective a
@@ -205,20 +217,24 @@ def item_draft(
         spread = probs[:, :, None].expand(-1, -1, deeper.shape[1]).flatten(1)  # the same order
     else:
         probs = item_log_probs(model, state).exp()  # [B, I]
-        nodes = deeper.T.reshape(1, -1).expand(len(probs), -1)  # [B, (L-2) I] length-major
-        spread = probs.repeat(1, deeper.shape[1])  # the same order
-    mass = probs.new_zeros(probs.shape[0], index.scorable)  # [B, scorable]
-    mass.scatter_add_(1, nodes, spread)
-    member = node_mask(beams.nodes, index.scorable)
+        nodes = deeper.T.reshape(1, -1)  # [1, (L-2) I] length-major, the same for every row
+        spread = probs.repeat(1, deeper.shape[1])  # [B, (L-2) I] the same order
+    # The mass of each prefix found (columns: the distinct prefixes, ascending), per row.
+    found_nodes, column = torch.unique(nodes, return_inverse=True)
+    mass = probs.new_zeros(probs.shape[0], len(found_nodes))
+    mass.scatter_add_(1, column.expand_as(spread), spread)
+    length = index.level[found_nodes] + 1  # [U] each prefix's length
+    member = index.rowwise(beams.nodes)
     for depth in range(2, trie.levels):
-        low, high = trie.level_starts[depth], trie.level_starts[depth + 1]
-        top = mass[:, low:high].topk(min(width, high - low), dim=1)
-        member.scatter_(1, top.indices + low, top.values > 0)  # no prefix that holds no mass
+        at = (length == depth).nonzero().squeeze(1)  # [U_d] the columns of this length
+        top = mass[:, at].topk(min(width, len(at)), dim=1)
+        picked = torch.where(top.values > 0, found_nodes[at][top.indices], -1)  # none of no mass
+        member = member | index.rowwise(picked)
     return member
 
 
 # Drafts made after the history pass: name -> (model, state, level-0 beams, trie, width) -> the
-# [B, scorable] bool prefixes drafted.
+# prefixes drafted (a `NodeSet`).
 AFTER_HISTORY = {"nezha": head_draft, "items": item_draft}
 
 
@@ -246,42 +262,35 @@ def resolve_options(
 def follow_up_wants(
     trie: PrefixTrie,
     scored: ScoredNodes,
-    drafted: Tensor,  # [B, scorable] bool prefixes some draft proposed (and worth scoring)
+    drafted: NodeSet,  # prefixes some draft proposed (and worth scoring)
     beams: Beams,  # [B, W] the current beams
     missing: Tensor,  # [B, W] bool beams whose prefix needs a score and has none
     to_score: Tensor,  # [scorable] bool prefixes whose next code is not free
     lookahead: int,
-) -> Tensor:  # [B, scorable] bool
+) -> NodeSet:
     """The prefixes a follow-up pass scores: the missing ones, the drafted ones not yet scored,
     and the unscored descendants of every beam `lookahead` levels down."""
     index = TrieIndex.of(trie)
-    want = drafted & (scored.slots < 0)
-    want |= node_mask(beams.nodes.masked_fill(~missing, -1), index.scorable)
-    below = node_mask(beams.nodes, index.scorable)
+    want = index.rowwise(beams.nodes.masked_fill(~missing, -1)) | (drafted - scored.members)
+    below = index.rowwise(beams.nodes)
     for _ in range(lookahead):  # descendants of the beams the next levels can need
         below = children_of(trie, below)
-        want |= below & (scored.slots < 0) & to_score
+        want = want | index.scored(below - scored.members, to_score)
     return want
 
 
-def children_of(
-    trie: PrefixTrie,
-    member: Tensor,  # [B, scorable] bool a set of trie nodes per row
-) -> Tensor:  # [B, scorable] bool, True at every (scorable) child of a node of the set
-    """Node n's children are the consecutive ids child_offsets[n] + 1 .. child_offsets[n+1]
-    (edge e leads to node e + 1): each member's range is spelled out and marked. The work
-    follows the members' children, not the trie's size (a difference array over every node
-    took most of a decode at millions of items)."""
-    rows, nodes = member.nonzero(as_tuple=True)  # [M] each
+def children_of(trie: PrefixTrie, member: NodeSet) -> NodeSet:
+    """Every child of a member (below `member.stride`, the scorable levels). Node n's children
+    are the consecutive ids child_offsets[n] + 1 .. child_offsets[n+1] (edge e leads to node
+    e + 1): each member's range is spelled out, so the work follows the members' children."""
+    rows, nodes = member.rows, member.nodes  # [M] each
     first = trie.child_offsets[nodes].long() + 1  # [M] each member's first child
     counts = trie.child_offsets[nodes + 1].long() + 1 - first  # [M]
     # [sum counts]: first[m], first[m] + 1, ..., first[m] + counts[m] - 1 for each member m
     owner, within = row_positions(lengths_to_offsets(counts, backend="torch"), int(counts.sum()))
     child = first[owner] + within
-    inside = child < member.shape[1]  # children past the scorable levels are not marked
-    out = torch.zeros_like(member)
-    out[rows[owner][inside], child[inside]] = True
-    return out
+    inside = child < member.stride  # children past the scorable levels are left out
+    return NodeSet.of(rows[owner][inside], child[inside], member.stride)
 
 
 def same_top_k(
@@ -333,36 +342,40 @@ def decode(
         draft_codes = model.item_codes[draft_items]
     index = TrieIndex.of(trie)
     to_score = index.to_score(model)  # [scorable] the prefixes whose next code is not free
-    first = prefix_tree(index, draft_member(trie, index, batch, draft, draft_codes) & to_score)
+    member = draft_member(trie, index, batch, draft, draft_codes)
+    first = prefix_tree(index, index.scored(member, to_score), batch)
     state, log_probs = model.encode_history_and_tree(
         values, offsets, first.codes, first.levels, first.parents
     )
-    scored = ScoredNodes(first.slots, log_probs)
+    scored = ScoredNodes.of(first, log_probs)
     passes, nodes_scored = 1, first.real_nodes
     needed = hits = torch.zeros((), dtype=torch.long)
     rows = torch.arange(batch, device=offsets.device)[:, None]
 
     beams = extend(start_beams(batch, trie), state.level0_log_probs[:, None], trie, 0, width)
-    drafted = first.slots >= 0  # [B, scorable] prefixes some draft proposed
+    drafted = first.members  # prefixes some draft proposed
     if draft in AFTER_HISTORY:  # scored with the first follow-up, beside the level-0 beams
         options = {"item_search": item_search} if draft == "items" else {}
         drafted = drafted | AFTER_HISTORY[draft](
             model, state, beams, trie, draft_width or 2 * width, **options
         )
-    drafted &= to_score
+    drafted = index.scored(drafted, to_score)
     for level in range(1, model.num_levels):
         slot = scored.lookup(beams.nodes)  # [B, W]
         real = beams.nodes >= 0
         need = real & to_score[beams.nodes.clamp(min=0)]  # [B, W] beams with a code to score
         needed = needed + need.sum()
-        hits = hits + (need & drafted.gather(1, beams.nodes.clamp(min=0))).sum()
+        hits = hits + (need & drafted.find(beams.nodes)[1]).sum()
         missing = need & (slot < 0)
         if bool(missing.any()):  # a follow-up pass only when some row needs one
             want = follow_up_wants(trie, scored, drafted, beams, missing, to_score, lookahead)
             # Only the rows with something to score take part (in a batch, few rows miss).
-            busy = want.any(dim=1).nonzero().squeeze(1)  # [b]
-            tree = prefix_tree(index, want[busy])
-            some = state if len(busy) == batch else state.rows(busy)
+            busy = torch.unique(want.rows)  # [b] ascending
+            some, local = state, want
+            if len(busy) < batch:  # the tree of the busy rows alone, numbered 0..b-1
+                some = state.rows(busy)
+                local = index.nodes(torch.searchsorted(busy, want.rows), want.nodes)
+            tree = prefix_tree(index, local, len(busy))
             out = model.score_tree(some, tree.codes, tree.levels, tree.parents)
             scored = scored.add(busy, tree, out)
             passes, nodes_scored = passes + 1, nodes_scored + tree.real_nodes
@@ -377,7 +390,7 @@ def decode(
         stats={
             "target_passes": passes,
             "nodes_scored": nodes_scored,
-            "draft_nodes": int(drafted.sum()),
+            "draft_nodes": len(drafted),
             "draft_hit_rate": float(hits) / max(int(needed), 1),
             "wall_time_s": time.perf_counter() - start_time,
             "truncated_histories": int(state.truncated.sum()),
