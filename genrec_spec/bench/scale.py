@@ -23,8 +23,9 @@ under --data-root and reused, `bench.scale_prepare`):
                  throughput is batch / latency. `dense` has no beam, so one width.
 
 A cell whose tied levels would gather more than `max_gather_gib` of item windows is skipped
-and says so, and a cell whose untimed first call took more than `max_call_s` is not repeated
-(its one call is reported).
+and says so. Each cell's first call is untimed; one over `max_call_s` is made again (a
+decoder's first call at a size builds what it caches, such as the item index of `spec_beam`'s
+draft), and a cell whose second call is over it too is not repeated (that call is reported).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class BenchScaleConfig:
     item_table: str = "embeddings"  # the random model's item table: "embeddings" or "random"
     model: str = "default"  # the random model's code levels: "default" or "code-heads"
     max_gather_gib: float = 4.0  # skip a cell whose tied levels would gather more than this
-    max_call_s: float = 30.0  # a cell whose first call takes longer is not repeated
+    max_call_s: float = 30.0  # a cell whose first two calls take longer is not repeated
     threads: int = 1  # torch and faiss CPU threads
     seed: int = 0
 
@@ -108,7 +109,7 @@ class Cell:
     batch: int
     latency_ms: float | None  # median per call; None: skipped
     users_per_s: float | None
-    calls: int  # timed calls (1: the first call was over max_call_s)
+    calls: int  # timed calls (1: the first two calls were over max_call_s)
     note: str = ""  # why skipped or not repeated
 
 
@@ -211,12 +212,15 @@ def time_cells(model, histories, trie, settings: BenchScaleConfig, log) -> list[
                     notes[name] = f"skipped: its tied levels would gather ~{gib:.0f} GiB"
                     continue
                 part = histories.select(torch.arange(batch))
-                start = time.perf_counter()
-                calls[name](model, part.values, part.offsets, settings.k, trie, width)
-                first = time.perf_counter() - start
-                if first > settings.max_call_s:
-                    seconds[name].append(first)
-                    notes[name] = f"one call (the first took over {settings.max_call_s:.0f} s)"
+                for _ in range(2):  # a second try: the first builds what a decoder caches
+                    start = time.perf_counter()
+                    calls[name](model, part.values, part.offsets, settings.k, trie, width)
+                    took = time.perf_counter() - start
+                    if took <= settings.max_call_s:
+                        break
+                else:
+                    seconds[name].append(took)
+                    notes[name] = f"one call (the first two took over {settings.max_call_s:.0f} s)"
             for repeat in range(settings.repeats):
                 rows = torch.arange(batch) + (repeat + 1) * batch
                 part = histories.select(rows % len(histories))
