@@ -120,15 +120,22 @@ def _markdown_table(rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows[1:]])
 
 
+def _one_call(reports: list) -> bool:
+    """Whether a latency shown comes from one call (a cell marked *)."""
+    return any(c.note and c.latency_ms is not None for r in reports for c in r.cells)
+
+
 def format_text(header: str, reports: list) -> str:
     parts = [header, _text_table(size_rows(reports)), _text_table(latency_rows(reports))]
-    parts.append("* one call only (the first two were too slow to repeat)")
+    if _one_call(reports):
+        parts.append("* one call only (the first two were too slow to repeat)")
     return "\n\n".join(parts + ["targets:\n  " + "\n  ".join(targets(reports))])
 
 
 def format_markdown(header: str, reports: list) -> str:
     parts = [header, _markdown_table(size_rows(reports)), _markdown_table(latency_rows(reports))]
-    parts.append("\\* one call only (the first two were too slow to repeat)")
+    if _one_call(reports):
+        parts.append("\\* one call only (the first two were too slow to repeat)")
     return "\n\n".join(parts + ["Targets:\n\n- " + "\n- ".join(targets(reports))]) + "\n"
 
 

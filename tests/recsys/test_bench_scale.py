@@ -33,6 +33,9 @@ def test_bench_scale_on_a_tiny_catalogue(tmp_path):
     assert all(c.latency_ms > 0 and c.calls == 1 for c in report.cells)
     text = format_text(header, [report])
     assert "dense-index" in text and "random-weight" in text
+    assert "one call only" not in text  # no cell was too slow to repeat
+    slow = replace(report, cells=[replace(report.cells[0], note="one call"), *report.cells[1:]])
+    assert "one call only" in format_text(header, [slow])
     written = write(header, [report], settings, tmp_path / "out")
     saved = json.loads((tmp_path / "out" / "scale.json").read_text())
     assert saved["sizes"][0]["items"] == 600 and tmp_path / "out" / "scale.md" in written
