@@ -62,6 +62,7 @@ from torch import Tensor
 
 from genrec_spec.data_pipelines.jagged import lengths_to_offsets, row_positions
 from genrec_spec.data_pipelines.trie import PrefixTrie
+from genrec_spec.models.derived import DerivedCache
 from genrec_spec.recsys.decoders.beam import (
     Beams,
     beam_width_for,
@@ -89,6 +90,9 @@ DRAFTS = ("auto", "frontier", "items", "nezha", "none")
 # The "items" draft through the index retrieves this many items per drafted prefix of a length
 # (the prefixes of the items of highest logit hold most of the mass).
 DRAFT_ITEMS_PER_PREFIX = 2
+# (trie, item codes) -> the distinct longer prefixes of every item (ascending), and the column of
+# each (length, item) among them: the exact "items" draft's, the same for every decode
+_DEEPER = DerivedCache()
 
 
 @dataclass(frozen=True)
@@ -151,8 +155,10 @@ class ScoredNodes:
         keys = torch.cat([self.members.keys, new[fresh]])
         order = keys.argsort()
         slots = torch.cat([self.slots, tree.slots[fresh] + known])[order]
-        grown = log_probs.new_zeros(batch, log_probs.shape[1], vocab)  # other rows: never read
-        grown[rows] = log_probs
+        grown = log_probs
+        if len(rows) < batch:  # the other rows' slots: never read
+            grown = log_probs.new_zeros(batch, log_probs.shape[1], vocab)
+            grown[rows] = log_probs
         return ScoredNodes(
             NodeSet(keys[order], self.members.stride),
             slots,
@@ -170,13 +176,12 @@ def draft_member(
     draft: str,
     draft_codes: Tensor | None,  # [B, R, L] int64 Semantic IDs of items whose prefixes are drafted
 ) -> NodeSet:  # the trie nodes to score in the first pass
-    member = index.rowwise(torch.zeros(batch, 0, dtype=torch.long, device=trie.device))
+    nodes = [torch.zeros(batch, 0, dtype=torch.long, device=trie.device)]  # [B, *] each
     if draft == "frontier":  # every length-1 prefix
-        first = torch.arange(1, trie.level_starts[2], device=trie.device)
-        member = member | index.rowwise(first.expand(batch, -1))
+        nodes.append(torch.arange(1, trie.level_starts[2], device=trie.device).expand(batch, -1))
     if draft_codes is not None:
-        member = member | index.rowwise(prefix_nodes(trie, draft_codes).flatten(1))
-    return member
+        nodes.append(prefix_nodes(trie, draft_codes).flatten(1))
+    return index.rowwise(torch.cat(nodes, dim=1))
 
 
 def head_draft(
@@ -215,22 +220,25 @@ def item_draft(
         probs = (found.scores - found.scores[:, :1]).exp().nan_to_num(0.0)  # [B, R]; pads: 0
         nodes = deeper[found.items.clamp(min=0)].flatten(1)  # [B, R (L-2)] item-major
         spread = probs[:, :, None].expand(-1, -1, deeper.shape[1]).flatten(1)  # the same order
+        found_nodes, column = torch.unique(nodes, return_inverse=True)
     else:
         probs = item_log_probs(model, state).exp()  # [B, I]
-        nodes = deeper.T.reshape(1, -1)  # [1, (L-2) I] length-major, the same for every row
+        found_nodes, column = _DEEPER.get(  # [1, (L-2) I] columns, length-major
+            trie,
+            (trie.edge_keys, model.item_codes),
+            lambda: torch.unique(deeper.T.reshape(1, -1), return_inverse=True),
+        )
         spread = probs.repeat(1, deeper.shape[1])  # [B, (L-2) I] the same order
     # The mass of each prefix found (columns: the distinct prefixes, ascending), per row.
-    found_nodes, column = torch.unique(nodes, return_inverse=True)
     mass = probs.new_zeros(probs.shape[0], len(found_nodes))
     mass.scatter_add_(1, column.expand_as(spread), spread)
     length = index.level[found_nodes] + 1  # [U] each prefix's length
-    member = index.rowwise(beams.nodes)
+    picked = [beams.nodes]
     for depth in range(2, trie.levels):
         at = (length == depth).nonzero().squeeze(1)  # [U_d] the columns of this length
         top = mass[:, at].topk(min(width, len(at)), dim=1)
-        picked = torch.where(top.values > 0, found_nodes[at][top.indices], -1)  # none of no mass
-        member = member | index.rowwise(picked)
-    return member
+        picked.append(torch.where(top.values > 0, found_nodes[at][top.indices], -1))  # mass > 0
+    return index.rowwise(torch.cat(picked, dim=1))
 
 
 # Drafts made after the history pass: name -> (model, state, level-0 beams, trie, width) -> the
@@ -272,7 +280,7 @@ def follow_up_wants(
     and the unscored descendants of every beam `lookahead` levels down."""
     index = TrieIndex.of(trie)
     want = index.rowwise(beams.nodes.masked_fill(~missing, -1)) | (drafted - scored.members)
-    below = index.rowwise(beams.nodes)
+    below = index.rowwise(beams.nodes) if lookahead else None
     for _ in range(lookahead):  # descendants of the beams the next levels can need
         below = children_of(trie, below)
         want = want | index.scored(below - scored.members, to_score)
