@@ -147,7 +147,7 @@ class TrieIndex:
         closed = NodeSet(torch.unique(torch.cat(keys)), member.stride)
         return closed.where(closed.nodes > 0)
 
-    def nodes(self, rows: Tensor, nodes: Tensor) -> NodeSet:
+    def node_set(self, rows: Tensor, nodes: Tensor) -> NodeSet:
         """A `NodeSet` of this trie's scorable nodes (rows, nodes the same shape; -1 pads)."""
         return NodeSet.of(rows, nodes, self.scorable)
 

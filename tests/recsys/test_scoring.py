@@ -111,7 +111,7 @@ def test_fused_pass_equals_encode_then_score_tree(tiny_model):
     index = TrieIndex.of(trie)
     values, offsets = _histories(model, [7, 1, 15], seed=4)
     mask = torch.rand(3, index.scorable, generator=torch.Generator().manual_seed(5)) < 0.3
-    tree = prefix_tree(index, index.nodes(*mask.nonzero(as_tuple=True)), 3)
+    tree = prefix_tree(index, index.node_set(*mask.nonzero(as_tuple=True)), 3)
     state, out = model.encode_history_and_tree(
         values, offsets, tree.codes, tree.levels, tree.parents
     )
@@ -132,7 +132,7 @@ def test_prefix_tree_holds_the_nodes_and_their_ancestors(tiny_model):
     assert (paths >= 0).all() and (paths < index.scorable).all()
     # row 0: a deepest prefix only (its ancestors must come along); row 1: five items' prefixes
     rows = torch.tensor([0] + [1] * paths[:5].numel())
-    member = index.nodes(rows, torch.cat([paths[3, -1:], paths[:5].flatten()]))
+    member = index.node_set(rows, torch.cat([paths[3, -1:], paths[:5].flatten()]))
     tree = prefix_tree(index, member, 2)
     assert sorted(tree.nodes[0][tree.nodes[0] >= 0].tolist()) == sorted(paths[3].tolist())
     assert set(tree.nodes[1].tolist()) - {-1} == set(paths[:5].flatten().tolist())

@@ -382,7 +382,7 @@ def decode(
             some, local = state, want
             if len(busy) < batch:  # the tree of the busy rows alone, numbered 0..b-1
                 some = state.rows(busy)
-                local = index.nodes(torch.searchsorted(busy, want.rows), want.nodes)
+                local = index.node_set(torch.searchsorted(busy, want.rows), want.nodes)
             tree = prefix_tree(index, local, len(busy))
             out = model.score_tree(some, tree.codes, tree.levels, tree.parents)
             scored = scored.add(busy, tree, out)
