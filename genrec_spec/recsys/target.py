@@ -41,7 +41,8 @@ UNBOUNDED = 1 << 30
 # Leave out the context prefixes of a pass that no scored node descends from when they are at
 # least this share of it. The tree's attention grows with the square of its nodes, but cutting
 # a small share did not pay: the demo model's batch-64 decodes at W=20 (a twentieth of the
-# context cut) were slower with the cut, in both engines.
+# context cut) were slower with the cut in one measurement and no faster in a later one
+# (docs/results/recsys-speed.md).
 PRUNE_SHARE = 0.25
 
 
