@@ -37,7 +37,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from genrec_spec.bench.errors import BenchError
@@ -140,6 +139,7 @@ def random_model(data, item_table: str, seed: int, levels: str = "default"):
     levels="code-heads", its code levels as plain heads: `MODELS`); with item_table="embeddings"
     its item rows are the item embeddings through one seeded random projection, at the random
     rows' mean length (module docstring)."""
+    from genrec_spec.data_pipelines.npy_rows import NpyRows, row_batches
     from genrec_spec.models.recsys.config import RecommenderConfig
     from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 
@@ -155,13 +155,15 @@ def random_model(data, item_table: str, seed: int, levels: str = "default"):
     )
     if item_table == "embeddings":
         weight = model.embeddings.embeddings["t_item"].weight  # [I, D]
-        vectors = np.load(data.path / "item_embeddings.npy", mmap_mode="r")  # [I, E]
+        # Read in row batches, not mapped: N x E floats need not fit, and a mapping's pages
+        # would count as this process's memory (`NpyRows`).
+        vectors = NpyRows(data.path / "item_embeddings.npy")  # [I, E]
         g = torch.Generator().manual_seed(seed)
         projection = torch.randn(vectors.shape[1], weight.shape[1], generator=g)  # [E, D]
         with torch.no_grad():
             scale = weight.norm(dim=1).mean()
-            for start in range(0, len(weight), 100_000):  # chunks: N x E floats need not fit
-                rows = torch.from_numpy(np.array(vectors[start : start + 100_000])) @ projection
+            for start, batch in row_batches(vectors, 100_000):
+                rows = torch.from_numpy(batch) @ projection
                 weight[start : start + len(rows)] = torch.nn.functional.normalize(rows) * scale
     return model.eval()
 
