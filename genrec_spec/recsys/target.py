@@ -120,8 +120,8 @@ class RecommenderTarget:
         # The model's tree: each row's context, then its new nodes, each part in tree order
         # (parents first) and padded to the row with the most, so the new nodes of every row
         # sit in the last slots, the only ones whose outputs the model computes.
-        context_order, context_real = _in_order(scored & ~wanted)  # [B, C] each
-        new_order, new_real = _in_order(wanted)  # [B, W'] each
+        context_order, context_real = in_order(scored & ~wanted)  # [B, C] each
+        new_order, new_real = in_order(wanted)  # [B, W'] each
         order, real = (
             torch.cat([context_order, new_order], 1),
             torch.cat([context_real, new_real], 1),
@@ -135,21 +135,21 @@ class RecommenderTarget:
         codes = torch.where(real, tree.tokens.gather(1, order) - self.offsets[levels], 0)
         last = new_order.shape[1]
         log_probs = model.score_tree(cache.state, codes, levels, model_parents, last=last)
-        rows, slots = new_real.nonzero(as_tuple=True)
-        slots = slots + context_order.shape[1]  # log_probs [B, W', Vmax] are the last slots
-        following = levels[rows, slots] + 1  # the level each node predicts
-        values = log_probs[rows, slots - context_order.shape[1]]  # [Q, Vmax]
+        rows, slots = new_real.nonzero(as_tuple=True)  # log_probs [B, W', Vmax]: the last W'
+        nodes = new_order[rows, slots]  # [Q] their tree nodes
+        following = depth[rows, nodes]  # the level each node predicts
+        values = log_probs[rows, slots]  # [Q, Vmax]
         at = out.view(-1, self.vocab_size)  # [B * M, V] rows, each node's row below
-        positions = rows * m + order[rows, slots] - (n - m)
+        positions = rows * m + nodes - (n - m)
         # Each node's codebook lands at its level's offset, one copy per level predicted.
         for level in following.unique().tolist():
-            nodes = following == level
+            here = following == level
             lo, size = self.level_columns[level]
-            at[positions[nodes], lo : lo + size] = values[nodes, :size]
+            at[positions[here], lo : lo + size] = values[here, :size]
         return out
 
 
-def _in_order(mask: Tensor) -> tuple[Tensor, Tensor]:  # [B, N] -> [B, S] each
+def in_order(mask: Tensor) -> tuple[Tensor, Tensor]:  # [B, N] -> [B, S] each
     """Each row's marked nodes in tree order, padded to the row with the most: their node
     numbers, and which are real."""
     order = torch.sort((~mask).long(), dim=1, stable=True).indices[:, : int(mask.sum(1).max())]

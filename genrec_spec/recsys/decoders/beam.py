@@ -30,7 +30,7 @@ from torch import Tensor
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.recsys.errors import DecodeOptionError
-from genrec_spec.recsys.target import context_to_score, core_beam
+from genrec_spec.recsys.target import context_to_score, core_beam, in_order
 from genrec_spec.recsys.types import Recommendations
 
 DEFAULT_MIN_BEAM_WIDTH = 20  # beam width when none is given: max(k, this)
@@ -185,10 +185,9 @@ def beam_tree(history: list[Beams]) -> tuple[Tensor, Tensor, Tensor]:
     needed = context_to_score(feedable, wanted, parents, len(history) - 1)[:, :context]
     if bool(needed.all()):
         return codes, levels, parents
-    slots = int(needed.sum(1).max())  # C: most context nodes a row keeps
-    order = torch.sort((~needed).long(), dim=1, stable=True).indices[:, :slots]  # [B, C]
+    order, kept = in_order(needed)  # [B, C] each: the context nodes a row keeps, in order
     index = torch.cat([order, torch.arange(context, n).expand(batch, -1)], 1)  # [B, C + W]
-    real = torch.cat([needed.gather(1, order), torch.ones_like(current)], 1)
+    real = torch.cat([kept, torch.ones_like(current)], 1)
     slot_of = torch.cumsum(needed.long(), 1) - 1  # [B, context] a kept node's new slot
     above = parents.gather(1, index)  # the parents' old slots (all context nodes)
     return (
