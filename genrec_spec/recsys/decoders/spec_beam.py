@@ -357,7 +357,7 @@ def decode(
     )
     scored = ScoredNodes.of(first, log_probs)
     passes, nodes_scored = 1, first.real_nodes
-    needed = hits = torch.zeros((), dtype=torch.long)
+    needed_nodes = []  # [B, W] per level: the beams' prefixes that needed a score, else -1
     rows = torch.arange(batch, device=offsets.device)[:, None]
 
     beams = extend(start_beams(batch, trie), state.level0_log_probs[:, None], trie, 0, width)
@@ -372,8 +372,7 @@ def decode(
         slot = scored.lookup(beams.nodes)  # [B, W]
         real = beams.nodes >= 0
         need = real & to_score[beams.nodes.clamp(min=0)]  # [B, W] beams with a code to score
-        needed = needed + need.sum()
-        hits = hits + (need & drafted.find(beams.nodes)[1]).sum()
+        needed_nodes.append(beams.nodes.masked_fill(~need, -1))
         missing = need & (slot < 0)
         if bool(missing.any()):  # a follow-up pass only when some row needs one
             want = follow_up_wants(trie, scored, drafted, beams, missing, to_score, lookahead)
@@ -392,6 +391,8 @@ def decode(
         step = scored.log_probs[rows, slot.clamp(min=0)].masked_fill(~need[..., None], 0.0)
         beams = extend(beams, step, trie, level, width)
     items, scores = finish(beams, trie, k)
+    needed = torch.cat(needed_nodes, dim=1)  # the draft's hits, counted once at the end
+    hits = int(drafted.find(needed)[1].sum())
     return Recommendations(
         items=items,
         scores=scores,
@@ -399,7 +400,7 @@ def decode(
             "target_passes": passes,
             "nodes_scored": nodes_scored,
             "draft_nodes": len(drafted),
-            "draft_hit_rate": float(hits) / max(int(needed), 1),
+            "draft_hit_rate": hits / max(int((needed >= 0).sum()), 1),
             "wall_time_s": time.perf_counter() - start_time,
             "truncated_histories": int(state.truncated.sum()),
         },
