@@ -33,6 +33,7 @@ from genrec_spec.recsys.decoders.beam import beam_width_for, item_trie, search
 from genrec_spec.recsys.decoders.registry import DECODERS, get_decoder, options_for, runs_on
 from genrec_spec.recsys.history_cache import CachedRecommender, HistoryCache, rows_of
 from genrec_spec.recsys.scoring import PrefixTree, TrieIndex, prefix_tree
+from genrec_spec.recsys.types import RecommendStats
 
 # Benchmark rows that are a registered decoder with fixed options.
 VARIANTS: dict[str, tuple[str, dict]] = {
@@ -203,7 +204,7 @@ class _Batch1:
 
     latency: dict[str, list[float]]  # wall seconds per request
     cpu: dict[str, list[float]]  # this thread's CPU seconds per request
-    stats: dict[str, list[dict]]  # each request's decoder stats
+    stats: dict[str, list[RecommendStats]]  # each request's decoder stats
     lists: dict[str, list[torch.Tensor]]  # each request's [1, K] items
     floors: dict[str, list[float]]  # floor -> wall seconds per request
     exact_nodes: list[int]  # the exact floor's tree nodes per request
@@ -222,8 +223,8 @@ def benchmark(
     first = histories.select(torch.tensor([0]))
     for name in names:  # untimed warm-up: first-call allocations, the rpg item graph
         out = runners[name](model, first.values, first.offsets, k=settings.k, trie=trie)
-        if "graph_build_s" in out.stats:
-            log(f"{name}: item graph built in {out.stats['graph_build_s']:.2f} s (once per model)")
+        if out.stats.graph_build_s is not None:
+            log(f"{name}: item graph built in {out.stats.graph_build_s:.2f} s (once per model)")
     one_by_one = _time_batch1(model, histories, settings, runners, trie, width, log)
     throughput = _time_throughput(model, histories, settings, runners, trie, log)
     beam_items = torch.cat(one_by_one.lists["beam"])  # [U, K]
@@ -234,7 +235,7 @@ def benchmark(
         items = torch.cat(one_by_one.lists[name])
         shared = (items[:, :, None] == beam_items[:, None, :]) & (items[:, :, None] >= 0)
         p50 = statistics.median(latency)
-        hits = [s["draft_hit_rate"] for s in stats if "draft_hit_rate" in s]
+        hits = [s.draft_hit_rate for s in stats if s.draft_hit_rate is not None]
         rows.append(
             Row(
                 decoder=name,
@@ -242,8 +243,8 @@ def benchmark(
                 p99_ms=_percentile(latency, 0.99) * 1e3,
                 cpu_p50_ms=statistics.median(one_by_one.cpu[name]) * 1e3,
                 speedup=beam_p50 / p50,
-                passes=statistics.mean(s.get("target_passes", 0) for s in stats),
-                nodes=statistics.mean(s.get("nodes_scored", 0) for s in stats),
+                passes=statistics.mean(s.target_passes for s in stats),
+                nodes=statistics.mean(s.nodes_scored for s in stats),
                 hit_rate=statistics.mean(hits) if hits else None,
                 users_per_s=throughput[name],
                 throughput_speedup={

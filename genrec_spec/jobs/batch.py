@@ -250,7 +250,7 @@ def write_results(
             totals["first_chunk_s"] = time.perf_counter() - start
         waiting[chunk.shard][chunk.index] = (chunk, out)
         for name in COUNTED_STATS:
-            totals[name] += out.stats.get(name, 0)
+            totals[name] += getattr(out.stats, name) or 0
         totals["batches"] += 1
         bar.update(len(chunk.user_ids))
         if len(waiting[chunk.shard]) == len(chunks[chunk.shard]):

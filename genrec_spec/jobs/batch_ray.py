@@ -32,7 +32,7 @@ import torch
 from genrec_spec.jobs.batch_chunks import BatchConfig, Chunk, ChunkDecoder, model_hash
 from genrec_spec.jobs.errors import BatchInputError, RayAddressError
 from genrec_spec.recsys.checkpoint import load_checkpoint
-from genrec_spec.recsys.types import Recommendations
+from genrec_spec.recsys.types import Recommendations, RecommendStats
 
 # What an HTTP/2 client sends first: the connection preface, then a SETTINGS frame (9-byte
 # header: length 0, type 4, no flags, stream 0).
@@ -101,7 +101,7 @@ class RayChunkDecoder:
             "index": batch["index"],
             "items": out.items.numpy()[None],  # [1, B, K]
             "scores": out.scores.numpy()[None],  # [1, B, K]
-            "stats": np.array([json.dumps(out.stats)]),
+            "stats": np.array([json.dumps(out.stats.as_dict())]),
         }
 
 
@@ -166,7 +166,7 @@ def run_ray(
             out = Recommendations(
                 items=torch.tensor(row["items"]),  # [B, K]
                 scores=torch.tensor(row["scores"]),  # [B, K]
-                stats=json.loads(row["stats"]),
+                stats=RecommendStats(**json.loads(row["stats"])),
             )
             yield by_key[int(row["shard"]), int(row["index"])], out
     finally:

@@ -129,7 +129,7 @@ def replay(
             seconds[side].append(time.perf_counter() - start)
             items[side].append(out.items)
             scores[side].append(out.scores)
-            passes[side].append(out.stats.get("target_passes", 0))
+            passes[side].append(out.stats.target_passes)
     runs = []
     for side in (0, 1):
         lists = torch.cat(items[side])

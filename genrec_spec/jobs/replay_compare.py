@@ -33,7 +33,6 @@ from genrec_spec.jobs.replay_arms import Arm, ArmRun, ReplayConfig
 from genrec_spec.jobs.replay_events import Events
 from genrec_spec.recsys.decoders.spec_beam import same_top_k
 from genrec_spec.recsys.metrics import per_user_metrics, ranks_from_topk
-from genrec_spec.recsys.types import Recommendations
 
 # --- per event -----------------------------------------------------------------------------------
 
@@ -42,10 +41,7 @@ def identical_lists(a: ArmRun, b: ArmRun) -> Tensor:  # [E] bool
     """Events whose two lists hold the same items in the same order, or the same list up to
     float rounding (scores within 1e-4, near-exact ties in either order: `same_top_k`)."""
     exact = (a.items == b.items).all(dim=1)
-    rounded = same_top_k(
-        Recommendations(a.items, a.scores, {}), Recommendations(b.items, b.scores, {})
-    )
-    return exact | rounded
+    return exact | same_top_k(a, b)
 
 
 def metric_names(k: int) -> list[str]:

@@ -103,7 +103,7 @@ def evaluate(
             out = decode(model, users.values, users.offsets, k=k, trie=trie, **options)
         seconds += time.perf_counter() - start
         invalid += count_invalid(out.items, model.num_items)
-        passes += out.stats.get("target_passes", 0)
+        passes += out.stats.target_passes
         batches += 1
         ranks.append(ranks_from_topk(out.items, users.targets))
     metrics = ranking_metrics(torch.cat(ranks), ks, max_k=k)

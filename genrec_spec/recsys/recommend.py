@@ -14,7 +14,7 @@ Bad input and edge cases:
 - an empty history is the cold start: the model reads its BOS token alone, so every decoder
   returns the items it finds most likely for a new user (the same list for all new users);
 - a history longer than the model's context (`model.config.max_len`): the most recent items are
-  read, and `stats["truncated_histories"]` counts the rows that were cut;
+  read, and `stats.truncated_histories` counts the rows that were cut;
 - k < 1 or k larger than the catalogue: `RecommendInputError` (a list cannot hold more items
   than exist; ask for k <= the catalogue size);
 - an unknown decoder or an option the decoder does not take: `RecommendInputError` listing the
@@ -31,7 +31,7 @@ excluded items rounded up to a power of two (capped at the catalogue), the exclu
 dropped and the first k that remain are kept (-1 / -inf pads when fewer remain). The rounding
 lets rows with similar counts share one decoder call: a call is asked for the largest fetch size
 of its rows, so rows of equal fetch size get the same list together as alone (a beam decoder's
-list depends on its width, which grows with the fetch size). `stats["fetched"]` is that size.
+list depends on its width, which grows with the fetch size). `stats.fetched` is that size.
 
 Shape letters: B users, M history items, K recommendations.
 """
@@ -41,6 +41,7 @@ from __future__ import annotations
 import inspect
 import numbers
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -176,7 +177,7 @@ def decode_excluding(
     *,
     k: int,
     **options,
-) -> Recommendations:  # items [B, K], scores [B, K], stats with "fetched"
+) -> Recommendations:  # items [B, K], scores [B, K], stats with `fetched`
     """`decode`'s top k of every history without its row's excluded items: asks for
     `fetch_size` items and drops the excluded ones (module docstring)."""
     if drop_offsets.numel() != offsets.numel():
@@ -194,4 +195,4 @@ def decode_excluding(
     fetch = max(fetch_size(k, int(n), model.num_items) for n in excluded.sum(1).tolist())
     out = decode(model, values, offsets, k=fetch, **options)
     items, scores = drop_excluded(out.items, out.scores, excluded, k)
-    return Recommendations(items=items, scores=scores, stats=out.stats | {"fetched": fetch})
+    return Recommendations(items=items, scores=scores, stats=replace(out.stats, fetched=fetch))

@@ -83,11 +83,11 @@ def recommend_one(
         "k": k,
         "history_length": len(history),
         "history_used": min(len(history), model.config.max_len),
-        "truncated": bool(out.stats.get("truncated_histories", 0)),
+        "truncated": bool(out.stats.truncated_histories),
         "cold_start": not history,
         "exclude_seen": exclude_seen,
         "items": items,
-        "stats": out.stats,
+        "stats": out.stats.as_dict(),
     }
 
 

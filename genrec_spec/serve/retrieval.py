@@ -194,7 +194,7 @@ class Retriever:
             trie=self.trie,
             **dict(key.options),
         )
-        stats = out.stats | {f"history_{n}": cache.counts[n] - before[n] for n in before}
+        stats = out.stats.as_dict() | {f"history_{n}": cache.counts[n] - before[n] for n in before}
         context = self.model.config.max_len
         answers = []
         for row, query in enumerate(queries):

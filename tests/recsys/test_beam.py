@@ -3,6 +3,8 @@ scoring when the beam is as wide as the catalogue, valid distinct items, clear e
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -11,7 +13,6 @@ from genrec_spec.recsys import target
 from genrec_spec.recsys.decoders import beam
 from genrec_spec.recsys.decoders.spec_beam import same_top_k
 from genrec_spec.recsys.scoring import score
-from genrec_spec.recsys.types import Recommendations
 
 
 @pytest.fixture
@@ -75,10 +76,10 @@ def test_beam_equals_a_python_beam_search(model, k, width):
         row_items, row_scores = _python_beam(model, values[offsets[b] : offsets[b + 1]], k, width)
         items.append(row_items)
         scores.append(row_scores)
-    want = Recommendations(torch.tensor(items), torch.tensor(scores))
+    want = SimpleNamespace(items=torch.tensor(items), scores=torch.tensor(scores))
     assert same_top_k(want, got).all()
-    assert got.stats["target_passes"] == model.num_levels
-    assert got.stats["truncated_histories"] == 1
+    assert got.stats.target_passes == model.num_levels
+    assert got.stats.truncated_histories == 1
 
 
 def test_catalogue_wide_beam_is_the_exhaustive_top_k(model):
@@ -89,7 +90,7 @@ def test_catalogue_wide_beam_is_the_exhaustive_top_k(model):
     got = beam.decode(model, values, offsets, k=8, trie=trie, beam_width=model.num_items)
     every = score(model, values, offsets, torch.arange(model.num_items).expand(4, -1))
     top = every.topk(8, dim=1)
-    assert same_top_k(Recommendations(top.indices, top.values), got).all()
+    assert same_top_k(SimpleNamespace(items=top.indices, scores=top.values), got).all()
 
 
 @pytest.mark.parametrize(("k", "width"), [(1, None), (10, None), (40, 40), (7, 25)])
@@ -192,4 +193,4 @@ def test_prefixes_no_beam_extends_are_left_out(model, monkeypatch, width):
     whole = beam.decode(model, values, offsets, k=3, trie=trie, beam_width=width)
     assert torch.equal(pruned.items, whole.items)
     torch.testing.assert_close(pruned.scores, whole.scores)
-    assert pruned.stats["nodes_scored"] < whole.stats["nodes_scored"]
+    assert pruned.stats.nodes_scored < whole.stats.nodes_scored

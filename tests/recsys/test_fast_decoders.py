@@ -57,8 +57,8 @@ def test_valid_distinct_items(tiny_model, name, k):
     out = decode(model, values, offsets, k=k, trie=_trie(model), **options)
     assert out.items.shape == out.scores.shape == (4, k)
     _check_valid(out.items, out.scores, model.num_items)
-    assert out.stats["target_passes"] == 1
-    assert out.stats["truncated_histories"] == 1
+    assert out.stats.target_passes == 1
+    assert out.stats.truncated_histories == 1
     if not name.endswith("narrow"):  # every item is reachable: nothing is padded
         assert (out.items >= 0).all()
 
@@ -149,8 +149,8 @@ def test_rpg_graph_scores_are_exact_and_a_complete_graph_finds_the_top_k(tiny_mo
     walk = rpg.decode(model, values, offsets, k=5, trie=trie, beam=5, degree=3, seeds=4, steps=2)
     real = walk.items >= 0
     assert torch.allclose(walk.scores[real], exact_score.gather(1, walk.items.clamp(min=0))[real])
-    assert walk.stats["graph_steps"] <= 2
-    assert walk.stats["items_scored_per_user"] <= 4 + 2 * 5 * 3
+    assert walk.stats.graph_steps <= 2
+    assert walk.stats.items_scored_per_user <= 4 + 2 * 5 * 3
     # With every item every item's neighbour, one step scores the whole catalogue.
     full = rpg.decode(model, values, offsets, k=8, trie=trie, degree=model.num_items, steps=1)
     assert torch.equal(full.items, exact.items[:, :8])
@@ -211,7 +211,7 @@ def test_nezha_with_an_exhaustive_beam_equals_brute_force(tiny_model):
     out = nezha.decode(model, values, offsets, k=k, trie=trie, beam_width=model.num_items)
     _assert_top_k_equal(out, _brute_force(model, values, offsets, score), k)
     assert torch.equal(trie.item_of(model.item_codes[out.items.flatten()]), out.items.flatten())
-    assert out.stats["draft_steps"] == model.num_levels - 1
+    assert out.stats.draft_steps == model.num_levels - 1
 
 
 def test_tied_draft_head_starts_as_the_item_softmax_and_learns_a_correction(tiny_model):

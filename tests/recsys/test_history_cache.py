@@ -36,7 +36,7 @@ def test_cached_lists_equal_uncached(tiny_model, decoder, options):
         got = recommend(model, histories, k=8, decoder=decoder, history_cache=cache, **options)
         assert torch.equal(got.items, want.items)
         assert torch.allclose(got.scores, want.scores, atol=1e-4)
-        assert got.stats["truncated_histories"] == want.stats["truncated_histories"]
+        assert got.stats.truncated_histories == want.stats.truncated_histories
 
 
 def test_which_rows_hit(tiny_model):

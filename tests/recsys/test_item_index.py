@@ -98,7 +98,7 @@ def test_dense_through_the_index_reports_its_recall(
     exact = dense.decode(model, values, offsets, k=10, trie=trie, item_search="exact")
     approx = dense.decode(model, values, offsets, k=10, trie=trie, item_search="index")
     assert approx.items.shape == exact.items.shape == (9, 10)
-    assert approx.stats["item_index"] == 1 and "item_index" not in exact.stats
+    assert approx.stats.item_index is True and exact.stats.item_index is None
     recall = dense.index_recall(model, values, offsets, k=10)
     assert torch.equal(recall_at_k(approx.items, exact.items), recall)
     # The logits rank like the exact log-probs: equal where both lists hold the item.
@@ -144,4 +144,4 @@ def test_spec_beam_with_the_indexed_items_draft_equals_beam(
                 item_search="index",
             )
             assert same_top_k(want, got).all(), (k, width, draft_width)
-            assert 0.0 < got.stats["draft_hit_rate"] <= 1.0
+            assert 0.0 < got.stats.draft_hit_rate <= 1.0

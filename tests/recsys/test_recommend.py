@@ -25,7 +25,7 @@ def test_every_decoder_returns_valid_distinct_items(tiny_model, decoder):
         for row in out.items.tolist():
             kept = [i for i in row if i >= 0]
             assert len(set(kept)) == len(kept)
-        assert out.stats["truncated_histories"] == 1
+        assert out.stats.truncated_histories == 1
 
 
 def test_list_and_tensor_histories_agree_and_spec_beam_matches_beam(tiny_model):
@@ -52,8 +52,8 @@ def test_long_history_keeps_the_most_recent_items(tiny_model):
     history = [i % model.num_items for i in range(3 * model.config.max_len)]
     full = recommend(model, [history, [1]], k=4)
     recent = recommend(model, [history[-model.config.max_len :], [1]], k=4)
-    assert full.stats["truncated_histories"] == 1
-    assert recent.stats["truncated_histories"] == 0
+    assert full.stats.truncated_histories == 1
+    assert recent.stats.truncated_histories == 0
     assert torch.equal(full.items, recent.items)
 
 

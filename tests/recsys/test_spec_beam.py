@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +23,6 @@ from genrec_spec.recsys.decoders import beam, spec_beam
 from genrec_spec.recsys.decoders.beam import DecodeOptionError
 from genrec_spec.recsys.decoders.spec_beam import same_top_k
 from genrec_spec.recsys.scoring import NodeSet
-from genrec_spec.recsys.types import Recommendations
 
 
 def _random_model(
@@ -88,8 +88,8 @@ def test_spec_beam_equals_beam(
                 lookahead=lookahead,
             )
             assert same_top_k(want, got).all(), (k, width, draft, lookahead)
-            assert got.stats["target_passes"] == passes[levels]
-            assert got.stats["truncated_histories"] == want.stats["truncated_histories"]
+            assert got.stats.target_passes == passes[levels]
+            assert got.stats.truncated_histories == want.stats.truncated_histories
 
 
 @pytest.mark.parametrize(("seed", "sizes", "items"), MODELS)
@@ -119,8 +119,8 @@ def test_post_history_draft_equals_beam(
                 lookahead=lookahead,
             )
             assert same_top_k(want, got).all(), (k, width, draft_width, lookahead)
-            assert 2 <= got.stats["target_passes"] <= model.num_levels
-            assert 0.0 < got.stats["draft_hit_rate"] <= 1.0  # level-0 beams are always drafted
+            assert 2 <= got.stats.target_passes <= model.num_levels
+            assert 0.0 < got.stats.draft_hit_rate <= 1.0  # level-0 beams are always drafted
 
 
 def test_forced_codes_cost_nothing(monkeypatch, random_recommender, uneven_histories):
@@ -153,8 +153,8 @@ def test_forced_codes_cost_nothing(monkeypatch, random_recommender, uneven_histo
         ]
     for got, want in zip(fast, full, strict=True):
         assert torch.equal(got.items, want.items) and torch.equal(got.scores, want.scores)
-        assert want.stats["target_passes"] == model.num_levels
-    assert min(out.stats["target_passes"] for out in one_user) < model.num_levels  # a level skipped
+        assert want.stats.target_passes == model.num_levels
+    assert min(out.stats.target_passes for out in one_user) < model.num_levels  # a level skipped
     for (k, width), want in zip(settings, fast, strict=True):
         for draft in ("frontier", "none", "nezha", "items"):
             got = spec_beam.decode(
@@ -179,26 +179,26 @@ def test_item_drafts_that_hit_and_miss(drafted, random_recommender, uneven_histo
     )
     assert same_top_k(want, got).all()
     if drafted == "all":
-        assert got.stats["target_passes"] == 1
-        assert got.stats["draft_hit_rate"] == 1.0
+        assert got.stats.target_passes == 1
+        assert got.stats.draft_hit_rate == 1.0
     else:
-        assert 1 < got.stats["target_passes"] <= model.num_levels
-        assert 0.0 <= got.stats["draft_hit_rate"] < 1.0
+        assert 1 < got.stats.target_passes <= model.num_levels
+        assert 0.0 <= got.stats.draft_hit_rate < 1.0
 
 
 def test_same_top_k_rejects_different_lists():
     items = torch.tensor([[3, 1, 2], [5, 6, 7]])
     scores = torch.tensor([[-1.0, -2.0, -2.00001], [-0.5, -1.0, -3.0]])
-    ref = Recommendations(items, scores)
-    swapped_tie = Recommendations(torch.tensor([[3, 2, 1], [5, 6, 7]]), scores)
+    ref = SimpleNamespace(items=items, scores=scores)
+    swapped_tie = SimpleNamespace(items=torch.tensor([[3, 2, 1], [5, 6, 7]]), scores=scores)
     assert same_top_k(ref, swapped_tie).tolist() == [True, True]  # a near-exact tie
-    swapped = Recommendations(torch.tensor([[1, 3, 2], [5, 8, 7]]), scores)
+    swapped = SimpleNamespace(items=torch.tensor([[1, 3, 2], [5, 8, 7]]), scores=scores)
     assert same_top_k(ref, swapped).tolist() == [False, False]
     # Ties at the boundary: item 9 scores as the reference's last, which of them is listed is
     # rounding (row 0); an item the reference left out at a slot above the last is not (row 1).
-    boundary = Recommendations(torch.tensor([[3, 1, 9], [5, 9, 7]]), scores)
+    boundary = SimpleNamespace(items=torch.tensor([[3, 1, 9], [5, 9, 7]]), scores=scores)
     assert same_top_k(ref, boundary).tolist() == [True, False]
-    shifted = Recommendations(items, scores - torch.tensor([[0.0], [0.01]]))
+    shifted = SimpleNamespace(items=items, scores=scores - torch.tensor([[0.0], [0.01]]))
     assert same_top_k(ref, shifted).tolist() == [True, False]
 
 
@@ -271,7 +271,7 @@ def test_spec_beam_equals_beam_on_trained_ml100k(ml100k_model, ml100k_dir):
                 model, part.values, part.offsets, k=k, trie=trie, beam_width=width, draft=draft
             )
             assert same_top_k(want, got).all()
-            assert got.stats["target_passes"] < want.stats["target_passes"]
+            assert got.stats.target_passes < want.stats.target_passes
 
 
 @pytest.mark.slow
@@ -312,7 +312,7 @@ def test_core_beam_search_equals_beam_on_trained_ml100k(ml100k_model, ml100k_dir
         core = beam.decode(model, one.values, one.offsets, k=10, trie=trie, beam_width=20,
                            engine="core")  # fmt: skip
         assert torch.equal(core.items, native.items)
-        passes.append((native.stats["target_passes"], core.stats["target_passes"]))
+        passes.append((native.stats.target_passes, core.stats.target_passes))
     assert all(a == b for a, b in passes) and min(a for a, _ in passes) < model.num_levels
 
 

@@ -98,7 +98,7 @@ def test_the_beam_decoder_runs_on_the_core_engine(tiny_model, with_objective, le
                        engine="core")  # fmt: skip
     assert torch.equal(core.items, native.items)
     torch.testing.assert_close(core.scores, native.scores, rtol=0, atol=1e-5)
-    assert core.stats["target_passes"] == native.stats["target_passes"]
-    assert core.stats["truncated_histories"] == native.stats["truncated_histories"]
+    assert core.stats.target_passes == native.stats.target_passes
+    assert core.stats.truncated_histories == native.stats.truncated_histories
     with pytest.raises(DecodeOptionError, match="engine"):
         beam.decode(model, users.values, users.offsets, k=4, trie=trie, engine="fast")

@@ -21,7 +21,7 @@ def test_exclude_drops_items_and_keeps_order(tiny_model, decoder):
     k = 5
     out = recommend(model, histories, k=k, decoder=decoder, exclude=exclude)
     fetch = max(fetch_size(k, len(set(row)), model.num_items) for row in exclude)
-    assert out.stats["fetched"] == fetch
+    assert out.stats.fetched == fetch
     longer = recommend(model, histories, k=fetch, decoder=decoder)
     for b, row in enumerate(exclude):
         kept = [i for i in longer.items[b].tolist() if i not in row][:k]

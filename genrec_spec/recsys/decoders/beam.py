@@ -31,7 +31,7 @@ from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.target import context_to_score, core_beam, in_order
-from genrec_spec.recsys.types import Recommendations
+from genrec_spec.recsys.types import Recommendations, RecommendStats
 
 DEFAULT_MIN_BEAM_WIDTH = 20  # beam width when none is given: max(k, this)
 ENGINES = ("native", "core")
@@ -262,12 +262,12 @@ def decode(
         return Recommendations(
             items=items,
             scores=scores,
-            stats={
-                "target_passes": stats.target_forwards,
-                "nodes_scored": stats.nodes_scored,
-                "wall_time_s": time.perf_counter() - start_time,
-                "truncated_histories": int((offsets.diff() > model.config.max_len).sum()),
-            },
+            stats=RecommendStats(
+                target_passes=stats.target_forwards,
+                nodes_scored=stats.nodes_scored,
+                wall_time_s=time.perf_counter() - start_time,
+                truncated_histories=int((offsets.diff() > model.config.max_len).sum()),
+            ),
         )
     state = model.encode_history(values, offsets)
     history, passes, nodes_scored = search(model, state, trie, width)
@@ -275,10 +275,10 @@ def decode(
     return Recommendations(
         items=items,
         scores=scores,
-        stats={
-            "target_passes": passes,
-            "nodes_scored": nodes_scored,
-            "wall_time_s": time.perf_counter() - start_time,
-            "truncated_histories": int(state.truncated.sum()),
-        },
+        stats=RecommendStats(
+            target_passes=passes,
+            nodes_scored=nodes_scored,
+            wall_time_s=time.perf_counter() - start_time,
+            truncated_histories=int(state.truncated.sum()),
+        ),
     )

@@ -76,7 +76,7 @@ def decode(
 
     def indexed(state: HistoryState, k: int) -> tuple[Tensor, Tensor, dict]:
         found = top_items(model, state.hidden, k)
-        return found.items, found.scores, {"item_index": 1}
+        return found.items, found.scores, {"item_index": True}
 
     return rank_catalogue(model, values, offsets, k, trie, indexed)
 

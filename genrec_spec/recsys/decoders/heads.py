@@ -35,7 +35,7 @@ from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.recsys.blocks import HistoryState
 from genrec_spec.recsys.decoders.beam import beam_width_for, check_trie
 from genrec_spec.recsys.errors import DecodeOptionError
-from genrec_spec.recsys.types import Recommendations
+from genrec_spec.recsys.types import Recommendations, RecommendStats
 
 LEVEL0_SOURCES = ("auto", "backbone", "head")
 
@@ -97,7 +97,7 @@ def decode(
     )
 
 
-# state, k -> (items [B, K], scores [B, K], stats of the search)
+# state, k -> (items [B, K], scores [B, K], the search's own RecommendStats fields)
 TopItems = Callable[[HistoryState, int], tuple[Tensor, Tensor, dict]]
 
 
@@ -129,11 +129,11 @@ def rank_catalogue(
     return Recommendations(
         items=items,
         scores=scores,
-        stats={
-            "target_passes": 1,
-            "nodes_scored": 0,
+        stats=RecommendStats(
+            target_passes=1,
+            nodes_scored=0,
+            wall_time_s=time.perf_counter() - start,
+            truncated_histories=int(state.truncated.sum()),
             **found,
-            "wall_time_s": time.perf_counter() - start,
-            "truncated_histories": int(state.truncated.sum()),
-        },
+        ),
     )

@@ -34,7 +34,7 @@ from genrec_spec.recsys.decoders.beam import (
     start_beams,
 )
 from genrec_spec.recsys.errors import DecodeOptionError
-from genrec_spec.recsys.types import Recommendations
+from genrec_spec.recsys.types import Recommendations, RecommendStats
 
 
 def draft_head_of(model):  # -> the model's RecurrentDraftHead
@@ -111,12 +111,12 @@ def decode(
     return Recommendations(
         items=items,
         scores=scores,
-        stats={
-            "target_passes": 1,
-            "nodes_scored": 0,
-            "draft_steps": model.num_levels - 1,
-            "draft_nodes": draft_nodes,
-            "wall_time_s": time.perf_counter() - start_time,
-            "truncated_histories": int(state.truncated.sum()),
-        },
+        stats=RecommendStats(
+            target_passes=1,
+            nodes_scored=0,
+            wall_time_s=time.perf_counter() - start_time,
+            truncated_histories=int(state.truncated.sum()),
+            draft_nodes=draft_nodes,
+            draft_steps=model.num_levels - 1,
+        ),
     )

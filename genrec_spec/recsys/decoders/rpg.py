@@ -47,7 +47,7 @@ from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.recsys.decoders.heads import check_decode_args
 from genrec_spec.recsys.errors import DecodeOptionError
-from genrec_spec.recsys.types import Recommendations
+from genrec_spec.recsys.types import Recommendations, RecommendStats
 
 MODES = ("graph", "exact")
 
@@ -189,7 +189,7 @@ def graph_walk(
     graph: ItemGraph,
     width: int,  # W
     steps: int,
-) -> tuple[Tensor, Tensor, dict]:  # (beam items [B, W], scores [B, W], walk stats); -1 = none
+) -> tuple[Tensor, Tensor, dict]:  # (items [B, W], scores [B, W], RecommendStats fields); -1 = none
     """The beam walk of the module docstring. While fewer than W items are known (W above the
     seed count) the beam holds -1 entries, which expand to nothing."""
     seeds = graph.seeds.expand(batch, -1)  # [B, S]
@@ -246,11 +246,11 @@ def decode(
             "pass positive counts or leave them unset",
         )
     config = RpgConfig(mode=mode, beam=beam, steps=steps, degree=degree, seeds=seeds)
-    stats: dict = {}
+    counted: dict = {}  # this mode's own RecommendStats fields
     table = TABLES.get(model)  # built before the clock starts, like the graph: one-off costs
     if mode == "graph":
         graph = GRAPHS.get(model, config)
-        stats["graph_build_s"] = graph.build_s
+        counted["graph_build_s"] = graph.build_s
     start = time.perf_counter()
     state = model.encode_history(values, offsets)
     u = model.long_id_heads.proj(state.hidden)  # [B, D]
@@ -259,18 +259,19 @@ def decode(
         every = torch.addmm(table.biases, u, table.vectors.T) - norm[:, None]  # [B, I]
         top = every.topk(k, dim=1)
         items, scores = top.indices, top.values
-        stats["items_scored_per_user"] = model.num_items
+        counted["items_scored_per_user"] = model.num_items
     else:
         width = min(max(beam, k), model.num_items)
         found, found_scores, walk = graph_walk(
             lambda items: candidate_scores(u, norm, table, items), len(u), graph, width, steps
         )
         items, scores = found[:, :k], found_scores[:, :k]  # W >= k
-        stats.update(walk)
-    stats.update(
+        counted |= walk
+    stats = RecommendStats(
         target_passes=1,
         nodes_scored=0,
         wall_time_s=time.perf_counter() - start,
         truncated_histories=int(state.truncated.sum()),
+        **counted,
     )
     return Recommendations(items=items, scores=scores, stats=stats)

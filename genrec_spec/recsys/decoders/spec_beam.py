@@ -84,7 +84,7 @@ from genrec_spec.recsys.scoring import (
     prefix_nodes,
     prefix_tree,
 )
-from genrec_spec.recsys.types import Recommendations
+from genrec_spec.recsys.types import Recommendations, RecommendStats
 
 DRAFTS = ("auto", "frontier", "items", "nezha", "none")
 # The "items" draft through the index retrieves this many items per drafted prefix of a length
@@ -302,8 +302,9 @@ def children_of(trie: PrefixTrie, member: NodeSet) -> NodeSet:
 
 
 def same_top_k(
-    reference: Recommendations,  # e.g. beam's
-    other: Recommendations,  # e.g. spec_beam's, same B and K
+    # Recommendations, or anything else with items [B, K] and scores [B, K] (a replay arm's run)
+    reference,  # e.g. beam's
+    other,  # e.g. spec_beam's, same B and K
     atol: float = 1e-4,
 ) -> Tensor:  # [B] bool, True where other's list is reference's up to float rounding
     """Rows where both lists hold the same scores position by position (within atol) and the
@@ -396,12 +397,12 @@ def decode(
     return Recommendations(
         items=items,
         scores=scores,
-        stats={
-            "target_passes": passes,
-            "nodes_scored": nodes_scored,
-            "draft_nodes": len(drafted),
-            "draft_hit_rate": hits / max(int((needed >= 0).sum()), 1),
-            "wall_time_s": time.perf_counter() - start_time,
-            "truncated_histories": int(state.truncated.sum()),
-        },
+        stats=RecommendStats(
+            target_passes=passes,
+            nodes_scored=nodes_scored,
+            wall_time_s=time.perf_counter() - start_time,
+            truncated_histories=int(state.truncated.sum()),
+            draft_nodes=len(drafted),
+            draft_hit_rate=hits / max(int((needed >= 0).sum()), 1),
+        ),
     )
