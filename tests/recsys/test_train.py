@@ -325,6 +325,31 @@ def test_shipped_configs_load_and_ml1m_is_the_default():
     assert train_config.max_minutes == TrainConfig().max_minutes
 
 
+def test_deep_recipe_trains_and_evaluates_on_a_slice(tiny_prepared, tmp_path):
+    """configs/ml-1m-deep.json, the quality recipe under test (docs/results/recsys-quality.md), as
+    shipped but for its epochs: it trains on a small slice, its loss falls, and `beam` and
+    `spec_beam` evaluate its checkpoint to the same metrics under the anchors' protocol."""
+    from genrec_spec.recsys import evaluate as ev
+    from genrec_spec.recsys.decoders import beam, spec_beam
+
+    path = REPO / "configs" / "ml-1m-deep.json"
+    model_config, train_config = load_config(path, {"train": {"epochs": 3, "progress": False}})
+    assert (model_config.layers, model_config.dropout, train_config.max_minutes) == (4, 0.2, 0)
+    data = tiny_prepared(tmp_path / "data", users=48)
+    metrics = train(data, tmp_path / "ckpt", model_config, train_config)["metrics"]
+    assert len(metrics) == 3 and metrics[-1]["train_loss"] < metrics[0]["train_loss"]
+    model, _ = load_checkpoint(tmp_path / "ckpt")
+    test = load_prepared(data).test
+    results = [
+        ev.evaluate(model, test, decode, ks=(10,), exclude_history=True)
+        for decode in (beam.decode, spec_beam.decode)
+    ]
+    timed = ("wall_s_per_user", "target_passes_per_batch")
+    untimed = [{k: v for k, v in r.items() if k not in timed} for r in results]
+    assert untimed[0] == untimed[1]
+    assert results[0]["invalid_items"] == 0 and results[0]["users"] == len(test)
+
+
 def test_flat_config_files_load_as_the_same_model(tmp_path):
     """A config file in the flat form of older versions loads as the nested config of the same
     model (`convert_flat_config`), with overrides of either form; mixing the forms is refused."""
