@@ -42,6 +42,7 @@ import torch
 from genrec_spec.bench.errors import BenchError
 from genrec_spec.bench.scale_prepare import PrepareCost, prepared_catalogue
 from genrec_spec.machine import describe_device
+from genrec_spec.recsys.item_index import KINDS as INDEX_KINDS
 
 DECODERS = ("beam", "spec_beam", "dense", "dense-index")
 ITEM_TABLES = ("embeddings", "random")
@@ -68,6 +69,7 @@ class BenchScaleConfig:
     repeats: int = 5  # timed calls per cell, each on other users (median)
     recall_users: int = 256  # users the index's recall is measured on
     item_table: str = "embeddings"  # the random model's item table: "embeddings" or "random"
+    index_kind: str = "ivf"  # the item index dense-index searches: "ivf" or "hnsw"
     model: str = "default"  # the random model's code levels: "default" or "code-heads"
     max_gather_gib: float = 4.0  # skip a cell whose tied levels would gather more than this
     max_call_s: float = 30.0  # a cell whose first two calls take longer is not repeated
@@ -76,12 +78,17 @@ class BenchScaleConfig:
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.decoders) - set(DECODERS))
-        if unknown or self.item_table not in ITEM_TABLES or self.model not in MODELS:
+        if (
+            unknown
+            or self.item_table not in ITEM_TABLES
+            or self.model not in MODELS
+            or self.index_kind not in INDEX_KINDS
+        ):
             raise BenchError(
-                f"unknown decoders {unknown}, item table {self.item_table!r} or model "
-                f"{self.model!r}",
-                f"choose decoders from {','.join(DECODERS)}, a table from {ITEM_TABLES} and a "
-                f"model from {MODELS}",
+                f"unknown decoders {unknown}, item table {self.item_table!r}, model "
+                f"{self.model!r} or index kind {self.index_kind!r}",
+                f"choose decoders from {','.join(DECODERS)}, a table from {ITEM_TABLES}, a "
+                f"model from {MODELS} and an index kind from {INDEX_KINDS}",
             )
         counts = self.sizes + self.beam_widths + self.batch_sizes
         counts += (self.k, self.repeats, self.recall_users, self.threads)
@@ -182,8 +189,9 @@ def gather_gib(model, batch: int, width: int, decoder: str) -> float:
     return nodes * window * model.config.dim * 4 / 2**30
 
 
-def decoder_calls(names: tuple[str, ...]) -> dict[str, Callable]:
-    """name -> call(model, values, offsets, k, trie, width)."""
+def decoder_calls(names: tuple[str, ...], index_kind: str = "ivf") -> dict[str, Callable]:
+    """name -> call(model, values, offsets, k, trie, width); dense-index searches an index of
+    `index_kind`."""
     from genrec_spec.recsys.decoders import beam, dense, spec_beam
 
     calls = {
@@ -191,7 +199,7 @@ def decoder_calls(names: tuple[str, ...]) -> dict[str, Callable]:
         "spec_beam": lambda m, v, o, k, t, w: spec_beam.decode(m, v, o, k=k, trie=t, beam_width=w),
         "dense": lambda m, v, o, k, t, w: dense.decode(m, v, o, k=k, trie=t, item_search="exact"),
         "dense-index": lambda m, v, o, k, t, w: dense.decode(
-            m, v, o, k=k, trie=t, item_search="index"
+            m, v, o, k=k, trie=t, item_search="index", index_kind=index_kind
         ),
     }
     return {n: calls[n] for n in names}
@@ -199,7 +207,7 @@ def decoder_calls(names: tuple[str, ...]) -> dict[str, Callable]:
 
 def time_cells(model, histories, trie, settings: BenchScaleConfig, log) -> list[Cell]:
     """Every decoder at every width and batch size (module docstring)."""
-    calls = decoder_calls(settings.decoders)
+    calls = decoder_calls(settings.decoders, settings.index_kind)
     cells = []
     for batch in settings.batch_sizes:
         for width in settings.beam_widths:
@@ -255,7 +263,7 @@ def bench_size(items: int, root: Path, settings: BenchScaleConfig, log) -> SizeR
     from genrec_spec.data_pipelines.trie import PrefixTrie
     from genrec_spec.recsys.data import load_prepared, sample_users
     from genrec_spec.recsys.decoders.dense import index_recall
-    from genrec_spec.recsys.item_index import item_index
+    from genrec_spec.recsys.item_index import ItemIndexConfig, item_index
 
     cost = prepared_catalogue(items, root, settings.levels, log, settings.prepare_options)
     data = load_prepared(cost.folder)
@@ -271,11 +279,17 @@ def bench_size(items: int, root: Path, settings: BenchScaleConfig, log) -> SizeR
     index_s = recall = None
     if "dense-index" in settings.decoders:
         start = time.perf_counter()
-        item_index(model)
+        item_index(model, ItemIndexConfig(kind=settings.index_kind))
         index_s = time.perf_counter() - start
         part = histories.select(torch.arange(min(settings.recall_users, len(histories))))
-        recall = float(index_recall(model, part.values, part.offsets, k=settings.k).mean())
-        log(f"  item index built in {index_s:.1f} s, recall@{settings.k} {recall:.3f}")
+        found = index_recall(
+            model, part.values, part.offsets, k=settings.k, index_kind=settings.index_kind
+        )
+        recall = float(found.mean())
+        log(
+            f"  item index ({settings.index_kind}) built in {index_s:.1f} s, "
+            f"recall@{settings.k} {recall:.3f}"
+        )
     cells = time_cells(model, histories, trie, settings, log)
     return SizeReport(
         items=items,
@@ -309,8 +323,8 @@ def bench_scale(
     header = (
         f"bench scale: {describe_device('cpu')}, {settings.threads} thread(s), K={settings.k}, "
         f"median of {settings.repeats} calls per cell; a random-weight model of the default "
-        f"config (code levels: {settings.model}; item table: {settings.item_table}), speed "
-        "only; "
+        f"config (code levels: {settings.model}; item table: {settings.item_table}; "
+        f"dense-index: {settings.index_kind}), speed only; "
         f"{time.perf_counter() - started:.0f} s"
     )
     return header, reports

@@ -8,7 +8,14 @@ import sys
 from pathlib import Path
 
 from genrec_spec.bench import scale
-from genrec_spec.bench.scale import DECODERS, ITEM_TABLES, MODELS, BenchScaleConfig, bench_scale
+from genrec_spec.bench.scale import (
+    DECODERS,
+    INDEX_KINDS,
+    ITEM_TABLES,
+    MODELS,
+    BenchScaleConfig,
+    bench_scale,
+)
 from genrec_spec.bench.scale_report import format_text, write
 from genrec_spec.cli.args import comma_list, config_from_args
 
@@ -41,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=c.repeats, help="timed calls per cell")
     parser.add_argument("--recall-users", type=int, default=c.recall_users)
     parser.add_argument("--item-table", choices=ITEM_TABLES, default=c.item_table)
+    parser.add_argument(
+        "--index-kind",
+        choices=INDEX_KINDS,
+        default=c.index_kind,
+        help="the item index dense-index searches (recsys.item_index)",
+    )
     parser.add_argument(
         "--model",
         choices=MODELS,

@@ -41,10 +41,13 @@ def test_bench_scale_on_a_tiny_catalogue(tmp_path):
     assert saved["sizes"][0]["items"] == 600 and tmp_path / "out" / "scale.md" in written
 
     # A second run reuses the folder and its recorded cost; plain code heads read no item
-    # windows, so the model loses the tied levels' tables.
-    heads = replace(settings, model="code-heads", beam_widths=(10,), batch_sizes=(2,))
+    # windows, so the model loses the tied levels' tables; dense-index searches an HNSW graph.
+    heads = replace(
+        settings, model="code-heads", beam_widths=(10,), batch_sizes=(2,), index_kind="hnsw"
+    )
     header, (again,) = bench_scale(heads)
     assert not again.prepare.measured and "code levels: code-heads" in header
+    assert "dense-index: hnsw" in header and 0.0 <= again.recall_at_k <= 1.0
     assert again.prepare.wall_s == report.prepare.wall_s
     assert len(again.cells) == 2 + 2 and all(c.latency_ms > 0 for c in again.cells)
 
@@ -54,5 +57,7 @@ def test_bad_settings_raise():
         BenchScaleConfig(decoders=("beam", "tiger"))
     with pytest.raises(BenchError, match="model 'tiger'"):
         BenchScaleConfig(model="tiger")
+    with pytest.raises(BenchError, match="index kind 'annoy'"):
+        BenchScaleConfig(index_kind="annoy")
     with pytest.raises(BenchError, match="must be >= k"):
         BenchScaleConfig(beam_widths=(5,), k=10)

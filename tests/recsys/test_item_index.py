@@ -86,20 +86,22 @@ def test_index_is_cached_per_item_table(random_recommender):
     assert item_index(model) is not first
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.05])
+@pytest.mark.parametrize(("temperature", "kind"), [(0.0, "ivf"), (0.05, "ivf"), (0.05, "hnsw")])
 def test_dense_through_the_index_reports_its_recall(
-    temperature, random_recommender, uneven_histories
+    temperature, kind, random_recommender, uneven_histories
 ):
-    """dense with the index forced: the index's items with their logits; its recall against
-    dense's exact list is what `index_recall` reports."""
+    """dense with the index of either kind forced: the index's items with their logits; its
+    recall against dense's exact list is what `index_recall` reports."""
     model = _model(random_recommender, 3, 3000, temperature)
     values, offsets = uneven_histories(model, 9, seed=3)
     trie = _trie(model)
     exact = dense.decode(model, values, offsets, k=10, trie=trie, item_search="exact")
-    approx = dense.decode(model, values, offsets, k=10, trie=trie, item_search="index")
+    approx = dense.decode(
+        model, values, offsets, k=10, trie=trie, item_search="index", index_kind=kind
+    )
     assert approx.items.shape == exact.items.shape == (9, 10)
     assert approx.stats.item_index is True and exact.stats.item_index is None
-    recall = dense.index_recall(model, values, offsets, k=10)
+    recall = dense.index_recall(model, values, offsets, k=10, index_kind=kind)
     assert torch.equal(recall_at_k(approx.items, exact.items), recall)
     # The logits rank like the exact log-probs: equal where both lists hold the item.
     logits = model.item_scores(model.encode_history(values, offsets).hidden)
@@ -113,6 +115,9 @@ def test_auto_uses_the_index_from_the_threshold(random_recommender, uneven_histo
     assert use_index(model, "index") and not use_index(model, "exact")
     with pytest.raises(DecodeOptionError, match="item_search must be one of"):
         use_index(model, "faiss")
+    values, offsets = uneven_histories(model, 2, seed=1)
+    with pytest.raises(DecodeOptionError, match="item index kind 'annoy'"):
+        dense.decode(model, values, offsets, k=3, trie=_trie(model), index_kind="annoy")
     values, offsets = uneven_histories(model, 2, seed=0)
     with pytest.raises(DecodeOptionError, match="item_search must be one of"):
         spec_beam.decode(model, values, offsets, k=3, trie=_trie(model), item_search="hnsw")

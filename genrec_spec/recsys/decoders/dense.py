@@ -10,11 +10,12 @@ decoder's). Scores are then the items' log-probabilities over the catalogue.
 
 That product is linear in the catalogue. With `item_search="index"`, or "auto" (the default) on
 a catalogue of at least `ItemIndexConfig.min_items` items, the top-K come instead from an
-approximate inner-product index over the same item table (`recsys.item_index`): the decoder is
-then approximate (an item the index misses is missing from the list; `index_recall` measures the
-share of the exact top-K it keeps), and its scores are the items' logits, not log-probabilities:
-the softmax normaliser sums over every item, which is what the index avoids. Both rank alike;
-they differ per row by that normaliser. `item_search="exact"` always takes the product.
+approximate inner-product index over the same item table (`recsys.item_index`; `index_kind`
+"ivf", the default, or "hnsw"): the decoder is then approximate (an item the index misses is
+missing from the list; `index_recall` measures the share of the exact top-K it keeps), and its
+scores are the items' logits, not log-probabilities: the softmax normaliser sums over every
+item, which is what the index avoids. Both rank alike; they differ per row by that normaliser.
+`item_search="exact"` always takes the product.
 
 Shape letters: B users, M history items, I items, D model width, K recommendations.
 """
@@ -30,7 +31,13 @@ from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.recsys.blocks import HistoryState
 from genrec_spec.recsys.decoders.heads import rank_catalogue, whole_catalogue
 from genrec_spec.recsys.errors import DecodeOptionError
-from genrec_spec.recsys.item_index import exact_top_items, recall_at_k, top_items, use_index
+from genrec_spec.recsys.item_index import (
+    ItemIndexConfig,
+    exact_top_items,
+    recall_at_k,
+    top_items,
+    use_index,
+)
 from genrec_spec.recsys.types import Recommendations
 
 
@@ -41,6 +48,7 @@ class DenseConfig:
     # "exact": the [B, I] product; "index": the approximate item index; "auto": the index from
     # `ItemIndexConfig.min_items` items on
     item_search: str = "auto"
+    index_kind: str = ItemIndexConfig.kind  # the index searched: "ivf" or "hnsw"
 
 
 def check_item_objective(model, what: str = "the dense decoder") -> None:
@@ -66,16 +74,18 @@ def decode(
     k: int,
     trie: PrefixTrie,
     item_search: str = DenseConfig.item_search,
+    index_kind: str = DenseConfig.index_kind,
 ) -> Recommendations:
     """Top-K catalogue items by log p(item | history) (one backbone pass, one product), or by
     item logit through the approximate item index (module docstring)."""
     check_item_objective(model)
-    if not use_index(model, item_search):
+    config = ItemIndexConfig(kind=index_kind)
+    if not use_index(model, item_search, config):
         top = whole_catalogue(lambda state: item_log_probs(model, state))
         return rank_catalogue(model, values, offsets, k, trie, top)
 
     def indexed(state: HistoryState, k: int) -> tuple[Tensor, Tensor, dict]:
-        found = top_items(model, state.hidden, k)
+        found = top_items(model, state.hidden, k, config)
         return found.items, found.scores, {"item_index": True}
 
     return rank_catalogue(model, values, offsets, k, trie, indexed)
@@ -88,8 +98,10 @@ def index_recall(
     offsets: Tensor,  # [B+1] int64
     *,
     k: int,
+    index_kind: str = DenseConfig.index_kind,
 ) -> Tensor:  # [B] recall@K: the share of each row's exact top-K the item index finds
     """How much of the exact product's top-K `decode(..., item_search="index")` returns."""
     check_item_objective(model)
     hidden = model.encode_history(values, offsets).hidden  # [B, D]
-    return recall_at_k(top_items(model, hidden, k).items, exact_top_items(model, hidden, k).items)
+    found = top_items(model, hidden, k, ItemIndexConfig(kind=index_kind))
+    return recall_at_k(found.items, exact_top_items(model, hidden, k).items)
