@@ -45,9 +45,9 @@ beams, and in large batches the drafted nodes can cost more than the saved passe
 where a pass's fixed cost dominates a node's (an accelerator). `genrec-spec bench recsys`
 measures it, with the exact floor no exact decoder can beat (docs/results).
 
-Stats: "target_passes", "nodes_scored" (real tree nodes over all passes), "draft_nodes"
-(prefixes drafted), "draft_hit_rate" (needed prefixes that some draft proposed), "wall_time_s",
-"truncated_histories".
+Stats (`RecommendStats`): target_passes, nodes_scored (real tree nodes over all passes),
+draft_nodes (prefixes drafted), draft_hit_rate (needed prefixes that some draft proposed),
+wall_time_s, truncated_histories.
 
 Shape letters: B users, W beams, N tree nodes, V codes, L code levels, R drafted items.
 """
