@@ -69,7 +69,7 @@ class BenchScaleConfig:
     repeats: int = 5  # timed calls per cell, each on other users (median)
     recall_users: int = 256  # users the index's recall is measured on
     item_table: str = "embeddings"  # the random model's item table: "embeddings" or "random"
-    index_kind: str = "ivf"  # the item index dense-index searches: "ivf" or "hnsw"
+    index_kind: str = "ivf"  # the item index dense-index searches (`item_index.KINDS`)
     model: str = "default"  # the random model's code levels: "default" or "code-heads"
     max_gather_gib: float = 4.0  # skip a cell whose tied levels would gather more than this
     max_call_s: float = 30.0  # a cell whose first two calls take longer is not repeated

@@ -12,7 +12,11 @@ item it finds is that item's logit. It cannot give log-probabilities: the softma
 sums over every item, which is what the index avoids.
 
 Kinds (`ItemIndexConfig.kind`): "ivf" (`IndexIVFFlat`: spherical k-means lists, `nprobe` of them
-scanned exactly per query) and "hnsw" (`IndexHNSWFlat`, a proximity graph). IVF is the default:
+scanned exactly per query), "ivf-pq" (the same lists holding 4-bit codes, one per dimension,
+scanned with faiss's SIMD fast scan, `IndexIVFPQFastScan`; the `refine_factor` x K best codes
+are then rescored exactly from the items' own rows, `IndexRefineFlat`, so the scores and their
+order are exact, and only an item the codes rank below that cut can be lost) and "hnsw"
+(`IndexHNSWFlat`, a proximity graph). IVF is the default:
 it builds several times faster, its cost per query is set by one knob (the items in the probed
 lists) and does not grow with K, which the "items" draft asks large (hundreds of items at wide
 beams: HNSW must then widen its candidate list to at least K), and with plain dot-product logits
@@ -38,7 +42,7 @@ from torch import Tensor
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.recsys.errors import DecodeOptionError
 
-KINDS = ("ivf", "hnsw")
+KINDS = ("ivf", "ivf-pq", "hnsw")
 SEARCHES = ("auto", "exact", "index")  # the decoders' `item_search` option
 
 
@@ -48,10 +52,11 @@ class ItemIndexConfig:
 
     # "auto" searches the index from this many items on, the exact [B, I] product below
     min_items: int = 100_000
-    kind: str = "ivf"  # "ivf" or "hnsw" (module docstring)
+    kind: str = "ivf"  # "ivf", "ivf-pq" or "hnsw" (module docstring)
     lists_per_sqrt_item: float = 1.0  # ivf: k-means lists = this x sqrt(I)
     train_items_per_list: int = 64  # ivf: k-means trains on a sample of this many items a list
-    nprobe: int = 128  # ivf: lists scanned per query (every list of a small catalogue)
+    nprobe: int = 128  # ivf, ivf-pq: lists scanned per query (every list of a small catalogue)
+    refine_factor: int = 30  # ivf-pq: codes' best refine_factor x K rescored exactly
     hnsw_links: int = 32  # hnsw: graph links per item (faiss's M)
     ef_construction: int = 64  # hnsw: candidates kept while building
     ef_search: int = 128  # hnsw: candidates kept per query (raised to K when K is larger)
@@ -61,9 +66,16 @@ class ItemIndexConfig:
         if self.kind not in KINDS:
             raise DecodeOptionError(
                 f"item index kind {self.kind!r} is not one of {KINDS}",
-                'use kind "ivf" or "hnsw"',
+                f"use one of {KINDS}",
             )
-        counts = ("min_items", "nprobe", "train_items_per_list", "hnsw_links", "ef_construction")
+        counts = (
+            "min_items",
+            "nprobe",
+            "refine_factor",
+            "train_items_per_list",
+            "hnsw_links",
+            "ef_construction",
+        )
         small = [
             f"{n} = {getattr(self, n)}" for n in (*counts, "ef_search") if getattr(self, n) < 1
         ]
@@ -101,13 +113,22 @@ class ItemIndex:
             self.index.hnsw.efConstruction = config.ef_construction
         else:
             lists = max(1, min(items, round(config.lists_per_sqrt_item * math.sqrt(items))))
-            quantizer = faiss.IndexFlatIP(dim)
-            self.index = faiss.IndexIVFFlat(quantizer, dim, lists, faiss.METRIC_INNER_PRODUCT)
-            self.index.cp.seed = config.seed
-            self.index.cp.min_points_per_centroid = 1  # small catalogues: few items a list
-            self.index.cp.max_points_per_centroid = config.train_items_per_list
-            self.index.train(x)  # on a seeded sample of train_items_per_list items a list
-            self.index.nprobe = min(config.nprobe, lists)
+            self.quantizer = faiss.IndexFlatIP(dim)  # held: the IVF index does not own it
+            ip = faiss.METRIC_INNER_PRODUCT
+            if config.kind == "ivf-pq":  # one 4-bit code per dimension
+                ivf = faiss.IndexIVFPQFastScan(self.quantizer, dim, lists, dim, 4, ip)
+            else:
+                ivf = faiss.IndexIVFFlat(self.quantizer, dim, lists, ip)
+            ivf.cp.seed = config.seed
+            ivf.cp.min_points_per_centroid = 1  # small catalogues: few items a list
+            ivf.cp.max_points_per_centroid = config.train_items_per_list
+            ivf.train(x)  # on a seeded sample of train_items_per_list items a list
+            ivf.nprobe = min(config.nprobe, lists)
+            self.index = ivf
+            if config.kind == "ivf-pq":
+                self.ivf = ivf  # held: the refining index does not own it
+                self.index = faiss.IndexRefineFlat(ivf)
+                self.index.k_factor = config.refine_factor
         self.index.add(x)
 
     def search(self, query: Tensor, k: int) -> FoundItems:  # query: [B, D] -> [B, K]

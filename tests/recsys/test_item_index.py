@@ -49,13 +49,14 @@ def _trie(model) -> PrefixTrie:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.05])
-@pytest.mark.parametrize("kind", ["ivf", "hnsw"])
+@pytest.mark.parametrize("kind", ["ivf", "ivf-pq", "hnsw"])
 def test_index_top_k_is_the_exact_top_k_on_a_small_catalogue(
     temperature, kind, random_recommender, uneven_histories
 ):
-    """With every list probed (IVF) or a candidate list past the catalogue (HNSW) the index is
-    exact: the same items in the same order with the model's logits, in its geometry (plain dot
-    product, or cosine over a temperature)."""
+    """With every list probed (IVF; with 4-bit codes, every item rescored: refine_factor x K is
+    past the catalogue) or a candidate list past the catalogue (HNSW) the index is exact: the
+    same items in the same order with the model's logits, in its geometry (plain dot product, or
+    cosine over a temperature)."""
     model = _model(random_recommender, 0, 150, temperature)
     values, offsets = uneven_histories(model, 7, seed=1)
     hidden = model.encode_history(values, offsets).hidden  # [B, D]
@@ -67,11 +68,12 @@ def test_index_top_k_is_the_exact_top_k_on_a_small_catalogue(
     assert torch.equal(recall_at_k(found.items, want.items), torch.ones(7))
 
 
-def test_index_recall_on_a_larger_catalogue(random_recommender, uneven_histories):
+@pytest.mark.parametrize("kind", ["ivf", "ivf-pq"])
+def test_index_recall_on_a_larger_catalogue(kind, random_recommender, uneven_histories):
     """Default settings, a catalogue with several lists not probed: most of the exact top-10."""
     model = _model(random_recommender, 1, 3000, 0.05)
     values, offsets = uneven_histories(model, 16, seed=2)
-    recall = dense.index_recall(model, values, offsets, k=10)
+    recall = dense.index_recall(model, values, offsets, k=10, index_kind=kind)
     assert recall.shape == (16,)
     assert float(recall.mean()) >= 0.5
 
@@ -86,7 +88,9 @@ def test_index_is_cached_per_item_table(random_recommender):
     assert item_index(model) is not first
 
 
-@pytest.mark.parametrize(("temperature", "kind"), [(0.0, "ivf"), (0.05, "ivf"), (0.05, "hnsw")])
+@pytest.mark.parametrize(
+    ("temperature", "kind"), [(0.0, "ivf"), (0.05, "ivf"), (0.0, "ivf-pq"), (0.05, "hnsw")]
+)
 def test_dense_through_the_index_reports_its_recall(
     temperature, kind, random_recommender, uneven_histories
 ):

@@ -11,11 +11,11 @@ decoder's). Scores are then the items' log-probabilities over the catalogue.
 That product is linear in the catalogue. With `item_search="index"`, or "auto" (the default) on
 a catalogue of at least `ItemIndexConfig.min_items` items, the top-K come instead from an
 approximate inner-product index over the same item table (`recsys.item_index`; `index_kind`
-"ivf", the default, or "hnsw"): the decoder is then approximate (an item the index misses is
-missing from the list; `index_recall` measures the share of the exact top-K it keeps), and its
-scores are the items' logits, not log-probabilities: the softmax normaliser sums over every
-item, which is what the index avoids. Both rank alike; they differ per row by that normaliser.
-`item_search="exact"` always takes the product.
+"ivf", the default, "ivf-pq" or "hnsw"): the decoder is then approximate (an item the index
+misses is missing from the list; `index_recall` measures the share of the exact top-K it keeps),
+and its scores are the items' logits, not log-probabilities: the softmax normaliser sums over
+every item, which is what the index avoids. Both rank alike; they differ per row by that
+normaliser. `item_search="exact"` always takes the product.
 
 Shape letters: B users, M history items, I items, D model width, K recommendations.
 """
@@ -48,7 +48,7 @@ class DenseConfig:
     # "exact": the [B, I] product; "index": the approximate item index; "auto": the index from
     # `ItemIndexConfig.min_items` items on
     item_search: str = "auto"
-    index_kind: str = ItemIndexConfig.kind  # the index searched: "ivf" or "hnsw"
+    index_kind: str = ItemIndexConfig.kind  # the index searched: "ivf", "ivf-pq" or "hnsw"
 
 
 def check_item_objective(model, what: str = "the dense decoder") -> None:
