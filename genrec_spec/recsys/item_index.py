@@ -43,6 +43,9 @@ from genrec_spec.models.derived import DerivedCache
 from genrec_spec.recsys.errors import DecodeOptionError
 
 KINDS = ("ivf", "ivf-pq", "hnsw")
+# Items added to an index per faiss call: its temporaries (codes, residuals) scale with the rows
+# of one call, which at 10^7 items at once ran the bench process out of memory.
+ADD_ROWS = 1 << 20
 SEARCHES = ("auto", "exact", "index")  # the decoders' `item_search` option
 
 
@@ -129,7 +132,8 @@ class ItemIndex:
                 self.ivf = ivf  # held: the refining index does not own it
                 self.index = faiss.IndexRefineFlat(ivf)
                 self.index.k_factor = config.refine_factor
-        self.index.add(x)
+        for start in range(0, items, ADD_ROWS):
+            self.index.add(x[start : start + ADD_ROWS])
 
     def search(self, query: Tensor, k: int) -> FoundItems:  # query: [B, D] -> [B, K]
         if self.config.kind == "hnsw":

@@ -11,6 +11,7 @@ import torch
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.recsys.config import ItemObjectiveConfig, RecommenderConfig
+from genrec_spec.recsys import item_index as item_index_module
 from genrec_spec.recsys.decoders import beam, dense, spec_beam
 from genrec_spec.recsys.decoders.spec_beam import same_top_k
 from genrec_spec.recsys.errors import DecodeOptionError
@@ -51,12 +52,13 @@ def _trie(model) -> PrefixTrie:
 @pytest.mark.parametrize("temperature", [0.0, 0.05])
 @pytest.mark.parametrize("kind", ["ivf", "ivf-pq", "hnsw"])
 def test_index_top_k_is_the_exact_top_k_on_a_small_catalogue(
-    temperature, kind, random_recommender, uneven_histories
+    temperature, kind, random_recommender, uneven_histories, monkeypatch
 ):
     """With every list probed (IVF; with 4-bit codes, every item rescored: refine_factor x K is
     past the catalogue) or a candidate list past the catalogue (HNSW) the index is exact: the
     same items in the same order with the model's logits, in its geometry (plain dot product, or
-    cosine over a temperature)."""
+    cosine over a temperature). The items go in over several add calls, as at 10^7."""
+    monkeypatch.setattr(item_index_module, "ADD_ROWS", 64)
     model = _model(random_recommender, 0, 150, temperature)
     values, offsets = uneven_histories(model, 7, seed=1)
     hidden = model.encode_history(values, offsets).hidden  # [B, D]
