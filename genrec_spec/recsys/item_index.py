@@ -46,6 +46,8 @@ KINDS = ("ivf", "ivf-pq", "hnsw")
 # Items added to an index per faiss call: its temporaries (codes, residuals) scale with the rows
 # of one call, which at 10^7 items at once ran the bench process out of memory.
 ADD_ROWS = 1 << 20
+# Item logits exact_top_items holds at once (float32: 1 GiB).
+EXACT_LOGITS = 1 << 28
 SEARCHES = ("auto", "exact", "index")  # the decoders' `item_search` option
 
 
@@ -177,9 +179,15 @@ def top_items(
 
 
 def exact_top_items(model, hidden: Tensor, k: int) -> FoundItems:  # hidden: [B, D] -> [B, K]
-    """The exact top-K by item logit: the whole [B, I] product."""
-    top = model.item_scores(hidden).topk(min(k, model.num_items), dim=1)
-    return FoundItems(items=top.indices, scores=top.values)
+    """The exact top-K by item logit: the whole [B, I] product, a few rows at a time so that the
+    logits held at once stay under `EXACT_LOGITS` (256 rows at 10^7 items would be 10 GB)."""
+    rows = max(1, EXACT_LOGITS // model.num_items)
+    tops = [
+        model.item_scores(part).topk(min(k, model.num_items), dim=1) for part in hidden.split(rows)
+    ]
+    return FoundItems(
+        items=torch.cat([t.indices for t in tops]), scores=torch.cat([t.values for t in tops])
+    )
 
 
 def recall_at_k(

@@ -70,6 +70,18 @@ def test_index_top_k_is_the_exact_top_k_on_a_small_catalogue(
     assert torch.equal(recall_at_k(found.items, want.items), torch.ones(7))
 
 
+def test_exact_top_items_in_row_chunks(random_recommender, uneven_histories, monkeypatch):
+    """The exact top-K taken a few rows at a time is the top-K of the whole product."""
+    model = _model(random_recommender, 0, 150, 0.05)
+    values, offsets = uneven_histories(model, 7, seed=4)
+    hidden = model.encode_history(values, offsets).hidden  # [B, D]
+    whole = model.item_scores(hidden).topk(12, dim=1)
+    monkeypatch.setattr(item_index_module, "EXACT_LOGITS", 2 * model.num_items)  # 2 rows
+    chunked = exact_top_items(model, hidden, 12)
+    assert torch.equal(chunked.items, whole.indices)
+    torch.testing.assert_close(chunked.scores, whole.values)  # products of other row counts
+
+
 @pytest.mark.parametrize("kind", ["ivf", "ivf-pq"])
 def test_index_recall_on_a_larger_catalogue(kind, random_recommender, uneven_histories):
     """Default settings, a catalogue with several lists not probed: most of the exact top-10."""
