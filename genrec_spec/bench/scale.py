@@ -43,6 +43,7 @@ from genrec_spec.bench.errors import BenchError
 from genrec_spec.bench.scale_prepare import PrepareCost, prepared_catalogue
 from genrec_spec.machine import describe_device
 from genrec_spec.recsys.item_index import KINDS as INDEX_KINDS
+from genrec_spec.recsys.item_index import ItemIndexConfig
 
 DECODERS = ("beam", "spec_beam", "dense", "dense-index")
 ITEM_TABLES = ("embeddings", "random")
@@ -69,7 +70,7 @@ class BenchScaleConfig:
     repeats: int = 5  # timed calls per cell, each on other users (median)
     recall_users: int = 256  # users the index's recall is measured on
     item_table: str = "embeddings"  # the random model's item table: "embeddings" or "random"
-    index_kind: str = "ivf"  # the item index dense-index searches (`item_index.KINDS`)
+    index_kind: str = ItemIndexConfig.kind  # the item index dense-index searches (its KINDS)
     model: str = "default"  # the random model's code levels: "default" or "code-heads"
     max_gather_gib: float = 4.0  # skip a cell whose tied levels would gather more than this
     max_call_s: float = 30.0  # a cell whose first two calls take longer is not repeated
@@ -189,7 +190,9 @@ def gather_gib(model, batch: int, width: int, decoder: str) -> float:
     return nodes * window * model.config.dim * 4 / 2**30
 
 
-def decoder_calls(names: tuple[str, ...], index_kind: str = "ivf") -> dict[str, Callable]:
+def decoder_calls(
+    names: tuple[str, ...], index_kind: str = ItemIndexConfig.kind
+) -> dict[str, Callable]:
     """name -> call(model, values, offsets, k, trie, width); dense-index searches an index of
     `index_kind`."""
     from genrec_spec.recsys.decoders import beam, dense, spec_beam

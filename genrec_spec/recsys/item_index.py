@@ -16,12 +16,16 @@ scanned exactly per query), "ivf-pq" (the same lists holding 4-bit codes, one pe
 scanned with faiss's SIMD fast scan, `IndexIVFPQFastScan`; the `refine_factor` x K best codes
 are then rescored exactly from the items' own rows, `IndexRefineFlat`, so the scores and their
 order are exact, and only an item the codes rank below that cut can be lost) and "hnsw"
-(`IndexHNSWFlat`, a proximity graph). IVF is the default:
-it builds several times faster, its cost per query is set by one knob (the items in the probed
+(`IndexHNSWFlat`, a proximity graph). "ivf-pq" is the default. Its lists are IVF's, so it finds
+what they hold (the same recall@10 as "ivf" at 10^6 and 10^7 items), but it scans them several
+times faster (at 10^7 items about 12x at batch 1), for a build about 3x slower and the codes
+beside the rows in memory. IVF's cost per query is set by one knob (the items in the probed
 lists) and does not grow with K, which the "items" draft asks large (hundreds of items at wide
 beams: HNSW must then widen its candidate list to at least K), and with plain dot-product logits
-(no temperature) its probed lists are scanned exactly, where HNSW's graph assumes a metric.
-`genrec-spec bench scale` measures both (docs/results/scale.md).
+(no temperature) its probed lists are scanned exactly, where HNSW's graph assumes a metric; HNSW
+at its settings here also built 20x slower than IVF at 10^6 items and found far less (recall@10
+0.70-0.76). A catalogue of fewer than 16 items gets "ivf" lists (16 items train a 4-bit code).
+`genrec-spec bench scale --index-kind` measures each (docs/results/scale.md).
 
 The index is built once per item table (and config) and again when the table changes, like the
 catalogue trie (`beam.item_trie`). `use_index` decides, per decode, between the index and the
@@ -46,6 +50,8 @@ KINDS = ("ivf", "ivf-pq", "hnsw")
 # Items added to an index per faiss call: its temporaries (codes, residuals) scale with the rows
 # of one call, which at 10^7 items at once ran the bench process out of memory.
 ADD_ROWS = 1 << 20
+# Values of a 4-bit code: ivf-pq trains each on the items, so it needs at least this many.
+PQ_CODES = 16
 # Item logits exact_top_items holds at once (float32: 1 GiB).
 EXACT_LOGITS = 1 << 28
 SEARCHES = ("auto", "exact", "index")  # the decoders' `item_search` option
@@ -57,7 +63,7 @@ class ItemIndexConfig:
 
     # "auto" searches the index from this many items on, the exact [B, I] product below
     min_items: int = 100_000
-    kind: str = "ivf"  # "ivf", "ivf-pq" or "hnsw" (module docstring)
+    kind: str = "ivf-pq"  # "ivf", "ivf-pq" or "hnsw" (module docstring)
     lists_per_sqrt_item: float = 1.0  # ivf: k-means lists = this x sqrt(I)
     train_items_per_list: int = 64  # ivf: k-means trains on a sample of this many items a list
     nprobe: int = 128  # ivf, ivf-pq: lists scanned per query (every list of a small catalogue)
@@ -120,7 +126,8 @@ class ItemIndex:
             lists = max(1, min(items, round(config.lists_per_sqrt_item * math.sqrt(items))))
             self.quantizer = faiss.IndexFlatIP(dim)  # held: the IVF index does not own it
             ip = faiss.METRIC_INNER_PRODUCT
-            if config.kind == "ivf-pq":  # one 4-bit code per dimension
+            codes = config.kind == "ivf-pq" and items >= PQ_CODES
+            if codes:  # one 4-bit code per dimension
                 ivf = faiss.IndexIVFPQFastScan(self.quantizer, dim, lists, dim, 4, ip)
             else:
                 ivf = faiss.IndexIVFFlat(self.quantizer, dim, lists, ip)
@@ -130,7 +137,7 @@ class ItemIndex:
             ivf.train(x)  # on a seeded sample of train_items_per_list items a list
             ivf.nprobe = min(config.nprobe, lists)
             self.index = ivf
-            if config.kind == "ivf-pq":
+            if codes:
                 self.ivf = ivf  # held: the refining index does not own it
                 self.index = faiss.IndexRefineFlat(ivf)
                 self.index.k_factor = config.refine_factor

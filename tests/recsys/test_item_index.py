@@ -16,6 +16,7 @@ from genrec_spec.recsys.decoders import beam, dense, spec_beam
 from genrec_spec.recsys.decoders.spec_beam import same_top_k
 from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.item_index import (
+    ItemIndex,
     ItemIndexConfig,
     exact_top_items,
     item_index,
@@ -68,6 +69,16 @@ def test_index_top_k_is_the_exact_top_k_on_a_small_catalogue(
     assert torch.equal(found.items, want.items)
     assert torch.allclose(found.scores, want.scores, atol=1e-4)
     assert torch.equal(recall_at_k(found.items, want.items), torch.ones(7))
+
+
+def test_ivf_pq_on_a_catalogue_too_small_for_its_codes():
+    """Fewer items than a 4-bit code has values: flat lists, and every list probed is exact."""
+    table = torch.nn.functional.normalize(
+        torch.randn(10, 16, generator=torch.manual_seed(0)), dim=1
+    )
+    index = ItemIndex(table, ItemIndexConfig(kind="ivf-pq"))
+    found = index.search(table[:3], 4)
+    assert torch.equal(found.items, (table[:3] @ table.T).topk(4, dim=1).indices)
 
 
 def test_exact_top_items_in_row_chunks(random_recommender, uneven_histories, monkeypatch):

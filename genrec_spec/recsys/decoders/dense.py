@@ -11,7 +11,7 @@ decoder's). Scores are then the items' log-probabilities over the catalogue.
 That product is linear in the catalogue. With `item_search="index"`, or "auto" (the default) on
 a catalogue of at least `ItemIndexConfig.min_items` items, the top-K come instead from an
 approximate inner-product index over the same item table (`recsys.item_index`; `index_kind`
-"ivf", the default, "ivf-pq" or "hnsw"): the decoder is then approximate (an item the index
+"ivf-pq", the default, "ivf" or "hnsw"): the decoder is then approximate (an item the index
 misses is missing from the list; `index_recall` measures the share of the exact top-K it keeps),
 and its scores are the items' logits, not log-probabilities: the softmax normaliser sums over
 every item, which is what the index avoids. Both rank alike; they differ per row by that
