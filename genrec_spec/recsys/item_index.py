@@ -16,16 +16,15 @@ scanned exactly per query), "ivf-pq" (the same lists holding 4-bit codes, one pe
 scanned with faiss's SIMD fast scan, `IndexIVFPQFastScan`; the `refine_factor` x K best codes
 are then rescored exactly from the items' own rows, `IndexRefineFlat`, so the scores and their
 order are exact, and only an item the codes rank below that cut can be lost) and "hnsw"
-(`IndexHNSWFlat`, a proximity graph). "ivf-pq" is the default. Its lists are IVF's, so it finds
-what they hold (the same recall@10 as "ivf" at 10^6 and 10^7 items), but it scans them several
-times faster (at 10^7 items about 12x at batch 1), for a build about 3x slower and the codes
-beside the rows in memory. IVF's cost per query is set by one knob (the items in the probed
-lists) and does not grow with K, which the "items" draft asks large (hundreds of items at wide
-beams: HNSW must then widen its candidate list to at least K), and with plain dot-product logits
-(no temperature) its probed lists are scanned exactly, where HNSW's graph assumes a metric; HNSW
-at its settings here also built 20x slower than IVF at 10^6 items and found far less (recall@10
-0.70-0.76). A catalogue of fewer than 16 items gets "ivf" lists (16 items train a 4-bit code).
-`genrec-spec bench scale --index-kind` measures each (docs/results/scale.md).
+(`IndexHNSWFlat`, a proximity graph). "ivf-pq" is the default: its lists are IVF's, so it finds
+what they hold, and it scans them several times faster, for a slower build and the codes beside
+the rows in memory. IVF's cost per query is set by one knob (the items in the probed lists) and
+does not grow with K, which the "items" draft asks large (hundreds of items at wide beams: HNSW
+must then widen its candidate list to at least K), and with plain dot-product logits (no
+temperature) its probed lists are scanned exactly, where HNSW's graph assumes a metric; HNSW at
+the settings measured also built far slower than IVF and found less. A catalogue of fewer than
+`PQ_CODES` items gets "ivf" lists (too few to train a 4-bit code on). `genrec-spec bench scale
+--index-kind` measures each kind (docs/results/scale.md).
 
 The index is built once per item table (and config) and again when the table changes, like the
 catalogue trie (`beam.item_trie`). `use_index` decides, per decode, between the index and the
