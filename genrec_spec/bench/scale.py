@@ -190,9 +190,7 @@ def gather_gib(model, batch: int, width: int, decoder: str) -> float:
     return nodes * window * model.config.dim * 4 / 2**30
 
 
-def decoder_calls(
-    names: tuple[str, ...], index_kind: str = ItemIndexConfig.kind
-) -> dict[str, Callable]:
+def decoder_calls(names: tuple[str, ...], index_kind: str) -> dict[str, Callable]:
     """name -> call(model, values, offsets, k, trie, width); dense-index searches an index of
     `index_kind`."""
     from genrec_spec.recsys.decoders import beam, dense, spec_beam
@@ -266,7 +264,7 @@ def bench_size(items: int, root: Path, settings: BenchScaleConfig, log) -> SizeR
     from genrec_spec.data_pipelines.trie import PrefixTrie
     from genrec_spec.recsys.data import load_prepared, sample_users
     from genrec_spec.recsys.decoders.dense import index_recall
-    from genrec_spec.recsys.item_index import ItemIndexConfig, item_index
+    from genrec_spec.recsys.item_index import item_index
 
     cost = prepared_catalogue(items, root, settings.levels, log, settings.prepare_options)
     data = load_prepared(cost.folder)

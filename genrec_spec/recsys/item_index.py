@@ -123,13 +123,15 @@ class ItemIndex:
             self.index.hnsw.efConstruction = config.ef_construction
         else:
             lists = max(1, min(items, round(config.lists_per_sqrt_item * math.sqrt(items))))
-            self.quantizer = faiss.IndexFlatIP(dim)  # held: the IVF index does not own it
+            # faiss's Python constructors keep the indexes they wrap alive (the quantizer here,
+            # the IVF index in the refining one)
+            quantizer = faiss.IndexFlatIP(dim)
             ip = faiss.METRIC_INNER_PRODUCT
             codes = config.kind == "ivf-pq" and items >= PQ_CODES
             if codes:  # one 4-bit code per dimension
-                ivf = faiss.IndexIVFPQFastScan(self.quantizer, dim, lists, dim, 4, ip)
+                ivf = faiss.IndexIVFPQFastScan(quantizer, dim, lists, dim, 4, ip)
             else:
-                ivf = faiss.IndexIVFFlat(self.quantizer, dim, lists, ip)
+                ivf = faiss.IndexIVFFlat(quantizer, dim, lists, ip)
             ivf.cp.seed = config.seed
             ivf.cp.min_points_per_centroid = 1  # small catalogues: few items a list
             ivf.cp.max_points_per_centroid = config.train_items_per_list
@@ -137,7 +139,6 @@ class ItemIndex:
             ivf.nprobe = min(config.nprobe, lists)
             self.index = ivf
             if codes:
-                self.ivf = ivf  # held: the refining index does not own it
                 self.index = faiss.IndexRefineFlat(ivf)
                 self.index.k_factor = config.refine_factor
         for start in range(0, items, ADD_ROWS):
