@@ -44,6 +44,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # item objective): the whole first code level scored with the history; the NEZHA head's beam
     "spec-frontier": ("spec_beam", {"draft": "frontier"}),
     "spec-nezha": ("spec_beam", {"draft": "nezha"}),
+    # spec_beam's default draft as the drafter of the engine's beam_search (the same lists)
+    "spec-core": ("spec_beam", {"engine": "core"}),
 }
 # Every registered decoder, each followed by its variants.
 ROWS = tuple(

@@ -83,10 +83,11 @@ class BeamOutput(Generation):
 
 
 class BeamDrafter(Protocol):
-    def draft(self, tree: BeamTree, rows: Tensor, nodes: Tensor, budget: int) -> None:
+    def draft(self, tree: BeamTree, rows: Tensor, nodes: Tensor, budget: int, cache) -> None:
         """Plan at most ``budget`` nodes per row with ``tree.add`` below the frontier: rows,
         nodes [F] the live beams' nodes, once each, rows grouped ascending and each row's best
-        beam first."""
+        beam first; ``cache`` is the target's (``Target.prefill``'s), for drafts that read
+        the target's own state of the prompts (a recommender's encoded histories)."""
         ...
 
 
@@ -244,23 +245,28 @@ class _Search:
         states = self._states(rows, parents, tokens)
         nodes = tree.add(rows, parents, tokens, states)
         beams.nodes[need] = nodes[copy_of]
-        if self.forced_free:
-            forced = self.constraint.trie.forced(states)  # [Q] -1: a choice
-            known = forced >= 0
-            count = int(known.sum())
-            if count:
-                tree.know(rows[known], nodes[known], forced[known])
-            if count == len(known):  # no new node needs the target: they wait for a pass
-                return
+        if self.forced_free and self._know_forced(rows, nodes) == len(rows):
+            return  # no new node needs the target: they wait for a pass
         if self.drafter is not None:
             live = open_rows[:, None] & (beams.scores > float("-inf"))
             budget = max(1, self.config.draft_nodes // int(open_rows.sum()))
             rows_live, nodes_live = live.nonzero()[:, 0], beams.nodes[live]
             once, _ = _distinct(rows_live * MAX_NODES + nodes_live)
-            self.drafter.draft(tree, rows_live[once], nodes_live[once], budget)
+            self.drafter.draft(tree, rows_live[once], nodes_live[once], budget, self.cache)
+            if self.forced_free:  # a drafted forced node is known too: exactly 0, as a beam's
+                self._know_forced(*tree.planned())
         self.drafted += int(tree.pending.sum()) - waiting - len(rows)
         self.speculative += self.drafter is not None
         self._pass()
+
+    def _know_forced(self, rows: Tensor, nodes: Tensor) -> int:  # [Q] planned nodes each
+        """Store the candidates of the planned nodes whose token is forced; how many were."""
+        forced = self.constraint.trie.forced(self.tree.states[rows, nodes])  # [Q] -1: a choice
+        known = forced >= 0
+        count = int(known.sum())
+        if count:
+            self.tree.know(rows[known], nodes[known], forced[known])
+        return count
 
     def _states(self, rows: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:  # [Q] each
         """The constraint state after each (parent node, token), in one batched step; a root

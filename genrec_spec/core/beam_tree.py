@@ -96,6 +96,13 @@ class BeamTree:
         self.keys, self.key_nodes = keys[order], torch.cat([self.key_nodes, nodes])[order]
         return nodes
 
+    def planned(self) -> tuple[Tensor, Tensor]:  # [P] each
+        """The rows and numbers of the nodes planned for the next pass, rows ascending."""
+        rows, slots = (torch.arange(int(self.pending.max())) < self.pending[:, None]).nonzero(
+            as_tuple=True
+        )
+        return rows, self.size + slots
+
     def plan(self) -> tuple[Tensor, Tensor, Tensor]:
         """Close the planned pass: every row padded to M nodes. Returns tokens, parents [B, M]
         for the target and real [B, M] bool."""

@@ -3,14 +3,17 @@ tokens, so the core's ``beam_search`` (and its drafters) decode it.
 
     target = RecommenderTarget(model)
     catalogue = target.catalogue()
-    out = beam_search(target, histories, max_new_tokens=model.num_levels, constraint=catalogue,
+    tokens, lengths = target.prompts(values, offsets)  # the jagged histories as prompts
+    out = beam_search(target, tokens, prompt_lengths=lengths, max_new_tokens=model.num_levels,
+                      constraint=catalogue,
                       config=BeamConfig(num_beams=W, num_return_sequences=K, length_penalty=0))
     items = catalogue.items_of(out.values, out.offsets).view(out.scores.shape)  # [B, K]
 
-Vocabularies: prompts are item indices (the history, oldest first); generated tokens are codes
-in one flattened code vocabulary, code c of level l being token ``offsets[l] + c``. A tree's
-root (parent -1, the history's last item) is scored by the history pass: its output is the
-level-0 log-probs; a node at depth d carries a level d - 1 code and outputs level d's.
+Vocabularies: a prompt is a start token, then the history's item indices (oldest first), so an
+empty history is a prompt too; generated tokens are codes in one flattened code vocabulary,
+code c of level l being token ``offsets[l] + c``. A tree's root (parent -1, the start token or
+the history's last item) is scored by the history pass: its output is the level-0 log-probs; a
+node at depth d carries a level d - 1 code and outputs level d's.
 Outputs are the model's own log-probabilities (``outputs_log_probs``), which beam search reads
 as they are, masked to the catalogue: exactly the scores of the recommender's ``beam``.
 
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from genrec_spec.core.beam import BeamConfig, beam_search
+from genrec_spec.core.beam import BeamConfig, BeamDrafter, beam_search
 from genrec_spec.core.catalogue import TokenTrie
 from genrec_spec.core.constraints import Catalogue
 from genrec_spec.core.targets import grown
@@ -48,7 +51,9 @@ PRUNE_SHARE = 0.25
 
 @dataclass
 class RecommenderCache:
-    state: object  # the model's HistoryState of the B histories
+    values: Tensor  # [M] int64 the B histories' items, oldest first within a row
+    offsets: Tensor  # [B + 1] int64
+    state: object = None  # the model's HistoryState of them, from the first grow on
     tree: DraftTree | None = None  # the nodes grown since prefill
 
 
@@ -65,10 +70,19 @@ class RecommenderTarget:
         self.level_columns = list(
             zip(self.offsets[:-1].tolist(), model.codebook_sizes, strict=True)
         )
-        self.prompt_vocab_size = model.num_items
+        self.start_token = model.num_items  # every prompt's first token (module docstring)
+        self.prompt_vocab_size = model.num_items + 1
         self.max_length = UNBOUNDED
         # Code levels normalised over a prefix's children give a forced code log-prob 0.
         self.forced_tokens_free = model.forced_codes_free
+
+    def prompts(self, values: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:
+        """Histories (jagged: values [M], offsets [B + 1]) as prompts: tokens [B, 1 + T] (the
+        start token, then the history, 0-padded) and lengths [B]."""
+        lengths = offsets.diff()  # [B]
+        history = jagged_to_padded(values, offsets, int(lengths.max()), 0, backend="torch")
+        start = history.new_full((len(lengths), 1), self.start_token)
+        return torch.cat([start, history], 1), lengths + 1
 
     def catalogue(self) -> Catalogue:
         """The model's items as code-token sequences (fixed length L, no end token)."""
@@ -83,8 +97,14 @@ class RecommenderTarget:
                 "the recommender exposes no hidden states to drafters",
                 "use drafters that need none (the catalogue's)",
             )
-        values, offsets = padded_to_jagged(tokens, lengths, backend="torch")
-        return RecommenderCache(self.model.encode_history(values, offsets))
+        if bool((tokens[:, 0] != self.start_token).any()):
+            raise DecodeInputError(
+                "a recommender prompt is the target's start token, then the history",
+                "make prompts with RecommenderTarget.prompts(values, offsets)",
+            )
+        # The history pass waits for the first grow, which also scores any code nodes planned
+        # below the roots (`encode_history_and_tree`: one forward for both).
+        return RecommenderCache(*padded_to_jagged(tokens[:, 1:], lengths - 1, backend="torch"))
 
     def grow_tree(self, cache: RecommenderCache, tokens: Tensor, parents: Tensor) -> Tensor:
         cache.tree = grown(cache.tree, tokens, parents)
@@ -98,43 +118,44 @@ class RecommenderTarget:
 
     def _score(self, cache: RecommenderCache, m: int) -> Tensor:  # [B, M, V] of the last m
         """Log-probs of the last m nodes of the pending tree: the roots' from the history pass,
-        the code nodes' from one ``score_tree`` pass over every code node that predicts a level
-        (the model keeps no K/V of tree nodes, so earlier ones are context again). A node of
-        the last level predicts nothing: -inf everywhere."""
+        the code nodes' from one pass over every code node that predicts a level: the history
+        pass itself on the first grow, then ``score_tree`` (the model keeps no K/V of tree
+        nodes, so earlier ones are context again). A node of the last level predicts nothing:
+        -inf everywhere."""
         tree, model = cache.tree, self.model
         batch, n = tree.tokens.shape
         # [B, N] each node's depth: a code token's value says its level (codes are offset per
         # level); roots (and padding, no beam's) are 0
         level = torch.bucketize(tree.tokens, self.offsets[1:], right=True)
         depth = torch.where(tree.parents >= 0, level + 1, 0)
-        root, scored = depth == 0, (depth > 0) & (depth < model.num_levels)
-        out = torch.full((batch, m, self.vocab_size), float("-inf"), device=self.device)
-        level0 = cache.state.level0_log_probs  # [B, V0]
-        rows, slots = root[:, n - m :].nonzero(as_tuple=True)
-        out[rows, slots, : level0.shape[1]] = level0[rows]
+        scored = (depth > 0) & (depth < model.num_levels)
         wanted = scored.clone()
         wanted[:, : n - m] = False  # earlier nodes are context: their outputs are not needed
+        if cache.state is None:  # the first grow: every node is new, none is context
+            new_order, new_real = in_order(wanted)  # [B, W'] each
+            codes, levels, parents = self._layout(tree, depth, wanted, new_order, new_real)
+            cache.state, log_probs = model.encode_history_and_tree(
+                cache.values, cache.offsets, codes, levels, parents
+            )
+        elif bool(wanted.any()):
+            scored = context_to_score(scored, wanted, tree.parents, model.num_levels - 2)
+            # The model's tree: each row's context, then its new nodes, each part in tree order
+            # (parents first) and padded to the row with the most, so the new nodes of every row
+            # sit in the last slots, the only ones whose outputs the model computes.
+            context_order, context_real = in_order(scored & ~wanted)  # [B, C] each
+            new_order, new_real = in_order(wanted)  # [B, W'] each
+            order = torch.cat([context_order, new_order], 1)
+            real = torch.cat([context_real, new_real], 1)
+            codes, levels, parents = self._layout(tree, depth, scored, order, real)
+            log_probs = model.score_tree(
+                cache.state, codes, levels, parents, last=new_order.shape[1]
+            )
+        out = torch.full((batch, m, self.vocab_size), float("-inf"), device=self.device)
+        level0 = cache.state.level0_log_probs  # [B, V0]
+        rows, slots = (depth == 0)[:, n - m :].nonzero(as_tuple=True)
+        out[rows, slots, : level0.shape[1]] = level0[rows]
         if not bool(wanted.any()):
             return out
-        scored = context_to_score(scored, wanted, tree.parents, model.num_levels - 2)
-        # The model's tree: each row's context, then its new nodes, each part in tree order
-        # (parents first) and padded to the row with the most, so the new nodes of every row
-        # sit in the last slots, the only ones whose outputs the model computes.
-        context_order, context_real = in_order(scored & ~wanted)  # [B, C] each
-        new_order, new_real = in_order(wanted)  # [B, W'] each
-        order, real = (
-            torch.cat([context_order, new_order], 1),
-            torch.cat([context_real, new_real], 1),
-        )
-        rows, slots = real.nonzero(as_tuple=True)
-        slot_of = torch.zeros_like(tree.parents)  # [B, N] a scored node's slot in `order`
-        slot_of[rows, order[rows, slots]] = slots
-        parent = tree.parents.gather(1, order).clamp_min(0)  # a root's children: below history
-        model_parents = torch.where(real & scored.gather(1, parent), slot_of.gather(1, parent), -1)
-        levels = torch.where(real, depth.gather(1, order) - 1, 0)
-        codes = torch.where(real, tree.tokens.gather(1, order) - self.offsets[levels], 0)
-        last = new_order.shape[1]
-        log_probs = model.score_tree(cache.state, codes, levels, model_parents, last=last)
         rows, slots = new_real.nonzero(as_tuple=True)  # log_probs [B, W', Vmax]: the last W'
         nodes = new_order[rows, slots]  # [Q] their tree nodes
         following = depth[rows, nodes]  # the level each node predicts
@@ -147,6 +168,25 @@ class RecommenderTarget:
             lo, size = self.level_columns[level]
             at[positions[here], lo : lo + size] = values[here, :size]
         return out
+
+    def _layout(
+        self,
+        tree: DraftTree,
+        depth: Tensor,  # [B, N] each node's depth (0: a root or padding)
+        fed: Tensor,  # [B, N] bool the code nodes the model is fed
+        order: Tensor,  # [B, S] the fed nodes, in the model's slots
+        real: Tensor,  # [B, S] bool which slots hold one
+    ) -> tuple[Tensor, Tensor, Tensor]:  # the model's tree: codes, levels, parents [B, S] each
+        """The fed nodes as the model's tree: a node whose parent is fed points at its slot; a
+        root's children (and padding) hang below the history."""
+        rows, slots = real.nonzero(as_tuple=True)
+        slot_of = torch.zeros_like(tree.parents)  # [B, N] a fed node's slot in `order`
+        slot_of[rows, order[rows, slots]] = slots
+        parent = tree.parents.gather(1, order).clamp_min(0)  # a root's children: below history
+        parents = torch.where(real & fed.gather(1, parent), slot_of.gather(1, parent), -1)
+        levels = torch.where(real, depth.gather(1, order) - 1, 0)
+        codes = torch.where(real, tree.tokens.gather(1, order) - self.offsets[levels], 0)
+        return codes, levels, parents
 
 
 def in_order(mask: Tensor) -> tuple[Tensor, Tensor]:  # [B, N] -> [B, S] each
@@ -180,26 +220,37 @@ def context_to_score(
 _CATALOGUES = DerivedCache()  # model -> (its target, its catalogue), again when item_codes change
 
 
+def core_target(model) -> tuple[RecommenderTarget, Catalogue]:
+    """The model as a core target and its catalogue, made once per model (again when its
+    item codes change)."""
+    return _CATALOGUES.get(model, (model.item_codes,), lambda: _target_and_catalogue(model))
+
+
 def core_beam(
     model,  # SemanticIdRecommender
     values: Tensor,  # [M] int64 history item indices, oldest first within a row
     offsets: Tensor,  # [B + 1] int64
     k: int,
     width: int,  # W
+    drafter: BeamDrafter | None = None,  # e.g. spec_beam's (`recsys.drafters`)
 ) -> tuple[Tensor, Tensor, DecodeStats]:  # items [B, K], scores [B, K], stats
     """The recommender's trie-constrained beam search on the core (module docstring): items and
     scores as the recommender's ``beam`` gives them."""
-    target, catalogue = _CATALOGUES.get(
-        model, (model.item_codes,), lambda: _target_and_catalogue(model)
-    )
-    lengths = offsets.diff()  # [B]
+    target, catalogue = core_target(model)
+    tokens, lengths = target.prompts(values, offsets)  # [B, 1 + T], [B]
+    # The recommender's drafts size themselves (their draft width): the engine's budget, nodes
+    # a pass shared by the rows, is the whole catalogue's.
+    budget = len(lengths) * catalogue.trie.num_nodes
     out = beam_search(
         target,
-        jagged_to_padded(values, offsets, int(lengths.max()), 0, backend="torch"),  # [B, T]
+        tokens,
         prompt_lengths=lengths,
-        config=BeamConfig(num_beams=width, num_return_sequences=k, length_penalty=0.0),
+        config=BeamConfig(
+            num_beams=width, num_return_sequences=k, length_penalty=0.0, draft_nodes=budget
+        ),
         max_new_tokens=model.num_levels,
         constraint=catalogue,
+        drafter=drafter,
     )
     return catalogue.items_of(out.values, out.offsets).view(out.scores.shape), out.scores, out.stats
 

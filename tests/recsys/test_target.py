@@ -21,9 +21,11 @@ def core_beam(model, users, k: int, width: int, drafter: bool = False):
     """(items [B, K], scores [B, K], passes) of the core's beam search on the recommender."""
     target = RecommenderTarget(model)
     catalogue = target.catalogue()
+    tokens, lengths = target.prompts(users.values, users.offsets)
     out = beam_search(
         target,
-        rows_of(users.values, users.offsets),
+        tokens,
+        prompt_lengths=lengths,
         config=BeamConfig(num_beams=width, num_return_sequences=k, length_penalty=0.0),
         max_new_tokens=model.num_levels,
         constraint=catalogue,
@@ -63,7 +65,7 @@ def test_the_catalogue_is_every_item_as_code_tokens(tiny_model):
     assert catalogue.trie.num_items == model.num_items
     assert catalogue.trie.shortest == catalogue.trie.longest == model.num_levels
     assert target.vocab_size == sum(model.codebook_sizes)
-    assert target.prompt_vocab_size == model.num_items
+    assert target.prompt_vocab_size == model.num_items + 1  # the items and the start token
 
 
 def test_bad_use_is_refused(tiny_model):
@@ -71,17 +73,23 @@ def test_bad_use_is_refused(tiny_model):
     target = RecommenderTarget(model)
     users = data.test.select(torch.arange(2))
     catalogue = target.catalogue()
+    tokens, lengths = target.prompts(users.values, users.offsets)
     with pytest.raises(DecodeInputError, match="unless its items all have max_new_tokens"):
-        beam_search(target, rows_of(users.values, users.offsets),
-                    max_new_tokens=model.num_levels + 1, constraint=catalogue)  # fmt: skip
-    with pytest.raises(DecodeInputError, match="outside the target's vocabulary"):
-        beam_search(target, [[model.num_items]], max_new_tokens=model.num_levels,
+        beam_search(target, tokens, prompt_lengths=lengths, max_new_tokens=model.num_levels + 1,
                     constraint=catalogue)  # fmt: skip
-    cache = target.prefill(torch.tensor([[1, 2]]), torch.tensor([2]), 8)
+    start = target.start_token
+    with pytest.raises(DecodeInputError, match="outside the target's vocabulary"):
+        beam_search(target, [[start, start + 1]], max_new_tokens=model.num_levels,
+                    constraint=catalogue)  # fmt: skip
+    # A history without the start token would lose its first item: refused.
+    with pytest.raises(DecodeInputError, match="start token, then the history"):
+        beam_search(target, rows_of(users.values, users.offsets),
+                    max_new_tokens=model.num_levels, constraint=catalogue)  # fmt: skip
+    cache = target.prefill(torch.tensor([[start, 2]]), torch.tensor([2]), 8)
     with pytest.raises(DecodeInputError, match="decodes by beam search"):
         target.commit(cache, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long))
     with pytest.raises(DecodeInputError, match="no hidden states"):
-        target.prefill(torch.tensor([[1, 2]]), torch.tensor([2]), 8, hidden_layers=(1,))
+        target.prefill(torch.tensor([[start, 2]]), torch.tensor([2]), 8, hidden_layers=(1,))
 
 
 @pytest.mark.parametrize("levels", ["untied", "tied"])

@@ -63,8 +63,9 @@ class CatalogueDrafter:
     fanout: int = 1
     items: int = 1
 
-    def draft(self, tree: BeamTree, rows: Tensor, nodes: Tensor, budget: int) -> None:
-        """``BeamDrafter.draft``: a level at a time below the frontier (rows, nodes [F])."""
+    def draft(self, tree: BeamTree, rows: Tensor, nodes: Tensor, budget: int, cache) -> None:
+        """``BeamDrafter.draft``: a level at a time below the frontier (rows, nodes [F]); the
+        catalogue alone decides, so the target's cache is not read."""
         trie, left = self.catalogue.trie, torch.full((tree.batch,), budget)
         states = tree.states[rows, nodes]  # [F]
         for _ in range(self.depth):

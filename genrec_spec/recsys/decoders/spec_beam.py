@@ -1,7 +1,7 @@
 """Lossless speculative beam search over Semantic IDs: `beam`'s exact top-K in fewer passes.
 
     decode(model, values, offsets, *, k, trie, beam_width=None, draft="auto", draft_items=None,
-           lookahead=None, draft_width=None, item_search="auto") -> Recommendations
+           lookahead=None, draft_width=None, item_search="auto", engine="native") -> Recommendations
 
 Trie-constrained beam search needs, at level l, the target's log-probs of level l at each of the
 W beams (prefixes of length l). Which prefixes those are is known only after level l - 1 was
@@ -30,6 +30,10 @@ selected, so `beam` pays one sequential target pass per level. Here:
    down (1: the children, the only prefixes the next level can need; L - 2: all the rest of
    the decode can need, so at most one follow-up; default 0 after a post-history draft, else
    1), plus their ancestors as context.
+
+`engine="core"` runs the same drafts as the drafter of the core's `beam_search` on the model
+as a core target (`recsys.drafters`, `recsys.target`): the same lists and passes; the draft hit
+rate is not counted there.
 
 On a model whose code levels are normalised over a prefix's children (`forced_codes_free`), a
 prefix with one child gives it log-prob exactly 0, so such prefixes are never drafted, needed
@@ -62,37 +66,32 @@ from torch import Tensor
 
 from genrec_spec.data_pipelines.jagged import lengths_to_offsets, row_positions
 from genrec_spec.data_pipelines.trie import PrefixTrie
-from genrec_spec.models.derived import DerivedCache
 from genrec_spec.recsys.decoders.beam import (
     Beams,
     beam_width_for,
+    check_engine,
     check_trie,
+    core_decode,
     extend,
     finish,
     start_beams,
 )
-from genrec_spec.recsys.decoders.dense import check_item_objective, item_log_probs
-from genrec_spec.recsys.decoders.nezha import draft_head_of, head_beams
+from genrec_spec.recsys.decoders.dense import check_item_objective
+from genrec_spec.recsys.decoders.nezha import draft_head_of
+from genrec_spec.recsys.drafters import AFTER_HISTORY, RecommenderDrafter, draft_member
 from genrec_spec.recsys.errors import DecodeOptionError
-from genrec_spec.recsys.item_index import top_items, use_index
+from genrec_spec.recsys.item_index import use_index
 from genrec_spec.recsys.scoring import (
     NodeSet,
     PrefixTree,
     TrieIndex,
     check_candidates,
-    item_prefixes,
-    prefix_nodes,
     prefix_tree,
 )
+from genrec_spec.recsys.target import core_target
 from genrec_spec.recsys.types import Recommendations, RecommendStats
 
 DRAFTS = ("auto", "frontier", "items", "nezha", "none")
-# The "items" draft through the index retrieves this many items per drafted prefix of a length
-# (the prefixes of the items of highest logit hold most of the mass).
-DRAFT_ITEMS_PER_PREFIX = 2
-# (trie, item codes) -> the distinct longer prefixes of every item (ascending), and the column of
-# each (length, item) among them: the exact "items" draft's, the same for every decode
-_DEEPER = DerivedCache()
 
 
 @dataclass(frozen=True)
@@ -167,83 +166,6 @@ class ScoredNodes:
 
     def lookup(self, nodes: Tensor) -> Tensor:  # nodes: [B, W] -> [B, W] slot, -1 = unscored
         return self.members.value_at(self.slots, nodes)
-
-
-def draft_member(
-    trie: PrefixTrie,
-    index: TrieIndex,
-    batch: int,
-    draft: str,
-    draft_codes: Tensor | None,  # [B, R, L] int64 Semantic IDs of items whose prefixes are drafted
-) -> NodeSet:  # the trie nodes to score in the first pass
-    nodes = [torch.zeros(batch, 0, dtype=torch.long, device=trie.device)]  # [B, *] each
-    if draft == "frontier":  # every length-1 prefix
-        nodes.append(torch.arange(1, trie.level_starts[2], device=trie.device).expand(batch, -1))
-    if draft_codes is not None:
-        nodes.append(prefix_nodes(trie, draft_codes).flatten(1))
-    return index.rowwise(torch.cat(nodes, dim=1))
-
-
-def head_draft(
-    model,  # SemanticIdRecommender with a draft head
-    state,  # HistoryState of B users
-    beams: Beams,  # [B, W] the exact level-0 beams
-    trie: PrefixTrie,
-    width: int,  # the draft beam's width
-) -> NodeSet:  # the level-0 beams and every prefix the draft beam keeps
-    """The "nezha" draft: the draft head's beam (`nezha.head_beams`) from the exact level-0
-    beams down to prefixes of length L - 1, guessing the target's beams of levels 1..L-2."""
-    found = [beams, *head_beams(model, state, beams, trie, width, model.num_levels - 1)]
-    return TrieIndex.of(trie).rowwise(torch.cat([b.nodes for b in found], dim=1))
-
-
-def item_draft(
-    model,  # SemanticIdRecommender trained with the item objective
-    state,  # HistoryState of B users
-    beams: Beams,  # [B, W] the exact level-0 beams
-    trie: PrefixTrie,
-    width: int,  # prefixes drafted per prefix length
-    item_search: str = "auto",  # "exact", "index" or "auto" (`item_index.use_index`)
-) -> NodeSet:  # the level-0 beams and the most probable deeper prefixes
-    """The "items" draft: at every prefix length 2..L-1 the `width` prefixes under which the
-    item objective (`dense`'s distribution) puts the most probability (the caller drops those
-    whose next code is forced). On a model whose code levels are tied to that objective a
-    prefix's beam score is close to the log of that mass, so these are the prefixes the beam
-    tends to keep. The mass comes from the exact [B, D] x [D, I] product, or, through the item
-    index, from the `DRAFT_ITEMS_PER_PREFIX` x `width` items of highest logit (the rest of the
-    catalogue counted as no mass): what is drafted changes, never the decode's result."""
-    index = TrieIndex.of(trie)
-    deeper = item_prefixes(trie, model.item_codes)[:, 1:]  # [I, L-2] their longer prefixes
-    if use_index(model, item_search):
-        count = DRAFT_ITEMS_PER_PREFIX * width
-        found = top_items(model, state.hidden, count)  # [B, R]
-        probs = (found.scores - found.scores[:, :1]).exp().nan_to_num(0.0)  # [B, R]; pads: 0
-        nodes = deeper[found.items.clamp(min=0)].flatten(1)  # [B, R (L-2)] item-major
-        spread = probs[:, :, None].expand(-1, -1, deeper.shape[1]).flatten(1)  # the same order
-        found_nodes, column = torch.unique(nodes, return_inverse=True)
-    else:
-        probs = item_log_probs(model, state).exp()  # [B, I]
-        found_nodes, column = _DEEPER.get(  # [1, (L-2) I] columns, length-major
-            trie,
-            (trie.edge_keys, model.item_codes),
-            lambda: torch.unique(deeper.T.reshape(1, -1), return_inverse=True),
-        )
-        spread = probs.repeat(1, deeper.shape[1])  # [B, (L-2) I] the same order
-    # The mass of each prefix found (columns: the distinct prefixes, ascending), per row.
-    mass = probs.new_zeros(probs.shape[0], len(found_nodes))
-    mass.scatter_add_(1, column.expand_as(spread), spread)
-    length = index.level[found_nodes] + 1  # [U] each prefix's length
-    picked = [beams.nodes]
-    for depth in range(2, trie.levels):
-        at = (length == depth).nonzero().squeeze(1)  # [U_d] the columns of this length
-        top = mass[:, at].topk(min(width, len(at)), dim=1)
-        picked.append(torch.where(top.values > 0, found_nodes[at][top.indices], -1))  # mass > 0
-    return index.rowwise(torch.cat(picked, dim=1))
-
-
-# Drafts made after the history pass: name -> (model, state, level-0 beams, trie, width) -> the
-# prefixes drafted (a `NodeSet`).
-AFTER_HISTORY = {"nezha": head_draft, "items": item_draft}
 
 
 def resolve_options(
@@ -338,17 +260,28 @@ def decode(
     lookahead: int | None = SpecBeamConfig.lookahead,  # descendant levels per follow-up
     draft_width: int | None = SpecBeamConfig.draft_width,  # "items" / "nezha" draft's width
     item_search: str = SpecBeamConfig.item_search,  # "items" draft: "exact", "index" or "auto"
+    # "native": this module's search, a level at a time; "core": the engine's beam_search with
+    # these drafts as its drafter (`recsys.drafters`), the same lists
+    engine: str = "native",
 ) -> Recommendations:
     start_time = time.perf_counter()
     width = beam_width_for(k, beam_width, model.num_items)
     draft, lookahead = resolve_options(model, draft, lookahead, draft_width)
     use_index(model, item_search)  # raises on a bad value before any work
     check_trie(model, trie)
+    check_engine(engine)
     batch = offsets.numel() - 1
     draft_codes = None
     if draft_items is not None:
         check_candidates(model, draft_items, batch)
         draft_codes = model.item_codes[draft_items]
+    if engine == "core":
+        target, catalogue = core_target(model)
+        drafter = RecommenderDrafter(
+            target, catalogue, trie, width, draft, draft_width or 2 * width, item_search,
+            lookahead, draft_codes,
+        )  # fmt: skip
+        return core_decode(model, values, offsets, k, width, start_time, drafter)
     index = TrieIndex.of(trie)
     to_score = index.to_score(model)  # [scorable] the prefixes whose next code is not free
     member = draft_member(trie, index, batch, draft, draft_codes)

@@ -1,0 +1,201 @@
+"""The recommender's drafts (``spec_beam``'s "items", "nezha", "frontier" and the prefixes of
+given items), for both engines: as trie node sets (the native decoder's), and as the core's
+``BeamDrafter`` (``spec_beam`` on the core).
+
+    drafter = RecommenderDrafter(target, catalogue, trie, width=W, kind="items", ...)
+    out = beam_search(target, histories, constraint=catalogue, drafter=drafter, ...)
+
+The core drafter makes the drafts where the native decoder makes them. The target's first
+grow is the history pass (``RecommenderTarget``), so what can be drafted before the histories
+are read (the frontier, given items) is planned below the roots and scored in that pass. A
+drafter receives the target's cache: at the next pass (the level-0 beams') it reads the
+encoded histories there and plans the drafts made from them ("items", "nezha"), the native
+decoder's first follow-up. Prefixes whose next code is free (``forced_codes_free``) are not
+drafted; their ancestors are planned as parents (the engine knows a forced node's candidates
+without the target). Every pass after the history's also drafts the beams' descendants
+``lookahead`` levels down (the catalogue's children: ``CatalogueDrafter``), the native
+decoder's lookahead.
+
+Recsys trie nodes (``data_pipelines.trie.PrefixTrie``, level-ordered) become core tree nodes
+(``core.beam_tree.BeamTree``) level by level: a prefix's token is its code at its level's offset
+in the target's flattened code vocabulary, its parent the core node of its trie parent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from genrec_spec.core.beam_tree import BeamTree, rank_within_rows
+from genrec_spec.core.constraints import Catalogue
+from genrec_spec.data_pipelines.trie import PrefixTrie
+from genrec_spec.llm.proposers.catalogue import CatalogueDrafter
+from genrec_spec.models.derived import DerivedCache
+from genrec_spec.recsys.decoders.beam import Beams, extend, start_beams
+from genrec_spec.recsys.decoders.dense import item_log_probs
+from genrec_spec.recsys.decoders.nezha import head_beams
+from genrec_spec.recsys.item_index import top_items, use_index
+from genrec_spec.recsys.scoring import NodeSet, TrieIndex, item_prefixes, prefix_nodes
+
+# The "items" draft through the index retrieves this many items per drafted prefix of a length
+# (the prefixes of the items of highest logit hold most of the mass).
+DRAFT_ITEMS_PER_PREFIX = 2
+# (trie, item codes) -> the distinct longer prefixes of every item (ascending), and the column of
+# each (length, item) among them: the exact "items" draft's, the same for every decode
+_DEEPER = DerivedCache()
+
+
+def draft_member(
+    trie: PrefixTrie,
+    index: TrieIndex,
+    batch: int,
+    draft: str,
+    draft_codes: Tensor | None,  # [B, R, L] int64 Semantic IDs of items whose prefixes are drafted
+) -> NodeSet:  # the trie nodes to score in the first pass
+    nodes = [torch.zeros(batch, 0, dtype=torch.long, device=trie.device)]  # [B, *] each
+    if draft == "frontier":  # every length-1 prefix
+        nodes.append(torch.arange(1, trie.level_starts[2], device=trie.device).expand(batch, -1))
+    if draft_codes is not None:
+        nodes.append(prefix_nodes(trie, draft_codes).flatten(1))
+    return index.rowwise(torch.cat(nodes, dim=1))
+
+
+def head_draft(
+    model,  # SemanticIdRecommender with a draft head
+    state,  # HistoryState of B users
+    beams: Beams,  # [B, W] the exact level-0 beams
+    trie: PrefixTrie,
+    width: int,  # the draft beam's width
+) -> NodeSet:  # the level-0 beams and every prefix the draft beam keeps
+    """The "nezha" draft: the draft head's beam (`nezha.head_beams`) from the exact level-0
+    beams down to prefixes of length L - 1, guessing the target's beams of levels 1..L-2."""
+    found = [beams, *head_beams(model, state, beams, trie, width, model.num_levels - 1)]
+    return TrieIndex.of(trie).rowwise(torch.cat([b.nodes for b in found], dim=1))
+
+
+def item_draft(
+    model,  # SemanticIdRecommender trained with the item objective
+    state,  # HistoryState of B users
+    beams: Beams,  # [B, W] the exact level-0 beams
+    trie: PrefixTrie,
+    width: int,  # prefixes drafted per prefix length
+    item_search: str = "auto",  # "exact", "index" or "auto" (`item_index.use_index`)
+) -> NodeSet:  # the level-0 beams and the most probable deeper prefixes
+    """The "items" draft: at every prefix length 2..L-1 the `width` prefixes under which the
+    item objective (`dense`'s distribution) puts the most probability (the caller drops those
+    whose next code is forced). On a model whose code levels are tied to that objective a
+    prefix's beam score is close to the log of that mass, so these are the prefixes the beam
+    tends to keep. The mass comes from the exact [B, D] x [D, I] product, or, through the item
+    index, from the `DRAFT_ITEMS_PER_PREFIX` x `width` items of highest logit (the rest of the
+    catalogue counted as no mass): what is drafted changes, never the decode's result."""
+    index = TrieIndex.of(trie)
+    deeper = item_prefixes(trie, model.item_codes)[:, 1:]  # [I, L-2] their longer prefixes
+    if use_index(model, item_search):
+        count = DRAFT_ITEMS_PER_PREFIX * width
+        found = top_items(model, state.hidden, count)  # [B, R]
+        probs = (found.scores - found.scores[:, :1]).exp().nan_to_num(0.0)  # [B, R]; pads: 0
+        nodes = deeper[found.items.clamp(min=0)].flatten(1)  # [B, R (L-2)] item-major
+        spread = probs[:, :, None].expand(-1, -1, deeper.shape[1]).flatten(1)  # the same order
+        found_nodes, column = torch.unique(nodes, return_inverse=True)
+    else:
+        probs = item_log_probs(model, state).exp()  # [B, I]
+        found_nodes, column = _DEEPER.get(  # [1, (L-2) I] columns, length-major
+            trie,
+            (trie.edge_keys, model.item_codes),
+            lambda: torch.unique(deeper.T.reshape(1, -1), return_inverse=True),
+        )
+        spread = probs.repeat(1, deeper.shape[1])  # [B, (L-2) I] the same order
+    # The mass of each prefix found (columns: the distinct prefixes, ascending), per row.
+    mass = probs.new_zeros(probs.shape[0], len(found_nodes))
+    mass.scatter_add_(1, column.expand_as(spread), spread)
+    length = index.level[found_nodes] + 1  # [U] each prefix's length
+    picked = [beams.nodes]
+    for depth in range(2, trie.levels):
+        at = (length == depth).nonzero().squeeze(1)  # [U_d] the columns of this length
+        top = mass[:, at].topk(min(width, len(at)), dim=1)
+        picked.append(torch.where(top.values > 0, found_nodes[at][top.indices], -1))  # mass > 0
+    return index.rowwise(torch.cat(picked, dim=1))
+
+
+# Drafts made after the history pass: name -> (model, state, level-0 beams, trie, width) -> the
+# prefixes drafted (a `NodeSet`).
+AFTER_HISTORY = {"nezha": head_draft, "items": item_draft}
+
+
+@dataclass
+class RecommenderDrafter:
+    """``spec_beam``'s draft (module docstring) for the target's model. It remembers, within a
+    decode, whether it has made the draft that follows the history pass: one decode at a time."""
+
+    target: object  # RecommenderTarget
+    catalogue: Catalogue  # the target's (core token trie)
+    trie: PrefixTrie  # the model's items (recsys trie), what the drafts are made over
+    width: int  # W, the search's beams: the "items" and "nezha" drafts start from the top W
+    kind: str  # "items", "nezha", "frontier" or "none" (resolved: `spec_beam.resolve_draft`)
+    draft_width: int  # "items": prefixes per length; "nezha": the draft head's beam width
+    item_search: str  # "items": "exact", "index" or "auto"
+    lookahead: int  # descendant levels of the beams every pass after the history's drafts
+    draft_codes: Tensor | None = None  # [B, R, L] codes of items whose prefixes are drafted
+    after_history_made: bool = False
+
+    def draft(self, tree: BeamTree, rows: Tensor, nodes: Tensor, budget: int, cache) -> None:
+        """``BeamDrafter.draft``: before the history pass (the target's state is not made yet)
+        the drafts it can score; at the next pass the drafts that read the history's state, and
+        the lookahead at every pass after it."""
+        if cache.state is None:
+            self.after_history_made = False
+            member = draft_member(self.trie, TrieIndex.of(self.trie), tree.batch, self.kind,
+                                  self.draft_codes)  # fmt: skip
+            self._plan(tree, self._closed(member, tree.batch, budget))
+            return
+        if not self.after_history_made and self.kind in AFTER_HISTORY:
+            self.after_history_made = True
+            busy = torch.unique(rows)  # [b] the rows still searching, ascending
+            state = cache.state if len(busy) == tree.batch else cache.state.rows(busy)
+            member = self._after_history(state)
+            member = self._closed(member, len(busy), budget)
+            self._plan(tree, TrieIndex.of(self.trie).node_set(busy[member.rows], member.nodes))
+        if self.lookahead:
+            fanout = self.catalogue.trie.widest
+            below = CatalogueDrafter(self.catalogue, depth=self.lookahead, fanout=fanout)
+            below.draft(tree, rows, nodes, budget, cache)
+
+    def _after_history(self, state) -> NodeSet:  # of state's rows
+        """The draft made from the encoded histories (the "items" or "nezha" draft), from the
+        exact level-0 beams."""
+        model, trie = self.target.model, self.trie
+        batch = state.lengths.numel()
+        level0 = state.level0_log_probs[:, None]  # [b, 1, V0]
+        beams = extend(start_beams(batch, trie), level0, trie, 0, self.width)
+        options = {"item_search": self.item_search} if self.kind == "items" else {}
+        return AFTER_HISTORY[self.kind](model, state, beams, trie, self.draft_width, **options)
+
+    def _closed(self, member: NodeSet, batch: int, budget: int) -> NodeSet:
+        """The members whose next code is not free, and their ancestors; past the budget a row
+        keeps its shallowest (ancestors first)."""
+        index = TrieIndex.of(self.trie)
+        member = index.with_ancestors(index.scored(member, index.to_score(self.target.model)))
+        return member.where(rank_within_rows(member.rows, batch) < budget)
+
+    def _plan(self, tree: BeamTree, member: NodeSet) -> None:
+        """Plan the members (closed under ancestors) below the roots, parents first, each as the
+        existing node of its (parent, token) where the tree has one."""
+        index = TrieIndex.of(self.trie)
+        rows, nodes = member.rows, member.nodes  # [K] each, (row, node) ascending
+        level = index.level[nodes]  # [K] the level of each member's last code
+        core = torch.zeros_like(nodes)  # [K] each member's core node, filled a level at a time
+        for depth in range(int(level.max()) + 1 if len(nodes) else 0):
+            at = (level == depth).nonzero().squeeze(1)  # [Q] rows ascending
+            here = rows[at]
+            above = torch.zeros_like(here)  # a level-0 code's parent: the root, node 0
+            if depth:
+                keys = here * member.stride + index.parent[nodes[at]]
+                above = core[member.position(keys)[0]]
+            tokens = index.code[nodes[at]] + self.target.offsets[depth]
+            found = tree.child(here, above, tokens)
+            new = found < 0
+            states = self.catalogue.advance(tree.states[here[new], above[new]], tokens[new])
+            found[new] = tree.add(here[new], above[new], tokens[new], states)
+            core[at] = found
