@@ -282,7 +282,10 @@ class _Search:
         tree = self.tree
         tokens, parents, real = tree.plan()
         device = getattr(self.target, "device", tokens.device)
-        logits = self.target.grow_tree(self.cache, tokens.to(device), parents.to(device)).cpu()
+        needed = real & ~tree.known[:, tree.size - tokens.shape[1] : tree.size]  # [B, M]
+        logits = self.target.grow_tree(
+            self.cache, tokens.to(device), parents.to(device), needed.to(device)
+        ).cpu()
         rows, slots = real.nonzero(as_tuple=True)
         nodes = tree.size - tokens.shape[1] + slots
         self.passes += 1

@@ -9,10 +9,14 @@ A target is used through a per-call cache handle (its decoding state):
 Beam search keeps every scored beam prefix instead of one path, so it grows one tree per row
 pass by pass, each pass scoring only its new nodes:
 
-    logits = target.grow_tree(cache, tokens, parents)  # [B, M, V] for M new nodes per row
+    logits = target.grow_tree(cache, tokens, parents, needed)  # [B, M, V], M new nodes per row
 
 where parents index the nodes scored since the last commit (the first grow's nodes hang under
-the committed root: parent -1). A later commit keeps a path among all of them.
+the committed root: parent -1), and ``needed`` [B, M] marks the new nodes whose outputs the
+caller reads (None: all; a node whose candidates beam search knows without the target, a
+forced token that costs nothing, is not read). A target may skip the others' outputs, but every
+new node still conditions its descendants; the LLM targets compute them all, since a node's K/V
+is kept for its children anyway. A later commit keeps a path among all of them.
 
 After prefill and score_tree, ``cache.hidden`` maps each requested layer to hidden states
 [B, T or N, D] of the tokens just processed (for trained drafters such as EAGLE), or is empty.
@@ -53,7 +57,9 @@ class Target(Protocol):
 
     def score_tree(self, cache: Any, tree: DraftTree) -> Tensor: ...
 
-    def grow_tree(self, cache: Any, tokens: Tensor, parents: Tensor) -> Tensor: ...
+    def grow_tree(
+        self, cache: Any, tokens: Tensor, parents: Tensor, needed: Tensor | None = None
+    ) -> Tensor: ...
 
     def commit(self, cache: Any, nodes: Tensor, counts: Tensor) -> None: ...
 
@@ -114,7 +120,9 @@ class CallableTarget:
         cache.tree = tree
         return self._score_last(cache, tree, tree.num_nodes)
 
-    def grow_tree(self, cache: SequenceCache, tokens: Tensor, parents: Tensor) -> Tensor:
+    def grow_tree(
+        self, cache: SequenceCache, tokens: Tensor, parents: Tensor, needed: Tensor | None = None
+    ) -> Tensor:
         cache.tree = grown(cache.tree, tokens, parents)
         return self._score_last(cache, cache.tree, tokens.shape[1])
 
@@ -282,7 +290,9 @@ class HFTarget:
         cache.tree, cache.scored = tree, q
         return logits[:, num_pending:]
 
-    def grow_tree(self, cache: HFCache, tokens: Tensor, parents: Tensor) -> Tensor:
+    def grow_tree(
+        self, cache: HFCache, tokens: Tensor, parents: Tensor, needed: Tensor | None = None
+    ) -> Tensor:
         if not cache.scored:  # the first grow is an ordinary tree under the committed root
             return self.score_tree(cache, DraftTree(tokens=tokens, parents=parents))
         tree = grown(cache.tree, tokens, parents)
@@ -390,7 +400,9 @@ class NativeTarget:
     def score_tree(self, cache: NativeCache, tree: DraftTree) -> Tensor:
         return self._forward(cache, tree.tokens, tree.parents)
 
-    def grow_tree(self, cache: NativeCache, tokens: Tensor, parents: Tensor) -> Tensor:
+    def grow_tree(
+        self, cache: NativeCache, tokens: Tensor, parents: Tensor, needed: Tensor | None = None
+    ) -> Tensor:
         return self._forward(cache, tokens, parents, grow=True)
 
     def commit(self, cache: NativeCache, nodes: Tensor, counts: Tensor) -> None:

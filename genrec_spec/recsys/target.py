@@ -106,9 +106,11 @@ class RecommenderTarget:
         # below the roots (`encode_history_and_tree`: one forward for both).
         return RecommenderCache(*padded_to_jagged(tokens[:, 1:], lengths - 1, backend="torch"))
 
-    def grow_tree(self, cache: RecommenderCache, tokens: Tensor, parents: Tensor) -> Tensor:
+    def grow_tree(
+        self, cache: RecommenderCache, tokens: Tensor, parents: Tensor, needed: Tensor | None = None
+    ) -> Tensor:
         cache.tree = grown(cache.tree, tokens, parents)
-        return self._score(cache, tokens.shape[1])
+        return self._score(cache, tokens.shape[1], needed)
 
     def score_tree(self, cache: RecommenderCache, tree: DraftTree) -> Tensor:
         _refuse_single_path()
@@ -116,12 +118,18 @@ class RecommenderTarget:
     def commit(self, cache: RecommenderCache, nodes: Tensor, counts: Tensor) -> None:
         _refuse_single_path()
 
-    def _score(self, cache: RecommenderCache, m: int) -> Tensor:  # [B, M, V] of the last m
+    def _score(
+        self,
+        cache: RecommenderCache,
+        m: int,
+        needed: Tensor | None,  # [B, M] bool the new nodes whose outputs are read (None: all)
+    ) -> Tensor:  # [B, M, V] of the last m
         """Log-probs of the last m nodes of the pending tree: the roots' from the history pass,
-        the code nodes' from one pass over every code node that predicts a level: the history
-        pass itself on the first grow, then ``score_tree`` (the model keeps no K/V of tree
-        nodes, so earlier ones are context again). A node of the last level predicts nothing:
-        -inf everywhere."""
+        the code nodes' from one pass over every needed code node that predicts a level: the
+        history pass itself on the first grow, then ``score_tree``. The model keeps no K/V of
+        tree nodes, so earlier nodes, and new ones not needed, are context where a needed node
+        descends from them. A node of the last level predicts nothing: -inf everywhere, as do
+        the nodes not needed."""
         tree, model = cache.tree, self.model
         batch, n = tree.tokens.shape
         # [B, N] each node's depth: a code token's value says its level (codes are offset per
@@ -131,25 +139,41 @@ class RecommenderTarget:
         scored = (depth > 0) & (depth < model.num_levels)
         wanted = scored.clone()
         wanted[:, : n - m] = False  # earlier nodes are context: their outputs are not needed
-        if cache.state is None:  # the first grow: every node is new, none is context
-            new_order, new_real = in_order(wanted)  # [B, W'] each
-            codes, levels, parents = self._layout(tree, depth, wanted, new_order, new_real)
-            cache.state, log_probs = model.encode_history_and_tree(
-                cache.values, cache.offsets, codes, levels, parents
-            )
-        elif bool(wanted.any()):
-            scored = context_to_score(scored, wanted, tree.parents, model.num_levels - 2)
+        if needed is not None:  # a new node not needed is fed only as a needed one's ancestor,
+            # among the new nodes (it may descend from another needed one)
+            unread = torch.zeros_like(wanted)
+            unread[:, n - m :] = ~needed
+            wanted &= ~unread
+            ancestor = with_ancestors(wanted, tree.parents, model.num_levels - 2)
+            scored &= ~unread | ancestor
+            wanted |= scored & unread  # fed and scored, but still written as -inf
+        first = cache.state is None  # the first grow encodes the histories
+        if first or bool(wanted.any()):
+            fed = context_to_score(scored, wanted, tree.parents, model.num_levels - 2)
             # The model's tree: each row's context, then its new nodes, each part in tree order
             # (parents first) and padded to the row with the most, so the new nodes of every row
             # sit in the last slots, the only ones whose outputs the model computes.
-            context_order, context_real = in_order(scored & ~wanted)  # [B, C] each
+            context_order, context_real = in_order(fed & ~wanted)  # [B, C] each
             new_order, new_real = in_order(wanted)  # [B, W'] each
             order = torch.cat([context_order, new_order], 1)
             real = torch.cat([context_real, new_real], 1)
-            codes, levels, parents = self._layout(tree, depth, scored, order, real)
-            log_probs = model.score_tree(
-                cache.state, codes, levels, parents, last=new_order.shape[1]
-            )
+            codes, levels, parents = self._layout(tree, depth, fed, order, real)
+            last = new_order.shape[1]
+            if first:  # the history pass, with the code nodes planned below the roots
+                cache.state, log_probs = model.encode_history_and_tree(
+                    cache.values, cache.offsets, codes, levels, parents
+                )
+                log_probs = log_probs[:, log_probs.shape[1] - last :]  # [B, W', Vmax]
+                local = torch.arange(batch, device=self.device)  # [B] each row's in log_probs
+            else:
+                # Only the rows with a node to score take part (in a batch, few rows miss).
+                busy = wanted.any(1)  # [B]
+                state = cache.state
+                if not bool(busy.all()):
+                    state = state.rows(busy.nonzero().squeeze(1))
+                    codes, levels, parents = codes[busy], levels[busy], parents[busy]
+                local = busy.long().cumsum(0) - 1  # [B] each busy row's row in log_probs
+                log_probs = model.score_tree(state, codes, levels, parents, last=last)
         out = torch.full((batch, m, self.vocab_size), float("-inf"), device=self.device)
         level0 = cache.state.level0_log_probs  # [B, V0]
         rows, slots = (depth == 0)[:, n - m :].nonzero(as_tuple=True)
@@ -158,8 +182,11 @@ class RecommenderTarget:
             return out
         rows, slots = new_real.nonzero(as_tuple=True)  # log_probs [B, W', Vmax]: the last W'
         nodes = new_order[rows, slots]  # [Q] their tree nodes
+        if needed is not None:
+            read = needed[rows, nodes - (n - m)]
+            rows, slots, nodes = rows[read], slots[read], nodes[read]
         following = depth[rows, nodes]  # the level each node predicts
-        values = log_probs[rows, slots]  # [Q, Vmax]
+        values = log_probs[local[rows], slots]  # [Q, Vmax]
         at = out.view(-1, self.vocab_size)  # [B * M, V] rows, each node's row below
         positions = rows * m + nodes - (n - m)
         # Each node's codebook lands at its level's offset, one copy per level predicted.
@@ -206,15 +233,20 @@ def context_to_score(
     history and its own ancestors alone, so context the wanted nodes do not descend from changes
     no score; it is left out where it is at least `PRUNE_SHARE` of the context of the row that
     keeps the most."""
-    marked, up = wanted.clone(), wanted
-    for _ in range(depth):  # the wanted nodes' ancestors, a level at a time
-        rows, cols = (up & (parents >= 0)).nonzero(as_tuple=True)
-        up = torch.zeros_like(wanted)
-        up[rows, parents[rows, cols]] = True
-        marked |= up
-    kept = scored & marked
+    kept = scored & with_ancestors(wanted, parents, depth)
     context = int((scored & ~wanted).sum(1).max())
     return kept if int((kept & ~wanted).sum(1).max()) <= (1 - PRUNE_SHARE) * context else scored
+
+
+def with_ancestors(marked: Tensor, parents: Tensor, depth: int) -> Tensor:  # [B, N] each
+    """The marked nodes and their ancestors up to `depth` levels above them."""
+    marked, up = marked.clone(), marked
+    for _ in range(depth):  # a level at a time
+        rows, cols = (up & (parents >= 0)).nonzero(as_tuple=True)
+        up = torch.zeros_like(marked)
+        up[rows, parents[rows, cols]] = True
+        marked |= up
+    return marked
 
 
 _CATALOGUES = DerivedCache()  # model -> (its target, its catalogue), again when item_codes change

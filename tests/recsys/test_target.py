@@ -110,3 +110,41 @@ def test_the_beam_decoder_runs_on_the_core_engine(tiny_model, with_objective, le
     assert core.stats.truncated_histories == native.stats.truncated_histories
     with pytest.raises(DecodeOptionError, match="engine"):
         beam.decode(model, users.values, users.offsets, k=4, trie=trie, engine="fast")
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_outputs_not_needed_are_skipped_without_changing_the_others(
+    tiny_model, random_recommender, random_histories, first
+):
+    """grow_tree's `needed`: the nodes not needed read -inf, and the needed ones keep the values
+    of a grow that reads every node, even below a node not needed that itself descends from a
+    needed one (it is fed beside them, not before them), in the history pass (`first`) and in a
+    later pass."""
+    model = random_recommender(tiny_model[0].config, 0, (4, 3, 3), 30)  # L = 4
+    target = RecommenderTarget(model)
+    values, offsets = random_histories(model, [3, 0, 5])
+    tokens, lengths = target.prompts(values, offsets)
+    codes = model.item_codes[torch.tensor([2, 7, 11])] + target.offsets[:-1]  # [B, L] as tokens
+    chain = codes[:, :3]  # [B, 3] each row's item's prefixes of lengths 1..3
+    parents = torch.tensor([0, 1, 2]).expand(3, -1)  # below the root, node 0, one chain
+
+    def grown(needed):
+        cache = target.prefill(tokens, lengths, 16)
+        roots = tokens.gather(1, (lengths - 1)[:, None])
+        if first:  # roots and chain in one grow (the roots' node 0 comes first)
+            out = target.grow_tree(
+                cache,
+                torch.cat([roots, chain], 1),
+                torch.cat([torch.full((3, 1), -1), parents], 1),
+                None if needed is None else torch.cat([torch.ones(3, 1, dtype=bool), needed], 1),
+            )
+            return out[:, 1:]
+        target.grow_tree(cache, roots, torch.full((3, 1), -1))
+        return target.grow_tree(cache, chain, parents, needed)
+
+    every = grown(None)  # [B, 3, V]
+    needed = torch.tensor([True, False, True]).expand(3, -1)  # the middle one is known
+    some = grown(needed)
+    assert torch.isinf(some[:, 1]).all()
+    torch.testing.assert_close(some[:, [0, 2]], every[:, [0, 2]], rtol=0, atol=1e-5)
+    assert torch.isfinite(every[:, 2]).any(1).all()  # the last level is scored
