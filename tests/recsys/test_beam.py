@@ -177,7 +177,7 @@ def test_prefixes_no_beam_extends_are_left_out(model, monkeypatch, width):
     state = model.encode_history(values, offsets)
     monkeypatch.setattr(target, "PRUNE_SHARE", 0.0)  # leave out whatever no beam extends
     history, _, _ = beam.search(model, state, trie, width)
-    codes, levels, parents = beam.beam_tree(history)
+    codes, levels, parents, _, _ = beam.beam_tree(history, history[-1].nodes >= 0)
     current = history[-1].nodes.shape[1]
     for row in range(len(offsets) - 1):
         kept = set(range(codes.shape[1] - current, codes.shape[1]))  # the current beams
@@ -194,3 +194,20 @@ def test_prefixes_no_beam_extends_are_left_out(model, monkeypatch, width):
     assert torch.equal(pruned.items, whole.items)
     torch.testing.assert_close(pruned.scores, whole.scores)
     assert pruned.stats.nodes_scored < whole.stats.nodes_scored
+
+
+def test_the_tree_of_some_beams_holds_them_and_their_ancestors(model):
+    """`beam_tree` with some current beams scored (the others' codes are forced): those beams
+    last, in order, over their ancestors, at the first level (no context) and deeper."""
+    values, offsets = _histories(model, [5, 2, 7], seed=3)
+    trie = _trie(model)
+    history, _, _ = beam.search(model, model.encode_history(values, offsets), trie, 4)
+    for depth in (1, len(history)):
+        current = history[depth - 1]
+        scored = (current.nodes >= 0) & (torch.arange(4) % 2 == 1)  # beams 1 and 3
+        codes, levels, parents, picked, real = beam.beam_tree(history[:depth], scored)
+        assert torch.equal(picked[real], scored.nonzero()[:, 1])
+        last = codes[:, -picked.shape[1] :]
+        assert torch.equal(last[real], current.code[scored])
+        assert bool((levels[:, -picked.shape[1] :][real] == depth - 1).all())
+        assert bool((parents[:, -picked.shape[1] :][real] >= 0).all()) == (depth > 1)

@@ -6,10 +6,11 @@ One `encode_history` pass gives the level-0 log-probs; then one `score_tree` pas
 level scores the current beams' prefixes (the beams of every earlier level form one tree per
 row, linked by which beam each came from, so shared prefixes are scored once). On a model whose
 levels are normalised over a prefix's children (`forced_codes_free`), a prefix with one child
-gives it log-prob 0 without a pass, so a level where no beam has a choice costs none. At every
-level only codes that lead to an item are candidates (each beam's children in the valid-ID trie),
-so every finished beam is an item. An item's score is the sum of its levels' log-probs: the exact
-log-likelihood of its full code tuple under the model. The last level is the collision code.
+gives it log-prob 0 without a pass: a level's pass scores only the beams with a choice, and a
+level where no beam has one costs none. At every level only codes that lead to an item are
+candidates (each beam's children in the valid-ID trie), so every finished beam is an item. An
+item's score is the sum of its levels' log-probs: the exact log-likelihood of its full code
+tuple under the model. The last level is the collision code.
 
 Tie-breaking (deterministic, and what `spec_beam` reproduces): the candidates of a level are
 ordered by score, descending; equal scores keep the order of (parent beam's rank, code), i.e. a
@@ -152,19 +153,22 @@ def _pad(beams: Beams, count: int) -> Beams:
     )
 
 
-def beam_tree(history: list[Beams]) -> tuple[Tensor, Tensor, Tensor]:
+def beam_tree(
+    history: list[Beams],
+    scored: Tensor,  # [B, W] bool the current beams whose next level is scored
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The prefixes of all beams of lengths 1..l as one tree per row: node d * W + w is beam w
-    of length d + 1, its parent the beam it extends. Returns codes, levels, parents, each
-    [B, N]; the last W nodes are the current beams.
+    of length d + 1, its parent the beam it extends. Returns codes, levels, parents [B, N], the
+    last W' nodes the `scored` current beams, and which current beam each of those is and
+    whether it is real ([B, W'] each).
 
     The earlier levels are context: the model keeps no K/V of tree nodes, so every pass scores
     them again. A node attends to the history and its own ancestors alone, so a prefix that no
-    current beam extends changes no score; where such prefixes are a large enough share of the
+    scored beam extends changes no score; where such prefixes are a large enough share of the
     context (wide beams, whose lower levels converge on fewer prefixes), they are left out, as
     the tree's attention grows with the square of its nodes (`target.context_to_score`, the
-    core's rule too). The kept context then fills the first slots of each row in order, rows
-    with fewer padding with unattached nodes (level 0, parent -1), and the current beams stay
-    the last W."""
+    core's rule too). The kept context then fills the first slots of each row in order, and the
+    scored beams the last, rows with fewer padding with unattached nodes (level 0, parent -1)."""
     codes = torch.cat([b.code for b in history], 1)  # [B, N]
     levels = torch.cat([torch.full_like(b.code, d) for d, b in enumerate(history)], 1)
     starts = [0]
@@ -179,21 +183,26 @@ def beam_tree(history: list[Beams]) -> tuple[Tensor, Tensor, Tensor]:
     )
     batch, n = codes.shape
     context = starts[-1]
-    current = history[-1].nodes >= 0  # [B, W] real current beams (the last W nodes)
-    wanted = torch.cat([torch.zeros_like(codes[:, :context], dtype=torch.bool), current], 1)
-    feedable = torch.cat([torch.ones_like(wanted[:, :context]), current], 1)
+    wanted = torch.cat([torch.zeros_like(codes[:, :context], dtype=torch.bool), scored], 1)
+    feedable = torch.cat([torch.ones_like(wanted[:, :context]), scored], 1)
     needed = context_to_score(feedable, wanted, parents, len(history) - 1)[:, :context]
-    if bool(needed.all()):
-        return codes, levels, parents
+    if bool(needed.all()) and bool(scored.all()):
+        every = torch.arange(n - context).expand(batch, -1)
+        return codes, levels, parents, every, scored
     order, kept = in_order(needed)  # [B, C] each: the context nodes a row keeps, in order
-    index = torch.cat([order, torch.arange(context, n).expand(batch, -1)], 1)  # [B, C + W]
-    real = torch.cat([kept, torch.ones_like(current)], 1)
+    picked, chosen = in_order(scored)  # [B, W'] each: the scored beams, in order
+    index = torch.cat([order, picked + context], 1)  # [B, C + W']
+    real = torch.cat([kept, chosen], 1)
     slot_of = torch.cumsum(needed.long(), 1) - 1  # [B, context] a kept node's new slot
     above = parents.gather(1, index)  # the parents' old slots (all context nodes)
+    # The level-0 beams have no context (nor parents) to look up.
+    moved = slot_of.gather(1, above.clamp(min=0)) if context else above
     return (
         torch.where(real, codes.gather(1, index), 0),
         torch.where(real, levels.gather(1, index), 0),
-        torch.where(real & (above >= 0), slot_of.gather(1, above.clamp(min=0)), -1),
+        torch.where(real & (above >= 0), moved, -1),
+        picked,
+        chosen,
     )
 
 
@@ -250,19 +259,31 @@ def search(
     width: int,  # W
 ) -> tuple[list[Beams], int, int]:  # the beams of every length 1..L, passes, nodes scored
     """The beam search from an encoded history: one `score_tree` pass per level after the
-    first, except a level where no beam of any row has a choice of code on a model whose
-    forced codes are free (`forced_codes_free`: each gets log-prob 0, the value the pass would
-    give). Passes count the history pass."""
+    first. On a model whose forced codes are free (`forced_codes_free`: a prefix's only child
+    gets log-prob 0, the value the pass would give) the pass scores only the beams with a choice
+    of code, in the rows that have one, and a level where no beam has one costs none. Passes
+    count the history pass."""
     batch = state.lengths.numel()
     beams = extend(start_beams(batch, trie), state.level0_log_probs[:, None], trie, 0, width)
     history, passes, nodes_scored = [beams], 1, 0
     for level in range(1, model.num_levels):
-        if model.forced_codes_free and not bool(trie.has_choice(beams.nodes).any()):
-            out = beams.scores.new_zeros(*beams.nodes.shape, trie.codebook_sizes[level])
-        else:
-            codes, levels, parents = beam_tree(history)
-            # [B, W, Vmax]: only the current beams' log-probs; earlier prefixes are context
-            out = model.score_tree(state, codes, levels, parents, last=beams.nodes.shape[1])
+        # [B, W, V] each beam's log-probs of the next code; a forced one's is 0
+        out = beams.scores.new_zeros(*beams.nodes.shape, trie.codebook_sizes[level])
+        scored = beams.nodes >= 0
+        if model.forced_codes_free:
+            scored &= trie.has_choice(beams.nodes)
+        busy = scored.any(1)  # [B] the rows with a beam to score
+        if bool(busy.any()):
+            codes, levels, parents, picked, real = beam_tree(history, scored)
+            some = state
+            if not bool(busy.all()):
+                some = state.rows(busy.nonzero().squeeze(1))
+                codes, levels, parents = codes[busy], levels[busy], parents[busy]
+            # [b, W', Vmax]: only the scored beams' log-probs; earlier prefixes are context
+            got = model.score_tree(some, codes, levels, parents, last=picked.shape[1])
+            rows, slots = real.nonzero(as_tuple=True)
+            local = busy.long().cumsum(0) - 1  # [B] each busy row's row in `got`
+            out[rows, picked[rows, slots]] = got[local[rows], slots, : out.shape[2]]
             passes, nodes_scored = passes + 1, nodes_scored + codes.numel()
         beams = extend(beams, out, trie, level, width)
         history.append(beams)
