@@ -252,9 +252,10 @@ class _Search:
             budget = max(1, self.config.draft_nodes // int(open_rows.sum()))
             rows_live, nodes_live = live.nonzero()[:, 0], beams.nodes[live]
             once, _ = _distinct(rows_live * MAX_NODES + nodes_live)
+            before = tree.pending.clone()
             self.drafter.draft(tree, rows_live[once], nodes_live[once], budget, self.cache)
             if self.forced_free:  # a drafted forced node is known too: exactly 0, as a beam's
-                self._know_forced(*tree.planned())
+                self._know_forced(*tree.planned(before))
         self.drafted += int(tree.pending.sum()) - waiting - len(rows)
         self.speculative += self.drafter is not None
         self._pass()

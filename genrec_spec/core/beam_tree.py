@@ -96,12 +96,14 @@ class BeamTree:
         self.keys, self.key_nodes = keys[order], torch.cat([self.key_nodes, nodes])[order]
         return nodes
 
-    def planned(self) -> tuple[Tensor, Tensor]:  # [P] each
-        """The rows and numbers of the nodes planned for the next pass, rows ascending."""
-        rows, slots = (torch.arange(int(self.pending.max())) < self.pending[:, None]).nonzero(
+    def planned(self, since: Tensor) -> tuple[Tensor, Tensor]:  # [B] -> [P] each
+        """The rows and numbers of the nodes planned for the next pass after the first
+        ``since[b]`` of each row (e.g. a copy of ``pending`` taken earlier), rows ascending."""
+        slots = torch.arange(int(self.pending.max()))
+        rows, at = ((slots >= since[:, None]) & (slots < self.pending[:, None])).nonzero(
             as_tuple=True
         )
-        return rows, self.size + slots
+        return rows, self.size + at
 
     def plan(self) -> tuple[Tensor, Tensor, Tensor]:
         """Close the planned pass: every row padded to M nodes. Returns tokens, parents [B, M]

@@ -146,9 +146,10 @@ class RecommenderDrafter:
         the lookahead at every pass after it."""
         if cache.state is None:
             self.after_history_made = False
-            member = draft_member(self.trie, TrieIndex.of(self.trie), tree.batch, self.kind,
-                                  self.draft_codes)  # fmt: skip
-            self._plan(tree, self._closed(member, tree.batch, budget))
+            if self.kind == "frontier" or self.draft_codes is not None:
+                member = draft_member(self.trie, TrieIndex.of(self.trie), tree.batch, self.kind,
+                                      self.draft_codes)  # fmt: skip
+                self._plan(tree, self._closed(member, tree.batch, budget))
             return
         if not self.after_history_made and self.kind in AFTER_HISTORY:
             self.after_history_made = True
