@@ -25,6 +25,7 @@ Items are whole code tuples, so the recommender decodes by beam search only: ``s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,9 +36,10 @@ from genrec_spec.core.beam import BeamConfig, BeamDrafter, beam_search
 from genrec_spec.core.catalogue import TokenTrie
 from genrec_spec.core.constraints import Catalogue
 from genrec_spec.core.targets import grown
-from genrec_spec.core.types import DecodeInputError, DecodeStats, DraftTree
+from genrec_spec.core.types import DecodeInputError, DraftTree
 from genrec_spec.data_pipelines.jagged import jagged_to_padded, padded_to_jagged
 from genrec_spec.models.derived import DerivedCache
+from genrec_spec.recsys.types import Recommendations, RecommendStats
 
 # The model slides over long histories itself; no prompt is too long for it.
 UNBOUNDED = 1 << 30
@@ -264,10 +266,11 @@ def core_beam(
     offsets: Tensor,  # [B + 1] int64
     k: int,
     width: int,  # W
+    start_time: float,  # perf_counter() when the decode began (the stats' wall time)
     drafter: BeamDrafter | None = None,  # e.g. spec_beam's (`recsys.drafters`)
-) -> tuple[Tensor, Tensor, DecodeStats]:  # items [B, K], scores [B, K], stats
+) -> Recommendations:
     """The recommender's trie-constrained beam search on the core (module docstring): items and
-    scores as the recommender's ``beam`` gives them."""
+    scores as the recommender's ``beam`` gives them, with its stats."""
     target, catalogue = core_target(model)
     tokens, lengths = target.prompts(values, offsets)  # [B, 1 + T], [B]
     # The recommender's drafts size themselves (their draft width): the engine's budget, nodes
@@ -284,7 +287,17 @@ def core_beam(
         constraint=catalogue,
         drafter=drafter,
     )
-    return catalogue.items_of(out.values, out.offsets).view(out.scores.shape), out.scores, out.stats
+    return Recommendations(
+        items=catalogue.items_of(out.values, out.offsets).view(out.scores.shape),
+        scores=out.scores,
+        stats=RecommendStats(
+            target_passes=out.stats.target_forwards,
+            nodes_scored=out.stats.nodes_scored,
+            wall_time_s=time.perf_counter() - start_time,
+            truncated_histories=int((lengths - 1 > model.config.max_len).sum()),
+            draft_nodes=None if drafter is None else out.stats.draft_nodes,
+        ),
+    )
 
 
 def _target_and_catalogue(model) -> tuple[RecommenderTarget, Catalogue]:

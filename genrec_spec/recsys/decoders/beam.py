@@ -211,31 +211,6 @@ def check_engine(engine: str) -> None:
         raise DecodeOptionError(f"unknown engine {engine!r}", f"use one of {', '.join(ENGINES)}")
 
 
-def core_decode(
-    model,  # SemanticIdRecommender
-    values: Tensor,  # [M] int64 history item indices, oldest first within a row
-    offsets: Tensor,  # [B+1] int64
-    k: int,
-    width: int,  # W
-    start_time: float,  # perf_counter() when the decode began
-    drafter=None,  # a BeamDrafter (spec_beam's: `recsys.drafters.RecommenderDrafter`)
-) -> Recommendations:
-    """The decode on the core engine (`recsys.target.core_beam`), with the recommender's
-    stats."""
-    items, scores, stats = core_beam(model, values, offsets, k, width, drafter)
-    return Recommendations(
-        items=items,
-        scores=scores,
-        stats=RecommendStats(
-            target_passes=stats.target_forwards,
-            nodes_scored=stats.nodes_scored,
-            wall_time_s=time.perf_counter() - start_time,
-            truncated_histories=int((offsets.diff() > model.config.max_len).sum()),
-            draft_nodes=None if drafter is None else stats.draft_nodes,
-        ),
-    )
-
-
 def finish(
     beams: Beams,  # full code tuples (length L)
     trie: PrefixTrie,
@@ -308,7 +283,7 @@ def decode(
     check_trie(model, trie)
     check_engine(engine)
     if engine == "core":
-        return core_decode(model, values, offsets, k, width, start_time)
+        return core_beam(model, values, offsets, k, width, start_time)
     state = model.encode_history(values, offsets)
     history, passes, nodes_scored = search(model, state, trie, width)
     items, scores = finish(history[-1], trie, k)

@@ -71,7 +71,6 @@ from genrec_spec.recsys.decoders.beam import (
     beam_width_for,
     check_engine,
     check_trie,
-    core_decode,
     extend,
     finish,
     start_beams,
@@ -88,7 +87,7 @@ from genrec_spec.recsys.scoring import (
     check_candidates,
     prefix_tree,
 )
-from genrec_spec.recsys.target import core_target
+from genrec_spec.recsys.target import core_beam, core_target
 from genrec_spec.recsys.types import Recommendations, RecommendStats
 
 DRAFTS = ("auto", "frontier", "items", "nezha", "none")
@@ -281,7 +280,7 @@ def decode(
             target, catalogue, trie, width, draft, draft_width or 2 * width, item_search,
             lookahead, draft_codes,
         )  # fmt: skip
-        return core_decode(model, values, offsets, k, width, start_time, drafter)
+        return core_beam(model, values, offsets, k, width, start_time, drafter)
     index = TrieIndex.of(trie)
     to_score = index.to_score(model)  # [scorable] the prefixes whose next code is not free
     member = draft_member(trie, index, batch, draft, draft_codes)
