@@ -146,8 +146,10 @@ def beam_search(
                 beams.done.all(1) & (config.early_stopping is True)
             )
             search.score_beams(beams, open_rows)
-            values, options = search.tree.candidates(beams.nodes)  # [B, W, C] each
             alive = open_rows[:, None] & (beams.scores > float("-inf"))
+            if drafter is not None and step:  # (the first step's beams are the roots)
+                search.count_hits(beams, alive)
+            values, options = search.tree.candidates(beams.nodes)  # [B, W, C] each
             values = values.masked_fill(~alive[..., None], float("-inf"))
             hits = _select(beams, values, options, eos_t, keep, step, max_new_tokens, config)
             _link(beams, search.tree)
@@ -229,6 +231,7 @@ class _Search:
         free = config.renormalize or getattr(target, "forced_tokens_free", False)
         self.forced_free = isinstance(constraint, Catalogue) and free
         self.passes = self.speculative = self.nodes = self.drafted = self.row_steps = 0
+        self.needed = self.hits = 0
 
     def score_beams(self, beams: _Beams, open_rows: Tensor) -> None:
         """One pass when an open row has a live beam whose node is not scored: those nodes, and
@@ -254,11 +257,21 @@ class _Search:
             once, _ = _distinct(rows_live * MAX_NODES + nodes_live)
             before = tree.pending.clone()
             self.drafter.draft(tree, rows_live[once], nodes_live[once], budget, self.cache)
+            drafted = tree.planned(before)
+            tree.drafted[drafted] = True
             if self.forced_free:  # a drafted forced node is known too: exactly 0, as a beam's
-                self._know_forced(*tree.planned(before))
+                self._know_forced(*drafted)
         self.drafted += int(tree.pending.sum()) - waiting - len(rows)
         self.speculative += self.drafter is not None
         self._pass()
+
+    def count_hits(self, beams: _Beams, alive: Tensor) -> None:  # alive [B, W] bool
+        """Count the live beams' nodes whose scores came from the target, and those of them a
+        drafter proposed (a forced node's are known, not read)."""
+        nodes = beams.nodes.clamp_min(0)
+        needed = alive & ~self.tree.known.gather(1, nodes)
+        self.needed += int(needed.sum())
+        self.hits += int((needed & self.tree.drafted.gather(1, nodes)).sum())
 
     def _know_forced(self, rows: Tensor, nodes: Tensor) -> int:  # [Q] planned nodes each
         """Store the candidates of the planned nodes whose token is forced; how many were."""
@@ -433,6 +446,8 @@ def _output(beams: _Beams, k: int, search: _Search, wall_time_s: float) -> BeamO
         wall_time_s=wall_time_s,
         nodes_scored=search.nodes,
         draft_nodes=search.drafted,
+        needed_nodes=search.needed,
+        draft_hits=search.hits,
     )
     values = beams.done_sequences[:, :k].flatten(0, 1)[mask]
     return BeamOutput(values=values, offsets=offsets, scores=beams.done_scores[:, :k], stats=stats)

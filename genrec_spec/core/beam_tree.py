@@ -53,6 +53,7 @@ class BeamTree:
     # [B, capacity] bool: candidates known when planned (a forced token that costs nothing),
     # so the pass that carries the node (as the parent of others) need not score it
     known: Tensor = field(init=False)
+    drafted: Tensor = field(init=False)  # [B, capacity] bool: planned by a drafter
 
     def __post_init__(self) -> None:
         self.pending = torch.zeros(self.batch, dtype=torch.long)
@@ -66,6 +67,7 @@ class BeamTree:
         self.top_values = torch.empty(*slots, self.width)
         self.top_tokens = torch.empty(*slots, self.width, dtype=torch.int32)
         self.known = torch.zeros(slots, dtype=torch.bool)
+        self.drafted = torch.zeros(slots, dtype=torch.bool)
 
     def key(self, rows: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:  # [Q] each -> [Q]
         """The int64 naming each (row, parent node, token): rows ascend with it."""
@@ -130,6 +132,7 @@ class BeamTree:
 
         self.parents, self.tokens = grown(self.parents, -1), grown(self.tokens, 0)
         self.states, self.known = grown(self.states, -1), grown(self.known, False)
+        self.drafted = grown(self.drafted, False)
         self.top_values = grown(self.top_values, float("-inf"))
         self.top_tokens = grown(self.top_tokens, 0)
 

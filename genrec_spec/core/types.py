@@ -122,6 +122,10 @@ class DecodeStats:
     wall_time_s: float  # prefill + decoding, measured around the whole call
     nodes_scored: int = 0  # real tree nodes over all forwards (beam search reports it)
     draft_nodes: int = 0  # of those, nodes a drafter proposed (beam search reports it)
+    # Beam search with a drafter: the beams' nodes (roots excluded) whose next-token scores
+    # selection read from the target, and how many of them a drafter had proposed
+    needed_nodes: int = 0
+    draft_hits: int = 0
 
     @property
     def mean_accepted_length(self) -> float:
@@ -153,6 +157,8 @@ class DecodeStats:
             "tokens_per_second": self.tokens_per_second,
             "nodes_scored": self.nodes_scored,
             "draft_nodes": self.draft_nodes,
+            "needed_nodes": self.needed_nodes,
+            "draft_hits": self.draft_hits,
         }
 
 

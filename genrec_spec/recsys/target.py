@@ -296,6 +296,9 @@ def core_beam(
             wall_time_s=time.perf_counter() - start_time,
             truncated_histories=int((lengths - 1 > model.config.max_len).sum()),
             draft_nodes=None if drafter is None else out.stats.draft_nodes,
+            draft_hit_rate=(
+                None if drafter is None else out.stats.draft_hits / max(out.stats.needed_nodes, 1)
+            ),
         ),
     )
 

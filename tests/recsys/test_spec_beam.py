@@ -126,9 +126,12 @@ def test_post_history_draft_equals_beam(
             )
             assert same_top_k(want, got).all(), (k, width, draft_width, lookahead)
             assert 2 <= got.stats.target_passes <= model.num_levels
-            assert got.stats.draft_nodes > 0  # the level-0 beams at least
-            if engine == "native":  # the core engine does not count the draft's hits
-                assert 0.0 < got.stats.draft_hit_rate <= 1.0  # level-0 beams are always drafted
+            assert got.stats.draft_nodes > 0
+            assert 0.0 <= got.stats.draft_hit_rate <= 1.0
+            # The native draft holds the level-0 beams; on the core the beams plan their own
+            # nodes, and only what the drafter planned before counts as a hit.
+            if engine == "native":
+                assert got.stats.draft_hit_rate > 0.0
 
 
 def test_forced_codes_cost_nothing(monkeypatch, random_recommender, uneven_histories):
@@ -190,13 +193,12 @@ def test_item_drafts_that_hit_and_miss(drafted, engine, random_recommender, unev
     got = spec_beam.decode(model, values, offsets, k=10, trie=trie, beam_width=15, draft="none",
                            draft_items=items, engine=engine)  # fmt: skip
     assert same_top_k(want, got).all()
-    hits = got.stats.draft_hit_rate  # the native engine's count
     if drafted == "all":
         assert got.stats.target_passes == 1
-        assert hits is None or hits == 1.0
+        assert got.stats.draft_hit_rate == 1.0
     else:
         assert 1 < got.stats.target_passes <= model.num_levels
-        assert hits is None or 0.0 <= hits < 1.0
+        assert 0.0 <= got.stats.draft_hit_rate < 1.0
 
 
 def test_same_top_k_rejects_different_lists():
