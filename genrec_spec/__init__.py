@@ -28,6 +28,7 @@ _EXPORTS = {
     "BeamOutput": "genrec_spec.core.beam",
     "beam_search": "genrec_spec.core.beam",
     "TokenTrie": "genrec_spec.core.catalogue",
+    "CatalogueDrafter": "genrec_spec.core.catalogue_drafter",
     "AllowedTokens": "genrec_spec.core.constraints",
     "Catalogue": "genrec_spec.core.constraints",
     "Constraint": "genrec_spec.core.constraints",

@@ -39,8 +39,8 @@ import torch
 from genrec_spec.bench.errors import BenchError
 from genrec_spec.bench.llm_runners import cut_at_eos, left_padded
 from genrec_spec.core.beam import BeamConfig, beam_search
+from genrec_spec.core.catalogue_drafter import CatalogueDrafter
 from genrec_spec.core.targets import HFTarget
-from genrec_spec.llm.proposers.catalogue import CatalogueDrafter
 from genrec_spec.machine import time_in_turns
 
 METHODS = ("hf", "beam", "spec", "hft-beam", "hft-spec")

@@ -19,9 +19,9 @@ num_return_sequences=K, length_penalty=..., early_stopping=...)`` (with
 passes; it rides along until every row is done.
 
 Speculative beam search: a ``drafter`` adds nodes below the beams to every pass (the
-catalogue's forced continuations: ``llm.proposers.CatalogueDrafter``); a step whose beams all
-reach scored nodes needs no pass. Selection reads the same log-probabilities, so the output is
-plain beam search's, up to the float rounding of a node scored in another pass.
+catalogue's forced continuations: ``core.catalogue_drafter.CatalogueDrafter``); a step whose
+beams all reach scored nodes needs no pass. Selection reads the same log-probabilities, so the
+output is plain beam search's, up to the float rounding of a node scored in another pass.
 
 Plain or speculative, a catalogue's forced token costs exactly 0 where log-probs are renormalised
 over the allowed tokens (``BeamConfig.renormalize``, or a target whose outputs are:

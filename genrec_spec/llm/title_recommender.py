@@ -22,9 +22,9 @@ from pathlib import Path
 from torch import Tensor
 
 from genrec_spec.core.beam import BeamConfig, beam_search
+from genrec_spec.core.catalogue_drafter import CatalogueDrafter
 from genrec_spec.core.constraints import Catalogue
 from genrec_spec.core.types import DecodeInputError, DecodeStats
-from genrec_spec.llm.proposers.catalogue import CatalogueDrafter
 
 ASK = (
     "Here are the movies I watched most recently, oldest first:\n{history}\n"

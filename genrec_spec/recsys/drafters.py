@@ -29,9 +29,9 @@ import torch
 from torch import Tensor
 
 from genrec_spec.core.beam_tree import BeamTree, rank_within_rows
+from genrec_spec.core.catalogue_drafter import CatalogueDrafter
 from genrec_spec.core.constraints import Catalogue
 from genrec_spec.data_pipelines.trie import PrefixTrie
-from genrec_spec.llm.proposers.catalogue import CatalogueDrafter
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.recsys.decoders.beam import Beams, extend, start_beams
 from genrec_spec.recsys.decoders.dense import item_log_probs

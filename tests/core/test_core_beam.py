@@ -8,9 +8,9 @@ import torch
 from genrec_spec import CallableTarget, HFTarget
 from genrec_spec.core.beam import BeamConfig, _distinct, beam_search
 from genrec_spec.core.beam_tree import BeamTree
+from genrec_spec.core.catalogue_drafter import CatalogueDrafter
 from genrec_spec.core.constraints import AllowedTokens, Catalogue
 from genrec_spec.core.types import DecodeInputError
-from genrec_spec.llm.proposers.catalogue import CatalogueDrafter
 from genrec_spec.models.llm.llama import Llama
 
 VOCAB, EOS = 40, 3

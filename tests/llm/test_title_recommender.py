@@ -11,7 +11,7 @@ import torch
 
 from genrec_spec import HFTarget
 from genrec_spec.core.beam import BeamConfig, beam_search
-from genrec_spec.llm.proposers import CatalogueDrafter
+from genrec_spec.core.catalogue_drafter import CatalogueDrafter
 from genrec_spec.llm.title_recommender import TitleRecommender, item_titles
 
 

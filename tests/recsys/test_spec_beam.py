@@ -294,7 +294,7 @@ def test_core_beam_search_equals_beam_on_trained_ml100k(ml100k_model, ml100k_dir
     """The recommender on the core (`recsys.target`): the core's beam search, plain and with the
     catalogue drafter, returns `beam`'s lists and scores on real ML-100K users."""
     from genrec_spec import BeamConfig, beam_search
-    from genrec_spec.llm.proposers.catalogue import CatalogueDrafter
+    from genrec_spec.core.catalogue_drafter import CatalogueDrafter
     from genrec_spec.recsys.data import load_prepared
     from genrec_spec.recsys.target import RecommenderTarget
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from genrec_spec import BeamConfig, beam_search
+from genrec_spec.core.catalogue_drafter import CatalogueDrafter
 from genrec_spec.core.types import DecodeInputError
-from genrec_spec.llm.proposers.catalogue import CatalogueDrafter
 from genrec_spec.models.recsys.config import TiedLevelsConfig
 from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 from genrec_spec.recsys.decoders import beam

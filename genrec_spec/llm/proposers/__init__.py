@@ -1,6 +1,6 @@
 """Proposers: one drafter per module, each producing a DraftTree."""
 
-from genrec_spec.llm.proposers.catalogue import CatalogueDrafter, CatalogueProposer
+from genrec_spec.llm.proposers.catalogue import CatalogueProposer
 from genrec_spec.llm.proposers.cross_tokenizer import CrossTokenizerProposer, TokenBridge
 from genrec_spec.llm.proposers.draft_model import DraftModelProposer, layer_skip_copy
 from genrec_spec.llm.proposers.eagle import Eagle2Proposer, EagleProposer
@@ -12,7 +12,6 @@ from genrec_spec.llm.proposers.ngram import NgramTrie, PromptLookup, TriePropose
 from genrec_spec.llm.proposers.quantized import QuantizedSelfProposer
 
 __all__ = [
-    "CatalogueDrafter",
     "CatalogueProposer",
     "CrossTokenizerProposer",
     "DraftModelProposer",
