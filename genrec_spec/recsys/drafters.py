@@ -38,6 +38,7 @@ from genrec_spec.recsys.decoders.dense import item_log_probs
 from genrec_spec.recsys.decoders.nezha import head_beams
 from genrec_spec.recsys.item_index import top_items, use_index
 from genrec_spec.recsys.scoring import NodeSet, TrieIndex, item_prefixes, prefix_nodes
+from genrec_spec.recsys.target import RecommenderTarget
 
 # The "items" draft through the index retrieves this many items per drafted prefix of a length
 # (the prefixes of the items of highest logit hold most of the mass).
@@ -129,7 +130,7 @@ class RecommenderDrafter:
     """``spec_beam``'s draft (module docstring) for the target's model. It remembers, within a
     decode, whether it has made the draft that follows the history pass: one decode at a time."""
 
-    target: object  # RecommenderTarget
+    target: RecommenderTarget
     catalogue: Catalogue  # the target's (core token trie)
     trie: PrefixTrie  # the model's items (recsys trie), what the drafts are made over
     width: int  # W, the search's beams: the "items" and "nezha" drafts start from the top W
