@@ -17,8 +17,9 @@ node at depth d carries a level d - 1 code and outputs level d's.
 Outputs are the model's own log-probabilities (``outputs_log_probs``), which beam search reads
 as they are, masked to the catalogue: exactly the scores of the recommender's ``beam``.
 
-The whole history is encoded at prefill (the model keeps its most recent ``max_len`` items);
-every grow re-scores the pending code tree against it, as ``beam`` does a level at a time.
+Prefill only keeps the histories: the first grow is the history pass (the model keeps its most
+recent ``max_len`` items), fused with any code nodes planned below the roots; every later grow
+re-scores the pending code tree against it, as ``beam`` does a level at a time.
 Items are whole code tuples, so the recommender decodes by beam search only: ``score_tree`` and
 ``commit`` (the single-path loop of ``generate``) are refused.
 """

@@ -32,8 +32,8 @@ selected, so `beam` pays one sequential target pass per level. Here:
    1), plus their ancestors as context.
 
 `engine="core"` runs the same drafts as the drafter of the core's `beam_search` on the model
-as a core target (`recsys.drafters`, `recsys.target`): the same lists and passes; the draft hit
-rate is not counted there.
+as a core target (`recsys.drafters`, `recsys.target`): the same lists and passes; its draft hit
+rate counts the level-0 beams as misses (the beams plan their own nodes there).
 
 On a model whose code levels are normalised over a prefix's children (`forced_codes_free`), a
 prefix with one child gives it log-prob exactly 0, so such prefixes are never drafted, needed
