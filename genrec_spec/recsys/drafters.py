@@ -125,6 +125,20 @@ def item_draft(
 AFTER_HISTORY = {"nezha": head_draft, "items": item_draft}
 
 
+def after_history_draft(
+    model,  # SemanticIdRecommender
+    state,  # HistoryState of B users
+    beams: Beams,  # [B, W] the exact level-0 beams
+    trie: PrefixTrie,
+    kind: str,  # one of AFTER_HISTORY
+    width: int,  # "items": prefixes per length; "nezha": the draft head's beam width
+    item_search: str,  # "items": "exact", "index" or "auto"
+) -> NodeSet:
+    """The draft of `kind` made from the encoded histories (both engines')."""
+    options = {"item_search": item_search} if kind == "items" else {}
+    return AFTER_HISTORY[kind](model, state, beams, trie, width, **options)
+
+
 @dataclass
 class RecommenderDrafter:
     """``spec_beam``'s draft (module docstring) for the target's model. It remembers, within a
@@ -167,12 +181,10 @@ class RecommenderDrafter:
     def _after_history(self, state) -> NodeSet:  # of state's rows
         """The draft made from the encoded histories (the "items" or "nezha" draft), from the
         exact level-0 beams."""
-        model, trie = self.target.model, self.trie
-        batch = state.lengths.numel()
-        level0 = state.level0_log_probs[:, None]  # [b, 1, V0]
-        beams = extend(start_beams(batch, trie), level0, trie, 0, self.width)
-        options = {"item_search": self.item_search} if self.kind == "items" else {}
-        return AFTER_HISTORY[self.kind](model, state, beams, trie, self.draft_width, **options)
+        trie, level0 = self.trie, state.level0_log_probs[:, None]  # [b, 1, V0]
+        beams = extend(start_beams(level0.shape[0], trie), level0, trie, 0, self.width)
+        return after_history_draft(self.target.model, state, beams, trie, self.kind,
+                                   self.draft_width, self.item_search)  # fmt: skip
 
     def _closed(self, member: NodeSet, batch: int, budget: int) -> NodeSet:
         """The members whose next code is not free, and their ancestors; past the budget a row

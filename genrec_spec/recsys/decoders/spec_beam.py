@@ -77,7 +77,12 @@ from genrec_spec.recsys.decoders.beam import (
 )
 from genrec_spec.recsys.decoders.dense import check_item_objective
 from genrec_spec.recsys.decoders.nezha import draft_head_of
-from genrec_spec.recsys.drafters import AFTER_HISTORY, RecommenderDrafter, draft_member
+from genrec_spec.recsys.drafters import (
+    AFTER_HISTORY,
+    RecommenderDrafter,
+    after_history_draft,
+    draft_member,
+)
 from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.item_index import use_index
 from genrec_spec.recsys.scoring import (
@@ -296,9 +301,8 @@ def decode(
     beams = extend(start_beams(batch, trie), state.level0_log_probs[:, None], trie, 0, width)
     drafted = first.members  # prefixes some draft proposed
     if draft in AFTER_HISTORY:  # scored with the first follow-up, beside the level-0 beams
-        options = {"item_search": item_search} if draft == "items" else {}
-        drafted = drafted | AFTER_HISTORY[draft](
-            model, state, beams, trie, draft_width or 2 * width, **options
+        drafted = drafted | after_history_draft(
+            model, state, beams, trie, draft, draft_width or 2 * width, item_search
         )
     drafted = index.scored(drafted, to_score)
     for level in range(1, model.num_levels):
