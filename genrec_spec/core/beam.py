@@ -244,7 +244,6 @@ class _Search:
         # Copies of a beam (the first step's) plan one node.
         once, copy_of = _distinct(tree.key(rows, parents, tokens))
         rows, parents, tokens = rows[once], parents[once], tokens[once]
-        waiting = int(tree.pending.sum())  # known nodes planned at earlier steps
         states = self._states(rows, parents, tokens)
         nodes = tree.add(rows, parents, tokens, states)
         beams.nodes[need] = nodes[copy_of]
@@ -259,9 +258,9 @@ class _Search:
             self.drafter.draft(tree, rows_live[once], nodes_live[once], budget, self.cache)
             drafted = tree.planned(before)
             tree.drafted[drafted] = True
+            self.drafted += len(drafted[0])
             if self.forced_free:  # a drafted forced node is known too: exactly 0, as a beam's
                 self._know_forced(*drafted)
-        self.drafted += int(tree.pending.sum()) - waiting - len(rows)
         self.speculative += self.drafter is not None
         self._pass()
 
