@@ -168,15 +168,11 @@ class RecommenderTarget:
                 )
                 log_probs = log_probs[:, log_probs.shape[1] - last :]  # [B, W', Vmax]
                 local = torch.arange(batch, device=self.device)  # [B] each row's in log_probs
-            else:
-                # Only the rows with a node to score take part (in a batch, few rows miss).
+            else:  # only the rows with a node to score take part (in a batch, few rows miss)
                 busy = wanted.any(1)  # [B]
-                state = cache.state
-                if not bool(busy.all()):
-                    state = state.rows(busy.nonzero().squeeze(1))
-                    codes, levels, parents = codes[busy], levels[busy], parents[busy]
-                local = busy.long().cumsum(0) - 1  # [B] each busy row's row in log_probs
-                log_probs = model.score_tree(state, codes, levels, parents, last=last)
+                log_probs, local = score_rows(
+                    model, cache.state, codes, levels, parents, busy, last
+                )
         out = torch.full((batch, m, self.vocab_size), float("-inf"), device=self.device)
         level0 = cache.state.level0_log_probs  # [B, V0]
         rows, slots = (depth == 0)[:, n - m :].nonzero(as_tuple=True)
@@ -217,6 +213,22 @@ class RecommenderTarget:
         levels = torch.where(real, depth.gather(1, order) - 1, 0)
         codes = torch.where(real, tree.tokens.gather(1, order) - self.offsets[levels], 0)
         return codes, levels, parents
+
+
+def score_rows(
+    model,  # SemanticIdRecommender
+    state,  # HistoryState of B users
+    codes: Tensor,  # [B, S] the model's tree (`score_tree`'s arguments)
+    levels: Tensor,  # [B, S]
+    parents: Tensor,  # [B, S]
+    busy: Tensor,  # [B] bool the rows with a node to score
+    last: int,  # the last slots whose outputs are wanted
+) -> tuple[Tensor, Tensor]:  # log-probs [b, last, Vmax], [B] each busy row's row in them
+    """`score_tree` of the busy rows alone (both engines' passes)."""
+    if not bool(busy.all()):
+        state = state.rows(busy.nonzero().squeeze(1))
+        codes, levels, parents = codes[busy], levels[busy], parents[busy]
+    return model.score_tree(state, codes, levels, parents, last=last), busy.long().cumsum(0) - 1
 
 
 def in_order(mask: Tensor) -> tuple[Tensor, Tensor]:  # [B, N] -> [B, S] each

@@ -31,7 +31,7 @@ from torch import Tensor
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.recsys.errors import DecodeOptionError
-from genrec_spec.recsys.target import context_to_score, core_beam, in_order
+from genrec_spec.recsys.target import context_to_score, core_beam, in_order, score_rows
 from genrec_spec.recsys.types import Recommendations, RecommendStats
 
 DEFAULT_MIN_BEAM_WIDTH = 20  # beam width when none is given: max(k, this)
@@ -242,24 +242,26 @@ def search(
     beams = extend(start_beams(batch, trie), state.level0_log_probs[:, None], trie, 0, width)
     history, passes, nodes_scored = [beams], 1, 0
     for level in range(1, model.num_levels):
-        # [B, W, V] each beam's log-probs of the next code; a forced one's is 0
-        out = beams.scores.new_zeros(*beams.nodes.shape, trie.codebook_sizes[level])
         scored = beams.nodes >= 0
         if model.forced_codes_free:
             scored &= trie.has_choice(beams.nodes)
         busy = scored.any(1)  # [B] the rows with a beam to score
-        if bool(busy.any()):
+        # [B, W, >= V] each beam's log-probs of the next code; a forced one's is 0
+        shape = (*beams.nodes.shape, trie.codebook_sizes[level])
+        if not bool(busy.any()):
+            out = beams.scores.new_zeros(shape)
+        else:
             codes, levels, parents, picked, real = beam_tree(history, scored)
-            some = state
-            if not bool(busy.all()):
-                some = state.rows(busy.nonzero().squeeze(1))
-                codes, levels, parents = codes[busy], levels[busy], parents[busy]
             # [b, W', Vmax]: only the scored beams' log-probs; earlier prefixes are context
-            got = model.score_tree(some, codes, levels, parents, last=picked.shape[1])
-            rows, slots = real.nonzero(as_tuple=True)
-            local = busy.long().cumsum(0) - 1  # [B] each busy row's row in `got`
-            out[rows, picked[rows, slots]] = got[local[rows], slots, : out.shape[2]]
-            passes, nodes_scored = passes + 1, nodes_scored + codes.numel()
+            got, local = score_rows(model, state, codes, levels, parents, busy, picked.shape[1])
+            if bool(scored.all()):  # every beam, in order: the output as it is
+                out = got
+            else:
+                out = beams.scores.new_zeros(shape)
+                rows, slots = real.nonzero(as_tuple=True)
+                out[rows, picked[rows, slots]] = got[local[rows], slots, : shape[2]]
+            passes += 1
+            nodes_scored += int(busy.sum()) * codes.shape[1]
         beams = extend(beams, out, trie, level, width)
         history.append(beams)
     return history, passes, nodes_scored
