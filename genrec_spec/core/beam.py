@@ -299,46 +299,49 @@ class _Search:
         logits = self.target.grow_tree(
             self.cache, tokens.to(device), parents.to(device), needed.to(device)
         ).cpu()
-        rows, slots = real.nonzero(as_tuple=True)
-        nodes = tree.size - tokens.shape[1] + slots
+        rows, slots = needed.nonzero(as_tuple=True)  # [Q] the nodes to store
         self.passes += 1
-        self.nodes += len(rows)
-        unknown = ~tree.known[rows, nodes]
-        whole = bool(real.all()) and bool(unknown.all())
-        rows, slots, nodes = rows[unknown], slots[unknown], nodes[unknown]
-        # [Q, V] the real nodes' logits (all of them, without a copy, when no row pads)
-        chosen = logits.flatten(0, 1) if whole else logits[rows, slots]
-        scores, choices = self._log_probs(chosen, rows, nodes)  # [Q, C] each
-        best = scores.topk(min(tree.width, scores.shape[1]), dim=-1)
-        if bool(torch.isnan(best.values).any()):  # a NaN logit makes its row's log-probs NaN
+        self.nodes += int(real.sum())
+        # [Q] each node's row of the logits (none when they are all of them, in order)
+        at = None if len(rows) == needed.numel() else rows * needed.shape[1] + slots
+        nodes = tree.size - tokens.shape[1] + slots
+        scores, choices = self._log_probs(logits.flatten(0, 1), at, rows, nodes)  # [Q, C'] each
+        if scores.shape[1] > tree.width:  # keep the best C (a search reads no more)
+            best = scores.topk(tree.width, dim=-1)
+            index = best.indices
+            scores, choices = best.values, index if choices is None else choices.gather(1, index)
+        elif choices is None:  # every token fits: kept as they are, in token order
+            choices = torch.arange(scores.shape[1]).expand_as(scores)
+        if bool(torch.isnan(scores).any()):  # a NaN logit makes its row's log-probs NaN
             raise DecodeInputError(
                 "the target's logits contain NaN",
                 "check the model's weights and dtype (fp16 overflow is a common cause)",
             )
-        kept = best.indices if choices is None else choices.gather(1, best.indices)
-        tree.store(rows, nodes, best.values, kept)
+        tree.store(rows, nodes, scores, choices)
 
     def _log_probs(
         self,
-        logits: Tensor,  # [Q, V] the scored nodes'
+        logits: Tensor,  # [N, V] the pass's nodes'
+        at: Tensor | None,  # [Q] the logits row of each node scored (None: all N, in order)
         rows: Tensor,  # [Q] their rows
         nodes: Tensor,  # [Q] their node numbers
     ) -> tuple[Tensor, Tensor | None]:  # [Q, C] log-probs, [Q, C] their tokens (None: 0..V-1)
         """The nodes' next-token log-probabilities under the constraint; a catalogue reads
         only each node's children."""
-        if self.constraint is None:
-            return log_probs(logits, None, self.config.renormalize, self.normalized), None
         tree = self.tree
         states = tree.states[rows, nodes]
         if isinstance(self.constraint, Catalogue):
             return catalogue_log_probs(
-                logits, self.constraint.trie, states, self.config.renormalize, self.normalized
+                logits, self.constraint.trie, states, self.config.renormalize, self.normalized, at
             )
+        logits = logits if at is None else logits[at]
+        if self.constraint is None:
+            return log_probs(logits, None, self.config.renormalize, self.normalized), None
 
         def sequences() -> list[list[int]]:  # each node's prompt and generated tokens
-            at = rows.tolist()
-            paths = tree.paths(at, nodes.tolist())
-            return [self.prompts[r] + path for r, path in zip(at, paths, strict=True)]
+            where = rows.tolist()
+            paths = tree.paths(where, nodes.tolist())
+            return [self.prompts[r] + path for r, path in zip(where, paths, strict=True)]
 
         allowed = self.constraint.allowed(states, rows, sequences)
         return log_probs(logits, allowed, self.config.renormalize, self.normalized), None

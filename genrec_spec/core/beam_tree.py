@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 # Node numbers per row are below this, so (row, parent, token) packs into one int64 key.
@@ -44,12 +43,16 @@ class BeamTree:
     states: Tensor = field(init=False)  # [B, capacity] constraint states (-1 padding)
     keys: Tensor = field(init=False)  # [R] sorted keys of every real node
     key_nodes: Tensor = field(init=False)  # [R] the node each key names
-    # [B, capacity, C] each node's best candidates: log-probs (best first; -inf pads), tokens
-    # (int32: a vocabulary fits, at half the bytes to copy). Uninitialised until ``store``:
-    # only scored and known nodes are read, and filling B * capacity * C slots cost a wide
-    # search more than its selection.
-    top_values: Tensor = field(init=False)
-    top_tokens: Tensor = field(init=False)
+    # Each stored node's candidates (log-probs, tokens: int32, a vocabulary fits at half the
+    # bytes), a run of C' <= C per node in the flat tables below, in any order (-inf pads).
+    # Runs are as wide as their pass needs: a wide search's nodes mostly have few children, and
+    # B x capacity x C tables of the widest (MBs of fresh pages a decode) cost it more than
+    # its selection.
+    stored_values: Tensor = field(init=False)  # [S] float32
+    stored_tokens: Tensor = field(init=False)  # [S] int32
+    used: int = 0  # slots of the stored tables in use
+    first: Tensor = field(init=False)  # [B, capacity] each node's first slot there
+    count: Tensor = field(init=False)  # [B, capacity] its slots (0: not scored yet)
     # [B, capacity] bool: candidates known when planned (a forced token that costs nothing),
     # so the pass that carries the node (as the parent of others) need not score it
     known: Tensor = field(init=False)
@@ -64,8 +67,10 @@ class BeamTree:
         self.states = torch.full(slots, -1, dtype=torch.long)
         self.keys = torch.zeros(0, dtype=torch.long)
         self.key_nodes = torch.zeros(0, dtype=torch.long)
-        self.top_values = torch.empty(*slots, self.width)
-        self.top_tokens = torch.empty(*slots, self.width, dtype=torch.int32)
+        self.stored_values = torch.empty(self.batch * self.width)
+        self.stored_tokens = torch.empty(self.batch * self.width, dtype=torch.int32)
+        self.first = torch.zeros(slots, dtype=torch.long)
+        self.count = torch.zeros(slots, dtype=torch.long)
         self.known = torch.zeros(slots, dtype=torch.bool)
         self.drafted = torch.zeros(slots, dtype=torch.bool)
 
@@ -133,8 +138,7 @@ class BeamTree:
         self.parents, self.tokens = grown(self.parents, -1), grown(self.tokens, 0)
         self.states, self.known = grown(self.states, -1), grown(self.known, False)
         self.drafted = grown(self.drafted, False)
-        self.top_values = grown(self.top_values, float("-inf"))
-        self.top_tokens = grown(self.top_tokens, 0)
+        self.first, self.count = grown(self.first, 0), grown(self.count, 0)
 
     def paths(self, rows: list[int], nodes: list[int]) -> list[list[int]]:
         """Each node's tokens from the root (excluded) down to it (included), host side."""
@@ -149,26 +153,47 @@ class BeamTree:
         return out
 
     def store(self, rows: Tensor, nodes: Tensor, values: Tensor, tokens: Tensor) -> None:
-        """Keep Q nodes' best candidates: rows, nodes [Q], values, tokens [Q, C' <= C]; the
-        slots past C' read as -inf (token 0)."""
-        if values.shape[1] < self.width:
-            pad = self.width - values.shape[1]
-            values, tokens = F.pad(values, (0, pad), value=float("-inf")), F.pad(tokens, (0, pad))
-        self.top_values[rows, nodes], self.top_tokens[rows, nodes] = values, tokens.int()
+        """Keep Q nodes' best candidates: rows, nodes [Q], values, tokens [Q, C' <= C] (in any
+        order, -inf padding a node with fewer)."""
+        q, width = values.shape
+        end = self.used + q * width
+        if end > len(self.stored_values):  # doubling, as the node tables
+            extra = max(end, 2 * len(self.stored_values)) - len(self.stored_values)
+            self.stored_values = torch.cat(
+                [self.stored_values, self.stored_values.new_empty(extra)]
+            )
+            self.stored_tokens = torch.cat(
+                [self.stored_tokens, self.stored_tokens.new_empty(extra)]
+            )
+        self.stored_values[self.used : end] = values.flatten()
+        self.stored_tokens[self.used : end] = tokens.flatten()
+        self.first[rows, nodes] = self.used + torch.arange(0, q * width, width)
+        self.count[rows, nodes] = width
+        self.used = end
 
     def know(self, rows: Tensor, nodes: Tensor, tokens: Tensor) -> None:
         """Planned nodes [Q] whose one candidate is ``tokens`` [Q] at log-prob 0 (forced)."""
         self.store(rows, nodes, torch.zeros(len(rows), 1), tokens[:, None])
         self.known[rows, nodes] = True
 
-    def candidates(self, nodes: Tensor) -> tuple[Tensor, Tensor]:  # [B, W] -> 2 x [B, W, C]
+    def candidates(self, nodes: Tensor) -> tuple[Tensor, Tensor]:  # [B, W] -> 2 x [B, W, C']
         """The stored candidates (log-probs, tokens: int32) of each beam's node (a node of -1
-        reads the root's); whole rows of C copied, not gathered element by element."""
-        slots = self.top_values.shape[1]
-        index = (nodes.clamp_min(0) + torch.arange(self.batch)[:, None] * slots).flatten()
-        values = self.top_values.flatten(0, 1).index_select(0, index)
-        tokens = self.top_tokens.flatten(0, 1).index_select(0, index)
-        return values.view(*nodes.shape, -1), tokens.view(*nodes.shape, -1)
+        reads the root's), C' the most any of them has; -inf (token 0) pads, and a node not
+        scored has none."""
+        index = nodes.clamp_min(0) + torch.arange(self.batch)[:, None] * self.first.shape[1]
+        first = self.first.view(-1)[index].flatten()  # [B * W]
+        count = self.count.view(-1)[index]  # [B, W]
+        width = max(1, int(count.max()))
+        # Every run of `width` slots as a row of a strided view, so a run is one row's copy (a
+        # node with a shorter run reads past it, into slots masked below).
+        first = first.clamp(max=len(self.stored_values) - width)
+        values = self.stored_values.unfold(0, width, 1).index_select(0, first)
+        tokens = self.stored_tokens.unfold(0, width, 1).index_select(0, first)
+        values, tokens = values.view(*nodes.shape, width), tokens.view(*nodes.shape, width)
+        if bool((count == width).all()):  # a step's nodes were mostly scored in one pass
+            return values, tokens
+        missing = torch.arange(width) >= count[..., None]  # [B, W, C']
+        return values.masked_fill(missing, float("-inf")), tokens.masked_fill(missing, 0)
 
 
 def rank_within_rows(rows: Tensor, batch: int) -> Tensor:  # [Q] ascending -> [Q]

@@ -164,20 +164,23 @@ def log_probs(
 
 
 def catalogue_log_probs(
-    logits: Tensor,  # [Q, V]
+    logits: Tensor,  # [N, V]
     trie: TokenTrie,
     states: Tensor,  # [Q] trie nodes
     renormalize: bool = False,
     normalized: bool = False,
+    at: Tensor | None = None,  # [Q] each state's row of the logits (None: row q, N = Q)
 ) -> tuple[Tensor, Tensor]:  # values [Q, C] float32 (-inf pads), tokens [Q, C]
     """``log_probs`` under a catalogue, for each node's children only (C the most children of
     any of the nodes): the same values at the allowed tokens, without a [Q, V] mask, so a
     search reads C candidates per node instead of V."""
     tokens, exists = trie.children_of(states)  # [Q, C] each
-    logits = logits.float()
     if not (normalized or renormalize):  # the full vocabulary's log-probs, then the children's
-        logits = torch.log_softmax(logits, dim=-1)
-    values = logits.gather(1, tokens).masked_fill(~exists, float("-inf"))
+        logits = torch.log_softmax((logits if at is None else logits[at]).float(), dim=-1)
+        at = None
+    # the children's logits alone, read in place: no [Q, V] copy of the nodes' rows
+    picked = logits.gather(1, tokens) if at is None else logits[at[:, None], tokens]
+    values = picked.float().masked_fill(~exists, float("-inf"))
     if renormalize:
         values = torch.log_softmax(values, dim=-1).masked_fill(~exists, float("-inf"))
     return values, tokens

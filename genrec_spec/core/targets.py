@@ -16,7 +16,8 @@ the committed root: parent -1), and ``needed`` [B, M] marks the new nodes whose 
 caller reads (None: all; a node whose candidates beam search knows without the target, a
 forced token that costs nothing, is not read). A target may skip the others' outputs, but every
 new node still conditions its descendants; the LLM targets compute them all, since a node's K/V
-is kept for its children anyway. A later commit keeps a path among all of them.
+is kept for its children anyway. A later commit keeps a path among all of them. A grow's
+outputs are read before the next grow, which may reuse their memory (the recommender does).
 
 After prefill and score_tree, ``cache.hidden`` maps each requested layer to hidden states
 [B, T or N, D] of the tokens just processed (for trained drafters such as EAGLE), or is empty.

@@ -58,6 +58,10 @@ class RecommenderCache:
     offsets: Tensor  # [B + 1] int64
     state: object = None  # the model's HistoryState of them, from the first grow on
     tree: DraftTree | None = None  # the nodes grown since prefill
+    # Every grow's output is written here, grown as needed: a pass's output is read before the
+    # next grow, and tens of MB of fresh pages a pass (wide beams, batches) cost more than
+    # refilling touched ones.
+    buffer: Tensor | None = None
 
 
 class RecommenderTarget:
@@ -173,7 +177,7 @@ class RecommenderTarget:
                 log_probs, local = score_rows(
                     model, cache.state, codes, levels, parents, busy, last
                 )
-        out = torch.full((batch, m, self.vocab_size), float("-inf"), device=self.device)
+        out = _output_buffer(cache, (batch, m, self.vocab_size))
         level0 = cache.state.level0_log_probs  # [B, V0]
         rows, slots = (depth == 0)[:, n - m :].nonzero(as_tuple=True)
         out[rows, slots, : level0.shape[1]] = level0[rows]
@@ -213,6 +217,14 @@ class RecommenderTarget:
         levels = torch.where(real, depth.gather(1, order) - 1, 0)
         codes = torch.where(real, tree.tokens.gather(1, order) - self.offsets[levels], 0)
         return codes, levels, parents
+
+
+def _output_buffer(cache: RecommenderCache, shape: tuple[int, ...]) -> Tensor:
+    """The cache's output buffer as a tensor of `shape`, all -inf (valid until the next grow)."""
+    size = shape[0] * shape[1] * shape[2]
+    if cache.buffer is None or len(cache.buffer) < size:
+        cache.buffer = torch.empty(size, device=cache.values.device)
+    return cache.buffer[:size].view(shape).fill_(float("-inf"))
 
 
 def score_rows(

@@ -319,8 +319,19 @@ def test_the_beam_tree_reads_back_what_it_stored():
         row0, nodes[:2], torch.tensor([[-0.5, -1.0], [-0.25, -2.0]]), torch.tensor([[4, 5], [6, 7]])
     )
     tree.know(torch.tensor([1]), torch.tensor([0]), torch.tensor([8]))  # a forced token: log-prob 0
-    # [B, W=2, C=3] candidates, short rows padded with -inf and token 0; node -1 reads the root
+    # [B, W=2, C'=2] candidates (the most any node has), short rows padded with -inf and token
+    # 0; node -1 reads the root
     values, tokens = tree.candidates(torch.tensor([[1, 0], [0, -1]]))
     inf = float("-inf")
-    assert values.tolist() == [[[-0.25, -2.0, inf], [-0.5, -1.0, inf]], [[0.0, inf, inf]] * 2]
-    assert tokens.tolist() == [[[6, 7, 0], [4, 5, 0]], [[8, 0, 0]] * 2]
+    assert values.tolist() == [[[-0.25, -2.0], [-0.5, -1.0]], [[0.0, inf]] * 2]
+    assert tokens.tolist() == [[[6, 7], [4, 5]], [[8, 0]] * 2]
+    # past the first tables' room, earlier nodes read back the same; a node not scored has none
+    many = torch.arange(3)
+    tree.add(torch.ones(3, dtype=torch.long), many - 1, many + 1, torch.zeros(3, dtype=torch.long))
+    tree.store(
+        torch.ones(3, dtype=torch.long), many + 1, -torch.rand(3, 3), many[:, None].repeat(1, 3)
+    )
+    values, tokens = tree.candidates(torch.tensor([[1, 1], [0, 3]]))
+    assert values[0, :, :2].tolist() == [[-0.25, -2.0]] * 2 and values[0, :, 2].isinf().all()
+    assert tokens[1].tolist() == [[8, 0, 0], [2, 2, 2]]
+    assert tree.candidates(torch.tensor([[2, 2], [0, 0]]))[0][0].isinf().all()
