@@ -146,17 +146,18 @@ class RecommenderTarget:
         scored = (depth > 0) & (depth < model.num_levels)
         wanted = scored.clone()
         wanted[:, : n - m] = False  # earlier nodes are context: their outputs are not needed
+        unread = torch.zeros_like(wanted)
         if needed is not None:  # a new node not needed is fed only as a needed one's ancestor,
             # among the new nodes (it may descend from another needed one)
-            unread = torch.zeros_like(wanted)
             unread[:, n - m :] = ~needed
             wanted &= ~unread
-            ancestor = with_ancestors(wanted, tree.parents, model.num_levels - 2)
-            scored &= ~unread | ancestor
+        lineage = with_ancestors(wanted, tree.parents, model.num_levels - 2)
+        if needed is not None:
+            scored &= ~unread | lineage
             wanted |= scored & unread  # fed and scored, but still written as -inf
         first = cache.state is None  # the first grow encodes the histories
         if first or bool(wanted.any()):
-            fed = context_to_score(scored, wanted, tree.parents, model.num_levels - 2)
+            fed = context_to_score(scored, wanted, lineage)
             # The model's tree: each row's context, then its new nodes, each part in tree order
             # (parents first) and padded to the row with the most, so the new nodes of every row
             # sit in the last slots, the only ones whose outputs the model computes.
@@ -253,23 +254,22 @@ def in_order(mask: Tensor) -> tuple[Tensor, Tensor]:  # [B, N] -> [B, S] each
 def context_to_score(
     scored: Tensor,  # [B, N] bool the nodes a pass may feed the model
     wanted: Tensor,  # [B, N] bool those of them whose outputs it needs
-    parents: Tensor,  # [B, N] int64, -1 for roots and padding
-    depth: int,  # the most code ancestors a wanted node has
+    lineage: Tensor,  # [B, N] bool the wanted nodes and their ancestors (`with_ancestors`)
 ) -> Tensor:  # [B, N] bool: `scored`, or its wanted nodes and their ancestors
     """What a recommender pass feeds the model (both engines' rule). A node attends to the
     history and its own ancestors alone, so context the wanted nodes do not descend from changes
     no score; it is left out where it is at least `PRUNE_SHARE` of the context of the row that
     keeps the most."""
-    kept = scored & with_ancestors(wanted, parents, depth)
+    kept = scored & lineage
     context = int((scored & ~wanted).sum(1).max())
     return kept if int((kept & ~wanted).sum(1).max()) <= (1 - PRUNE_SHARE) * context else scored
 
 
 def with_ancestors(marked: Tensor, parents: Tensor, depth: int) -> Tensor:  # [B, N] each
     """The marked nodes and their ancestors up to `depth` levels above them."""
-    marked, up = marked.clone(), marked
+    marked, up, attached = marked.clone(), marked, parents >= 0
     for _ in range(depth):  # a level at a time
-        rows, cols = (up & (parents >= 0)).nonzero(as_tuple=True)
+        rows, cols = (up & attached).nonzero(as_tuple=True)
         up = torch.zeros_like(marked)
         up[rows, parents[rows, cols]] = True
         marked |= up

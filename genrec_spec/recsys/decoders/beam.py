@@ -31,7 +31,13 @@ from torch import Tensor
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.recsys.errors import DecodeOptionError
-from genrec_spec.recsys.target import context_to_score, core_beam, in_order, score_rows
+from genrec_spec.recsys.target import (
+    context_to_score,
+    core_beam,
+    in_order,
+    score_rows,
+    with_ancestors,
+)
 from genrec_spec.recsys.types import Recommendations, RecommendStats
 
 DEFAULT_MIN_BEAM_WIDTH = 20  # beam width when none is given: max(k, this)
@@ -185,7 +191,8 @@ def beam_tree(
     context = starts[-1]
     wanted = torch.cat([torch.zeros_like(codes[:, :context], dtype=torch.bool), scored], 1)
     feedable = torch.cat([torch.ones_like(wanted[:, :context]), scored], 1)
-    needed = context_to_score(feedable, wanted, parents, len(history) - 1)[:, :context]
+    lineage = with_ancestors(wanted, parents, len(history) - 1)
+    needed = context_to_score(feedable, wanted, lineage)[:, :context]
     if bool(needed.all()) and bool(scored.all()):
         every = torch.arange(n - context).expand(batch, -1)
         return codes, levels, parents, every, scored
