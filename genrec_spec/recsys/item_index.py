@@ -15,16 +15,20 @@ Kinds (`ItemIndexConfig.kind`): "ivf" (`IndexIVFFlat`: spherical k-means lists, 
 scanned exactly per query), "ivf-pq" (the same lists holding 4-bit codes, one per dimension,
 scanned with faiss's SIMD fast scan, `IndexIVFPQFastScan`; the `refine_factor` x K best codes
 are then rescored exactly from the items' own rows, `IndexRefineFlat`, so the scores and their
-order are exact, and only an item the codes rank below that cut can be lost) and "hnsw"
-(`IndexHNSWFlat`, a proximity graph). "ivf-pq" is the default: its lists are IVF's, so it finds
-what they hold, and it scans them several times faster, for a slower build and the codes beside
-the rows in memory. IVF's cost per query is set by one knob (the items in the probed lists) and
-does not grow with K, which the "items" draft asks large (hundreds of items at wide beams: HNSW
-must then widen its candidate list to at least K), and with plain dot-product logits (no
-temperature) its probed lists are scanned exactly, where HNSW's graph assumes a metric; HNSW at
-the settings measured also built far slower than IVF and found less. A catalogue of fewer than
-`PQ_CODES` items gets "ivf" lists (too few to train a 4-bit code on). `genrec-spec bench scale
---index-kind` measures each kind (docs/results/scale.md).
+order are exact, and only an item the codes rank below that cut can be lost), "ivf-hnsw" (the
+same codes in lists of about `list_items` items whatever the catalogue's size, found through an
+HNSW graph over the lists' centroids, which a two-level k-means trains: the items a query
+scans need not grow with the catalogue, where the other IVF kinds' lists grow with sqrt(I))
+and "hnsw" (`IndexHNSWFlat`, a proximity graph over the items themselves). "ivf-pq" is the
+default: its lists are IVF's, so it finds what they hold, and it scans them several times
+faster, for a slower build and the codes beside the rows in memory. IVF's cost per query is set
+by one knob (the items in the probed lists) and does not grow with K, which the "items" draft
+asks large (hundreds of items at wide beams: HNSW must then widen its candidate list to at least
+K), and with plain dot-product logits (no temperature) its probed lists are scanned exactly,
+where HNSW's graph assumes a metric; HNSW at the settings measured also built far slower than
+IVF and found less. A catalogue of fewer than `PQ_CODES` items gets "ivf" lists (too few to
+train a 4-bit code on). `genrec-spec bench scale --index-kind` measures each kind
+(docs/results/scale.md).
 
 The index is built once per item table (and config) and again when the table changes, like the
 catalogue trie (`beam.item_trie`). `use_index` decides, per decode, between the index and the
@@ -45,7 +49,7 @@ from torch import Tensor
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.recsys.errors import DecodeOptionError
 
-KINDS = ("ivf", "ivf-pq", "hnsw")
+KINDS = ("ivf", "ivf-pq", "ivf-hnsw", "hnsw")
 # Items added to an index per faiss call: its temporaries (codes, residuals) scale with the rows
 # of one call, which at 10^7 items at once ran the bench process out of memory.
 ADD_ROWS = 1 << 20
@@ -63,7 +67,8 @@ class ItemIndexConfig:
     # "auto" searches the index from this many items on, the exact [B, I] product below
     min_items: int = 100_000
     kind: str = "ivf-pq"  # "ivf", "ivf-pq" or "hnsw" (module docstring)
-    lists_per_sqrt_item: float = 1.0  # ivf: k-means lists = this x sqrt(I)
+    lists_per_sqrt_item: float = 1.0  # ivf, ivf-pq: k-means lists = this x sqrt(I)
+    list_items: int = 100  # ivf-hnsw: items a list (I / this lists, whatever the size)
     train_items_per_list: int = 64  # ivf: k-means trains on a sample of this many items a list
     nprobe: int = 128  # ivf, ivf-pq: lists scanned per query (every list of a small catalogue)
     refine_factor: int = 30  # ivf-pq: codes' best refine_factor x K rescored exactly
@@ -85,6 +90,7 @@ class ItemIndexConfig:
             "train_items_per_list",
             "hnsw_links",
             "ef_construction",
+            "list_items",
         )
         small = [
             f"{n} = {getattr(self, n)}" for n in (*counts, "ef_search") if getattr(self, n) < 1
@@ -122,12 +128,20 @@ class ItemIndex:
             self.index = faiss.IndexHNSWFlat(dim, config.hnsw_links, faiss.METRIC_INNER_PRODUCT)
             self.index.hnsw.efConstruction = config.ef_construction
         else:
-            lists = max(1, min(items, round(config.lists_per_sqrt_item * math.sqrt(items))))
+            ip = faiss.METRIC_INNER_PRODUCT
             # faiss's Python constructors keep the indexes they wrap alive (the quantizer here,
             # the IVF index in the refining one)
-            quantizer = faiss.IndexFlatIP(dim)
-            ip = faiss.METRIC_INNER_PRODUCT
-            codes = config.kind == "ivf-pq" and items >= PQ_CODES
+            if config.kind == "ivf-hnsw":  # the lists' centroids first: they fix their number
+                centroids = _two_level_centroids(x, max(1, items // config.list_items), config)
+                lists = len(centroids)
+                quantizer = faiss.IndexHNSWFlat(dim, config.hnsw_links, ip)
+                quantizer.hnsw.efConstruction = config.ef_construction
+                quantizer.add(centroids)
+                quantizer.hnsw.efSearch = max(config.ef_search, config.nprobe)
+            else:
+                lists = max(1, min(items, round(config.lists_per_sqrt_item * math.sqrt(items))))
+                quantizer = faiss.IndexFlatIP(dim)
+            codes = config.kind != "ivf" and items >= PQ_CODES
             if codes:  # one 4-bit code per dimension
                 ivf = faiss.IndexIVFPQFastScan(quantizer, dim, lists, dim, 4, ip)
             else:
@@ -135,7 +149,9 @@ class ItemIndex:
             ivf.cp.seed = config.seed
             ivf.cp.min_points_per_centroid = 1  # small catalogues: few items a list
             ivf.cp.max_points_per_centroid = config.train_items_per_list
-            ivf.train(x)  # on a seeded sample of train_items_per_list items a list
+            # k-means lists (on a seeded sample of train_items_per_list items a list) unless the
+            # quantizer holds them already, then the 4-bit codes
+            ivf.train(x)
             ivf.nprobe = min(config.nprobe, lists)
             self.index = ivf
             if codes:
@@ -152,6 +168,37 @@ class ItemIndex:
         items = torch.from_numpy(items).to(query.device)
         scores = torch.from_numpy(scores).to(query.device, query.dtype)
         return FoundItems(items=items, scores=scores.masked_fill(items < 0, float("-inf")))
+
+
+def _two_level_centroids(x: np.ndarray, lists: int, config: ItemIndexConfig) -> np.ndarray:
+    """About `lists` spherical k-means centroids [L, D] of the rows x [I, D], by k-means in two
+    levels (as faiss's `contrib.clustering.two_level_clustering`): sqrt(lists) coarse clusters,
+    each then split into lists in proportion to its items. A flat k-means costs samples x lists
+    a step, hours on one core for 10^5 lists of 10^7 items; the two levels about sqrt(lists)
+    times less. Both train on a seeded sample of `train_items_per_list` items a list."""
+    import faiss
+
+    rng = np.random.default_rng(config.seed)
+    sample = min(len(x), lists * config.train_items_per_list)
+    xt = x[np.sort(rng.choice(len(x), sample, replace=False))] if sample < len(x) else x
+    coarse = max(1, round(math.sqrt(lists)))
+    top = faiss.Kmeans(x.shape[1], coarse, spherical=True, seed=config.seed)
+    top.train(xt)
+    assigned = top.index.search(xt, 1)[1][:, 0]  # [sample] each row's coarse cluster
+    sizes = np.bincount(assigned, minlength=coarse)
+    # each coarse cluster's lists: its share of the sample, at least one, at most its rows
+    shares = np.clip(np.round(sizes * lists / len(xt)), 1, np.maximum(sizes, 1)).astype(int)
+    centroids = []
+    for cluster, share in enumerate(shares.tolist()):
+        rows = np.ascontiguousarray(xt[assigned == cluster])
+        if share >= len(rows):  # as many lists as rows: the rows (an empty cluster: its centre)
+            centroids.append(rows if len(rows) else top.centroids[cluster : cluster + 1])
+            continue
+        split = faiss.Kmeans(x.shape[1], share, spherical=True, seed=config.seed)
+        split.cp.min_points_per_centroid = 1
+        split.train(rows)
+        centroids.append(split.centroids)
+    return np.ascontiguousarray(np.concatenate(centroids), dtype=np.float32)
 
 
 _INDEXES = DerivedCache()  # item table (as the model scores with it) -> its ItemIndex

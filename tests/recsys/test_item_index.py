@@ -51,7 +51,7 @@ def _trie(model) -> PrefixTrie:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.05])
-@pytest.mark.parametrize("kind", ["ivf", "ivf-pq", "hnsw"])
+@pytest.mark.parametrize("kind", ["ivf", "ivf-pq", "ivf-hnsw", "hnsw"])
 def test_index_top_k_is_the_exact_top_k_on_a_small_catalogue(
     temperature, kind, random_recommender, uneven_histories, monkeypatch
 ):
@@ -63,7 +63,7 @@ def test_index_top_k_is_the_exact_top_k_on_a_small_catalogue(
     model = _model(random_recommender, 0, 150, temperature)
     values, offsets = uneven_histories(model, 7, seed=1)
     hidden = model.encode_history(values, offsets).hidden  # [B, D]
-    config = ItemIndexConfig(kind=kind, nprobe=1000, ef_search=200)
+    config = ItemIndexConfig(kind=kind, nprobe=1000, ef_search=200, list_items=10)
     found = top_items(model, hidden, 12, config)
     want = exact_top_items(model, hidden, 12)
     assert torch.equal(found.items, want.items)
@@ -93,7 +93,7 @@ def test_exact_top_items_in_row_chunks(random_recommender, uneven_histories, mon
     torch.testing.assert_close(chunked.scores, whole.values)  # products of other row counts
 
 
-@pytest.mark.parametrize("kind", ["ivf", "ivf-pq"])
+@pytest.mark.parametrize("kind", ["ivf", "ivf-pq", "ivf-hnsw"])
 def test_index_recall_on_a_larger_catalogue(kind, random_recommender, uneven_histories):
     """Default settings, a catalogue with several lists not probed: most of the exact top-10."""
     model = _model(random_recommender, 1, 3000, 0.05)
@@ -101,6 +101,25 @@ def test_index_recall_on_a_larger_catalogue(kind, random_recommender, uneven_his
     recall = dense.index_recall(model, values, offsets, k=10, index_kind=kind)
     assert recall.shape == (16,)
     assert float(recall.mean()) >= 0.5
+
+
+def test_ivf_hnsw_lists_keep_their_size_as_the_catalogue_grows(random_recommender):
+    """ivf-hnsw: about I / list_items lists (its two-level k-means), none far above that size,
+    and with a fraction of them probed through the HNSW quantizer most of the exact top-10."""
+    faiss = pytest.importorskip("faiss")
+    model = _model(random_recommender, 3, 3000, 0.05)
+    table = model.item_keys().detach()  # [I, D] the rows the index holds
+    query = torch.nn.functional.normalize(table[:40] + 0.1 * torch.randn_like(table[:40]), dim=1)
+    for items in (1500, 3000):
+        config = ItemIndexConfig(kind="ivf-hnsw", list_items=20, nprobe=16)
+        index = ItemIndex(table[:items], config)
+        lists = faiss.extract_index_ivf(index.index)
+        sizes = [lists.get_list_size(i) for i in range(lists.nlist)]
+        assert abs(lists.nlist - items // 20) <= 0.1 * items / 20
+        assert sum(sizes) == items and max(sizes) <= 5 * 20
+        found = index.search(query, 10)
+        exact = (query @ table[:items].T).topk(10, dim=1).indices
+        assert float(recall_at_k(found.items, exact).mean()) >= 0.8
 
 
 def test_index_is_cached_per_item_table(random_recommender):

@@ -48,7 +48,7 @@ class DenseConfig:
     # "exact": the [B, I] product; "index": the approximate item index; "auto": the index from
     # `ItemIndexConfig.min_items` items on
     item_search: str = "auto"
-    index_kind: str = ItemIndexConfig.kind  # the index searched: "ivf", "ivf-pq" or "hnsw"
+    index_kind: str = ItemIndexConfig.kind  # the index searched (`item_index.KINDS`)
 
 
 def check_item_objective(model, what: str = "the dense decoder") -> None:
