@@ -53,6 +53,10 @@ KINDS = ("ivf", "ivf-pq", "ivf-hnsw", "hnsw")
 # Items added to an index per faiss call: its temporaries (codes, residuals) scale with the rows
 # of one call, which at 10^7 items at once ran the bench process out of memory.
 ADD_ROWS = 1 << 20
+# ivf-hnsw: the candidates its graph keeps while finding an added item's list (its nearest
+# centroid). A narrow search finds the exact nearest list nearly always, at a fraction of a
+# query's width's cost, which adding 10^7 items pays 10^7 times (docs/results/scale.md).
+ADD_EF_SEARCH = 32
 # Values of a 4-bit code: ivf-pq trains each on the items, so it needs at least this many.
 PQ_CODES = 16
 # Item logits exact_top_items holds at once (float32: 1 GiB).
@@ -68,7 +72,7 @@ class ItemIndexConfig:
     min_items: int = 100_000
     kind: str = "ivf-pq"  # "ivf", "ivf-pq" or "hnsw" (module docstring)
     lists_per_sqrt_item: float = 1.0  # ivf, ivf-pq: k-means lists = this x sqrt(I)
-    list_items: int = 100  # ivf-hnsw: items a list (I / this lists, whatever the size)
+    list_items: int = 1000  # ivf-hnsw: items a list (I / this lists, whatever the size)
     train_items_per_list: int = 64  # ivf: k-means trains on a sample of this many items a list
     nprobe: int = 128  # ivf, ivf-pq: lists scanned per query (every list of a small catalogue)
     refine_factor: int = 30  # ivf-pq: codes' best refine_factor x K rescored exactly
@@ -137,7 +141,7 @@ class ItemIndex:
                 quantizer = faiss.IndexHNSWFlat(dim, config.hnsw_links, ip)
                 quantizer.hnsw.efConstruction = config.ef_construction
                 quantizer.add(centroids)
-                quantizer.hnsw.efSearch = max(config.ef_search, config.nprobe)
+                quantizer.hnsw.efSearch = ADD_EF_SEARCH  # each item's list, as it is added
             else:
                 lists = max(1, min(items, round(config.lists_per_sqrt_item * math.sqrt(items))))
                 quantizer = faiss.IndexFlatIP(dim)
@@ -159,6 +163,8 @@ class ItemIndex:
                 self.index.k_factor = config.refine_factor
         for start in range(0, items, ADD_ROWS):
             self.index.add(x[start : start + ADD_ROWS])
+        if config.kind == "ivf-hnsw":  # a query's nprobe nearest lists
+            quantizer.hnsw.efSearch = max(config.ef_search, config.nprobe)
 
     def search(self, query: Tensor, k: int) -> FoundItems:  # query: [B, D] -> [B, K]
         if self.config.kind == "hnsw":
