@@ -190,7 +190,7 @@ class BeamTree:
         values = self.stored_values.unfold(0, width, 1).index_select(0, first)
         tokens = self.stored_tokens.unfold(0, width, 1).index_select(0, first)
         values, tokens = values.view(*nodes.shape, width), tokens.view(*nodes.shape, width)
-        if bool((count == width).all()):  # a step's nodes were mostly scored in one pass
+        if bool((count == width).all()):  # (the nodes of one pass have runs of one width)
             return values, tokens
         missing = torch.arange(width) >= count[..., None]  # [B, W, C']
         return values.masked_fill(missing, float("-inf")), tokens.masked_fill(missing, 0)
