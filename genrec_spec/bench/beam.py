@@ -10,8 +10,9 @@ Tasks:
           recent titles (``llm.title_recommender``), every method decodes under the catalogue
           of 3,706 titles (``prefix_allowed_tokens_fn`` for transformers, a ``Catalogue`` for
           ours; ``spec`` drafts the titles' forced continuations)
-  code    unconstrained beam search continuing HumanEval prompts (``--max-new-tokens``); ours
-          has no drafter there yet, so only hf, beam and hft-beam run
+  code    unconstrained beam search continuing HumanEval prompts (``--max-new-tokens``);
+          ``spec`` drafts below every beam what followed its last tokens earlier in its text
+          (prompt lookup: ``core.prompt_lookup.PromptLookupDrafter``)
 
 Columns:
   ms/req   wall milliseconds per request (user or prompt): the median over repeats of the
@@ -40,6 +41,7 @@ from genrec_spec.bench.errors import BenchError
 from genrec_spec.bench.llm_runners import cut_at_eos, left_padded
 from genrec_spec.core.beam import BeamConfig, beam_search
 from genrec_spec.core.catalogue_drafter import CatalogueDrafter
+from genrec_spec.core.prompt_lookup import PromptLookupDrafter
 from genrec_spec.core.targets import HFTarget
 from genrec_spec.machine import time_in_turns
 
@@ -66,6 +68,7 @@ class BenchBeamConfig:
     draft_fanout: int = CatalogueDrafter.fanout  # spec: children of nodes with at most this many
     draft_items: int = CatalogueDrafter.items  # spec: ... or at most this many items below
     draft_nodes: int = BeamConfig.draft_nodes  # spec: drafted nodes per pass, all rows
+    lookup_depth: int = PromptLookupDrafter.depth  # spec, code task: tokens drafted a beam
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -172,11 +175,12 @@ def runners(
         early_stopping=config.early_stopping,
         draft_nodes=config.draft_nodes,
     )
-    drafter = None
     if work.catalogue is not None:
         drafter = CatalogueDrafter(
             work.catalogue, config.draft_depth, config.draft_fanout, items=config.draft_items
         )
+    else:  # what followed each beam's last tokens earlier in its text
+        drafter = PromptLookupDrafter(depth=config.lookup_depth)
 
     def ours(model, spec: bool):
         def run(batch):
@@ -214,10 +218,14 @@ def runners(
         rows = [cut_at_eos(r, work.eos) for r in out[:, width:].tolist()]
         return [rows[b * k : (b + 1) * k] for b in range(len(batch))], None
 
-    made = {"hf": hf, "beam": ours(native, False), "hft-beam": ours(HFTarget(hf_model), False)}
-    if drafter is not None:
-        made |= {"spec": ours(native, True), "hft-spec": ours(HFTarget(hf_model), True)}
-    return {m: made[m] for m in methods if m in made}
+    made = {
+        "hf": hf,
+        "beam": ours(native, False),
+        "spec": ours(native, True),
+        "hft-beam": ours(HFTarget(hf_model), False),
+        "hft-spec": ours(HFTarget(hf_model), True),
+    }
+    return {m: made[m] for m in methods}
 
 
 def benchmark(

@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--draft-nodes", type=int, default=c.draft_nodes, help="per pass, over all rows"
     )
+    parser.add_argument(
+        "--lookup-depth", type=int, default=c.lookup_depth, help="code task: drafted a beam"
+    )
     parser.add_argument("--seed", type=int, default=c.seed)
 
 

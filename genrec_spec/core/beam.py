@@ -19,9 +19,11 @@ num_return_sequences=K, length_penalty=..., early_stopping=...)`` (with
 passes; it rides along until every row is done.
 
 Speculative beam search: a ``drafter`` adds nodes below the beams to every pass (the
-catalogue's forced continuations: ``core.catalogue_drafter.CatalogueDrafter``); a step whose
-beams all reach scored nodes needs no pass. Selection reads the same log-probabilities, so the
-output is plain beam search's, up to the float rounding of a node scored in another pass.
+catalogue's forced continuations: ``core.catalogue_drafter.CatalogueDrafter``; what followed
+each beam's last tokens earlier in its text: ``core.prompt_lookup.PromptLookupDrafter``); a
+step whose beams all reach scored nodes needs no pass. Selection reads the same
+log-probabilities, so the output is plain beam search's, up to the float rounding of a node
+scored in another pass.
 
 Plain or speculative, a catalogue's forced token costs exactly 0 where log-probs are renormalised
 over the allowed tokens (``BeamConfig.renormalize``, or a target whose outputs are:
@@ -83,6 +85,12 @@ class BeamOutput(Generation):
 
 
 class BeamDrafter(Protocol):
+    def begin(self, tokens: Tensor, lengths: Tensor, constraint: Constraint | None) -> None:
+        """A search starts: its prompts (tokens [B, T], right-padded, lengths [B]) and the
+        constraint it runs under (a drafted node's ``tree.add`` state is its parent's, advanced
+        by it)."""
+        ...
+
     def draft(self, tree: BeamTree, rows: Tensor, nodes: Tensor, budget: int, cache) -> None:
         """Plan at most ``budget`` nodes per row with ``tree.add`` below the frontier: rows,
         nodes [F] the live beams' nodes, once each, rows grouped ascending and each row's best
@@ -139,6 +147,8 @@ def beam_search(
         search = _Search(
             target, cache, tokens, lengths, config, constraint, drafter, width, max_new_tokens
         )
+        if drafter is not None:
+            drafter.begin(tokens, lengths, constraint)
         beams = _start(tokens, lengths, config.num_beams, max_new_tokens)
         eos_t = torch.tensor(eos, dtype=torch.long)
         for step in range(max_new_tokens):

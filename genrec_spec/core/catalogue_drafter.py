@@ -27,6 +27,9 @@ class CatalogueDrafter:
     fanout: int = 1
     items: int = 1
 
+    def begin(self, tokens: Tensor, lengths: Tensor, constraint) -> None:
+        """``BeamDrafter.begin``: nothing to keep (the tree holds each node's catalogue state)."""
+
     def draft(self, tree: BeamTree, rows: Tensor, nodes: Tensor, budget: int, cache) -> None:
         """``BeamDrafter.draft``: a level at a time below the frontier (rows, nodes [F]); the
         catalogue alone decides, so the target's cache is not read."""

@@ -155,12 +155,15 @@ class RecommenderDrafter:
     draft_codes: Tensor | None = None  # [B, R, L] codes of items whose prefixes are drafted
     after_history_made: bool = False
 
+    def begin(self, tokens: Tensor, lengths: Tensor, constraint) -> None:
+        """``BeamDrafter.begin``: a decode starts, its after-history draft not made yet."""
+        self.after_history_made = False
+
     def draft(self, tree: BeamTree, rows: Tensor, nodes: Tensor, budget: int, cache) -> None:
         """``BeamDrafter.draft``: before the history pass (the target's state is not made yet)
         the drafts it can score; at the next pass the drafts that read the history's state, and
         the lookahead at every pass after it."""
         if cache.state is None:
-            self.after_history_made = False
             if self.kind == "frontier" or self.draft_codes is not None:
                 member = draft_member(self.trie, TrieIndex.of(self.trie), tree.batch, self.kind,
                                       self.draft_codes)  # fmt: skip

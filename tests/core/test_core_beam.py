@@ -10,6 +10,7 @@ from genrec_spec.core.beam import BeamConfig, _distinct, beam_search
 from genrec_spec.core.beam_tree import BeamTree
 from genrec_spec.core.catalogue_drafter import CatalogueDrafter
 from genrec_spec.core.constraints import AllowedTokens, Catalogue
+from genrec_spec.core.prompt_lookup import PromptLookupDrafter, continuation_starts
 from genrec_spec.core.types import DecodeInputError
 from genrec_spec.models.llm.llama import Llama
 
@@ -229,6 +230,76 @@ def test_speculative_beam_on_the_native_llama(native_model):
     assert spec.tolist() == plain.tolist()
     assert torch.allclose(spec.scores, plain.scores, atol=1e-5)
     assert spec.stats.target_forwards < plain.stats.target_forwards
+
+
+class CopyingLM:
+    """A causal toy LM that continues what followed the latest earlier occurrence of its last
+    token (a strong induction head, margin 20 nats over a seeded random bigram table), and
+    follows the bigram table where the token is new: the text prompt lookup predicts."""
+
+    def __init__(self, vocab: int, seed: int) -> None:
+        self.table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(seed))
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T, V]
+        positions = torch.arange(ids.shape[1])
+        same = (ids[:, :, None] == ids[:, None, :]) & (positions[None, :] < positions[:, None])
+        latest = torch.where(same, positions, -1).max(-1).values  # [B, T] -1: a new token
+        following = ids.gather(1, (latest + 1).clamp(max=ids.shape[1] - 1))
+        copy = (
+            torch.nn.functional.one_hot(following, self.table.shape[1]) * (latest >= 0)[..., None]
+        )
+        return self.table[ids] + 20.0 * copy
+
+
+def test_prompt_lookup_drafts_leave_beam_search_unchanged_in_fewer_passes(tiny):
+    """Unconstrained beam search: drafting what followed each beam's last tokens gives plain
+    beam search's output, in fewer passes where every beam's next token is drafted (a model
+    that copies its text, narrow beams: a pass is saved only when all beams hit); under a
+    catalogue the drafted nodes carry the catalogue's states, so the output is the same there
+    too."""
+    prompts = [[5, 9, 2, 33, 7, 1, 5, 9, 2, 33], [4, 7, 11, 4, 7], [12, 30, 6, 12, 30]]
+    copying = CallableTarget(CopyingLM(VOCAB, 3), VOCAB)
+    markov = CallableTarget(tiny.HashLM(VOCAB, seed=3, scale=3.0, order=2), VOCAB)
+    narrow = BeamConfig(num_beams=1)  # one beam: it copies, so its drafts hit
+    for target in (copying, markov):
+        for config in (*SETTINGS, narrow):
+            kwargs = dict(config=config, max_new_tokens=12, eos_token_id=EOS)
+            plain = beam_search(target, prompts, **kwargs)
+            spec = beam_search(target, prompts, drafter=PromptLookupDrafter(depth=4), **kwargs)
+            assert spec.tolist() == plain.tolist() and torch.equal(spec.scores, plain.scores)
+            assert spec.stats.draft_hits <= spec.stats.needed_nodes
+            if target is copying:
+                assert spec.stats.draft_hits > 0
+            if target is copying and config is narrow:
+                assert spec.stats.target_forwards < plain.stats.target_forwards
+    catalogue = Catalogue.of(random_catalogue(80, seed=6), VOCAB, eos_token_id=EOS)
+    kwargs = dict(config=SETTINGS[0], max_new_tokens=6, eos_token_id=EOS, constraint=catalogue)
+    plain = beam_search(copying, prompts, **kwargs)
+    spec = beam_search(copying, prompts, drafter=PromptLookupDrafter(depth=3), **kwargs)
+    assert spec.tolist() == plain.tolist() and torch.equal(spec.scores, plain.scores)
+
+
+def test_prompt_lookup_beam_drafts_on_the_native_llama(native_model):
+    """The drafted chains go through the native Llama's tree passes and K/V: same beams."""
+    kwargs = dict(config=BeamConfig(num_beams=4, num_return_sequences=3), max_new_tokens=8)
+    prompts = [[5, 9, 2, 5, 9, 2, 5], [4, 7, 4, 7], [12, 30, 3, 20, 22]]
+    plain = beam_search(native_model, prompts, eos_token_id=EOS, **kwargs)
+    spec = beam_search(
+        native_model, prompts, eos_token_id=EOS, drafter=PromptLookupDrafter(), **kwargs
+    )
+    assert spec.tolist() == plain.tolist()
+    assert torch.allclose(spec.scores, plain.scores, atol=1e-5)
+    assert spec.stats.draft_nodes > 0
+
+
+def test_continuation_starts_after_the_latest_longest_match():
+    tokens = torch.tensor([[1, 2, 3, 9, 1, 2, 4, 1, 2], [5, 6, 7, 8, 0, 0, 0, 0, 0]])
+    # row 0 ends "1 2": last seen earlier at 4-5, followed by 4 (position 6); row 1 never repeats
+    assert continuation_starts(tokens, torch.tensor([9, 4]), 3, 1).tolist() == [6, -1]
+    # "2 3" occurs earlier only with n <= 2 here
+    assert continuation_starts(
+        torch.tensor([[2, 3, 7, 2, 3]]), torch.tensor([5]), 3, 1
+    ).tolist() == [2]
 
 
 @pytest.mark.parametrize(

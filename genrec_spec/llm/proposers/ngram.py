@@ -15,6 +15,7 @@ import heapq
 
 import torch
 
+from genrec_spec.core.prompt_lookup import continuation_starts
 from genrec_spec.core.tree import chain, from_lists
 from genrec_spec.core.types import Acceptance, DecodeInputError, DecodeState, DraftTree
 
@@ -40,20 +41,7 @@ class PromptLookup:
     def propose(self, state: DecodeState, budget: int) -> DraftTree:
         tokens, lengths = state.tokens, state.lengths  # [B, T], [B]
         width = tokens.shape[1]
-        follow = torch.full_like(lengths, -1)  # [B] where the proposed continuation starts
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if n >= width:
-                continue
-            suffix_start = lengths - n  # [B]
-            suffix = tokens.gather(
-                1, (suffix_start[:, None] + torch.arange(n, device=tokens.device)).clamp_min(0)
-            )  # [B, n]
-            match = (tokens.unfold(1, n, 1) == suffix[:, None, :]).all(-1)  # [B, T - n + 1]
-            starts = torch.arange(match.shape[1], device=tokens.device)
-            # An earlier occurrence: it starts before the suffix, so a token follows it.
-            match &= (starts < suffix_start[:, None]) & (suffix_start[:, None] >= 0)
-            latest = torch.where(match, starts, -1).max(-1).values
-            follow = torch.where((follow < 0) & (latest >= 0), latest + n, follow)
+        follow = continuation_starts(tokens, lengths, self.max_ngram, self.min_ngram)  # [B]
         positions = follow[:, None] + torch.arange(budget, device=tokens.device)  # [B, K]
         valid = (follow[:, None] >= 0) & (positions < lengths[:, None])
         # Trim to the longest match (one host read): unmatched positions would cost target

@@ -1,0 +1,110 @@
+"""Prompt lookup: where a text's last n tokens occurred before, what followed them is a likely
+continuation (prompt lookup decoding). Model-free, so its drafts cost no forward pass.
+
+    follow = continuation_starts(tokens, lengths, max_ngram=3, min_ngram=1)  # [R] -1: none
+
+``generate`` drafts the continuation as a chain (``llm.proposers.ngram.PromptLookup``); beam
+search drafts one below every beam (``PromptLookupDrafter``), each beam's text being its row's
+prompt and its own path, so an unconstrained beam search is speculative too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from genrec_spec.core.beam_tree import BeamTree, rank_within_rows
+from genrec_spec.core.constraints import Constraint
+from genrec_spec.core.types import DecodeInputError
+
+
+def continuation_starts(
+    tokens: Tensor,  # [R, T] texts, right-padded
+    lengths: Tensor,  # [R] their lengths
+    max_ngram: int,
+    min_ngram: int,
+) -> Tensor:  # [R] where each text's continuation starts in it; -1 where no n-gram recurs
+    """For each text, the position after the most recent earlier occurrence of its last n
+    tokens, the longest n in max_ngram..min_ngram that occurs earlier."""
+    width = tokens.shape[1]
+    follow = torch.full_like(lengths, -1)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if n >= width:
+            continue
+        suffix_start = lengths - n  # [R]
+        suffix = tokens.gather(
+            1, (suffix_start[:, None] + torch.arange(n, device=tokens.device)).clamp_min(0)
+        )  # [R, n]
+        match = (tokens.unfold(1, n, 1) == suffix[:, None, :]).all(-1)  # [R, T - n + 1]
+        starts = torch.arange(match.shape[1], device=tokens.device)
+        # An earlier occurrence: it starts before the suffix, so a token follows it.
+        match &= (starts < suffix_start[:, None]) & (suffix_start[:, None] >= 0)
+        latest = torch.where(match, starts, -1).max(-1).values
+        follow = torch.where((follow < 0) & (latest >= 0), latest + n, follow)
+    return follow
+
+
+@dataclass
+class PromptLookupDrafter:
+    """A ``BeamDrafter``: below every live beam, the chain of up to ``depth`` tokens that
+    followed the last occurrence of the beam's last n tokens in its text (its row's prompt and
+    its path). Drafts only add nodes a pass scores, so the search's output is unchanged."""
+
+    depth: int = 4
+    max_ngram: int = 3
+    min_ngram: int = 1
+    prompts: list[list[int]] = field(default_factory=list, init=False)
+    constraint: Constraint | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram or self.depth < 1:
+            raise DecodeInputError(
+                f"depth={self.depth}, min_ngram={self.min_ngram}, max_ngram={self.max_ngram}",
+                "use depth >= 1 and 1 <= min_ngram <= max_ngram",
+            )
+
+    def begin(self, tokens: Tensor, lengths: Tensor, constraint) -> None:
+        """``BeamDrafter.begin``: keep the prompts (the texts the beams continue) and the
+        search's constraint (a drafted node's state is its parent's, advanced)."""
+        self.prompts = [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist(), strict=True)]
+        self.constraint = constraint
+
+    def draft(self, tree: BeamTree, rows: Tensor, nodes: Tensor, budget: int, cache) -> None:
+        """``BeamDrafter.draft``: each beam's continuation, a level at a time (so a small
+        budget goes to the nearest nodes of every beam first); the target's cache is not read."""
+        where = rows.tolist()
+        paths = tree.paths(where, nodes.tolist())
+        texts = [self.prompts[r] + path for r, path in zip(where, paths, strict=True)]
+        lengths = torch.tensor([len(t) for t in texts])  # [F]
+        padded = torch.tensor([t + [0] * (int(lengths.max()) - len(t)) for t in texts])  # [F, T]
+        at = continuation_starts(padded, lengths, self.max_ngram, self.min_ngram)  # [F]
+        left = torch.full((tree.batch,), budget)
+        for _ in range(self.depth):
+            kept = (at >= 0) & (at < lengths)  # a token follows
+            rows, nodes, at, padded, lengths = (
+                rows[kept],
+                nodes[kept],
+                at[kept],
+                padded[kept],
+                lengths[kept],
+            )
+            if not len(rows):
+                return
+            tokens = padded.gather(1, at[:, None])[:, 0]  # [F'] each beam's next drafted token
+            child = tree.child(rows, nodes, tokens)  # -1: not planned yet
+            new = (child < 0).nonzero()[:, 0]
+            take = new[rank_within_rows(rows[new], tree.batch) < left[rows[new]]]
+            rows_t, nodes_t, tokens_t = rows[take], nodes[take], tokens[take]
+            states = self._states(tree, rows_t, nodes_t, tokens_t)
+            child[take] = tree.add(rows_t, nodes_t, tokens_t, states)
+            left -= torch.bincount(rows[take], minlength=tree.batch)
+            nodes, at = child, at + 1  # over budget (-1): nothing below it either
+            at = torch.where(nodes >= 0, at, -1)
+
+    def _states(self, tree: BeamTree, rows: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:
+        """The constraint's state after each (parent node, token) (zeros without one)."""
+        if self.constraint is None:
+            return torch.zeros_like(rows)
+        return self.constraint.advance(tree.states[rows, parents], tokens)
