@@ -29,6 +29,7 @@ _EXPORTS = {
     "beam_search": "genrec_spec.core.beam",
     "TokenTrie": "genrec_spec.core.catalogue",
     "CatalogueDrafter": "genrec_spec.core.catalogue_drafter",
+    "PromptLookupDrafter": "genrec_spec.core.prompt_lookup",
     "AllowedTokens": "genrec_spec.core.constraints",
     "Catalogue": "genrec_spec.core.constraints",
     "Constraint": "genrec_spec.core.constraints",
