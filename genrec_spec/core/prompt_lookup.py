@@ -50,7 +50,8 @@ def continuation_starts(
 class PromptLookupDrafter:
     """A ``BeamDrafter``: below every live beam, the chain of up to ``depth`` tokens that
     followed the last occurrence of the beam's last n tokens in its text (its row's prompt and
-    its path). Drafts only add nodes a pass scores, so the search's output is unchanged."""
+    its path), in the rows where every live beam has one. Drafts only add nodes a pass scores,
+    so the search's output is unchanged."""
 
     depth: int = 4
     max_ngram: int = 3
@@ -80,6 +81,10 @@ class PromptLookupDrafter:
         lengths = torch.tensor([len(t) for t in texts])  # [F]
         padded = torch.tensor([t + [0] * (int(lengths.max()) - len(t)) for t in texts])  # [F, T]
         at = continuation_starts(padded, lengths, self.max_ngram, self.min_ngram)  # [F]
+        # A pass is saved only when every live beam of every row reaches a scored node, so a
+        # row with a beam that has no continuation drafts nothing: its drafts would only cost.
+        unmatched = torch.zeros(tree.batch).index_add_(0, rows, (at < 0).float())  # [B]
+        at = torch.where(unmatched[rows] > 0, -1, at)
         left = torch.full((tree.batch,), budget)
         for _ in range(self.depth):
             kept = (at >= 0) & (at < lengths)  # a token follows
