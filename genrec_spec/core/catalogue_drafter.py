@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from genrec_spec.core.beam_tree import BeamTree, rank_within_rows
-from genrec_spec.core.constraints import Catalogue
+from genrec_spec.core.constraints import Catalogue, Constraint
 
 
 @dataclass
@@ -27,7 +27,7 @@ class CatalogueDrafter:
     fanout: int = 1
     items: int = 1
 
-    def begin(self, tokens: Tensor, lengths: Tensor, constraint) -> None:
+    def begin(self, tokens: Tensor, lengths: Tensor, constraint: Constraint | None) -> None:
         """``BeamDrafter.begin``: nothing to keep (the tree holds each node's catalogue state)."""
 
     def draft(self, tree: BeamTree, rows: Tensor, nodes: Tensor, budget: int, cache) -> None:

@@ -66,7 +66,7 @@ class PromptLookupDrafter:
                 "use depth >= 1 and 1 <= min_ngram <= max_ngram",
             )
 
-    def begin(self, tokens: Tensor, lengths: Tensor, constraint) -> None:
+    def begin(self, tokens: Tensor, lengths: Tensor, constraint: Constraint | None) -> None:
         """``BeamDrafter.begin``: keep the prompts (the texts the beams continue) and the
         search's constraint (a drafted node's state is its parent's, advanced)."""
         self.prompts = [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist(), strict=True)]
