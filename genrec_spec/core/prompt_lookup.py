@@ -51,7 +51,8 @@ class PromptLookupDrafter:
     """A ``BeamDrafter``: below every live beam, the chain of up to ``depth`` tokens that
     followed the last occurrence of the beam's last n tokens in its text (its row's prompt and
     its path), in the rows where every live beam has one. Drafts only add nodes a pass scores,
-    so the search's output is unchanged."""
+    so the search's output is unchanged. It keeps the prompts of the search it serves (``begin``):
+    one search at a time."""
 
     depth: int = 4
     max_ngram: int = 3
