@@ -70,15 +70,15 @@ class ItemIndexConfig:
 
     # "auto" searches the index from this many items on, the exact [B, I] product below
     min_items: int = 100_000
-    kind: str = "ivf-pq"  # "ivf", "ivf-pq" or "hnsw" (module docstring)
+    kind: str = "ivf-pq"  # one of KINDS (module docstring)
     lists_per_sqrt_item: float = 1.0  # ivf, ivf-pq: k-means lists = this x sqrt(I)
     list_items: int = 1000  # ivf-hnsw: items a list (I / this lists, whatever the size)
-    train_items_per_list: int = 64  # ivf: k-means trains on a sample of this many items a list
-    nprobe: int = 128  # ivf, ivf-pq: lists scanned per query (every list of a small catalogue)
-    refine_factor: int = 30  # ivf-pq: codes' best refine_factor x K rescored exactly
-    hnsw_links: int = 32  # hnsw: graph links per item (faiss's M)
-    ef_construction: int = 64  # hnsw: candidates kept while building
-    ef_search: int = 128  # hnsw: candidates kept per query (raised to K when K is larger)
+    train_items_per_list: int = 64  # ivf kinds: k-means trains on this many items a list
+    nprobe: int = 128  # ivf kinds: lists scanned per query (every list of a small catalogue)
+    refine_factor: int = 30  # ivf-pq, ivf-hnsw: codes' best refine_factor x K rescored exactly
+    hnsw_links: int = 32  # hnsw, ivf-hnsw: graph links per item or list (faiss's M)
+    ef_construction: int = 64  # hnsw, ivf-hnsw: candidates kept while building the graph
+    ef_search: int = 128  # hnsw, ivf-hnsw: candidates a query keeps (at least K, nprobe)
     seed: int = 0  # ivf: the k-means seed
 
     def __post_init__(self) -> None:
@@ -181,7 +181,9 @@ def _two_level_centroids(x: np.ndarray, lists: int, config: ItemIndexConfig) -> 
     levels (as faiss's `contrib.clustering.two_level_clustering`): sqrt(lists) coarse clusters,
     each then split into lists in proportion to its items. A flat k-means costs samples x lists
     a step, hours on one core for 10^5 lists of 10^7 items; the two levels about sqrt(lists)
-    times less. Both train on a seeded sample of `train_items_per_list` items a list."""
+    times less. Both train on a seeded sample of `train_items_per_list` items a list. Not the
+    contrib function itself: its split can give a small cluster no list, or more lists than
+    rows, and faiss's k-means refuses both (k = 0, or fewer points than centroids)."""
     import faiss
 
     rng = np.random.default_rng(config.seed)
