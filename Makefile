@@ -36,13 +36,14 @@ demo: $(STAMP)
 # On a CUDA machine, with the python whose torch is a CUDA build: the package without its CPU
 # set, the GPU set (GPU_SET: pip arguments, e.g. local wheels where nothing can be downloaded),
 # then every GPU check into runs/gpu-check (GPU_CKPT: a recommender checkpoint for bench recsys,
-# GPU_DATA: its prepared data where it is not where it was trained).
+# GPU_DATA: its prepared data where it is not where it was trained; GPU_ARGS: other gpu-check
+# options, e.g. --catalogues DIR --tune-grid pipeline).
 GPU_SET ?= -r requirements/gpu.txt
 gpu-check:
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	$(PY) -m pip install -q $(GPU_SET)
 	$(PY) -m genrec_spec.cli gpu-check --out runs/gpu-check \
-		$(if $(GPU_CKPT),--ckpt $(GPU_CKPT)) $(if $(GPU_DATA),--data $(GPU_DATA))
+		$(if $(GPU_CKPT),--ckpt $(GPU_CKPT)) $(if $(GPU_DATA),--data $(GPU_DATA)) $(GPU_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

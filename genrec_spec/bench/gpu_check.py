@@ -5,17 +5,20 @@ with a time limit, most important first, and each writes its output as it goes (
 its limit keeps what it printed):
 
 1. ``tests``: the GPU-marked tests (every test file that has one), the Triton kernel compiled;
-2. ``tune``: ``bench kernel --tune --grid narrow``, the kernel's launch parameters around the
-   default swept on the GPU, timed by CUDA-graph replay against SDPA with a dense mask (the
-   full grid, ``--grid full``, takes longer than a short window allows);
+2. ``tune``: ``bench kernel --tune --grid narrow`` (``--tune-grid``), the kernel's launch
+   parameters around the default swept on the GPU, timed by CUDA-graph replay against SDPA with
+   a dense mask (the full grid, ``--grid full``, takes longer than a short window allows);
 3. ``recsys-wN``: ``bench recsys --device cuda --beam-width N`` for each beam width, on a trained
    checkpoint (``--ckpt``): beam, spec_beam and every other decoder on the same users;
-4. ``kernel``: ``bench kernel --device cuda`` on a few shapes, timed by the host clock with each
+4. ``scale``: ``bench scale --device cuda`` on small synthetic catalogues (prepared on the
+   machine's CPU under ``--catalogues``, reused by a later run), every decoder at W 20, 200
+   and 512, batch 1 and 64, its report in DIR/scale;
+5. ``kernel``: ``bench kernel --device cuda`` on a few shapes, timed by the host clock with each
    call's launch overhead (FlexAttention compiled there too).
 
 DIR gets one ``<check>.txt`` per check and ``summary.md``: each check's exit status, seconds and
-command, then the kernel's best launch per shape and the recommender tables. Files are written
-under a temporary name and renamed when their check ends.
+command, then the kernel's best launch per shape, the recommender tables and the scale table.
+Files are written under a temporary name and renamed when their check ends.
 """
 
 from __future__ import annotations
@@ -38,11 +41,15 @@ class GpuCheckConfig:
     recsys_users: int = 60  # batch-1 users of each bench recsys
     recsys_batch_sizes: str = "64,256"
     kernel_shapes: tuple[str, ...] = ("32x2048x64", "1x2048x64")  # the host-clock check
-    # Seconds each check may take: under 8 minutes in all, inside a 12-minute window with the
+    tune_grid: str = "narrow"  # bench kernel --grid
+    # Small enough to prepare on the machine inside the check (about a minute each)
+    scale_sizes: str = "10000,100000"
+    # Seconds each check may take: 9 minutes in all, inside a 12-minute window with the
     # install and the machine's start.
-    tests_s: int = 120
-    tune_s: int = 120
-    recsys_s: int = 75  # each beam width
+    tests_s: int = 110
+    tune_s: int = 90
+    recsys_s: int = 70  # each beam width
+    scale_s: int = 150
     kernel_s: int = 40
 
 
@@ -69,13 +76,21 @@ def gpu_test_files(tests: Path) -> list[Path]:
     )
 
 
-def plan(tests: Path, ckpt: Path | None, data: Path | None, config: GpuCheckConfig) -> list[Check]:
+def plan(
+    tests: Path,
+    ckpt: Path | None,
+    data: Path | None,
+    out_dir: Path,
+    catalogues: Path,
+    config: GpuCheckConfig,
+) -> list[Check]:
     """The checks in the order they run (module docstring)."""
     cli = [sys.executable, "-m", "genrec_spec.cli"]
     files = [str(p) for p in gpu_test_files(tests)]
+    tune = [*cli, "bench", "kernel", "--tune", "--grid", config.tune_grid]
     checks = [
         Check("tests", [sys.executable, "-m", "pytest", "-m", "gpu", "-q", *files], config.tests_s),
-        Check("tune", [*cli, "bench", "kernel", "--tune", "--grid", "narrow"], config.tune_s),
+        Check("tune", tune, config.tune_s),
     ]
     if ckpt is not None:
         source = [*cli, "bench", "recsys", "--ckpt", str(ckpt), "--device", "cuda"]
@@ -85,6 +100,10 @@ def plan(tests: Path, ckpt: Path | None, data: Path | None, config: GpuCheckConf
         for width in config.beam_widths:
             argv = [*source, "--beam-width", str(width)]
             checks.append(Check(f"recsys-w{width}", argv, config.recsys_s))
+    scale = [*cli, "bench", "scale", "--device", "cuda", "--sizes", config.scale_sizes]
+    scale += ["--data-root", str(catalogues), "--out", str(out_dir / "scale"), "--repeats", "3"]
+    scale += ["--prepare-options", "--long-id-digits 0"]  # no decoder timed reads long IDs
+    checks.append(Check("scale", scale, config.scale_s))
     kernel = [*cli, "bench", "kernel", "--device", "cuda", "--trees", "medusa", "--shapes"]
     checks.append(Check("kernel", [*kernel, *config.kernel_shapes], config.kernel_s))
     return checks
@@ -126,6 +145,8 @@ def summary(outcomes: list[Outcome], machine: str) -> str:
             picked = [line for line in text if line.startswith("best ")]
         elif o.check.name.startswith("recsys"):
             picked = [line for line in text if not line.startswith(("batch ", "$ "))]
+        elif o.check.name == "scale":  # its report: the log lines before it are indented
+            picked = [line for line in text if line and not line.startswith((" ", "$ "))]
         else:
             continue
         lines += ["", f"## {o.check.name}", "", "```", *picked, "```"]
@@ -137,10 +158,12 @@ def gpu_check(
     ckpt: Path | None,
     data: Path | None,
     tests: Path,
+    catalogues: Path | None = None,
     config: GpuCheckConfig = GpuCheckConfig(),
     log=print,
 ) -> list[Outcome]:
-    """Run every check of `plan` into `out_dir` and write its summary.md."""
+    """Run every check of `plan` into `out_dir` and write its summary.md; the scale check's
+    catalogues go to `catalogues` (default: out_dir/catalogues)."""
     import torch
 
     from genrec_spec.machine import describe_device
@@ -155,7 +178,8 @@ def gpu_check(
     out_dir.mkdir(parents=True, exist_ok=True)
     machine = describe_device("cuda")
     outcomes = []
-    for check in plan(tests, ckpt, data, config):
+    catalogues = catalogues or out_dir / "catalogues"
+    for check in plan(tests, ckpt, data, out_dir, catalogues, config):
         log(f"{check.name}: up to {check.limit_s} s")
         outcomes.append(run_check(check, out_dir))
         log(f"{check.name}: {outcomes[-1].status} in {outcomes[-1].seconds:.0f} s")

@@ -48,7 +48,15 @@ class TuneGrid:
 
 # The launches worth a second look after a full sweep: 64-128 rows, 64-key steps, 4 warps.
 NARROW = TuneGrid(block_rows=(64, 128), block_root=(64,), warps_stages=((4, 2), (4, 3)))
-GRIDS = {"full": TuneGrid(), "narrow": NARROW}
+# Deeper pipelines than the full grid's: 3 or 4 stages of 64- or 128-key steps, 4 or 8 warps
+# (the narrow sweep's best launches all took the most stages swept)
+PIPELINE = TuneGrid(
+    block_rows=(64, 128),
+    block_root=(64, 128),
+    warps_stages=((4, 3), (4, 4), (8, 3), (8, 4)),
+    root_splits=(None,),
+)
+GRIDS = {"full": TuneGrid(), "narrow": NARROW, "pipeline": PIPELINE}
 
 
 def configs(grid: TuneGrid):

@@ -76,6 +76,9 @@ class BenchScaleConfig:
     max_call_s: float = 30.0  # a cell whose first two calls take longer is not repeated
     threads: int = 1  # torch and faiss CPU threads
     seed: int = 0
+    # Where the model, trie and histories live ("cuda" for a GPU); the item index stays in
+    # faiss on the CPU (a query crosses to it and back)
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.decoders) - set(DECODERS))
@@ -224,9 +227,7 @@ def time_cells(model, histories, trie, settings: BenchScaleConfig, log) -> list[
                     continue
                 part = histories.select(torch.arange(batch))
                 for _ in range(2):  # a second try: the first builds what a decoder caches
-                    start = time.perf_counter()
-                    calls[name](model, part.values, part.offsets, settings.k, trie, width)
-                    took = time.perf_counter() - start
+                    took = _timed(calls[name], model, part, settings.k, trie, width)
                     if took <= settings.max_call_s:
                         break
                 else:
@@ -239,9 +240,7 @@ def time_cells(model, histories, trie, settings: BenchScaleConfig, log) -> list[
                 for name in names[turn:] + names[:turn]:
                     if notes[name]:
                         continue
-                    start = time.perf_counter()
-                    calls[name](model, part.values, part.offsets, settings.k, trie, width)
-                    seconds[name].append(time.perf_counter() - start)
+                    seconds[name].append(_timed(calls[name], model, part, settings.k, trie, width))
             for name in names:
                 latency = statistics.median(seconds[name]) if seconds[name] else None
                 cells.append(
@@ -259,6 +258,16 @@ def time_cells(model, histories, trie, settings: BenchScaleConfig, log) -> list[
     return cells
 
 
+def _timed(call, model, users, k: int, trie, width: int) -> float:
+    """Wall seconds of one call, the device's queued work included (a GPU call returns before
+    its kernels end)."""
+    start = time.perf_counter()
+    call(model, users.values, users.offsets, k, trie, width)
+    if users.values.device.type == "cuda":
+        torch.cuda.synchronize(users.values.device)
+    return time.perf_counter() - start
+
+
 def bench_size(items: int, root: Path, settings: BenchScaleConfig, log) -> SizeReport:
     """Prepare (or reuse) one catalogue and measure it (module docstring)."""
     from genrec_spec.data_pipelines.trie import PrefixTrie
@@ -269,14 +278,17 @@ def bench_size(items: int, root: Path, settings: BenchScaleConfig, log) -> SizeR
     cost = prepared_catalogue(items, root, settings.levels, log, settings.prepare_options)
     data = load_prepared(cost.folder)
     builds = []
-    for _ in range(3):
+    for _ in range(3):  # built on the CPU, as prepare does
         start = time.perf_counter()
         trie = PrefixTrie.from_codes(data.item_codes, tuple(data.codebook_sizes))
         builds.append(time.perf_counter() - start)
+    bytes_per_item = trie_bytes(trie) / items
+    trie = trie.to(settings.device)
     model = random_model(data, settings.item_table, settings.seed, settings.model)
+    model = model.to(settings.device)
     needed = max(settings.recall_users, (settings.repeats + 1) * max(settings.batch_sizes))
     users = sample_users(len(data.test), min(needed, len(data.test)), settings.seed)
-    histories = data.test.select(users)
+    histories = data.test.select(users).to(settings.device)
     index_s = recall = None
     if "dense-index" in settings.decoders:
         start = time.perf_counter()
@@ -298,7 +310,7 @@ def bench_size(items: int, root: Path, settings: BenchScaleConfig, log) -> SizeR
         levels=len(data.codebook_sizes),
         prepare=cost,
         trie_build_s=statistics.median(builds),
-        trie_bytes_per_item=trie_bytes(trie) / items,
+        trie_bytes_per_item=bytes_per_item,
         model_bytes=model_bytes(model),
         index_build_s=index_s,
         recall_at_k=recall,
@@ -322,7 +334,8 @@ def bench_scale(
             log(f"synthetic:{items}")
             reports.append(bench_size(items, root, settings, log))
     header = (
-        f"bench scale: {describe_device('cpu')}, {settings.threads} thread(s), K={settings.k}, "
+        f"bench scale: {describe_device(settings.device)}, {settings.threads} thread(s), "
+        f"K={settings.k}, "
         f"median of {settings.repeats} calls per cell; a random-weight model of the default "
         f"config (code levels: {settings.model}; item table: {settings.item_table}; "
         f"dense-index: {settings.index_kind}), speed only; "

@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=c.threads, help="torch and faiss threads")
     parser.add_argument("--seed", type=int, default=c.seed)
     parser.add_argument(
+        "--device", default=c.device, help='where the model, trie and histories live ("cuda")'
+    )
+    parser.add_argument(
         "--out", type=Path, help="write scale.json, scale.md and scale.png to this folder"
     )
 

@@ -4,6 +4,7 @@ import argparse
 from pathlib import Path
 
 from genrec_spec.bench import gpu_check
+from genrec_spec.bench.kernel_tune import GRIDS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,8 +17,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tests", type=Path, default=Path("tests"), help="the test folder (run from the repo)"
     )
+    parser.add_argument(
+        "--catalogues",
+        type=Path,
+        help="where bench scale prepares its synthetic catalogues and reuses them (default: "
+        "OUT/catalogues)",
+    )
+    parser.add_argument(
+        "--tune-grid",
+        choices=sorted(GRIDS),
+        default=gpu_check.GpuCheckConfig.tune_grid,
+        help="the launch grid the tune check sweeps",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    outcomes = gpu_check.gpu_check(args.out, args.ckpt, args.data, args.tests)
+    config = gpu_check.GpuCheckConfig(tune_grid=args.tune_grid)
+    outcomes = gpu_check.gpu_check(
+        args.out, args.ckpt, args.data, args.tests, args.catalogues, config
+    )
     return 0 if all(o.status == "ok" for o in outcomes) else 1

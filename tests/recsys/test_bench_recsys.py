@@ -48,7 +48,7 @@ def test_bench_recsys_quick(tiny_model, tmp_path, capsys, device):
     assert settings["users"] == 4 and settings["batch_sizes"] == [3]
     assert rows["beam"]["speedup"] == 1.0 and rows["beam"]["same_as_beam"] == 1.0
     assert rows["beam"]["passes"] == model.num_levels
-    for name in ("spec_beam", "spec-frontier", "spec-nezha"):
+    for name in ("spec_beam", "spec-frontier", "spec-nezha", "beam-core", "spec-core"):
         assert rows[name]["same_as_beam"] == 1.0  # lossless: beam's exact top-K
     for name in ("heads", "rpg", "rpg-exact", "nezha", "dense"):
         assert rows[name]["passes"] == 1

@@ -7,13 +7,17 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 
 from genrec_spec.bench.errors import BenchError
 from genrec_spec.bench.scale import BenchScaleConfig, bench_scale
 from genrec_spec.bench.scale_report import format_text, write
 
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")]
 
-def test_bench_scale_on_a_tiny_catalogue(tmp_path):
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_GPU)])
+def test_bench_scale_on_a_tiny_catalogue(tmp_path, device):
     settings = BenchScaleConfig(
         sizes=(600,),
         data_root=str(tmp_path / "data"),
@@ -22,8 +26,11 @@ def test_bench_scale_on_a_tiny_catalogue(tmp_path):
         batch_sizes=(1, 2),
         repeats=1,
         recall_users=4,
+        device=device,
     )
     header, (report,) = bench_scale(settings)
+    if device == "cuda":
+        assert torch.cuda.get_device_name() in header
     assert report.items == 600 and report.levels == 4  # 3 levels + the collision code
     assert report.prepare.measured and report.prepare.peak_rss_bytes > 0
     assert report.trie_bytes_per_item > 0 and report.model_bytes > 0
