@@ -57,6 +57,8 @@ def test_a_check_keeps_its_output_and_a_cut_check_says_so(tmp_path):
 def test_without_a_gpu_it_refuses_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="no CUDA GPU"):
         gpu_check.gpu_check(tmp_path / "out", None, None, TESTS)
+    with pytest.raises(ValueError, match="unknown checks"):
+        gpu_check.gpu_check(tmp_path / "out", None, None, TESTS, only={"tests", "llm"})
     assert not (tmp_path / "out").exists()
 
 

@@ -160,14 +160,19 @@ def gpu_check(
     tests: Path,
     catalogues: Path | None = None,
     config: GpuCheckConfig = GpuCheckConfig(),
+    only: set[str] | None = None,
     log=print,
 ) -> list[Outcome]:
-    """Run every check of `plan` into `out_dir` and write its summary.md; the scale check's
+    """Run every check of `plan` (or those of the kinds named in `only`: "tests", "tune",
+    "recsys", "scale", "kernel") into `out_dir` and write its summary.md; the scale check's
     catalogues go to `catalogues` (default: out_dir/catalogues)."""
     import torch
 
     from genrec_spec.machine import describe_device
 
+    kinds = {"tests", "tune", "recsys", "scale", "kernel"}
+    if only is not None and not only <= kinds:
+        raise BenchError(f"unknown checks {sorted(only - kinds)}", f"choose from {sorted(kinds)}")
     if not torch.cuda.is_available():
         raise BenchError(
             "gpu-check found no CUDA GPU (torch.cuda.is_available() is False)",
@@ -179,7 +184,8 @@ def gpu_check(
     machine = describe_device("cuda")
     outcomes = []
     catalogues = catalogues or out_dir / "catalogues"
-    for check in plan(tests, ckpt, data, out_dir, catalogues, config):
+    checks = plan(tests, ckpt, data, out_dir, catalogues, config)
+    for check in [c for c in checks if only is None or c.name.split("-")[0] in only]:
         log(f"{check.name}: up to {check.limit_s} s")
         outcomes.append(run_check(check, out_dir))
         log(f"{check.name}: {outcomes[-1].status} in {outcomes[-1].seconds:.0f} s")

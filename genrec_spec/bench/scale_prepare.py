@@ -66,8 +66,9 @@ def prepared_catalogue(
     record = out.with_name(out.name + ".prepare-cost.json")
     command = prepare_command(items, out, levels, options)
     if (out / "manifest.json").exists():
-        if record.exists():
-            return PrepareCost(**(json.loads(record.read_text()) | {"measured": False}))
+        if record.exists():  # the folder where it is now: catalogues can be moved or copied
+            recorded = json.loads(record.read_text()) | {"folder": str(out), "measured": False}
+            return PrepareCost(**recorded)
         manifest = json.loads((out / "manifest.json").read_text())
         wall = sum(manifest.get("timings_s", {}).values())
         log(f"{out}: prepared before, no cost record; the manifest's steps sum to {wall:.1f} s")

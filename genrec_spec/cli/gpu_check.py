@@ -5,6 +5,7 @@ from pathlib import Path
 
 from genrec_spec.bench import gpu_check
 from genrec_spec.bench.kernel_tune import GRIDS
+from genrec_spec.cli.args import comma_list
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,10 +31,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the launch grid the tune check sweeps",
     )
 
+    parser.add_argument(
+        "--checks",
+        type=comma_list(str),
+        help="run only these kinds of check, e.g. tests,recsys (of tests, tune, recsys, scale, "
+        "kernel; default: all)",
+    )
+
 
 def run(args: argparse.Namespace) -> int:
     config = gpu_check.GpuCheckConfig(tune_grid=args.tune_grid)
+    only = None if args.checks is None else set(args.checks)
     outcomes = gpu_check.gpu_check(
-        args.out, args.ckpt, args.data, args.tests, args.catalogues, config
+        args.out, args.ckpt, args.data, args.tests, args.catalogues, config, only
     )
     return 0 if all(o.status == "ok" for o in outcomes) else 1

@@ -68,3 +68,16 @@ def test_bad_settings_raise():
         BenchScaleConfig(index_kind="annoy")
     with pytest.raises(BenchError, match="must be >= k"):
         BenchScaleConfig(beam_widths=(5,), k=10)
+
+
+def test_a_copied_catalogue_is_read_where_it_is_now(tmp_path):
+    from genrec_spec.bench.scale_prepare import folder_of, prepared_catalogue
+
+    folder = folder_of(tmp_path / "copy", 600, 3)
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text("{}")
+    record = {"items": 600, "folder": "/elsewhere/synthetic-600-L3", "wall_s": 1.5}
+    record |= {"peak_rss_bytes": 1, "command": "genrec-spec prepare"}
+    folder.with_name(folder.name + ".prepare-cost.json").write_text(json.dumps(record))
+    cost = prepared_catalogue(600, tmp_path / "copy", 3)
+    assert cost.folder == str(folder) and cost.wall_s == 1.5 and not cost.measured
