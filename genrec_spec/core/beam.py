@@ -130,15 +130,22 @@ def beam_search(
     config = config or BeamConfig()
     target = as_target(target)
     tokens, lengths = pack_prompts(input_ids, prompt_lengths)
+    # The search's tables live where the target's outputs do (on a GPU, beside them: no copy
+    # of a pass's logits to the host)
     device = getattr(target, "device", tokens.device)
+    tokens, lengths = tokens.to(device), lengths.to(device)
+    if isinstance(constraint, Catalogue):
+        constraint = constraint.to(device)
     _check_limits(target, lengths, max_new_tokens)
-    eos = [] if eos_token_id is None else torch.as_tensor(eos_token_id).flatten().tolist()
+    eos = (
+        []
+        if eos_token_id is None
+        else torch.as_tensor(eos_token_id, device="cpu").flatten().tolist()
+    )
     _check_config(config, constraint, eos, max_new_tokens)
     started = time.perf_counter()
     with torch.inference_mode():
-        cache = prefill_checked(
-            target, tokens.to(device), lengths.to(device), tokens.shape[1] + max_new_tokens
-        )
+        cache = prefill_checked(target, tokens, lengths, tokens.shape[1] + max_new_tokens)
         # transformers keeps 2W candidates a step (more with several eos tokens), so a node
         # needs no more than its best 2W next tokens, nor more than a catalogue allows.
         keep = max(2, 1 + len(eos)) * config.num_beams
@@ -150,7 +157,7 @@ def beam_search(
         if drafter is not None:
             drafter.begin(tokens, lengths, constraint)
         beams = _start(tokens, lengths, config.num_beams, max_new_tokens)
-        eos_t = torch.tensor(eos, dtype=torch.long)
+        eos_t = torch.tensor(eos, dtype=torch.long, device=device)
         for step in range(max_new_tokens):
             open_rows = beams.improvable[:, 0] & ~(
                 beams.done.all(1) & (config.early_stopping is True)
@@ -198,22 +205,22 @@ def _check_config(
 
 def _start(tokens: Tensor, lengths: Tensor, w: int, max_new_tokens: int) -> _Beams:
     """W copies of each row's root, all but the first unreachable (as transformers starts)."""
-    batch = tokens.shape[0]
-    scores = torch.zeros(batch, w)
+    batch, on = tokens.shape[0], tokens.device
+    scores = torch.zeros(batch, w, device=on)
     scores[:, 1:] = UNREACHABLE
     root = tokens.gather(1, (lengths - 1)[:, None]).expand(batch, w)
-    empty = torch.zeros(batch, w, max_new_tokens, dtype=torch.long)
+    empty = torch.zeros(batch, w, max_new_tokens, dtype=torch.long, device=on)
     return _Beams(
         scores=scores,
         sequences=empty,
-        nodes=torch.full((batch, w), -1, dtype=torch.long),
-        parents=torch.full((batch, w), -1, dtype=torch.long),
+        nodes=torch.full((batch, w), -1, dtype=torch.long, device=on),
+        parents=torch.full((batch, w), -1, dtype=torch.long, device=on),
         last=root.clone(),
-        done_scores=torch.full((batch, w), UNREACHABLE),
+        done_scores=torch.full((batch, w), UNREACHABLE, device=on),
         done_sequences=empty.clone(),
-        done_lengths=torch.zeros(batch, w, dtype=torch.long),
-        done=torch.zeros(batch, w, dtype=torch.bool),
-        improvable=torch.ones(batch, 1, dtype=torch.bool),
+        done_lengths=torch.zeros(batch, w, dtype=torch.long, device=on),
+        done=torch.zeros(batch, w, dtype=torch.bool, device=on),
+        improvable=torch.ones(batch, 1, dtype=torch.bool, device=on),
     )
 
 
@@ -234,8 +241,12 @@ class _Search:
         # Plain beam search adds at most W nodes per row a step (and the root): room for them
         # all from the start; drafted nodes grow the tree past it.
         capacity = min(1 + config.num_beams * steps, MAX_NODES)
-        self.tree = BeamTree(batch, width, tokens_below, capacity)
-        self.start = constraint.start(batch) if constraint else torch.zeros(batch, dtype=torch.long)
+        self.tree = BeamTree(batch, width, tokens_below, capacity, tokens.device)
+        self.start = (
+            constraint.start(batch, tokens.device)
+            if constraint
+            else torch.zeros(batch, dtype=torch.long, device=tokens.device)
+        )
         # A catalogue's forced token costs exactly 0 where log-probs are renormalised over the
         # allowed tokens (by the rule, or by the target's own outputs): known without a pass.
         free = config.renormalize or getattr(target, "forced_tokens_free", False)
@@ -304,11 +315,8 @@ class _Search:
         """Score the planned nodes and store their best candidates."""
         tree = self.tree
         tokens, parents, real = tree.plan()
-        device = getattr(self.target, "device", tokens.device)
         needed = real & ~tree.known[:, tree.size - tokens.shape[1] : tree.size]  # [B, M]
-        logits = self.target.grow_tree(
-            self.cache, tokens.to(device), parents.to(device), needed.to(device)
-        ).cpu()
+        logits = self.target.grow_tree(self.cache, tokens, parents, needed)
         rows, slots = needed.nonzero(as_tuple=True)  # [Q] the nodes to store
         self.passes += 1
         self.nodes += int(real.sum())
@@ -321,7 +329,7 @@ class _Search:
             index = best.indices
             scores, choices = best.values, index if choices is None else choices.gather(1, index)
         elif choices is None:  # every token fits: kept as they are, in token order
-            choices = torch.arange(scores.shape[1]).expand_as(scores)
+            choices = torch.arange(scores.shape[1], device=scores.device).expand_as(scores)
         if bool(torch.isnan(scores).any()):  # a NaN logit makes its row's log-probs NaN
             raise DecodeInputError(
                 "the target's logits contain NaN",
@@ -374,7 +382,7 @@ def _distinct(keys: Tensor) -> tuple[Tensor, Tensor]:  # [Q] -> [F], [Q]
     starts = order[first]  # [F] each distinct key's first position, in key order
     positions, rank = starts.sort()  # rank: the key order of each distinct key, by position
     number = torch.empty_like(rank)
-    number[rank] = torch.arange(len(rank))
+    number[rank] = torch.arange(len(rank), device=rank.device)
     copy_of = torch.empty_like(keys)
     copy_of[order] = number[group]
     return positions, copy_of
@@ -410,7 +418,7 @@ def _select(
     beams.parents, beams.last = parent_nodes.gather(1, pick), token.gather(1, pick)
     beams.nodes = torch.full_like(beams.parents, -1)
     # Finished: those of the top W that ended, if they beat the worst finished hypothesis.
-    ended = hits & (torch.arange(keep) < w)
+    ended = hits & (torch.arange(keep, device=hits.device) < w)
     if not bool(ended.any()):  # most steps: the finished hypotheses stay as they are
         return hits
     penalised = scores / ((step + 1) ** config.length_penalty)
@@ -445,7 +453,7 @@ def _unfinished(
 
 def _output(beams: _Beams, k: int, search: _Search, wall_time_s: float) -> BeamOutput:
     lengths = beams.done_lengths[:, :k].flatten()  # [B * K]
-    columns = torch.arange(beams.done_sequences.shape[2])
+    columns = torch.arange(beams.done_sequences.shape[2], device=lengths.device)
     mask = columns < lengths[:, None]
     offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
     stats = DecodeStats(

@@ -36,6 +36,7 @@ class BeamTree:
     # Node slots per row to start with (all padding); more are added by doubling, which copies
     # every table, so a search sizes this to the nodes it expects.
     capacity: int = 1
+    device: torch.device | str = "cpu"  # the target's: every table lives beside its outputs
     size: int = 0  # nodes per row in closed passes (real and padding)
     pending: Tensor = field(init=False)  # [B] nodes planned per row for the next pass
     parents: Tensor = field(init=False)  # [B, capacity] -1 for roots and padding
@@ -59,20 +60,21 @@ class BeamTree:
     drafted: Tensor = field(init=False)  # [B, capacity] bool: planned by a drafter
 
     def __post_init__(self) -> None:
-        self.pending = torch.zeros(self.batch, dtype=torch.long)
+        on = self.device
+        self.pending = torch.zeros(self.batch, dtype=torch.long, device=on)
         # At least one padding slot, so gathers at a root's parent (-1, clamped) read one.
         slots = (self.batch, max(1, self.capacity))
-        self.parents = torch.full(slots, -1, dtype=torch.long)
-        self.tokens = torch.zeros(slots, dtype=torch.long)
-        self.states = torch.full(slots, -1, dtype=torch.long)
-        self.keys = torch.zeros(0, dtype=torch.long)
-        self.key_nodes = torch.zeros(0, dtype=torch.long)
-        self.stored_values = torch.empty(self.batch * self.width)
-        self.stored_tokens = torch.empty(self.batch * self.width, dtype=torch.int32)
-        self.first = torch.zeros(slots, dtype=torch.long)
-        self.count = torch.zeros(slots, dtype=torch.long)
-        self.known = torch.zeros(slots, dtype=torch.bool)
-        self.drafted = torch.zeros(slots, dtype=torch.bool)
+        self.parents = torch.full(slots, -1, dtype=torch.long, device=on)
+        self.tokens = torch.zeros(slots, dtype=torch.long, device=on)
+        self.states = torch.full(slots, -1, dtype=torch.long, device=on)
+        self.keys = torch.zeros(0, dtype=torch.long, device=on)
+        self.key_nodes = torch.zeros(0, dtype=torch.long, device=on)
+        self.stored_values = torch.empty(self.batch * self.width, device=on)
+        self.stored_tokens = torch.empty(self.batch * self.width, dtype=torch.int32, device=on)
+        self.first = torch.zeros(slots, dtype=torch.long, device=on)
+        self.count = torch.zeros(slots, dtype=torch.long, device=on)
+        self.known = torch.zeros(slots, dtype=torch.bool, device=on)
+        self.drafted = torch.zeros(slots, dtype=torch.bool, device=on)
 
     def key(self, rows: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:  # [Q] each -> [Q]
         """The int64 naming each (row, parent node, token): rows ascend with it."""
@@ -106,7 +108,7 @@ class BeamTree:
     def planned(self, since: Tensor) -> tuple[Tensor, Tensor]:  # [B] -> [P] each
         """The rows and numbers of the nodes planned for the next pass after the first
         ``since[b]`` of each row (e.g. a copy of ``pending`` taken earlier), rows ascending."""
-        slots = torch.arange(int(self.pending.max()))
+        slots = torch.arange(int(self.pending.max()), device=self.device)
         rows, at = ((slots >= since[:, None]) & (slots < self.pending[:, None])).nonzero(
             as_tuple=True
         )
@@ -117,7 +119,7 @@ class BeamTree:
         for the target and real [B, M] bool."""
         m = int(self.pending.max())
         window = slice(self.size, self.size + m)
-        real = torch.arange(m) < self.pending[:, None]  # [B, M]
+        real = torch.arange(m, device=self.device) < self.pending[:, None]  # [B, M]
         self.size, self.pending = self.size + m, torch.zeros_like(self.pending)
         return self.tokens[:, window].contiguous(), self.parents[:, window].contiguous(), real
 
@@ -167,20 +169,23 @@ class BeamTree:
             )
         self.stored_values[self.used : end] = values.flatten()
         self.stored_tokens[self.used : end] = tokens.flatten()
-        self.first[rows, nodes] = self.used + torch.arange(0, q * width, width)
+        self.first[rows, nodes] = self.used + torch.arange(0, q * width, width, device=self.device)
         self.count[rows, nodes] = width
         self.used = end
 
     def know(self, rows: Tensor, nodes: Tensor, tokens: Tensor) -> None:
         """Planned nodes [Q] whose one candidate is ``tokens`` [Q] at log-prob 0 (forced)."""
-        self.store(rows, nodes, torch.zeros(len(rows), 1), tokens[:, None])
+        self.store(rows, nodes, torch.zeros(len(rows), 1, device=self.device), tokens[:, None])
         self.known[rows, nodes] = True
 
     def candidates(self, nodes: Tensor) -> tuple[Tensor, Tensor]:  # [B, W] -> 2 x [B, W, C']
         """The stored candidates (log-probs, tokens: int32) of each beam's node (a node of -1
         reads the root's), C' the most any of them has; -inf (token 0) pads, and a node not
         scored has none."""
-        index = nodes.clamp_min(0) + torch.arange(self.batch)[:, None] * self.first.shape[1]
+        index = (
+            nodes.clamp_min(0)
+            + torch.arange(self.batch, device=self.device)[:, None] * self.first.shape[1]
+        )
         first = self.first.view(-1)[index].flatten()  # [B * W]
         count = self.count.view(-1)[index]  # [B, W]
         width = max(1, int(count.max()))
@@ -192,7 +197,7 @@ class BeamTree:
         values, tokens = values.view(*nodes.shape, width), tokens.view(*nodes.shape, width)
         if bool((count == width).all()):  # (the nodes of one pass have runs of one width)
             return values, tokens
-        missing = torch.arange(width) >= count[..., None]  # [B, W, C']
+        missing = torch.arange(width, device=self.device) >= count[..., None]  # [B, W, C']
         return values.masked_fill(missing, float("-inf")), tokens.masked_fill(missing, 0)
 
 
@@ -200,4 +205,4 @@ def rank_within_rows(rows: Tensor, batch: int) -> Tensor:  # [Q] ascending -> [Q
     """Each element's position among the elements of its row (rows grouped ascending)."""
     counts = torch.bincount(rows, minlength=batch)
     starts = counts.cumsum(0) - counts
-    return torch.arange(len(rows)) - starts[rows]
+    return torch.arange(len(rows), device=rows.device) - starts[rows]

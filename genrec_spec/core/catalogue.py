@@ -15,7 +15,7 @@ step is one ``searchsorted`` for a whole batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
@@ -136,6 +136,12 @@ class TokenTrie:
         # A leaf's first edge may lie past the last edge: clamped, never read.
         first = self.child_offsets[safe].clamp(max=len(self.child_tokens) - 1)
         return torch.where(one, self.child_tokens[first], -1)
+
+    def to(self, device: torch.device | str) -> TokenTrie:
+        """The trie with its tables on `device`."""
+        tables = {f.name: getattr(self, f.name) for f in fields(self)}
+        moved = {n: t.to(device) for n, t in tables.items() if isinstance(t, Tensor)}
+        return replace(self, **moved)
 
     def items(self, nodes: Tensor) -> Tensor:  # [...] -> [...] int64
         """The item each finished node is; -1 for nodes that end no sequence."""

@@ -33,7 +33,7 @@ class CatalogueDrafter:
     def draft(self, tree: BeamTree, rows: Tensor, nodes: Tensor, budget: int, cache) -> None:
         """``BeamDrafter.draft``: a level at a time below the frontier (rows, nodes [F]); the
         catalogue alone decides, so the target's cache is not read."""
-        trie, left = self.catalogue.trie, torch.full((tree.batch,), budget)
+        trie, left = self.catalogue.trie, torch.full((tree.batch,), budget, device=tree.device)
         states = tree.states[rows, nodes]  # [F]
         for _ in range(self.depth):
             if not len(rows):

@@ -41,10 +41,15 @@ class Constraint(Protocol):
 class Catalogue:
     """Generation restricted to the catalogue's sequences; states are trie nodes."""
 
-    def __init__(self, trie: TokenTrie) -> None:
+    def __init__(self, trie: TokenTrie, items_below: Tensor | None = None) -> None:
         self.trie = trie
         self.vocab_size = trie.vocab_size
-        self.items_below = _items_below(trie)  # [nodes] catalogue items under each node
+        # [nodes] catalogue items under each node
+        self.items_below = _items_below(trie) if items_below is None else items_below
+
+    def to(self, device: torch.device | str) -> Catalogue:
+        """The catalogue with its tables on `device` (the same tensors where they are there)."""
+        return Catalogue(self.trie.to(device), self.items_below.to(device))
 
     @classmethod
     def of(
@@ -90,9 +95,10 @@ class AllowedTokens:
         return states
 
     def allowed(self, states: Tensor, rows: Tensor, sequences: Sequences) -> Tensor:
-        mask = torch.zeros(len(rows), self.vocab_size, dtype=torch.bool)
+        # Built on the host, where the hook's lists are, then moved to the states' device
+        mask = torch.zeros(len(rows), self.vocab_size, dtype=torch.bool, device="cpu")
         for i, (row, sequence) in enumerate(zip(rows.tolist(), sequences(), strict=True)):
-            tokens = list(self.fn(row, torch.tensor(sequence)))
+            tokens = list(self.fn(row, torch.tensor(sequence, device="cpu")))
             if not tokens:
                 raise DecodeInputError(
                     f"prefix_allowed_tokens_fn returned no token for row {row} after "

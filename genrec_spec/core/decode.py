@@ -63,9 +63,10 @@ def pack_prompts(
                 "tokenize=True, return_dict=False))",
             )
         width = max(len(row) for row in rows)
-        lengths = torch.tensor([len(row) for row in rows])
+        # On the host, where the lists are: a decode moves them to its target's device
+        lengths = torch.tensor([len(row) for row in rows], device="cpu")
         tokens = torch.tensor(
-            [row + [0] * (width - len(row)) for row in rows], dtype=torch.long
+            [row + [0] * (width - len(row)) for row in rows], dtype=torch.long, device="cpu"
         ).view(len(rows), width)
     if tokens.shape[0] == 0 or tokens.shape[1] == 0 or bool((lengths < 1).any()):
         raise DecodeInputError(

@@ -79,14 +79,17 @@ class PromptLookupDrafter:
         where = rows.tolist()
         paths = tree.paths(where, nodes.tolist())
         texts = [self.prompts[r] + path for r, path in zip(where, paths, strict=True)]
-        lengths = torch.tensor([len(t) for t in texts])  # [F]
-        padded = torch.tensor([t + [0] * (int(lengths.max()) - len(t)) for t in texts])  # [F, T]
+        lengths = torch.tensor([len(t) for t in texts], device=tree.device)  # [F]
+        widest = int(lengths.max())
+        padded = torch.tensor([t + [0] * (widest - len(t)) for t in texts], device=tree.device)
         at = continuation_starts(padded, lengths, self.max_ngram, self.min_ngram)  # [F]
         # A pass is saved only when every live beam of every row reaches a scored node, so a
         # row with a beam that has no continuation drafts nothing: its drafts would only cost.
-        unmatched = torch.zeros(tree.batch).index_add_(0, rows, (at < 0).float())  # [B]
+        unmatched = torch.zeros(tree.batch, device=tree.device).index_add_(
+            0, rows, (at < 0).float()
+        )  # [B]
         at = torch.where(unmatched[rows] > 0, -1, at)
-        left = torch.full((tree.batch,), budget)
+        left = torch.full((tree.batch,), budget, device=tree.device)
         for _ in range(self.depth):
             kept = (at >= 0) & (at < lengths)  # a token follows
             rows, nodes, at, padded, lengths = (

@@ -94,7 +94,8 @@ class RecommenderTarget:
     def catalogue(self) -> Catalogue:
         """The model's items as code-token sequences (fixed length L, no end token)."""
         tokens = self.model.item_codes + self.offsets[:-1]  # [I, L]
-        return Catalogue(TokenTrie.from_sequences(tokens.tolist(), self.vocab_size))
+        trie = TokenTrie.from_sequences(tokens.tolist(), self.vocab_size)
+        return Catalogue(trie).to(self.device)
 
     def prefill(
         self, tokens: Tensor, lengths: Tensor, capacity: int, hidden_layers: Sequence[int] = ()

@@ -194,7 +194,7 @@ def beam_tree(
     lineage = with_ancestors(wanted, parents, len(history) - 1)
     needed = context_to_score(feedable, wanted, lineage)[:, :context]
     if bool(needed.all()) and bool(scored.all()):
-        every = torch.arange(n - context).expand(batch, -1)
+        every = torch.arange(n - context, device=codes.device).expand(batch, -1)
         return codes, levels, parents, every, scored
     order, kept = in_order(needed)  # [B, C] each: the context nodes a row keeps, in order
     picked, chosen = in_order(scored)  # [B, W'] each: the scored beams, in order
