@@ -51,6 +51,13 @@ def test_a_check_keeps_its_output_and_a_cut_check_says_so(tmp_path):
     assert not list(tmp_path.glob("*.partial"))
     text = gpu_check.summary(outcomes, "a test machine")
     assert "| fail | failed (exit 3) |" in text and text.startswith("# GPU check on a test")
+    # A bench's report is summarised from its header on, without its libraries' warnings
+    noisy = "print('a library warns'); print('ml-1m test split, 3706 items'); print('beam 1.00x')"
+    recsys = gpu_check.run_check(
+        gpu_check.Check("recsys-w20", [sys.executable, "-c", noisy], 30), tmp_path
+    )
+    text = gpu_check.summary([recsys], "a test machine")
+    assert "ml-1m test split" in text and "beam 1.00x" in text and "\na library warns" not in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")

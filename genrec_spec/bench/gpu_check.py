@@ -143,14 +143,22 @@ def summary(outcomes: list[Outcome], machine: str) -> str:
             picked = text[-3:]
         elif o.check.name == "tune":
             picked = [line for line in text if line.startswith("best ")]
-        elif o.check.name.startswith("recsys"):
-            picked = [line for line in text if not line.startswith(("batch ", "$ "))]
-        elif o.check.name == "scale":  # its report: the log lines before it are indented
-            picked = [line for line in text if line and not line.startswith((" ", "$ "))]
+        elif o.check.name.startswith(("recsys", "scale")):  # the report, after its log
+            picked = _report(text, " split, " if o.check.name != "scale" else "bench scale: ")
         else:
             continue
         lines += ["", f"## {o.check.name}", "", "```", *picked, "```"]
     return "\n".join(lines) + "\n"
+
+
+def _report(text: list[str], head: str) -> list[str]:
+    """The lines from the first that holds `head` (a bench's report header) on: the warnings
+    and progress lines its libraries print before it are left out."""
+    start = next(
+        (i for i, line in enumerate(text) if head in line and not line.startswith("$ ")),
+        len(text),
+    )
+    return [line for line in text[start:] if not line.startswith("batch ")]
 
 
 def gpu_check(
