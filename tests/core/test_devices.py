@@ -84,3 +84,34 @@ def test_the_engines_beam_search_names_its_devices(tiny):
             )
         )
         assert not sites, (name, sites)
+
+
+def test_the_engines_generation_names_its_devices(tiny):
+    from genrec_spec import SamplingParams, generate
+    from genrec_spec.llm.proposers.ngram import PromptLookup
+
+    vocab, eos = 40, 3
+    prompts = [[5, 9, 2, 33, 7, 1, 5, 9], [4, 7], [12, 30, 3, 20, 22]]
+    target = CallableTarget(tiny.HashLM(vocab, seed=5, scale=1.5), vocab)
+    catalogue = Catalogue.of([[4 + i % 30, 5 + i % 7] for i in range(30)], vocab, eos)
+    runs = {
+        "greedy": {},
+        "sampling": dict(sampling=SamplingParams(temperature=0.8)),
+        "prompt lookup": dict(proposer=PromptLookup(k=3)),
+        "sampled prompt lookup": dict(
+            proposer=PromptLookup(k=3), sampling=SamplingParams(temperature=0.8)
+        ),
+        "catalogue": dict(constraint=catalogue),
+    }
+    for name, kwargs in runs.items():
+        sites = deviceless_sites(
+            lambda kw=kwargs: generate(
+                target,
+                prompts,
+                max_new_tokens=6,
+                eos_token_id=eos,
+                generator=torch.Generator().manual_seed(0),
+                **kw,
+            )
+        )
+        assert not sites, (name, sites)
