@@ -10,10 +10,12 @@ its limit keeps what it printed):
    a dense mask (the full grid, ``--grid full``, takes longer than a short window allows);
 3. ``recsys-wN``: ``bench recsys --device cuda --beam-width N`` for each beam width, on a trained
    checkpoint (``--ckpt``): beam, spec_beam and every other decoder on the same users;
-4. ``scale``: ``bench scale --device cuda`` on small synthetic catalogues (prepared on the
+4. ``llm``: ``bench llm --device cuda`` on SmolLM2: plain decoding, our drafters that run on a
+   GPU (``CPU_ONLY`` left out) and transformers' ``generate``, a few HumanEval prompts;
+5. ``scale``: ``bench scale --device cuda`` on small synthetic catalogues (prepared on the
    machine's CPU under ``--catalogues``, reused by a later run), every decoder at W 20, 200
    and 512, batch 1 and 64, its report in DIR/scale;
-5. ``kernel``: ``bench kernel --device cuda`` on a few shapes, timed by the host clock with each
+6. ``kernel``: ``bench kernel --device cuda`` on a few shapes, timed by the host clock with each
    call's launch overhead (FlexAttention compiled there too).
 
 DIR gets one ``<check>.txt`` per check and ``summary.md``: each check's exit status, seconds and
@@ -44,11 +46,13 @@ class GpuCheckConfig:
     tune_grid: str = "narrow"  # bench kernel --grid
     # Small enough to prepare on the machine inside the check (about a minute each)
     scale_sizes: str = "10000,100000"
-    # Seconds each check may take: 9 minutes in all, inside a 12-minute window with the
+    llm_prompts: int = 4
+    # Seconds each check may take: 10.5 minutes in all, inside a 12-minute window with the
     # install and the machine's start.
     tests_s: int = 110
     tune_s: int = 90
     recsys_s: int = 70  # each beam width
+    llm_s: int = 90
     scale_s: int = 150
     kernel_s: int = 40
 
@@ -100,6 +104,8 @@ def plan(
         for width in config.beam_widths:
             argv = [*source, "--beam-width", str(width)]
             checks.append(Check(f"recsys-w{width}", argv, config.recsys_s))
+    llm = [*cli, "bench", "llm", "--device", "cuda", "--n", str(config.llm_prompts)]
+    checks.append(Check("llm", [*llm, "--max-new-tokens", "64"], config.llm_s))
     scale = [*cli, "bench", "scale", "--device", "cuda", "--sizes", config.scale_sizes]
     scale += ["--data-root", str(catalogues), "--out", str(out_dir / "scale"), "--repeats", "3"]
     scale += ["--prepare-options", "--long-id-digits 0"]  # no decoder timed reads long IDs
@@ -143,8 +149,9 @@ def summary(outcomes: list[Outcome], machine: str) -> str:
             picked = text[-3:]
         elif o.check.name == "tune":
             picked = [line for line in text if line.startswith("best ")]
-        elif o.check.name.startswith(("recsys", "scale")):  # the report, after its log
-            picked = _report(text, " split, " if o.check.name != "scale" else "bench scale: ")
+        elif o.check.name.startswith(("recsys", "llm", "scale")):  # the report, after its log
+            head = {"llm": " on cuda, ", "scale": "bench scale: "}.get(o.check.name, " split, ")
+            picked = _report(text, head)
         else:
             continue
         lines += ["", f"## {o.check.name}", "", "```", *picked, "```"]
@@ -172,13 +179,13 @@ def gpu_check(
     log=print,
 ) -> list[Outcome]:
     """Run every check of `plan` (or those of the kinds named in `only`: "tests", "tune",
-    "recsys", "scale", "kernel") into `out_dir` and write its summary.md; the scale check's
+    "recsys", "llm", "scale", "kernel") into `out_dir` and write its summary.md; the scale check's
     catalogues go to `catalogues` (default: out_dir/catalogues)."""
     import torch
 
     from genrec_spec.machine import describe_device
 
-    kinds = {"tests", "tune", "recsys", "scale", "kernel"}
+    kinds = {"tests", "tune", "recsys", "llm", "scale", "kernel"}
     if only is not None and not only <= kinds:
         raise BenchError(f"unknown checks {sorted(only - kinds)}", f"choose from {sorted(kinds)}")
     if not torch.cuda.is_available():

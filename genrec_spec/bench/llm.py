@@ -68,7 +68,7 @@ from genrec_spec.bench.llm_config import (
 from genrec_spec.bench.llm_runners import Run, Runner, make_runners
 from genrec_spec.core.greedy_check import compare_greedy
 from genrec_spec.core.types import SamplingParams
-from genrec_spec.machine import describe
+from genrec_spec.machine import describe, describe_device
 
 
 @dataclass
@@ -288,7 +288,12 @@ def bench_llm(settings: BenchLLMConfig, log: Callable[[str], None] = lambda line
 
         hf_model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir(), dtype=torch.float32)
         hf_model.eval()
-    machine = cpu_paths(model, settings.methods)  # measured now, not in the timed runs
+    model = model.to(settings.device)
+    hf_model = None if hf_model is None else hf_model.to(settings.device)
+    if settings.device == "cpu":
+        machine = cpu_paths(model, settings.methods)  # measured now, not in the timed runs
+    else:
+        machine = [f"machine: {describe_device(settings.device)}"]
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     eos = tokenizer.eos_token_id
@@ -296,7 +301,8 @@ def bench_llm(settings: BenchLLMConfig, log: Callable[[str], None] = lambda line
     load_after = os.getloadavg()[0]
     lengths = [len(p) for p in prompts]
     header = (
-        f"{MODEL_NAMES[settings.model]} on cpu, {settings.threads} thread(s): {settings.prompts} "
+        f"{MODEL_NAMES[settings.model]} on {settings.device}, {settings.threads} thread(s): "
+        f"{settings.prompts} "
         f"({settings.split} split) n={len(prompts)}, prompt tokens {min(lengths)}-{max(lengths)}, "
         f"max_new_tokens={settings.max_new_tokens}, median of {settings.repeats} repeat(s); "
         f"{time.perf_counter() - started:.0f} s, load average {load_before:.2f} -> "

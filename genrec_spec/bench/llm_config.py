@@ -24,6 +24,8 @@ HF_BATCH_1 = ("hf-lookup", "hf-early-exit", "hf-assist", "hf-uag")  # HF's assis
 # compiles llama.cpp on install). One sequence at a time.
 LLAMA_CPP = ("llama-cpp",)
 BATCH_1 = HF_BATCH_1 + LLAMA_CPP  # methods timed at batch 1 only
+# Methods whose drafts run CPU kernels (the 4-bit op) or another engine: not on a GPU
+CPU_ONLY = ("quant",) + LLAMA_CPP
 METHODS = OURS + HF  # the default set: runs without trained weights
 ALL_METHODS = METHODS + TRAINED + HF_ON_ASK + CROSS + HF_CROSS + LLAMA_CPP
 GEMMA3_METHODS = ("none", "cross", "hf", "hf-uag")  # --model gemma3's default set
@@ -46,6 +48,7 @@ class BenchLLMConfig:
     temperatures: tuple[float, ...] = (0.0,)
     repeats: int = 1  # raise it for tighter medians
     threads: int = 1  # torch CPU threads: one is fastest for one small model on 2 cores
+    device: str = "cpu"  # where the target (and the transformers model) run: "cuda" for a GPU
     seed: int = 0  # prompt draw and sampling
     # Draft depth: None is each method's default (the generate CLI's: 4; quant's deepest chain 16).
     k: int | None = None
@@ -89,6 +92,12 @@ def check_settings(settings: BenchLLMConfig) -> None:
         raise BenchError(
             f"--model {settings.model} runs only {','.join(allowed)}",
             "pick methods of that list (cross and hf-uag: --model gemma3)",
+        )
+    on_cpu_only = [m for m in settings.methods if m in CPU_ONLY]
+    if settings.device != "cpu" and on_cpu_only:
+        raise BenchError(
+            f"methods {on_cpu_only} run on the CPU only, not on {settings.device}",
+            f"leave {','.join(on_cpu_only)} out of --methods, or run on --device cpu",
         )
     counts = (
         settings.n,

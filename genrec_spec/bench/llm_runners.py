@@ -73,6 +73,8 @@ def ours(
 ) -> Runner:
     """Our generate() with a proposer (None: plain decoding) on right-padded prompts."""
 
+    device = next(model.parameters()).device  # sampling draws where the logits are
+
     def run(rows: list[list[int]], sampling: SamplingParams, seed: int, new: int) -> Run:
         tokens, lengths = pack_prompts(rows)  # [B, T] right-padded, [B]
         start = time.perf_counter()
@@ -83,7 +85,7 @@ def ours(
             proposer=proposer,
             sampling=sampling,
             max_new_tokens=new,
-            generator=torch.Generator().manual_seed(seed),
+            generator=torch.Generator(device).manual_seed(seed),
             eos_token_id=eos,
             controller=controller,
         )
@@ -98,7 +100,7 @@ def hugging_face(hf_model: object, eos: int | None, assistance: dict) -> Runner:
     pad = 0 if eos is None else eos
 
     def run(rows: list[list[int]], sampling: SamplingParams, seed: int, new: int) -> Run:
-        ids, mask = left_padded(rows, pad)
+        ids, mask = (t.to(hf_model.device) for t in left_padded(rows, pad))
         options = {"do_sample": False}
         if not sampling.greedy:  # top_k=0: HF's default of 50 would change the distribution
             options = {"do_sample": True, "temperature": sampling.temperature, "top_k": 0}
@@ -114,6 +116,8 @@ def hugging_face(hf_model: object, eos: int | None, assistance: dict) -> Runner:
                 pad_token_id=pad,
                 **options,
             )
+        if out.is_cuda:  # a GPU call returns before its kernels end
+            torch.cuda.synchronize(out.device)
         seconds = time.perf_counter() - start
         generated = out[:, ids.shape[1] :].tolist()
         return Run([cut_at_eos(row, eos) for row in generated], seconds, None)

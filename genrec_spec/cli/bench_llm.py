@@ -9,7 +9,12 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from genrec_spec.bench.llm_config import ALL_METHODS, GEMMA3_METHODS, BenchLLMConfig
+from genrec_spec.bench.llm_config import (
+    ALL_METHODS,
+    CPU_ONLY,
+    GEMMA3_METHODS,
+    BenchLLMConfig,
+)
 from genrec_spec.cli.args import comma_list
 from genrec_spec.cli.generate import add_tree_arguments
 from genrec_spec.llm.methods import DEFAULT_K, PASS_COSTS
@@ -44,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperatures", type=comma_list(float), help="e.g. 0,0.8 (default 0)")
     parser.add_argument("--repeats", type=int, default=c.repeats)
     parser.add_argument("--threads", type=int, default=c.threads, help="torch CPU threads")
+    parser.add_argument(
+        "--device",
+        default=c.device,
+        help='where the target runs ("cuda" for a GPU; the default methods then leave out '
+        f"{','.join(CPU_ONLY)})",
+    )
     parser.add_argument("--seed", type=int, default=c.seed)
     parser.add_argument(
         "--k",
@@ -86,6 +97,8 @@ def settings_from(args: argparse.Namespace) -> BenchLLMConfig:
         return value if value is not None else quick if args.quick else default
 
     methods = args.methods or (GEMMA3_METHODS if args.model == "gemma3" else c.methods)
+    if not args.methods and args.device != "cpu":
+        methods = tuple(m for m in methods if m not in CPU_ONLY)
     settings = replace(
         c,
         model=args.model,
@@ -99,6 +112,7 @@ def settings_from(args: argparse.Namespace) -> BenchLLMConfig:
         temperatures=pick(args.temperatures, c.quick_temperatures, c.temperatures),
         repeats=args.repeats,
         threads=args.threads,
+        device=args.device,
         seed=args.seed,
         k=args.k,
         draft_layers=args.draft_layers,

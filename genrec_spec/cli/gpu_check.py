@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--checks",
         type=comma_list(str),
-        help="run only these kinds of check, e.g. tests,recsys (of tests, tune, recsys, scale, "
-        "kernel; default: all)",
+        help="run only these kinds of check, e.g. tests,recsys (of tests, tune, recsys, llm, "
+        "scale, kernel; default: all)",
     )
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from genrec_spec.core.targets import as_target
 from genrec_spec.core.types import DecodeInputError, DraftTree
@@ -152,21 +153,35 @@ def measure_pass_cost(
             f"a target of max length {target.max_length} cannot time {max_tokens} tokens",
             "pass a smaller max_tokens or repeats",
         )
-    prompt = torch.ones(1, context, dtype=torch.long)  # the content does not change the time
+    on = getattr(target, "device", "cpu")
+    prompt = torch.ones(1, context, dtype=torch.long, device=on)  # its content: no matter
     capacity = context + grown
-    cache = target.prefill(prompt, torch.tensor([context]), capacity)
-    root = torch.zeros(1, 1, dtype=torch.long)
+    cache = target.prefill(prompt, torch.tensor([context], device=on), capacity)
+    root = torch.zeros(1, 1, dtype=torch.long, device=on)
     trees = [
-        DraftTree(torch.ones(1, n, dtype=torch.long), torch.arange(-1, n - 1)[None])
+        DraftTree(
+            torch.ones(1, n, dtype=torch.long, device=on),
+            torch.arange(-1, n - 1, device=on)[None],
+        )
         for n in range(1, max_tokens + 1)
     ]
-    keep_root = torch.ones(1, dtype=torch.long)
+    keep_root = torch.ones(1, dtype=torch.long, device=on)
     seconds = time_in_turns(
-        {n: (lambda tree=tree: target.score_tree(cache, tree)) for n, tree in enumerate(trees, 1)},
+        {
+            n: (lambda tree=tree: _finished(target.score_tree(cache, tree)))
+            for n, tree in enumerate(trees, 1)
+        },
         repeats,
         after=lambda n: target.commit(cache, root, keep_root),  # keep the root only
     )
     return tuple(seconds[n] / seconds[1] for n in range(1, max_tokens + 1))
+
+
+def _finished(out: Tensor) -> Tensor:
+    """`out` once its device's queued work is done (a GPU pass returns before it ends)."""
+    if out.is_cuda:
+        torch.cuda.synchronize(out.device)
+    return out
 
 
 # Part of cached_pass_cost's key: bump it when the targets' kernels change what a pass of n

@@ -11,7 +11,7 @@ import torch
 
 from genrec_spec import CallableTarget
 from genrec_spec.bench.llm import benchmark, format_table, time_methods
-from genrec_spec.bench.llm_config import HF_BATCH_1, METHODS, BenchLLMConfig
+from genrec_spec.bench.llm_config import CPU_ONLY, HF_BATCH_1, METHODS, BenchLLMConfig
 from genrec_spec.bench.llm_runners import make_runners
 from genrec_spec.core.greedy_check import compare_greedy, first_divergence
 from genrec_spec.core.types import SamplingParams
@@ -172,6 +172,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_benchmark_on_tiny_models_on_a_gpu(tiny_pair):
+    import copy
+
+    native, hf = (copy.deepcopy(m).to("cuda") for m in tiny_pair)
+    methods = tuple(m for m in METHODS if m not in CPU_ONLY)
+    settings = BenchLLMConfig(
+        methods=methods, max_new_tokens=6, batch_sizes=(1, 2), temperatures=(0.0, 0.8), k=3,
+        draft_layers=1, warmup_tokens=2, device="cuda",
+    )  # fmt: skip
+    rows = benchmark(native, hf, [[5, 9, 2, 33, 7, 5, 9, 2, 8], [4, 60]], settings, eos=None)
+    assert {r.method for r in rows} == set(methods)
+    assert all(r.tokens_per_s > 0 for r in rows)
+    assert all(r.exact == "yes" for r in rows if r.temperature == 0.0 and r.method != "none")
+
+
 def test_settings_and_bad_input():
     from genrec_spec.cli.bench_llm import settings_from
 
@@ -194,6 +211,11 @@ def test_settings_and_bad_input():
         10,
         8,
     )
+    on_gpu = settings_from(parse(["--device", "cuda"]))  # the default methods that run there
+    assert on_gpu.device == "cuda" and not set(on_gpu.methods) & set(CPU_ONLY)
+    assert set(on_gpu.methods) == set(c.methods) - set(CPU_ONLY)
+    with pytest.raises(ValueError, match="run on the CPU only"):
+        settings_from(parse(["--device", "cuda", "--methods", "none,quant"]))
     with pytest.raises(ValueError, match="unknown methods"):
         settings_from(parse(["--methods", "none,bogus"]))
     with pytest.raises(ValueError, match="use them with eagle2 or eagle3"):
