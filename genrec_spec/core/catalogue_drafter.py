@@ -28,7 +28,9 @@ class CatalogueDrafter:
     items: int = 1
 
     def begin(self, tokens: Tensor, lengths: Tensor, constraint: Constraint | None) -> None:
-        """``BeamDrafter.begin``: nothing to keep (the tree holds each node's catalogue state)."""
+        """``BeamDrafter.begin``: the catalogue beside the search's tables (on the target's
+        device); nothing else to keep (the tree holds each node's catalogue state)."""
+        self.catalogue = self.catalogue.to(tokens.device)
 
     def draft(self, tree: BeamTree, rows: Tensor, nodes: Tensor, budget: int, cache) -> None:
         """``BeamDrafter.draft``: a level at a time below the frontier (rows, nodes [F]); the
