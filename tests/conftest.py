@@ -29,6 +29,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """A test marked `gpu` is skipped where there is no CUDA GPU: collected everywhere (its
+    module imports without one), run by `gpu-check` where there is one."""
+    if torch.cuda.is_available():
+        return
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
 @pytest.fixture(scope="session")
 def ml100k_dir(tmp_path_factory) -> Path:
     """MovieLens-100K through the whole data pipeline, once per test session (slow cold; the

@@ -173,7 +173,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_benchmark_on_tiny_models_on_a_gpu(tiny_pair):
     import copy
 

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from genrec_spec.kernels import TreeAttentionError, prepare_tree, tree_attention
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 # Compiled Triton kernels take CUDA tensors; without a GPU the interpreter takes CPU ones. So the
 # Triton cases below run compiled wherever a GPU is present, interpreted elsewhere.
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -282,7 +281,6 @@ def test_importing_kernels_does_not_import_triton():
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "case",
@@ -314,7 +312,6 @@ def test_compiled_triton_matches_reference_on_gpu(case, dtype, random_inputs):
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_compiled_triton_reads_a_cache_slice_in_place(random_inputs):
     # A static cache [B, Hkv, S_max, D] sliced to S: strided, not contiguous.
     case = dict(batch=2, hkv=2, hq=4, n=20, s=256, d=64, kinds=["random", "branches"])

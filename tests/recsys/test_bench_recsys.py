@@ -25,10 +25,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")]
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_GPU)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_bench_recsys_quick(tiny_model, tmp_path, capsys, device):
     model, data = tiny_model
     save_checkpoint(

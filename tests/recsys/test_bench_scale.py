@@ -13,10 +13,8 @@ from genrec_spec.bench.errors import BenchError
 from genrec_spec.bench.scale import BenchScaleConfig, bench_scale
 from genrec_spec.bench.scale_report import format_text, write
 
-ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")]
 
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_GPU)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_bench_scale_on_a_tiny_catalogue(tmp_path, device):
     settings = BenchScaleConfig(
         sizes=(600,),
