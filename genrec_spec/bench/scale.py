@@ -72,7 +72,9 @@ class BenchScaleConfig:
     item_table: str = "embeddings"  # the random model's item table: "embeddings" or "random"
     index_kind: str = ItemIndexConfig.kind  # the item index dense-index searches (its KINDS)
     model: str = "default"  # the random model's code levels: "default" or "code-heads"
-    max_gather_gib: float = 4.0  # skip a cell whose tied levels would gather more than this
+    # Skip a cell whose tied levels would gather more than this; None: 4 GiB on a CPU, a quarter
+    # of the memory of a GPU (`gather_limit_gib`)
+    max_gather_gib: float | None = None
     max_call_s: float = 30.0  # a cell whose first two calls take longer is not repeated
     threads: int = 1  # torch and faiss CPU threads
     seed: int = 0
@@ -193,6 +195,16 @@ def gather_gib(model, batch: int, width: int, decoder: str) -> float:
     return nodes * window * model.config.dim * 4 / 2**30
 
 
+def gather_limit_gib(settings: BenchScaleConfig) -> float:
+    """The most GiB of item windows a cell may gather (`BenchScaleConfig.max_gather_gib`)."""
+    if settings.max_gather_gib is not None:
+        return settings.max_gather_gib
+    device = torch.device(settings.device)
+    if device.type != "cuda":
+        return 4.0
+    return torch.cuda.get_device_properties(device).total_memory / 4 / 2**30
+
+
 def decoder_calls(names: tuple[str, ...], index_kind: str) -> dict[str, Callable]:
     """name -> call(model, values, offsets, k, trie, width); dense-index searches an index of
     `index_kind`."""
@@ -222,7 +234,7 @@ def time_cells(model, histories, trie, settings: BenchScaleConfig, log) -> list[
             notes = dict.fromkeys(names, "")
             for name in names:
                 gib = gather_gib(model, batch, width, name)
-                if gib > settings.max_gather_gib:
+                if gib > gather_limit_gib(settings):
                     notes[name] = f"skipped: its tied levels would gather ~{gib:.0f} GiB"
                     continue
                 part = histories.select(torch.arange(batch))

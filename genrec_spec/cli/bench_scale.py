@@ -61,7 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="code levels: the default config's (read every item under a prefix) or plain "
         "code heads (trie-bounded)",
     )
-    parser.add_argument("--max-gather-gib", type=float, default=c.max_gather_gib)
+    parser.add_argument(
+        "--max-gather-gib",
+        type=float,
+        default=c.max_gather_gib,
+        help="skip a cell whose tied levels would gather more (default: 4 on a CPU, a quarter "
+        "of a GPU's memory)",
+    )
     parser.add_argument("--max-call-s", type=float, default=c.max_call_s)
     parser.add_argument("--threads", type=int, default=c.threads, help="torch and faiss threads")
     parser.add_argument("--seed", type=int, default=c.seed)

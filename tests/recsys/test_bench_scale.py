@@ -79,3 +79,12 @@ def test_a_copied_catalogue_is_read_where_it_is_now(tmp_path):
     folder.with_name(folder.name + ".prepare-cost.json").write_text(json.dumps(record))
     cost = prepared_catalogue(600, tmp_path / "copy", 3)
     assert cost.folder == str(folder) and cost.wall_s == 1.5 and not cost.measured
+
+
+def test_the_gather_limit_follows_the_device():
+    from genrec_spec.bench.scale import gather_limit_gib
+
+    assert gather_limit_gib(BenchScaleConfig()) == 4.0  # a CPU machine's default
+    assert gather_limit_gib(BenchScaleConfig(max_gather_gib=40.0)) == 40.0
+    if torch.cuda.is_available():
+        assert gather_limit_gib(BenchScaleConfig(device="cuda")) > 4.0
