@@ -19,7 +19,7 @@ its limit keeps what it printed):
    call's launch overhead (FlexAttention compiled there too).
 
 DIR gets one ``<check>.txt`` per check and ``summary.md``: each check's exit status, seconds and
-command, then the kernel's best launch per shape, the recommender tables and the scale table.
+command, then the kernel's best launch per shape and the recommender, LLM and scale reports.
 Files are written under a temporary name and renamed when their check ends.
 """
 
