@@ -4,6 +4,7 @@ recall against the exact list, and `spec_beam`'s "items" draft through it, still
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -198,3 +199,17 @@ def test_spec_beam_with_the_indexed_items_draft_equals_beam(
             )
             assert same_top_k(want, got).all(), (k, width, draft_width)
             assert 0.0 < got.stats.draft_hit_rate <= 1.0
+
+
+def test_ivf_lists_scanned_grow_with_the_catalogue(random_recommender):
+    """ivf-pq scans at least min_probe_share of its lists (recall follows the share scanned);
+    ivf-hnsw keeps its nprobe (its lists do not grow); a share outside [0, 1] is refused."""
+    faiss = pytest.importorskip("faiss")
+    table = _model(random_recommender, 3, 3000, 0.05).item_keys().detach()  # [I, D]
+    share = ItemIndexConfig(kind="ivf-pq", nprobe=2, min_probe_share=0.25, lists_per_sqrt_item=2)
+    probed = faiss.extract_index_ivf(ItemIndex(table, share).index)
+    assert probed.nprobe == math.ceil(0.25 * probed.nlist) > 2
+    fixed = ItemIndexConfig(kind="ivf-hnsw", nprobe=2, min_probe_share=0.25, list_items=20)
+    assert faiss.extract_index_ivf(ItemIndex(table, fixed).index).nprobe == 2
+    with pytest.raises(DecodeOptionError, match="min_probe_share"):
+        ItemIndexConfig(min_probe_share=1.5)
