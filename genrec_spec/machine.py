@@ -84,6 +84,16 @@ def describe_device(device: str | object) -> str:
     )
 
 
+def finish(device: str | object) -> None:
+    """Wait for the device's queued work: a GPU call returns before its kernels end (a no-op on
+    a CPU). Timers read after it."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def machine_key(*extra: object) -> str:
     """A digest of what a CPU timing depends on: the CPU model and flags, the torch build, and
     `extra` (the thread count where it matters, shapes, the kernels' version)."""

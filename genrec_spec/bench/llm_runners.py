@@ -21,6 +21,7 @@ from genrec_spec.core.controller import ControllerConfig, measure_pass_cost
 from genrec_spec.core.decode import generate, pack_prompts
 from genrec_spec.core.types import DecodeStats, SamplingParams
 from genrec_spec.llm.methods import controller_for, make_proposer
+from genrec_spec.machine import finish
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,7 @@ def hugging_face(hf_model: object, eos: int | None, assistance: dict) -> Runner:
                 pad_token_id=pad,
                 **options,
             )
-        if out.is_cuda:  # a GPU call returns before its kernels end
-            torch.cuda.synchronize(out.device)
+        finish(out.device)
         seconds = time.perf_counter() - start
         generated = out[:, ids.shape[1] :].tolist()
         return Run([cut_at_eos(row, eos) for row in generated], seconds, None)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from genrec_spec.bench.errors import BenchError
-from genrec_spec.machine import describe_device
+from genrec_spec.machine import describe_device, finish
 from genrec_spec.recsys.checkpoint import load_model_and_data
 from genrec_spec.recsys.data import sample_users
 from genrec_spec.recsys.decoders.beam import beam_width_for, item_trie, search
@@ -160,17 +160,11 @@ def returning_users(model, users, names: list[str]) -> dict:
     return views
 
 
-def _finish(device: torch.device) -> None:
-    """Wait for the device's queued work: a GPU call returns before its kernels end."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(decode, model, users, k, trie):
     """(wall seconds, CPU seconds of this thread, Recommendations) of one call."""
     start, cpu = time.perf_counter(), time.thread_time()
     out = decode(model, users.values, users.offsets, k=k, trie=trie)
-    _finish(users.values.device)
+    finish(users.values.device)
     return time.perf_counter() - start, time.thread_time() - cpu, out
 
 
@@ -184,7 +178,7 @@ def _timed_floor(name: str, model, users, prefixes: PrefixTree) -> float:
         model.encode_history_and_tree(
             users.values, users.offsets, prefixes.codes, prefixes.levels, prefixes.parents
         )
-    _finish(users.values.device)
+    finish(users.values.device)
     return time.perf_counter() - start
 
 

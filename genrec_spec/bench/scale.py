@@ -41,7 +41,7 @@ import torch
 
 from genrec_spec.bench.errors import BenchError
 from genrec_spec.bench.scale_prepare import PrepareCost, prepared_catalogue
-from genrec_spec.machine import describe_device
+from genrec_spec.machine import describe_device, finish
 from genrec_spec.recsys.item_index import KINDS as INDEX_KINDS
 from genrec_spec.recsys.item_index import ItemIndexConfig
 
@@ -275,8 +275,7 @@ def _timed(call, model, users, k: int, trie, width: int) -> float:
     its kernels end)."""
     start = time.perf_counter()
     call(model, users.values, users.offsets, k, trie, width)
-    if users.values.device.type == "cuda":
-        torch.cuda.synchronize(users.values.device)
+    finish(users.values.device)
     return time.perf_counter() - start
 
 

@@ -36,12 +36,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from genrec_spec.core.targets import as_target
 from genrec_spec.core.types import DecodeInputError, DraftTree
 from genrec_spec.data_pipelines.atomic import json_made_once
-from genrec_spec.machine import machine_key, time_in_turns
+from genrec_spec.machine import finish, machine_key, time_in_turns
 
 
 @dataclass(frozen=True)
@@ -168,20 +167,13 @@ def measure_pass_cost(
     keep_root = torch.ones(1, dtype=torch.long, device=on)
     seconds = time_in_turns(
         {
-            n: (lambda tree=tree: _finished(target.score_tree(cache, tree)))
+            n: (lambda tree=tree: finish(target.score_tree(cache, tree).device))
             for n, tree in enumerate(trees, 1)
         },
         repeats,
         after=lambda n: target.commit(cache, root, keep_root),  # keep the root only
     )
     return tuple(seconds[n] / seconds[1] for n in range(1, max_tokens + 1))
-
-
-def _finished(out: Tensor) -> Tensor:
-    """`out` once its device's queued work is done (a GPU pass returns before it ends)."""
-    if out.is_cuda:
-        torch.cuda.synchronize(out.device)
-    return out
 
 
 # Part of cached_pass_cost's key: bump it when the targets' kernels change what a pass of n

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from genrec_spec.machine import finish
 from genrec_spec.models.recsys.config import RecommenderConfig
 from genrec_spec.models.recsys.item_scores import item_log_likelihoods
 from genrec_spec.models.recsys.layout import train_layout
@@ -233,8 +234,7 @@ def train_step(run: TrainRun, users: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def synchronized_time(run: TrainRun) -> float:
     """`time.perf_counter()` once the device has finished the work queued so far."""
-    if run.device.type == "cuda":
-        torch.cuda.synchronize(run.device)
+    finish(run.device)
     return time.perf_counter()
 
 
