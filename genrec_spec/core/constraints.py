@@ -48,7 +48,10 @@ class Catalogue:
         self.items_below = _items_below(trie) if items_below is None else items_below
 
     def to(self, device: torch.device | str) -> Catalogue:
-        """The catalogue with its tables on `device` (the same tensors where they are there)."""
+        """The catalogue with its tables on `device`: itself where they are there already (every
+        search moves its catalogue, so a catalogue kept on its target's device costs nothing)."""
+        if self.items_below.device == torch.device(device):
+            return self
         return Catalogue(self.trie.to(device), self.items_below.to(device))
 
     @classmethod

@@ -76,8 +76,8 @@ class ItemIndexConfig:
     train_items_per_list: int = 64  # ivf kinds: k-means trains on this many items a list
     nprobe: int = 128  # ivf kinds: lists scanned per query (every list of a small catalogue)
     # ivf, ivf-pq: scan at least this share of the lists. Their recall follows the share of the
-    # catalogue scanned, not the items (`bench scale`: 128 of sqrt(I) lists found 0.98 of the
-    # top 10 at 10^6 items, 0.94 at 10^7), so a fixed nprobe loses recall as the catalogue grows.
+    # catalogue scanned, not the items scanned, so a fixed nprobe loses recall as the catalogue
+    # grows (docs/results/scale.md, "the probes it needs").
     min_probe_share: float = 0.06
     refine_factor: int = 30  # ivf-pq, ivf-hnsw: codes' best refine_factor x K rescored exactly
     hnsw_links: int = 32  # hnsw, ivf-hnsw: graph links per item or list (faiss's M)
