@@ -47,7 +47,7 @@ class GpuCheckConfig:
     # Small enough to prepare on the machine inside the check (about a minute each)
     scale_sizes: str = "10000,100000"
     llm_prompts: int = 4
-    # Seconds each check may take: 10.5 minutes in all, inside a 12-minute window with the
+    # Seconds each check may take: under 11 minutes in all, inside a 12-minute window with the
     # install and the machine's start.
     tests_s: int = 110
     tune_s: int = 90
