@@ -169,7 +169,8 @@ def beam_search(
             values, options = search.tree.candidates(beams.nodes)  # [B, W, C] each
             values = values.masked_fill(~alive[..., None], float("-inf"))
             hits = _select(beams, values, options, eos_t, keep, step, max_new_tokens, config)
-            _link(beams, search.tree)
+            if drafter is not None:  # (without drafts a beam's new node is never planned yet)
+                _link(beams, search.tree)
             search.row_steps += int(open_rows.sum())
             if not _unfinished(beams, hits, step + 1, max_new_tokens, config):
                 break
@@ -262,12 +263,13 @@ class _Search:
             return
         tree = self.tree
         rows, parents, tokens = need.nonzero()[:, 0], beams.parents[need], beams.last[need]
-        # Copies of a beam (the first step's) plan one node.
-        once, copy_of = _distinct(tree.key(rows, parents, tokens))
-        rows, parents, tokens = rows[once], parents[once], tokens[once]
+        copies = bool((beams.scores[need] <= UNREACHABLE / 2).any())
+        if copies:  # copies of a beam (the first step's, and beams from them) plan one node
+            once, copy_of = _distinct(tree.key(rows, parents, tokens))
+            rows, parents, tokens = rows[once], parents[once], tokens[once]
         states = self._states(rows, parents, tokens)
         nodes = tree.add(rows, parents, tokens, states)
-        beams.nodes[need] = nodes[copy_of]
+        beams.nodes[need] = nodes[copy_of] if copies else nodes
         if self.forced_free and self._know_forced(rows, nodes) == len(rows):
             return  # no new node needs the target: they wait for a pass
         if self.drafter is not None:

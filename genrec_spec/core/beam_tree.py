@@ -5,8 +5,9 @@ Rows share one node numbering, the target's pending tree (``Target.grow_tree``):
 the same number of nodes M to every row, rows with fewer real nodes padding with nodes no beam
 reaches (parent -1, state -1). Node 0 of every row is its root, the prompt's last token. All
 bookkeeping is batched tensor work: a (row, parent, token) triple is one int64 key, and the keys
-of every node are kept sorted, so looking up the children of a whole step's beams (or a draft's
-nodes) is one ``searchsorted``.
+of every node are sorted when a lookup needs them (plain beam search never looks a node up: a
+beam's new node is always new), so looking up the children of a whole step's beams (or a
+draft's nodes) is one ``searchsorted``.
 
 A pass is planned with ``add`` (nodes get their numbers at once, so a planned node can be the
 parent of another: a drafter plans below the beams' new nodes), then ``plan`` closes it and gives
@@ -42,8 +43,10 @@ class BeamTree:
     parents: Tensor = field(init=False)  # [B, capacity] -1 for roots and padding
     tokens: Tensor = field(init=False)  # [B, capacity]
     states: Tensor = field(init=False)  # [B, capacity] constraint states (-1 padding)
-    keys: Tensor = field(init=False)  # [R] sorted keys of every real node
+    keys: Tensor = field(init=False)  # [R] sorted keys of the real nodes added before `unsorted`
     key_nodes: Tensor = field(init=False)  # [R] the node each key names
+    # (rows, parents, tokens, nodes) of each `add` since the keys were last sorted
+    unsorted: list = field(init=False, default_factory=list)
     # Each stored node's candidates (log-probs, tokens: int32, a vocabulary fits at half the
     # bytes), a run of C' <= C per node in the flat tables below, in any order (-inf pads).
     # Runs are as wide as their pass needs: a wide search's nodes mostly have few children, and
@@ -84,6 +87,7 @@ class BeamTree:
         """The node each (row, parent node, token) leads to; -1 where none is scored or
         planned (a parent of -1 is the row's root position: the root node itself)."""
         keys = self.key(rows, parents, tokens)
+        self._sort_keys()
         if not len(self.keys):
             return torch.full_like(keys, -1)
         at = torch.searchsorted(self.keys, keys).clamp(max=len(self.keys) - 1)
@@ -100,10 +104,19 @@ class BeamTree:
         self._reserve(self.size + int(self.pending.max()))
         self.parents[rows, nodes], self.tokens[rows, nodes] = parents, tokens
         self.states[rows, nodes] = states
+        self.unsorted.append((rows, parents, tokens, nodes))
+        return nodes
+
+    def _sort_keys(self) -> None:
+        """Merge the keys of the nodes added since the last lookup into the sorted table."""
+        if not self.unsorted:
+            return
+        added = zip(*self.unsorted, strict=True)
+        rows, parents, tokens, nodes = (torch.cat(part) for part in added)
         keys = torch.cat([self.keys, self.key(rows, parents, tokens)])
         order = keys.argsort()
         self.keys, self.key_nodes = keys[order], torch.cat([self.key_nodes, nodes])[order]
-        return nodes
+        self.unsorted = []
 
     def planned(self, since: Tensor) -> tuple[Tensor, Tensor]:  # [B] -> [P] each
         """The rows and numbers of the nodes planned for the next pass after the first

@@ -180,9 +180,10 @@ class RecommenderTarget:
                     model, cache.state, codes, levels, parents, busy, last
                 )
         out = _output_buffer(cache, (batch, m, self.vocab_size))
-        level0 = cache.state.level0_log_probs  # [B, V0]
-        rows, slots = (depth == 0)[:, n - m :].nonzero(as_tuple=True)
-        out[rows, slots, : level0.shape[1]] = level0[rows]
+        if first:  # the roots (a later grow's depth-0 nodes are padding, which no beam reads)
+            level0 = cache.state.level0_log_probs  # [B, V0]
+            rows, slots = (depth == 0)[:, n - m :].nonzero(as_tuple=True)
+            out[rows, slots, : level0.shape[1]] = level0[rows]
         if not bool(wanted.any()):
             return out
         rows, slots = new_real.nonzero(as_tuple=True)  # log_probs [B, W', Vmax]: the last W'
