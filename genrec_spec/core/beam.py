@@ -85,14 +85,13 @@ class BeamOutput(Generation):
 
 
 class BeamDrafter(Protocol):
-    def begin(self, tokens: Tensor, lengths: Tensor, constraint: Constraint | None) -> None:
-        """A search starts: its prompts (tokens [B, T], right-padded, lengths [B]) and the
-        constraint it runs under (a drafted node's ``tree.add`` state is its parent's, advanced
-        by it)."""
+    def begin(self, tokens: Tensor, lengths: Tensor) -> None:
+        """A search starts: its prompts (tokens [B, T], right-padded, lengths [B])."""
         ...
 
     def draft(self, tree: BeamTree, rows: Tensor, nodes: Tensor, budget: int, cache) -> None:
-        """Plan at most ``budget`` nodes per row with ``tree.add`` below the frontier: rows,
+        """Plan at most ``budget`` nodes per row with ``tree.add`` below the frontier (the
+        tree derives each node's constraint state, ``tree.states``): rows,
         nodes [F] the live beams' nodes, once each, rows grouped ascending and each row's best
         beam first; ``cache`` is the target's (``Target.prefill``'s), for drafts that read
         the target's own state of the prompts (a recommender's encoded histories)."""
@@ -155,7 +154,7 @@ def beam_search(
             target, cache, tokens, lengths, config, constraint, drafter, width, max_new_tokens
         )
         if drafter is not None:
-            drafter.begin(tokens, lengths, constraint)
+            drafter.begin(tokens, lengths)
         beams = _start(tokens, lengths, config.num_beams, max_new_tokens)
         eos_t = torch.tensor(eos, dtype=torch.long, device=device)
         for step in range(max_new_tokens):
@@ -242,12 +241,7 @@ class _Search:
         # Plain beam search adds at most W nodes per row a step (and the root): room for them
         # all from the start; drafted nodes grow the tree past it.
         capacity = min(1 + config.num_beams * steps, MAX_NODES)
-        self.tree = BeamTree(batch, width, tokens_below, capacity, tokens.device)
-        self.start = (
-            constraint.start(batch, tokens.device)
-            if constraint
-            else torch.zeros(batch, dtype=torch.long, device=tokens.device)
-        )
+        self.tree = BeamTree(batch, width, tokens_below, capacity, tokens.device, constraint)
         # A catalogue's forced token costs exactly 0 where log-probs are renormalised over the
         # allowed tokens (by the rule, or by the target's own outputs): known without a pass.
         free = config.renormalize or getattr(target, "forced_tokens_free", False)
@@ -267,8 +261,7 @@ class _Search:
         if copies:  # copies of a beam (the first step's, and beams from them) plan one node
             once, copy_of = _distinct(tree.key(rows, parents, tokens))
             rows, parents, tokens = rows[once], parents[once], tokens[once]
-        states = self._states(rows, parents, tokens)
-        nodes = tree.add(rows, parents, tokens, states)
+        nodes = tree.add(rows, parents, tokens)
         beams.nodes[need] = nodes[copy_of] if copies else nodes
         if self.forced_free and self._know_forced(rows, nodes) == len(rows):
             return  # no new node needs the target: they wait for a pass
@@ -303,15 +296,6 @@ class _Search:
         if count:
             self.tree.know(rows[known], nodes[known], forced[known])
         return count
-
-    def _states(self, rows: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:  # [Q] each
-        """The constraint state after each (parent node, token), in one batched step; a root
-        (parent -1) is the row's empty generated prefix."""
-        if self.constraint is None:
-            return torch.zeros_like(rows)
-        above = self.tree.states[rows, parents.clamp_min(0)]
-        moved = self.constraint.advance(above, tokens)
-        return torch.where(parents >= 0, moved, self.start[rows])
 
     def _pass(self) -> None:
         """Score the planned nodes and store their best candidates."""

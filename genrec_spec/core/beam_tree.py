@@ -10,7 +10,8 @@ beam's new node is always new), so looking up the children of a whole step's bea
 draft's nodes) is one ``searchsorted``.
 
 A pass is planned with ``add`` (nodes get their numbers at once, so a planned node can be the
-parent of another: a drafter plans below the beams' new nodes), then ``plan`` closes it and gives
+parent of another: a drafter plans below the beams' new nodes; each node's constraint state is
+its parent's advanced by its token, a root's the row's start), then ``plan`` closes it and gives
 the target its nodes, and ``store`` keeps their best candidates once scored. A node whose
 candidates need no target (``know``: a forced token that costs nothing) can wait planned until
 a pass carries it as the parent of nodes that do.
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from genrec_spec.core.constraints import Constraint
 
 # Node numbers per row are below this, so (row, parent, token) packs into one int64 key.
 MAX_NODES = 1 << 24
@@ -38,11 +41,13 @@ class BeamTree:
     # every table, so a search sizes this to the nodes it expects.
     capacity: int = 1
     device: torch.device | str = "cpu"  # the target's: every table lives beside its outputs
+    constraint: Constraint | None = None  # the search's: each node's state under it
     size: int = 0  # nodes per row in closed passes (real and padding)
     pending: Tensor = field(init=False)  # [B] nodes planned per row for the next pass
     parents: Tensor = field(init=False)  # [B, capacity] -1 for roots and padding
     tokens: Tensor = field(init=False)  # [B, capacity]
     states: Tensor = field(init=False)  # [B, capacity] constraint states (-1 padding)
+    start: Tensor = field(init=False)  # [B] each row's root state (zeros without a constraint)
     keys: Tensor = field(init=False)  # [R] sorted keys of the real nodes added before `unsorted`
     key_nodes: Tensor = field(init=False)  # [R] the node each key names
     # (rows, parents, tokens, nodes) of each `add` since the keys were last sorted
@@ -70,6 +75,11 @@ class BeamTree:
         self.parents = torch.full(slots, -1, dtype=torch.long, device=on)
         self.tokens = torch.zeros(slots, dtype=torch.long, device=on)
         self.states = torch.full(slots, -1, dtype=torch.long, device=on)
+        self.start = (
+            self.constraint.start(self.batch, on)
+            if self.constraint is not None
+            else torch.zeros(self.batch, dtype=torch.long, device=on)
+        )
         self.keys = torch.zeros(0, dtype=torch.long, device=on)
         self.key_nodes = torch.zeros(0, dtype=torch.long, device=on)
         self.stored_values = torch.empty(self.batch * self.width, device=on)
@@ -93,11 +103,12 @@ class BeamTree:
         at = torch.searchsorted(self.keys, keys).clamp(max=len(self.keys) - 1)
         return torch.where(self.keys[at] == keys, self.key_nodes[at], -1)
 
-    def add(self, rows: Tensor, parents: Tensor, tokens: Tensor, states: Tensor) -> Tensor:
-        """Plan Q distinct new nodes (rows [Q] grouped ascending, their parent nodes, tokens and
-        constraint states) for the next pass; returns their numbers [Q]."""
+    def add(self, rows: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:
+        """Plan Q distinct new nodes (rows [Q] grouped ascending, their parent nodes -1 for a
+        root, and tokens) for the next pass; returns their numbers [Q]."""
         if not len(rows):
             return rows
+        states = self._states(rows, parents, tokens)
         rank = rank_within_rows(rows, self.batch)  # [Q] order among the row's new nodes
         nodes = self.size + self.pending[rows] + rank
         self.pending += torch.bincount(rows, minlength=self.batch)
@@ -106,6 +117,14 @@ class BeamTree:
         self.states[rows, nodes] = states
         self.unsorted.append((rows, parents, tokens, nodes))
         return nodes
+
+    def _states(self, rows: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:  # [Q] each
+        """The constraint state after each (parent node, token), in one batched step; a root
+        (parent -1) is the row's start."""
+        if self.constraint is None:
+            return torch.zeros_like(rows)
+        moved = self.constraint.advance(self.states[rows, parents.clamp_min(0)], tokens)
+        return torch.where(parents >= 0, moved, self.start[rows])
 
     def _sort_keys(self) -> None:
         """Merge the keys of the nodes added since the last lookup into the sorted table."""

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from genrec_spec.core.beam_tree import BeamTree, rank_within_rows
-from genrec_spec.core.constraints import Catalogue, Constraint
+from genrec_spec.core.constraints import Catalogue
 
 
 @dataclass
@@ -27,7 +27,7 @@ class CatalogueDrafter:
     fanout: int = 1
     items: int = 1
 
-    def begin(self, tokens: Tensor, lengths: Tensor, constraint: Constraint | None) -> None:
+    def begin(self, tokens: Tensor, lengths: Tensor) -> None:
         """``BeamDrafter.begin``: the catalogue beside the search's tables (on the target's
         device); nothing else to keep (the tree holds each node's catalogue state)."""
         self.catalogue = self.catalogue.to(tokens.device)
@@ -49,7 +49,7 @@ class CatalogueDrafter:
             nodes = tree.child(rows, parents, tokens)  # [F'] -1: not planned yet
             new = (nodes < 0).nonzero()[:, 0]
             take = new[rank_within_rows(rows[new], tree.batch) < left[rows[new]]]
-            nodes[take] = tree.add(rows[take], parents[take], tokens[take], states[take])
+            nodes[take] = tree.add(rows[take], parents[take], tokens[take])
             left -= torch.bincount(rows[take], minlength=tree.batch)
             kept = nodes >= 0  # over budget: not drafted, nor anything below it
             rows, nodes, states = rows[kept], nodes[kept], states[kept]

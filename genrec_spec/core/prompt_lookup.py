@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from genrec_spec.core.beam_tree import BeamTree, rank_within_rows
-from genrec_spec.core.constraints import Constraint
 from genrec_spec.core.types import DecodeInputError
 
 
@@ -58,7 +57,6 @@ class PromptLookupDrafter:
     max_ngram: int = 3
     min_ngram: int = 1
     prompts: list[list[int]] = field(default_factory=list, init=False)
-    constraint: Constraint | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram or self.depth < 1:
@@ -67,11 +65,9 @@ class PromptLookupDrafter:
                 "use depth >= 1 and 1 <= min_ngram <= max_ngram",
             )
 
-    def begin(self, tokens: Tensor, lengths: Tensor, constraint: Constraint | None) -> None:
-        """``BeamDrafter.begin``: keep the prompts (the texts the beams continue) and the
-        search's constraint (a drafted node's state is its parent's, advanced)."""
+    def begin(self, tokens: Tensor, lengths: Tensor) -> None:
+        """``BeamDrafter.begin``: keep the prompts (the texts the beams continue)."""
         self.prompts = [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist(), strict=True)]
-        self.constraint = constraint
 
     def draft(self, tree: BeamTree, rows: Tensor, nodes: Tensor, budget: int, cache) -> None:
         """``BeamDrafter.draft``: each beam's continuation, a level at a time (so a small
@@ -106,14 +102,7 @@ class PromptLookupDrafter:
             new = (child < 0).nonzero()[:, 0]
             take = new[rank_within_rows(rows[new], tree.batch) < left[rows[new]]]
             rows_t, nodes_t, tokens_t = rows[take], nodes[take], tokens[take]
-            states = self._states(tree, rows_t, nodes_t, tokens_t)
-            child[take] = tree.add(rows_t, nodes_t, tokens_t, states)
+            child[take] = tree.add(rows_t, nodes_t, tokens_t)
             left -= torch.bincount(rows[take], minlength=tree.batch)
             nodes, at = child, at + 1  # over budget (-1): nothing below it either
             at = torch.where(nodes >= 0, at, -1)
-
-    def _states(self, tree: BeamTree, rows: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:
-        """The constraint's state after each (parent node, token) (zeros without one)."""
-        if self.constraint is None:
-            return torch.zeros_like(rows)
-        return self.constraint.advance(tree.states[rows, parents], tokens)

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from genrec_spec.core.beam_tree import BeamTree, rank_within_rows
 from genrec_spec.core.catalogue_drafter import CatalogueDrafter
-from genrec_spec.core.constraints import Catalogue, Constraint
+from genrec_spec.core.constraints import Catalogue
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.recsys.decoders.beam import Beams, extend, start_beams
@@ -155,7 +155,7 @@ class RecommenderDrafter:
     draft_codes: Tensor | None = None  # [B, R, L] codes of items whose prefixes are drafted
     after_history_made: bool = False
 
-    def begin(self, tokens: Tensor, lengths: Tensor, constraint: Constraint | None) -> None:
+    def begin(self, tokens: Tensor, lengths: Tensor) -> None:
         """``BeamDrafter.begin``: a decode starts, its after-history draft not made yet."""
         self.after_history_made = False
 
@@ -213,6 +213,5 @@ class RecommenderDrafter:
             tokens = index.code[nodes[at]] + self.target.offsets[depth]
             found = tree.child(here, above, tokens)
             new = found < 0
-            states = self.catalogue.advance(tree.states[here[new], above[new]], tokens[new])
-            found[new] = tree.add(here[new], above[new], tokens[new], states)
+            found[new] = tree.add(here[new], above[new], tokens[new])
             core[at] = found

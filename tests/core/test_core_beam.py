@@ -375,6 +375,23 @@ def test_distinct_keys_map_every_copy_to_its_first():
     assert torch.equal(keys[positions][copy_of], keys)
 
 
+def test_the_beam_tree_derives_each_nodes_constraint_state():
+    catalogue = Catalogue.of([[1, 2, EOS], [1, 4, EOS]], VOCAB)
+    tree = BeamTree(batch=2, width=3, vocab_size=VOCAB, capacity=4, constraint=catalogue)
+    roots = tree.add(torch.tensor([0, 1]), torch.tensor([-1, -1]), torch.tensor([7, 7]))
+    firsts = tree.add(torch.tensor([0, 1]), roots, torch.tensor([1, 2]))  # 2 leaves it
+    tree.add(torch.tensor([0, 0]), firsts[:1].repeat(2), torch.tensor([2, 4]))
+    after_1 = catalogue.advance(torch.tensor(0), torch.tensor(1))
+    expected = catalogue.advance(after_1.repeat(2), torch.tensor([2, 4]))
+    assert tree.states[:, 0].tolist() == [0, 0]  # the roots: the catalogue's start
+    assert tree.states[:, 1].tolist() == [int(after_1), -1]
+    assert tree.states[0, 2:4].tolist() == expected.tolist() and bool((expected >= 0).all())
+    # without a constraint every node's state is 0
+    plain = BeamTree(batch=1, width=3, vocab_size=VOCAB, capacity=2)
+    plain.add(torch.tensor([0, 0]), torch.tensor([-1, 0]), torch.tensor([7, 1]))
+    assert plain.states[0, :2].tolist() == [0, 0]
+
+
 def test_the_beam_tree_reads_back_what_it_stored():
     tree = BeamTree(batch=2, width=3, vocab_size=VOCAB, capacity=4)
     rows, parents, tokens = (
@@ -382,7 +399,7 @@ def test_the_beam_tree_reads_back_what_it_stored():
         torch.tensor([-1, 0, -1]),
         torch.tensor([1, 2, 3]),
     )
-    nodes = tree.add(rows, parents, tokens, torch.zeros(3, dtype=torch.long))
+    nodes = tree.add(rows, parents, tokens)
     assert nodes.tolist() == [0, 1, 0]
     assert tree.child(rows, parents, tokens).tolist() == [0, 1, 0]
     row0 = torch.zeros(2, dtype=torch.long)
@@ -398,7 +415,7 @@ def test_the_beam_tree_reads_back_what_it_stored():
     assert tokens.tolist() == [[[6, 7], [4, 5]], [[8, 0]] * 2]
     # past the first tables' room, earlier nodes read back the same; a node not scored has none
     many = torch.arange(3)
-    tree.add(torch.ones(3, dtype=torch.long), many - 1, many + 1, torch.zeros(3, dtype=torch.long))
+    tree.add(torch.ones(3, dtype=torch.long), many - 1, many + 1)
     tree.store(
         torch.ones(3, dtype=torch.long), many + 1, -torch.rand(3, 3), many[:, None].repeat(1, 3)
     )
