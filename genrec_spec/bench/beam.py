@@ -14,10 +14,6 @@ Tasks:
           ``spec`` drafts below every beam what followed its last tokens earlier in its text
           (prompt lookup: ``core.prompt_lookup.PromptLookupDrafter``)
 
-A speculative method drafts at a pass only while its drafts pay for their nodes
-(``core.draft_gate``), under each target's forward cost timed once before the run
-(``--pass-cost``).
-
 Columns:
   ms/req   wall milliseconds per request (user or prompt): the median over repeats of the
            whole workload's time, divided by its requests; batches of B run one after another
@@ -45,10 +41,8 @@ from genrec_spec.bench.errors import BenchError
 from genrec_spec.bench.llm_runners import cut_at_eos, left_padded
 from genrec_spec.core.beam import BeamConfig, beam_search
 from genrec_spec.core.catalogue_drafter import CatalogueDrafter
-from genrec_spec.core.controller import ControllerConfig, measure_pass_cost
 from genrec_spec.core.prompt_lookup import PromptLookupDrafter
 from genrec_spec.core.targets import HFTarget
-from genrec_spec.llm.methods import PASS_COSTS, controller_for
 from genrec_spec.machine import time_in_turns
 
 METHODS = ("hf", "beam", "spec", "hft-beam", "hft-spec")
@@ -75,19 +69,11 @@ class BenchBeamConfig:
     draft_items: int = CatalogueDrafter.items  # spec: ... or at most this many items below
     draft_nodes: int = BeamConfig.draft_nodes  # spec: drafted nodes per pass, all rows
     lookup_depth: int = PromptLookupDrafter.depth  # spec, code task: tokens drafted a beam
-    # spec: the cost model of whether a pass drafts (core.draft_gate): "measured" times each
-    # target's forward over 1-16 tokens once before the run, "linear" is ControllerConfig's
-    # default line, "none" drafts at every pass (llm.methods.PASS_COSTS)
-    pass_cost: str = "measured"
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise BenchError(f"unknown task {self.task!r}", f"choose one of {', '.join(TASKS)}")
-        if self.pass_cost not in PASS_COSTS:
-            raise BenchError(
-                f"unknown pass cost {self.pass_cost!r}", f"choose one of {', '.join(PASS_COSTS)}"
-            )
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise BenchError(f"unknown methods {unknown}", f"choose from {','.join(METHODS)}")
@@ -179,26 +165,16 @@ def code_workload(tokenizer, requests: int, seed: int, max_new_tokens: int) -> W
 
 
 def runners(
-    methods: Sequence[str],
-    native,
-    hf_model,
-    work: Workload,
-    config: BenchBeamConfig,
-    w: int,
-    controls: dict[str, ControllerConfig],  # "native", "hf": each target's draft gate
+    methods: Sequence[str], native, hf_model, work: Workload, config: BenchBeamConfig, w: int
 ) -> dict[str, Callable[[list[list[int]]], tuple[list, object]]]:
     """method -> (a batch of prompts -> (K token lists per prompt, stats or None))."""
-
-    def settings(model: str) -> BeamConfig:
-        return BeamConfig(
-            num_beams=w,
-            num_return_sequences=min(config.k, w),
-            length_penalty=config.length_penalty,
-            early_stopping=config.early_stopping,
-            draft_nodes=config.draft_nodes,
-            control=controls[model],
-        )
-
+    settings = BeamConfig(
+        num_beams=w,
+        num_return_sequences=min(config.k, w),
+        length_penalty=config.length_penalty,
+        early_stopping=config.early_stopping,
+        draft_nodes=config.draft_nodes,
+    )
     if work.catalogue is not None:
         drafter = CatalogueDrafter(
             work.catalogue, config.draft_depth, config.draft_fanout, items=config.draft_items
@@ -206,12 +182,12 @@ def runners(
     else:  # what followed each beam's last tokens earlier in its text
         drafter = PromptLookupDrafter(depth=config.lookup_depth)
 
-    def ours(model, spec: bool, name: str):
+    def ours(model, spec: bool):
         def run(batch):
             out = beam_search(
                 model,
                 batch,
-                config=settings(name),
+                config=settings,
                 max_new_tokens=work.max_new_tokens,
                 eos_token_id=work.eos,
                 constraint=work.catalogue,
@@ -221,8 +197,6 @@ def runners(
 
         return run
 
-    k = min(config.k, w)
-
     def hf(batch):
         ids, mask = left_padded(batch, work.eos)
         width = ids.shape[1]
@@ -231,24 +205,25 @@ def runners(
                 ids,
                 attention_mask=mask,
                 num_beams=w,
-                num_return_sequences=k,
-                length_penalty=config.length_penalty,
-                early_stopping=config.early_stopping,
+                num_return_sequences=settings.num_return_sequences,
+                length_penalty=settings.length_penalty,
+                early_stopping=settings.early_stopping,
                 max_new_tokens=work.max_new_tokens,
                 eos_token_id=work.eos,
                 pad_token_id=work.eos,
                 do_sample=False,
                 prefix_allowed_tokens_fn=None if work.allowed is None else work.allowed(width),
             )
+        k = settings.num_return_sequences
         rows = [cut_at_eos(r, work.eos) for r in out[:, width:].tolist()]
         return [rows[b * k : (b + 1) * k] for b in range(len(batch))], None
 
     made = {
         "hf": hf,
-        "beam": ours(native, False, "native"),
-        "spec": ours(native, True, "native"),
-        "hft-beam": ours(HFTarget(hf_model), False, "hf"),
-        "hft-spec": ours(HFTarget(hf_model), True, "hf"),
+        "beam": ours(native, False),
+        "spec": ours(native, True),
+        "hft-beam": ours(HFTarget(hf_model), False),
+        "hft-spec": ours(HFTarget(hf_model), True),
     }
     return {m: made[m] for m in methods}
 
@@ -257,14 +232,9 @@ def benchmark(
     native, hf_model, work: Workload, config: BenchBeamConfig, log: Callable[[str], None]
 ) -> list[Row]:
     rows = []
-    controls = {  # timed once, before any method
-        name: controller_for(config.pass_cost, lambda m=model: measure_pass_cost(m))
-        or ControllerConfig()
-        for name, model in (("native", native), ("hf", hf_model))
-    }
     for w in config.beam_widths:
         for b in config.batch_sizes:
-            runs = runners(config.methods, native, hf_model, work, config, w, controls)
+            runs = runners(config.methods, native, hf_model, work, config, w)
             batches = [work.prompts[i : i + b] for i in range(0, len(work.prompts), b)]
             results: dict[str, tuple[list, list]] = {}
             calls = {name: _workload(run, name, batches, results) for name, run in runs.items()}

@@ -8,7 +8,6 @@ import argparse
 from genrec_spec.bench import beam
 from genrec_spec.bench.beam import METHODS, TASKS, BenchBeamConfig, bench_beam
 from genrec_spec.cli.args import comma_list, config_from_args
-from genrec_spec.llm.methods import PASS_COSTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,13 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--lookup-depth", type=int, default=c.lookup_depth, help="code task: drafted a beam"
-    )
-    parser.add_argument(
-        "--pass-cost",
-        choices=PASS_COSTS,
-        default=c.pass_cost,
-        help="spec: cost model of whether a pass drafts (timed once before the run, the "
-        "linear default, or none: every pass drafts)",
     )
     parser.add_argument("--seed", type=int, default=c.seed)
 

@@ -18,13 +18,12 @@ num_return_sequences=K, length_penalty=..., early_stopping=...)`` (with
 ``prefix_allowed_tokens_fn`` for a constraint) up to float ties. A finished row stops asking for
 passes; it rides along until every row is done.
 
-Speculative beam search: a ``drafter`` adds nodes below the beams to a pass (the
+Speculative beam search: a ``drafter`` adds nodes below the beams to every pass (the
 catalogue's forced continuations: ``core.catalogue_drafter.CatalogueDrafter``; what followed
 each beam's last tokens earlier in its text: ``core.prompt_lookup.PromptLookupDrafter``); a
-step whose beams all reach scored nodes needs no pass. Passes carry drafts while the steps they
-save pay for their nodes (``core.draft_gate``, under ``BeamConfig.control``). Selection reads
-the same log-probabilities, so the output is plain beam search's, up to the float rounding of a
-node scored in another pass.
+step whose beams all reach scored nodes needs no pass. Selection reads the same
+log-probabilities, so the output is plain beam search's, up to the float rounding of a node
+scored in another pass.
 
 Plain or speculative, a catalogue's forced token costs exactly 0 where log-probs are renormalised
 over the allowed tokens (``BeamConfig.renormalize``, or a target whose outputs are:
@@ -50,9 +49,7 @@ from genrec_spec.core.constraints import (
     check_catalogue,
     log_probs,
 )
-from genrec_spec.core.controller import ControllerConfig
 from genrec_spec.core.decode import _check_limits, pack_prompts, prefill_checked
-from genrec_spec.core.draft_gate import DraftGate
 from genrec_spec.core.targets import Target, as_target
 from genrec_spec.core.types import DecodeInputError, DecodeStats, Generation
 
@@ -73,10 +70,6 @@ class BeamConfig:
     # Nodes a drafter may add to one pass, shared by the rows: a pass costs more with every
     # node, and in a batch each row's share of a saved pass's fixed cost is smaller.
     draft_nodes: int = 32
-    # Whether a pass drafts at all (core.draft_gate): while the drafts' saved steps pay for
-    # their nodes under this cost model (its pass_cost table, token_cost, min_speedup,
-    # probe_every, smoothing, prior_weight); adaptive=False drafts at every pass.
-    control: ControllerConfig = ControllerConfig()
 
 
 @dataclass(frozen=True)
@@ -240,7 +233,6 @@ class _Search:
         self.target, self.cache = target, cache
         self.prompts = [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist(), strict=True)]
         self.config, self.constraint, self.drafter = config, constraint, drafter
-        self.gate = None if drafter is None else DraftGate(config.control)
         self.normalized = getattr(target, "outputs_log_probs", False)  # read as they are
         batch = tokens.shape[0]
         # Keys pack tokens below this: generated ones, and the roots' (prompt tokens, which a
@@ -261,9 +253,7 @@ class _Search:
         """One pass when an open row has a live beam whose node is not scored: those nodes, and
         the drafter's nodes below every live beam of the open rows."""
         need = open_rows[:, None] & (beams.scores > float("-inf")) & (beams.nodes < 0)
-        if not bool(need.any()):  # every live beam reached a drafted node
-            if self.gate is not None:
-                self.gate.count_saved_step()
+        if not bool(need.any()):
             return
         tree = self.tree
         rows, parents, tokens = need.nonzero()[:, 0], beams.parents[need], beams.last[need]
@@ -275,8 +265,7 @@ class _Search:
         beams.nodes[need] = nodes[copy_of] if copies else nodes
         if self.forced_free and self._know_forced(rows, nodes) == len(rows):
             return  # no new node needs the target: they wait for a pass
-        drafts = self.gate is not None and self.gate.opens()
-        if drafts:
+        if self.drafter is not None:
             live = open_rows[:, None] & (beams.scores > float("-inf"))
             budget = max(1, self.config.draft_nodes // int(open_rows.sum()))
             rows_live, nodes_live = live.nonzero()[:, 0], beams.nodes[live]
@@ -286,10 +275,9 @@ class _Search:
             drafted = tree.planned(before)
             tree.drafted[drafted] = True
             self.drafted += len(drafted[0])
-            self.gate.count_pass(int(before.sum()), len(drafted[0]))
-            self.speculative += bool(len(drafted[0]))
             if self.forced_free:  # a drafted forced node is known too: exactly 0, as a beam's
                 self._know_forced(*drafted)
+        self.speculative += self.drafter is not None
         self._pass()
 
     def count_hits(self, beams: _Beams, alive: Tensor) -> None:  # alive [B, W] bool

@@ -36,7 +36,6 @@ from torch import Tensor
 from genrec_spec.core.beam import BeamConfig, BeamDrafter, beam_search
 from genrec_spec.core.catalogue import TokenTrie
 from genrec_spec.core.constraints import Catalogue
-from genrec_spec.core.controller import ControllerConfig
 from genrec_spec.core.targets import grown
 from genrec_spec.core.types import DecodeInputError, DraftTree
 from genrec_spec.data_pipelines.jagged import jagged_to_padded, padded_to_jagged
@@ -308,14 +307,8 @@ def core_beam(
         target,
         tokens,
         prompt_lengths=lengths,
-        # The recommender's drafts are planned for the decode (the history's draft at the
-        # second pass): every pass carries what they planned, as the native decoder's do.
         config=BeamConfig(
-            num_beams=width,
-            num_return_sequences=k,
-            length_penalty=0.0,
-            draft_nodes=budget,
-            control=ControllerConfig(adaptive=False),
+            num_beams=width, num_return_sequences=k, length_penalty=0.0, draft_nodes=budget
         ),
         max_new_tokens=model.num_levels,
         constraint=catalogue,
