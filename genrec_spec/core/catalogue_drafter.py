@@ -20,7 +20,8 @@ class CatalogueDrafter:
     node with at most ``items`` catalogue items below it (1: the forced continuations of a
     prefix that names one item, drafts that cannot miss; 2: also a title's two years), or at
     most ``fanout`` children, down to ``depth`` levels, a level at a time (so a small budget
-    goes to the nearest nodes of every beam first)."""
+    goes to the nearest nodes of every beam first). The search runs under this catalogue: the
+    tree's states are its trie nodes."""
 
     catalogue: Catalogue
     depth: int = 16
@@ -36,20 +37,21 @@ class CatalogueDrafter:
         """``BeamDrafter.draft``: a level at a time below the frontier (rows, nodes [F]); the
         catalogue alone decides, so the target's cache is not read."""
         trie, left = self.catalogue.trie, torch.full((tree.batch,), budget, device=tree.device)
-        states = tree.states[rows, nodes]  # [F]
         for _ in range(self.depth):
             if not len(rows):
                 return
+            # [F] each frontier node's catalogue state: the tree derives it (the search runs
+            # under this catalogue)
+            states = tree.states[rows, nodes]
             tokens, exists = trie.children_of(states)  # [F, C]
             few = (states >= 0) & (self.catalogue.items_below[states.clamp_min(0)] <= self.items)
             exists &= (few | (exists.sum(1) <= self.fanout))[:, None]
             at, slot = exists.nonzero(as_tuple=True)  # frontier order, then token order
             rows, parents, tokens = rows[at], nodes[at], tokens[at, slot]
-            states = trie.step(states[at], tokens)
             nodes = tree.child(rows, parents, tokens)  # [F'] -1: not planned yet
             new = (nodes < 0).nonzero()[:, 0]
             take = new[rank_within_rows(rows[new], tree.batch) < left[rows[new]]]
             nodes[take] = tree.add(rows[take], parents[take], tokens[take])
             left -= torch.bincount(rows[take], minlength=tree.batch)
             kept = nodes >= 0  # over budget: not drafted, nor anything below it
-            rows, nodes, states = rows[kept], nodes[kept], states[kept]
+            rows, nodes = rows[kept], nodes[kept]
