@@ -43,6 +43,8 @@ from genrec_spec.core.beam import BeamConfig, beam_search
 from genrec_spec.core.catalogue_drafter import CatalogueDrafter
 from genrec_spec.core.prompt_lookup import PromptLookupDrafter
 from genrec_spec.core.targets import HFTarget
+from genrec_spec.llm.methods import PASS_COSTS
+from genrec_spec.llm.title_recommender import TitleRecommender, draft_record, item_titles
 from genrec_spec.machine import time_in_turns
 
 METHODS = ("hf", "beam", "spec", "hft-beam", "hft-spec")
@@ -69,11 +71,18 @@ class BenchBeamConfig:
     draft_items: int = CatalogueDrafter.items  # spec: ... or at most this many items below
     draft_nodes: int = BeamConfig.draft_nodes  # spec: drafted nodes per pass, all rows
     lookup_depth: int = PromptLookupDrafter.depth  # spec, code task: tokens drafted a beam
+    # spec: how a search prices drafted nodes when deciding from the run's earlier searches
+    # whether to draft (core.draft_record; llm.methods.controller_for)
+    pass_cost: str = "measured"
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise BenchError(f"unknown task {self.task!r}", f"choose one of {', '.join(TASKS)}")
+        if self.pass_cost not in PASS_COSTS:
+            raise BenchError(
+                f"unknown pass cost {self.pass_cost!r}", f"choose one of {', '.join(PASS_COSTS)}"
+            )
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise BenchError(f"unknown methods {unknown}", f"choose from {','.join(METHODS)}")
@@ -114,7 +123,6 @@ def title_workload(tokenizer, requests: int, seed: int) -> Workload:
     """ML-1M test users (a seeded sample) and the catalogue of every title."""
     from genrec_spec.data_pipelines.loaders import load_dataset
     from genrec_spec.data_pipelines.split import build_item_index, leave_one_out, user_sequences
-    from genrec_spec.llm.title_recommender import TitleRecommender, item_titles
 
     raw = load_dataset("ml-1m")
     test = leave_one_out(user_sequences(raw.interactions, build_item_index(raw.items))).test
@@ -182,7 +190,14 @@ def runners(
     else:  # what followed each beam's last tokens earlier in its text
         drafter = PromptLookupDrafter(depth=config.lookup_depth)
 
-    def ours(model, spec: bool):
+    def ours(model, priced_by=None):
+        """Our beam search on `model`; speculative when `priced_by` (the torch module whose pass
+        cost prices drafted nodes) is given. A speculative method's searches share one record:
+        whether a search drafts is decided from what drafting earned in the earlier ones (the
+        warm-up round's too)."""
+        spec = priced_by is not None
+        record = draft_record(priced_by, config.pass_cost) if spec else None
+
         def run(batch):
             out = beam_search(
                 model,
@@ -192,6 +207,7 @@ def runners(
                 eos_token_id=work.eos,
                 constraint=work.catalogue,
                 drafter=drafter if spec else None,
+                record=record,
             )
             return out.tolist(), out.stats
 
@@ -219,13 +235,13 @@ def runners(
         return [rows[b * k : (b + 1) * k] for b in range(len(batch))], None
 
     made = {
-        "hf": hf,
-        "beam": ours(native, False),
-        "spec": ours(native, True),
-        "hft-beam": ours(HFTarget(hf_model), False),
-        "hft-spec": ours(HFTarget(hf_model), True),
+        "hf": lambda: hf,
+        "beam": lambda: ours(native),
+        "spec": lambda: ours(native, native),
+        "hft-beam": lambda: ours(HFTarget(hf_model)),
+        "hft-spec": lambda: ours(HFTarget(hf_model), hf_model),
     }
-    return {m: made[m] for m in methods}
+    return {m: made[m]() for m in methods}
 
 
 def benchmark(

@@ -8,6 +8,7 @@ import argparse
 from genrec_spec.bench import beam
 from genrec_spec.bench.beam import METHODS, TASKS, BenchBeamConfig, bench_beam
 from genrec_spec.cli.args import comma_list, config_from_args
+from genrec_spec.llm.methods import PASS_COSTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--lookup-depth", type=int, default=c.lookup_depth, help="code task: drafted a beam"
+    )
+    parser.add_argument(
+        "--pass-cost",
+        choices=PASS_COSTS,
+        default=c.pass_cost,
+        help="spec: how drafted nodes are priced when a search decides from the earlier ones "
+        "whether to draft (measured: timed once per machine and cached; none: always drafts)",
     )
     parser.add_argument("--seed", type=int, default=c.seed)
 

@@ -1,7 +1,8 @@
 """Beam search for every target, plain or speculative, with or without a constraint.
 
     beam_search(target, input_ids, *, config=BeamConfig(num_beams=W, num_return_sequences=K),
-                max_new_tokens, eos_token_id, constraint=None, drafter=None) -> BeamOutput
+                max_new_tokens, eos_token_id, constraint=None, drafter=None,
+                record=None) -> BeamOutput
 
 The W beams of a row are branches of one tree over the row's prompt, whose K/V are stored once:
 a pass grows the tree by the nodes the beams need (``Target.grow_tree``), and the best
@@ -21,9 +22,11 @@ passes; it rides along until every row is done.
 Speculative beam search: a ``drafter`` adds nodes below the beams to every pass (the
 catalogue's forced continuations: ``core.catalogue_drafter.CatalogueDrafter``; what followed
 each beam's last tokens earlier in its text: ``core.prompt_lookup.PromptLookupDrafter``); a
-step whose beams all reach scored nodes needs no pass. Selection reads the same
-log-probabilities, so the output is plain beam search's, up to the float rounding of a node
-scored in another pass.
+step whose beams all reach scored nodes needs no pass. Given a ``record``
+(``core.draft_record.DraftRecord``, kept by the caller across its searches), a search drafts
+only while drafting earned more than it cost in the searches before it. Selection reads the
+same log-probabilities, so the output is plain beam search's, up to the float rounding of a
+node scored in another pass.
 
 Plain or speculative, a catalogue's forced token costs exactly 0 where log-probs are renormalised
 over the allowed tokens (``BeamConfig.renormalize``, or a target whose outputs are:
@@ -50,6 +53,7 @@ from genrec_spec.core.constraints import (
     log_probs,
 )
 from genrec_spec.core.decode import _check_limits, pack_prompts, prefill_checked
+from genrec_spec.core.draft_record import DraftRecord
 from genrec_spec.core.targets import Target, as_target
 from genrec_spec.core.types import DecodeInputError, DecodeStats, Generation
 
@@ -124,6 +128,7 @@ def beam_search(
     constraint: Constraint | None = None,
     drafter: BeamDrafter | None = None,
     prompt_lengths: Tensor | None = None,
+    record: DraftRecord | None = None,
 ) -> BeamOutput:
     """Beam search (module docstring). target and input_ids as ``generate`` takes them."""
     config = config or BeamConfig()
@@ -150,8 +155,19 @@ def beam_search(
         keep = max(2, 1 + len(eos)) * config.num_beams
         allows = constraint.trie.widest if isinstance(constraint, Catalogue) else keep
         width = min(keep, target.vocab_size, allows)
+        if drafter is not None and record is not None and not record.drafts():
+            drafter = None  # drafting did not pay in the record's searches: a plain search
         search = _Search(
-            target, cache, tokens, lengths, config, constraint, drafter, width, max_new_tokens
+            target,
+            cache,
+            tokens,
+            lengths,
+            config,
+            constraint,
+            drafter,
+            width,
+            max_new_tokens,
+            record,
         )
         if drafter is not None:
             drafter.begin(tokens, lengths)
@@ -173,6 +189,8 @@ def beam_search(
             search.row_steps += int(open_rows.sum())
             if not _unfinished(beams, hits, step + 1, max_new_tokens, config):
                 break
+    if drafter is not None and record is not None:
+        record.count(search.speculative, search.saved, search.extra)
     return _output(beams, config.num_return_sequences, search, time.perf_counter() - started)
 
 
@@ -228,7 +246,17 @@ class _Search:
     """The scored tree and the passes that grow it."""
 
     def __init__(
-        self, target: Target, cache, tokens, lengths, config, constraint, drafter, width, steps
+        self,
+        target: Target,
+        cache,
+        tokens,
+        lengths,
+        config,
+        constraint,
+        drafter,
+        width,
+        steps,
+        record: DraftRecord | None,
     ):
         self.target, self.cache = target, cache
         self.prompts = [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist(), strict=True)]
@@ -247,13 +275,16 @@ class _Search:
         free = config.renormalize or getattr(target, "forced_tokens_free", False)
         self.forced_free = isinstance(constraint, Catalogue) and free
         self.passes = self.speculative = self.nodes = self.drafted = self.row_steps = 0
-        self.needed = self.hits = 0
+        self.needed = self.hits = self.saved = 0
+        self.extra = 0.0  # the drafted nodes' cost, in passes (DraftRecord.extra_cost)
+        self.record = record
 
     def score_beams(self, beams: _Beams, open_rows: Tensor) -> None:
         """One pass when an open row has a live beam whose node is not scored: those nodes, and
         the drafter's nodes below every live beam of the open rows."""
         need = open_rows[:, None] & (beams.scores > float("-inf")) & (beams.nodes < 0)
         if not bool(need.any()):
+            self.saved += self._scored_by_drafts(beams, open_rows)
             return
         tree = self.tree
         rows, parents, tokens = need.nonzero()[:, 0], beams.parents[need], beams.last[need]
@@ -275,10 +306,19 @@ class _Search:
             drafted = tree.planned(before)
             tree.drafted[drafted] = True
             self.drafted += len(drafted[0])
+            if self.record is not None:
+                self.extra += self.record.extra_cost(int(before.sum()), len(drafted[0]))
             if self.forced_free:  # a drafted forced node is known too: exactly 0, as a beam's
                 self._know_forced(*drafted)
         self.speculative += self.drafter is not None
         self._pass()
+
+    def _scored_by_drafts(self, beams: _Beams, open_rows: Tensor) -> bool:
+        """Whether a step that needs no pass owes it to drafts: a live beam's node was scored
+        by the target (without drafts, only a step whose new nodes are all known forced ones
+        needs no pass)."""
+        live = open_rows[:, None] & (beams.scores > float("-inf"))
+        return bool((live & ~self.tree.known.gather(1, beams.nodes.clamp_min(0))).any())
 
     def count_hits(self, beams: _Beams, alive: Tensor) -> None:  # alive [B, W] bool
         """Count the live beams' nodes whose scores came from the target, and those of them a

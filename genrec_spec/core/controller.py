@@ -59,6 +59,20 @@ class ControllerConfig:
     probe_every: int = 8  # while off, speculate once every this many steps
 
 
+def modelled_cost(config: ControllerConfig, scored: float) -> float:
+    """Modelled cost of a forward over ``scored`` tokens, in the units of ``config.pass_cost``
+    (a one-token forward = 1) or of the linear model."""
+    table = config.pass_cost
+    if not table:
+        return 1 + config.token_cost * scored
+    if scored <= len(table):  # between measured sizes: interpolate
+        low = max(int(scored), 1)
+        high = min(low + 1, len(table))
+        return table[low - 1] + (scored - low) * (table[high - 1] - table[low - 1])
+    slope = (table[-1] - table[0]) / max(len(table) - 1, 1)
+    return table[-1] + (scored - len(table)) * slope
+
+
 class SpeculationController:
     """Chooses each step's draft depth (its ``budget``) from the running acceptance."""
 
@@ -92,17 +106,7 @@ class SpeculationController:
         return tokens / (forward + self.draft_cost * k)
 
     def pass_cost(self, scored: float) -> float:
-        """Modelled cost of a forward over ``scored`` tokens, in the units of ``pass_cost`` (a
-        one-token forward = 1) or of the linear model."""
-        table = self.config.pass_cost
-        if not table:
-            return 1 + self.config.token_cost * scored
-        if scored <= len(table):  # between measured sizes: interpolate
-            low = max(int(scored), 1)
-            high = min(low + 1, len(table))
-            return table[low - 1] + (scored - low) * (table[high - 1] - table[low - 1])
-        slope = (table[-1] - table[0]) / max(len(table) - 1, 1)
-        return table[-1] + (scored - len(table)) * slope
+        return modelled_cost(self.config, scored)
 
     def budget(self) -> int:
         if self.k_max == 0 or not self.config.adaptive or not self.measured:

@@ -24,7 +24,10 @@ from torch import Tensor
 from genrec_spec.core.beam import BeamConfig, beam_search
 from genrec_spec.core.catalogue_drafter import CatalogueDrafter
 from genrec_spec.core.constraints import Catalogue
+from genrec_spec.core.controller import ControllerConfig, cached_pass_cost
+from genrec_spec.core.draft_record import DraftRecord
 from genrec_spec.core.types import DecodeInputError, DecodeStats
+from genrec_spec.llm.methods import PASS_COSTS, controller_for
 
 ASK = (
     "Here are the movies I watched most recently, oldest first:\n{history}\n"
@@ -41,6 +44,16 @@ class TitleRecommenderConfig:
     speculative: bool = True  # draft forced title continuations (same results, fewer passes)
     draft_depth: int = CatalogueDrafter.depth  # levels drafted below each beam per pass
     draft_fanout: int = CatalogueDrafter.fanout  # draft children of nodes with at most this many
+    # How a search weighs drafted nodes against the steps they save, deciding from earlier
+    # searches whether it drafts (``core.draft_record``): measured (the model's pass cost,
+    # timed once per machine), linear, or none (every search drafts).
+    pass_cost: str = "measured"
+
+    def __post_init__(self) -> None:
+        if self.pass_cost not in PASS_COSTS:
+            raise DecodeInputError(
+                f"unknown pass_cost {self.pass_cost!r}", f"use one of {', '.join(PASS_COSTS)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -99,6 +112,7 @@ class TitleRecommender:
         self.eos = int(tokenizer.eos_token_id)
         sequences = [tokenizer(t, add_special_tokens=False).input_ids for t in self.titles]
         self.catalogue = Catalogue.of(sequences, len(tokenizer), eos_token_id=self.eos)
+        self.record: DraftRecord | None = None  # made on the first speculative search
 
     def prompt(self, history: Sequence[int]) -> list[int]:
         """The chat prompt of one user (item indices, oldest first), ready for the reply."""
@@ -125,11 +139,11 @@ class TitleRecommender:
             )
         config = self.config
         speculative = config.speculative if speculative is None else speculative
-        drafter = (
-            CatalogueDrafter(self.catalogue, config.draft_depth, config.draft_fanout)
-            if speculative
-            else None
-        )
+        drafter = None
+        if speculative:
+            drafter = CatalogueDrafter(self.catalogue, config.draft_depth, config.draft_fanout)
+            if self.record is None:
+                self.record = draft_record(self.model, config.pass_cost)
         out = beam_search(
             self.model,
             [self.prompt(h) for h in histories],
@@ -138,7 +152,16 @@ class TitleRecommender:
             eos_token_id=self.eos,
             constraint=self.catalogue,
             drafter=drafter,
+            record=self.record,
         )
         # A finished beam (title tokens + eos) is its item: the first of items sharing a title.
         items = self.catalogue.items_of(out.values, out.offsets).view(out.scores.shape)
         return TitleRecommendations(items=items, scores=out.scores, stats=out.stats)
+
+
+def draft_record(model: object, pass_cost: str) -> DraftRecord:
+    """A fresh record of drafting's earnings on ``model``, pricing drafted nodes as
+    ``pass_cost`` says (``llm.methods.controller_for``: measured times the model once per
+    machine and caches the table)."""
+    control = controller_for(pass_cost, lambda: cached_pass_cost(model))
+    return DraftRecord(control or ControllerConfig())

@@ -55,3 +55,5 @@ def test_bad_settings_are_refused():
         BenchBeamConfig(task="poems")
     with pytest.raises(BenchError, match=">= 1"):
         BenchBeamConfig(beam_widths=(0,))
+    with pytest.raises(BenchError, match="unknown pass cost"):
+        BenchBeamConfig(pass_cost="free")

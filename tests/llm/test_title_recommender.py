@@ -92,6 +92,8 @@ def test_title_beam_equals_transformers_and_speculative_equals_plain(
     assert spec.stats.target_forwards < plain.stats.target_forwards
     out = recommender.recommend(histories, k=3)
     assert (out.items >= 0).all() and all(len(set(row)) == 3 for row in out.items.tolist())
+    # its first search drafts (the record's prior) and is recorded: drafted passes, saved steps
+    assert out.stats.draft_nodes > 0 and recommender.record.saved > 0
 
 
 @pytest.fixture
@@ -158,3 +160,11 @@ def test_the_recommend_cli_prints_json_for_llm(smollm2_session, tiny_data_dir, c
     )
     answer = json.loads(capsys.readouterr().out)
     assert answer["llm"] and len(answer["items"]) == 2
+
+
+def test_an_unknown_pass_cost_is_refused():
+    from genrec_spec.core.types import DecodeInputError
+    from genrec_spec.llm.title_recommender import TitleRecommenderConfig
+
+    with pytest.raises(DecodeInputError, match="unknown pass_cost"):
+        TitleRecommenderConfig(pass_cost="free")
