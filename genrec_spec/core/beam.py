@@ -158,17 +158,9 @@ def beam_search(
         if drafter is not None and record is not None and not record.drafts():
             drafter = None  # drafting did not pay in the record's searches: a plain search
         search = _Search(
-            target,
-            cache,
-            tokens,
-            lengths,
-            config,
-            constraint,
-            drafter,
-            width,
-            max_new_tokens,
-            record,
+            target, cache, tokens, lengths, config, constraint, drafter, width, max_new_tokens
         )
+        search.record = record
         if drafter is not None:
             drafter.begin(tokens, lengths)
         beams = _start(tokens, lengths, config.num_beams, max_new_tokens)
@@ -246,17 +238,7 @@ class _Search:
     """The scored tree and the passes that grow it."""
 
     def __init__(
-        self,
-        target: Target,
-        cache,
-        tokens,
-        lengths,
-        config,
-        constraint,
-        drafter,
-        width,
-        steps,
-        record: DraftRecord | None,
+        self, target: Target, cache, tokens, lengths, config, constraint, drafter, width, steps
     ):
         self.target, self.cache = target, cache
         self.prompts = [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist(), strict=True)]
@@ -277,7 +259,7 @@ class _Search:
         self.passes = self.speculative = self.nodes = self.drafted = self.row_steps = 0
         self.needed = self.hits = self.saved = 0
         self.extra = 0.0  # the drafted nodes' cost, in passes (DraftRecord.extra_cost)
-        self.record = record
+        self.record: DraftRecord | None = None  # prices the drafted nodes when there is one
 
     def score_beams(self, beams: _Beams, open_rows: Tensor) -> None:
         """One pass when an open row has a live beam whose node is not scored: those nodes, and

@@ -107,12 +107,8 @@ def test_searches_keep_drafting_forced_title_continuations(tiny):
         {(4 + i % 4, *torch.randint(4, VOCAB, (6,), generator=g).tolist()) for i in range(40)}
     )
     catalogue = Catalogue.of([list(s) for s in sequences], VOCAB, eos_token_id=EOS)
-    kwargs = dict(
-        config=BeamConfig(num_beams=3, num_return_sequences=3),
-        max_new_tokens=8,
-        eos_token_id=EOS,
-        constraint=catalogue,
-    )
+    config = BeamConfig(num_beams=3, num_return_sequences=3)
+    kwargs = dict(config=config, max_new_tokens=8, eos_token_id=EOS, constraint=catalogue)
     plain = beam_search(target, PROMPTS, **kwargs)
     record, drafter = DraftRecord(), CatalogueDrafter(catalogue, depth=8, fanout=1)
     for _ in range(5):
