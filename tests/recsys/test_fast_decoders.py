@@ -17,8 +17,9 @@ from genrec_spec.recsys.decoders.beam import DecodeOptionError
 DECODERS = {
     "heads": (heads.decode, {}),
     "heads-head0": (heads.decode, {"level0": "head"}),
-    "rpg": (rpg.decode, {}),
-    "rpg-narrow": (rpg.decode, {"beam": 2, "steps": 1, "degree": 2, "seeds": 3}),
+    "rpg": (rpg.decode, {}),  # (auto: exact mode on a catalogue this small)
+    "rpg-graph": (rpg.decode, {"mode": "graph"}),
+    "rpg-narrow": (rpg.decode, {"mode": "graph", "beam": 2, "steps": 1, "degree": 2, "seeds": 3}),
     "rpg-exact": (rpg.decode, {"mode": "exact"}),
     "nezha": (nezha.decode, {}),
     "dense": (dense.decode, {}),
@@ -138,6 +139,16 @@ def test_rpg_exact_equals_brute_force(tiny_model):
     _assert_top_k_equal(out, _brute_force(model, values, offsets, _rpg_item_score(model)), 10)
 
 
+def test_rpg_auto_walks_the_graph_only_on_large_catalogues(tiny_model, monkeypatch):
+    model, _ = tiny_model
+    values, offsets = _histories(model, [6, 2], seed=4)
+    small = rpg.decode(model, values, offsets, k=5, trie=_trie(model))
+    assert small.stats.items_scored_per_user == model.num_items and small.stats.graph_steps is None
+    monkeypatch.setattr(rpg.RpgConfig, "graph_min_items", model.num_items)
+    large = rpg.decode(model, values, offsets, k=5, trie=_trie(model), seeds=4, degree=3)
+    assert large.stats.graph_steps >= 1
+
+
 def test_rpg_graph_scores_are_exact_and_a_complete_graph_finds_the_top_k(tiny_model):
     model, _ = tiny_model
     values, offsets = _histories(model, [6, 2, 11, 0], seed=5)
@@ -146,13 +157,14 @@ def test_rpg_graph_scores_are_exact_and_a_complete_graph_finds_the_top_k(tiny_mo
     exact_score = torch.full((4, model.num_items), float("nan"))
     exact_score.scatter_(1, exact.items, exact.scores)
     # A sparse walk returns fewer good items, but every score is the item's exact score.
-    walk = rpg.decode(model, values, offsets, k=5, trie=trie, beam=5, degree=3, seeds=4, steps=2)
+    graph = dict(trie=trie, mode="graph")
+    walk = rpg.decode(model, values, offsets, k=5, beam=5, degree=3, seeds=4, steps=2, **graph)
     real = walk.items >= 0
     assert torch.allclose(walk.scores[real], exact_score.gather(1, walk.items.clamp(min=0))[real])
     assert walk.stats.graph_steps <= 2
     assert walk.stats.items_scored_per_user <= 4 + 2 * 5 * 3
     # With every item every item's neighbour, one step scores the whole catalogue.
-    full = rpg.decode(model, values, offsets, k=8, trie=trie, degree=model.num_items, steps=1)
+    full = rpg.decode(model, values, offsets, k=8, degree=model.num_items, steps=1, **graph)
     assert torch.equal(full.items, exact.items[:, :8])
     assert torch.allclose(full.scores, exact.scores[:, :8])
 

@@ -2,7 +2,8 @@
 
 Every item has a long ID of Q digits (the data pipeline's PQ codes, e.g. 32 digits of 256
 values). `LongIdHeads` predicts all Q digits independently from the last history state h in one
-backbone pass, and an item's score is the sum of its digits' log-probabilities. Two modes:
+backbone pass, and an item's score is the sum of its digits' log-probabilities. Two modes, and
+``auto`` (the default), which walks the graph only from ``RpgConfig.graph_min_items`` items on:
 
 - ``exact``: score every catalogue item and take the top K.
 - ``graph`` (RPG's graph-constrained decoding): score only the items a beam walk over a k-NN
@@ -10,10 +11,9 @@ backbone pass, and an item's score is the sum of its digits' log-probabilities. 
   scores the G graph neighbours of the beam's items and keeps the best W of beam + neighbours
   (so the beam only improves); the walk stops after `steps` steps or when no row's beam changed.
   The top K of the last beam is the answer. Cost per user: S + steps * W * G item scores instead
-  of I, which pays only when the catalogue is much larger than that: on catalogues of a few
-  thousand items the defaults score most of them anyway, miss some of exact mode's top K and
-  take longer than exact mode (their per-step sorts cost more than one [D, I] product), so
-  prefer ``mode="exact"`` there.
+  of I, which pays only when the catalogue is much larger than that: below ~10^5 items one
+  [D, I] product and a top-K cost less than the walk's gathers and per-step sorts, and find
+  every item the walk misses (docs/results/recsys-speed.md, "rpg: exact below 10^5 items").
 
 The graph. With u = proj(h) the heads' shared projection, W_q / b_q the output rows / biases of
 digit q and d_q(i) item i's digit q, an item's score is an inner product plus a constant:
@@ -49,14 +49,16 @@ from genrec_spec.recsys.decoders.heads import check_decode_args
 from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.types import Recommendations, RecommendStats
 
-MODES = ("graph", "exact")
+MODES = ("auto", "graph", "exact")
 
 
 @dataclass(frozen=True)
 class RpgConfig:
     """Options of the `rpg` decoder (graph walk and graph construction)."""
 
-    mode: str = "graph"  # "graph": walk the item graph; "exact": score every item
+    mode: str = "auto"  # "graph": walk the item graph; "exact": score every item; "auto": ...
+    # ... walk from this many items on (below it exact mode is faster: module docstring)
+    graph_min_items: int = 100_000
     beam: int = 32  # W, items kept per step (raised to K when K is larger)
     steps: int = 4  # most expansion steps of the walk
     degree: int = 16  # G, neighbours per item in the k-NN graph
@@ -237,7 +239,8 @@ def decode(
         )
     if mode not in MODES:
         raise DecodeOptionError(
-            f"rpg mode must be one of {MODES}, got {mode!r}", 'pass mode="graph" or "exact"'
+            f"rpg mode must be one of {MODES}, got {mode!r}",
+            'pass mode="auto", "graph" or "exact"',
         )
     if min(beam, steps, degree, seeds) < 1:
         raise DecodeOptionError(
@@ -245,6 +248,8 @@ def decode(
             f"{degree}, {seeds}",
             "pass positive counts or leave them unset",
         )
+    if mode == "auto":
+        mode = "graph" if model.num_items >= RpgConfig.graph_min_items else "exact"
     config = RpgConfig(mode=mode, beam=beam, steps=steps, degree=degree, seeds=seeds)
     counted: dict = {}  # this mode's own RecommendStats fields
     table = TABLES.get(model)  # built before the clock starts, like the graph: one-off costs
