@@ -160,7 +160,6 @@ def beam_search(
         search = _Search(
             target, cache, tokens, lengths, config, constraint, drafter, width, max_new_tokens
         )
-        search.record = record
         if drafter is not None:
             drafter.begin(tokens, lengths)
         beams = _start(tokens, lengths, config.num_beams, max_new_tokens)
@@ -182,7 +181,7 @@ def beam_search(
             if not _unfinished(beams, hits, step + 1, max_new_tokens, config):
                 break
     if drafter is not None and record is not None:
-        record.count(search.speculative, search.saved, search.extra)
+        record.count(search.drafted_passes, search.saved)
     return _output(beams, config.num_return_sequences, search, time.perf_counter() - started)
 
 
@@ -258,8 +257,8 @@ class _Search:
         self.forced_free = isinstance(constraint, Catalogue) and free
         self.passes = self.speculative = self.nodes = self.drafted = self.row_steps = 0
         self.needed = self.hits = self.saved = 0
-        self.extra = 0.0  # the drafted nodes' cost, in passes (DraftRecord.extra_cost)
-        self.record: DraftRecord | None = None  # prices the drafted nodes when there is one
+        # (nodes planned for the beams, nodes drafted) of each pass that had a drafter
+        self.drafted_passes: list[tuple[int, int]] = []
 
     def score_beams(self, beams: _Beams, open_rows: Tensor) -> None:
         """One pass when an open row has a live beam whose node is not scored: those nodes, and
@@ -288,8 +287,7 @@ class _Search:
             drafted = tree.planned(before)
             tree.drafted[drafted] = True
             self.drafted += len(drafted[0])
-            if self.record is not None:
-                self.extra += self.record.extra_cost(int(before.sum()), len(drafted[0]))
+            self.drafted_passes.append((int(before.sum()), len(drafted[0])))
             if self.forced_free:  # a drafted forced node is known too: exactly 0, as a beam's
                 self._know_forced(*drafted)
         self.speculative += self.drafter is not None

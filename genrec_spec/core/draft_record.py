@@ -12,13 +12,14 @@ that drafted, with counts decayed by ``smoothing`` at each,
 
     speedup = (D + S) / (D + E)
 
-D the passes that carried drafts, S the steps that needed no pass, and E the extra cost of the
-drafted nodes in units of the pass without them: cost(n + d) / cost(n) - 1 for a pass of n
-nodes (all rows) and d drafted ones, cost the controller's model (a measured ``pass_cost``
-table, or ``token_cost``'s line: ``controller.modelled_cost``). A search drafts while the
-speedup is at least ``min_speedup``, and otherwise one search in ``probe_every``, to notice
-drafts paying again. The record starts from ``prior_weight`` drafted passes that each saved a
-step, so the first search drafts, to measure.
+D the passes of those searches (those that drafted nothing too: D + S is what plain beam search
+would have made), S the steps that needed no pass, and E the extra cost of the drafted nodes in
+units of the pass without them: cost(n + d) / cost(n) - 1 for a pass of n nodes (all rows) and
+d drafted ones, cost the controller's model (a measured ``pass_cost`` table, or
+``token_cost``'s line: ``controller.modelled_cost``). A search drafts while the speedup is at
+least ``min_speedup``, and otherwise one search in ``probe_every``, to notice drafts paying
+again. The record starts from ``prior_weight`` passes that each saved a step, so the first
+search drafts, to measure.
 
 Whether a search drafts never changes its output, only its cost; the decision reads counts,
 not clocks, so a run repeats its passes exactly.
@@ -26,6 +27,7 @@ not clocks, so a run repeats its passes exactly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from genrec_spec.core.controller import ControllerConfig, modelled_cost
@@ -61,12 +63,12 @@ class DraftRecord:
         plain = max(nodes, 1)
         return modelled_cost(self.config, plain + drafted) / modelled_cost(self.config, plain) - 1
 
-    def count(self, passes: int, saved: int, extra: float) -> None:
-        """A search drafted ``passes`` passes, whose nodes cost ``extra`` passes more
-        (``extra_cost`` summed), and ``saved`` of its steps needed no pass."""
+    def count(self, passes: Sequence[tuple[int, int]], saved: int) -> None:
+        """A search that drafted: (nodes planned for its beams, nodes drafted) of each of its
+        passes (a pass may draft none), and ``saved``, its steps that needed no pass."""
         if not passes:
             return
         keep = self.config.smoothing
-        self.drafted = keep * self.drafted + passes
+        self.drafted = keep * self.drafted + len(passes)
         self.saved = keep * self.saved + saved
-        self.extra = keep * self.extra + extra
+        self.extra = keep * self.extra + sum(self.extra_cost(n, d) for n, d in passes)

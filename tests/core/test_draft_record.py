@@ -21,7 +21,7 @@ def decisions(record: DraftRecord, searches: int, saved: int) -> list[bool]:
     for _ in range(searches):
         out.append(record.drafts())
         if out[-1]:
-            record.count(passes=10, saved=saved, extra=10 * record.extra_cost(5, 10))
+            record.count([(5, 10)] * 10, saved)
     return out
 
 
