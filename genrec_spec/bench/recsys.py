@@ -39,7 +39,8 @@ from genrec_spec.recsys.types import RecommendStats
 VARIANTS: dict[str, tuple[str, dict]] = {
     # beam through the engine's beam_search on the recommender as a Target (the same lists)
     "beam-core": ("beam", {"engine": "core"}),
-    "rpg-exact": ("rpg", {"mode": "exact"}),
+    # rpg's graph walk forced (its default walks only catalogues of 10^5 items and more)
+    "rpg-graph": ("rpg", {"mode": "graph"}),
     # spec_beam with its other drafts (its default, "auto", drafts "items" on models with the
     # item objective): the whole first code level scored with the history; the NEZHA head's beam
     "spec-frontier": ("spec_beam", {"draft": "frontier"}),

@@ -47,7 +47,7 @@ def test_bench_recsys_quick(tiny_model, tmp_path, capsys, device):
     assert rows["beam"]["passes"] == model.num_levels
     for name in ("spec_beam", "spec-frontier", "spec-nezha", "beam-core", "spec-core"):
         assert rows[name]["same_as_beam"] == 1.0  # lossless: beam's exact top-K
-    for name in ("heads", "rpg", "rpg-exact", "nezha", "dense"):
+    for name in ("heads", "rpg", "rpg-graph", "nezha", "dense"):
         assert rows[name]["passes"] == 1
     assert rows["beam"]["nodes"] > 0 and rows["heads"]["nodes"] == 0
     assert 0 <= rows["spec_beam"]["hit_rate"] <= 1  # only drafting decoders report one

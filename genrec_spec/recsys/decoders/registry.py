@@ -48,7 +48,8 @@ DECODERS: dict[str, DecoderInfo] = {
     ),
     "rpg": DecoderInfo(
         "genrec_spec.recsys.decoders.rpg:decode",
-        "RPG-style long IDs predicted in one pass, decoded over an item graph (or exactly)",
+        "RPG-style long IDs predicted in one pass, scored exactly (over an item graph from "
+        "10^5 items)",
         lossless=False,
         needs="long_id_heads",
     ),
