@@ -140,7 +140,7 @@ def test_quick_start_extraction():
     lines = [line for block in fenced(quick, "bash") for line in shell_lines(block)]
     assert all(genrec_argv(line) for line in lines), "a quick-start bash line is not genrec-spec"
     commands = [genrec_argv(line)[0] for line in lines]
-    assert commands == ["demo", "recommend", "recommend", "generate"]
+    assert commands == ["demo", "recommend", "recommend", "generate", "generate"]
     blocks = fenced(quick, "python")
     assert len(blocks) == 3 and "genrec_spec.generate(" in blocks[0]
     assert "genrec_spec.recommend(" in blocks[1] and "genrec_spec.beam_search(" in blocks[2]
@@ -186,5 +186,6 @@ def test_quick_start_runs(tmp_path, monkeypatch):
     assert tuple(recs.items.shape) == (2, 10)
     by_title = printed["recommend --llm smollm2"].splitlines()
     assert "by smollm2" in by_title[0] and len(by_title) == 6  # a header and five titles
+    assert printed["generate --num-beams 4"].count("[score ") == 2  # K = 2 sequences, scored
     beams = namespace["beams"]  # three of the four titles, each ending in the turn end
     assert tuple(beams.scores.shape) == (1, 3) and all(len(s) > 1 for s in beams.tolist()[0])

@@ -43,8 +43,8 @@ from genrec_spec.core.beam import BeamConfig, beam_search
 from genrec_spec.core.catalogue_drafter import CatalogueDrafter
 from genrec_spec.core.prompt_lookup import PromptLookupDrafter
 from genrec_spec.core.targets import HFTarget
-from genrec_spec.llm.methods import PASS_COSTS
-from genrec_spec.llm.title_recommender import TitleRecommender, draft_record, item_titles
+from genrec_spec.llm.methods import PASS_COSTS, draft_record
+from genrec_spec.llm.title_recommender import TitleRecommender, item_titles
 from genrec_spec.machine import time_in_turns
 
 METHODS = ("hf", "beam", "spec", "hft-beam", "hft-spec")

@@ -10,6 +10,12 @@ Example:
 model-free methods or cross (cross-tokenizer drafting by SmolLM2-135M):
 
     genrec-spec generate --model gemma3 --method cross --prompt "def fib(n):"
+
+``--num-beams W`` runs beam search instead and prints each prompt's K best sequences
+(``--num-return-sequences``) with their scores, plain (``--method none``) or drafting by prompt
+lookup (``--method ngram``, where drafting paid in the earlier batches):
+
+    genrec-spec generate --num-beams 4 --num-return-sequences 2 --method ngram --prompt "def f(n):"
 """
 
 from __future__ import annotations
@@ -91,6 +97,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "verification is nearly free, as on a GPU)",
     )
     add_tree_arguments(parser)
+    parser.add_argument(
+        "--num-beams",
+        type=int,
+        default=c.num_beams,
+        help="W > 1: beam search (greedy), with --method none or ngram (prompt lookup drafts)",
+    )
+    parser.add_argument(
+        "--num-return-sequences", type=int, default=c.num_return_sequences, help="K <= W"
+    )
+    parser.add_argument(
+        "--length-penalty",
+        type=float,
+        default=c.length_penalty,
+        help="beam search: a finished sequence scores its summed log-probs / length ** this",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -125,7 +146,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report))
         return 0
     for result in report["results"]:
-        print(result["prompt"] + result["text"])
+        for beam in result.get("beams", [result]):
+            score = f"[score {beam['score']:.3f}] " if "score" in beam else ""
+            print(score + result["prompt"] + beam["text"])
         print("-" * 40)
     print(
         " ".join(

@@ -1,5 +1,7 @@
 """Texts for a list of prompts, decoded plainly or with a speculative method of the registry
-(`genrec_spec.llm.methods`), with the decoding statistics: what `genrec-spec generate` runs."""
+(`genrec_spec.llm.methods`), with the decoding statistics: what `genrec-spec generate` runs.
+With ``num_beams`` > 1, each prompt's K best sequences by beam search (``core.beam``), plain or
+drafting by prompt lookup (method ngram) where the record of earlier searches says it pays."""
 
 from __future__ import annotations
 
@@ -7,6 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from genrec_spec.llm import methods
+
+# Methods beam search can run: plain, or prompt lookup drafting below the beams
+# (core.prompt_lookup.PromptLookupDrafter); the others propose single paths for generate().
+BEAM_METHODS = ("none", "ngram")
 
 
 @dataclass(frozen=True)
@@ -30,12 +36,17 @@ class GenerationConfig:
     tree_nodes: int | None = None  # EAGLE-2's tree (eagle2, eagle3); None: the defaults
     tree_top_k: int | None = None
     tree_depth: int | None = None
+    # Beam search: W > 1 beams return each prompt's K best sequences (greedy only)
+    num_beams: int = 1
+    num_return_sequences: int = 1  # K <= W
+    length_penalty: float = 1.0  # a finished sequence scores sum(log-probs) / length ** this
 
 
 def generate_texts(prompts: list[str], config: GenerationConfig) -> dict:
     """Decode every prompt, ``config.batch_size`` at a time: ``{"results": [{"prompt", "text",
-    "tokens"}], "batches": [DecodeStats.as_dict()], "summary": {...}}``. Bad settings are
-    refused before any model is loaded."""
+    "tokens"}], "batches": [DecodeStats.as_dict()], "summary": {...}}``; with beam search each
+    result is its best sequence and adds "score" and "beams" (the K best, each a text, tokens
+    and score). Bad settings are refused before any model is loaded."""
     import torch
 
     from genrec_spec.core.controller import cached_pass_cost
@@ -53,6 +64,7 @@ def generate_texts(prompts: list[str], config: GenerationConfig) -> dict:
         raise DecodeInputError(
             f"--threads {config.threads}", "use --threads >= 1, or 0 to measure the fastest"
         )
+    _check_beams(config)
     model, tokenizer = methods.load_target(config.model)
     torch.set_num_threads(config.threads or fastest_threads(model, config.batch_size))
     if config.chat:
@@ -62,6 +74,13 @@ def generate_texts(prompts: list[str], config: GenerationConfig) -> dict:
             )
             for p in prompts
         ]
+    if config.num_beams > 1:
+        results, batches = _beam_texts(model, tokenizer, prompts, config)
+        return {
+            "results": results,
+            "batches": batches,
+            "summary": summary(config.method, batches, beams=True),
+        }
     proposer = methods.make_proposer(
         config.method,
         model,
@@ -97,14 +116,81 @@ def generate_texts(prompts: list[str], config: GenerationConfig) -> dict:
     return {"results": results, "batches": batches, "summary": summary(config.method, batches)}
 
 
-def summary(method: str, batches: list[dict]) -> dict:
-    """Totals over the batches' statistics: tokens, seconds, tokens/s, mean accepted length."""
+def _check_beams(config: GenerationConfig) -> None:
+    from genrec_spec.core.types import DecodeInputError
+
+    w, k = config.num_beams, config.num_return_sequences
+    if w < 1 or not 1 <= k <= w:
+        raise DecodeInputError(
+            f"--num-beams {w} and --num-return-sequences {k}",
+            "use --num-beams >= 1 and 1 <= --num-return-sequences <= --num-beams",
+        )
+    if w == 1:
+        return
+    if config.temperature != 0:
+        raise DecodeInputError(
+            f"--num-beams {w} with --temperature {config.temperature}",
+            "beam search is deterministic: pass --temperature 0, or --num-beams 1 to sample",
+        )
+    if config.method not in BEAM_METHODS:
+        raise DecodeInputError(
+            f"--method {config.method} cannot draft for beam search",
+            f"use --method {' or '.join(BEAM_METHODS)} with --num-beams > 1",
+        )
+
+
+def _beam_texts(model, tokenizer, prompts: list[str], config: GenerationConfig):
+    """Each prompt's K best sequences (results, as generate_texts gives them) and each batch's
+    statistics. Method ngram drafts by prompt lookup; its searches share one draft record, so
+    later batches draft only if drafting paid in the earlier ones."""
+    from genrec_spec.core.beam import BeamConfig, beam_search
+    from genrec_spec.core.prompt_lookup import PromptLookupDrafter
+
+    drafter = record = None
+    if config.method == "ngram":
+        drafter = PromptLookupDrafter() if config.k is None else PromptLookupDrafter(config.k)
+        record = methods.draft_record(model, config.pass_cost)
+    settings = BeamConfig(
+        num_beams=config.num_beams,
+        num_return_sequences=config.num_return_sequences,
+        length_penalty=config.length_penalty,
+    )
+    results, batches = [], []
+    for start in range(0, len(prompts), config.batch_size):
+        chunk = prompts[start : start + config.batch_size]
+        out = beam_search(
+            model,
+            [tokenizer(p)["input_ids"] for p in chunk],
+            config=settings,
+            max_new_tokens=config.max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            drafter=drafter,
+            record=record,
+        )
+        batches.append(out.stats.as_dict())
+        for prompt, sequences, scores in zip(chunk, out.tolist(), out.scores.tolist(), strict=True):
+            beams = [
+                {"text": tokenizer.decode(tokens), "tokens": len(tokens), "score": score}
+                for tokens, score in zip(sequences, scores, strict=True)
+            ]
+            results.append({"prompt": prompt, **beams[0], "beams": beams})
+    return results, batches
+
+
+def summary(method: str, batches: list[dict], beams: bool = False) -> dict:
+    """Totals over the batches' statistics: tokens, seconds, tokens/s, and the mean accepted
+    length (a single path's tokens per row per forward) or, for beam search, its target
+    passes (its K sequences share them)."""
     generated = sum(b["generated_tokens"] for b in batches)
     seconds = sum(b["wall_time_s"] for b in batches)
-    return {
+    totals = {
         "method": method,
         "generated_tokens": generated,
         "wall_time_s": seconds,
         "tokens_per_second": generated / max(seconds, 1e-9),
-        "mean_accepted_length": generated / max(sum(b["row_steps"] for b in batches), 1),
+    }
+    if beams:
+        return totals | {"target_forwards": sum(b["target_forwards"] for b in batches)}
+    return totals | {
+        "mean_accepted_length": generated / max(sum(b["row_steps"] for b in batches), 1)
     }

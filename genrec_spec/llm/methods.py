@@ -354,6 +354,18 @@ def controller_for(pass_cost: str, table: Callable[[], tuple[float, ...]]):
     return ControllerConfig(adaptive=False) if pass_cost == "none" else None
 
 
+def draft_record(model: object, pass_cost: str):
+    """A fresh ``core.draft_record.DraftRecord`` of what drafting earns a beam search on
+    ``model``, its drafted nodes priced as ``pass_cost`` names (``controller_for``; measured
+    times the model's forward once per machine and caches the table)."""
+    from genrec_spec.core.controller import ControllerConfig, cached_pass_cost
+    from genrec_spec.core.draft_record import DraftRecord
+
+    return DraftRecord(
+        controller_for(pass_cost, lambda: cached_pass_cost(model)) or ControllerConfig()
+    )
+
+
 def cross_tokenizer_proposer(target: object, target_tokenizer: object, k: int = DEFAULT_K):
     """SmolLM2-135M (native) drafting for ``target`` through text; draft_cost is the ratio of
     the two models' parameter counts (a CPU step reads every weight once)."""

@@ -24,10 +24,9 @@ from torch import Tensor
 from genrec_spec.core.beam import BeamConfig, beam_search
 from genrec_spec.core.catalogue_drafter import CatalogueDrafter
 from genrec_spec.core.constraints import Catalogue
-from genrec_spec.core.controller import ControllerConfig, cached_pass_cost
 from genrec_spec.core.draft_record import DraftRecord
 from genrec_spec.core.types import DecodeInputError, DecodeStats
-from genrec_spec.llm.methods import PASS_COSTS, controller_for
+from genrec_spec.llm.methods import PASS_COSTS, draft_record
 
 ASK = (
     "Here are the movies I watched most recently, oldest first:\n{history}\n"
@@ -157,11 +156,3 @@ class TitleRecommender:
         # A finished beam (title tokens + eos) is its item: the first of items sharing a title.
         items = self.catalogue.items_of(out.values, out.offsets).view(out.scores.shape)
         return TitleRecommendations(items=items, scores=out.scores, stats=out.stats)
-
-
-def draft_record(model: object, pass_cost: str) -> DraftRecord:
-    """A fresh record of drafting's earnings on ``model``, pricing drafted nodes as
-    ``pass_cost`` says (``llm.methods.controller_for``: measured times the model once per
-    machine and caches the table)."""
-    control = controller_for(pass_cost, lambda: cached_pass_cost(model))
-    return DraftRecord(control or ControllerConfig())

@@ -116,3 +116,56 @@ def test_generate_cli(smollm2_model, monkeypatch, capsys, tmp_path):
     args = parser.parse_args(["--method", "ngram", "--prompt", "x", "--tree-nodes", "60"])
     with pytest.raises(DecodeInputError, match="no chosen method drafts"):
         generate_cli.run(args)
+
+
+def test_generate_cli_beam_search(smollm2_model, monkeypatch, capsys, tmp_path):
+    """`genrec-spec generate --num-beams`: each prompt's K best sequences with their scores;
+    prompt-lookup drafts (--method ngram) give plain beam search's sequences; beam search with
+    sampling or a single-path method, or K > W, is refused before any loading."""
+    import argparse
+    import json
+
+    from genrec_spec.cli import generate as generate_cli
+    from genrec_spec.core.beam import BeamConfig, beam_search
+    from genrec_spec.models.llm import smollm2
+
+    model, tokenizer = smollm2_model
+    monkeypatch.setattr(smollm2, "load_smollm2", lambda: smollm2_model)
+    monkeypatch.setenv("GENREC_SPEC_CACHE", str(tmp_path))
+
+    def run(*options):
+        parser = argparse.ArgumentParser()
+        generate_cli.add_arguments(parser)
+        return generate_cli.run(parser.parse_args(list(options)))
+
+    common = ["--prompt", PROMPTS[0], "--prompt", PROMPTS[2], "--max-new-tokens", "10"]
+    common += ["--num-beams", "3", "--num-return-sequences", "2", "--batch-size", "2"]
+    reports = {}
+    for method in ("none", "ngram"):
+        assert run(*common, "--method", method, "--json") == 0
+        reports[method] = json.loads(capsys.readouterr().out)
+    expected = beam_search(
+        model,
+        [tokenizer(p)["input_ids"] for p in (PROMPTS[0], PROMPTS[2])],
+        config=BeamConfig(num_beams=3, num_return_sequences=2),
+        max_new_tokens=10,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    for report in reports.values():
+        for result, sequences, scores in zip(
+            report["results"], expected.tolist(), expected.scores.tolist(), strict=True
+        ):
+            assert [b["text"] for b in result["beams"]] == [tokenizer.decode(s) for s in sequences]
+            assert [b["score"] for b in result["beams"]] == pytest.approx(scores, abs=1e-4)
+            assert result["text"] == result["beams"][0]["text"]
+        assert report["summary"]["target_forwards"] >= 1
+    assert run(*common, "--method", "ngram") == 0  # the text table: K beams a prompt, scored
+    assert capsys.readouterr().out.count("[score ") == 4
+    refused = {
+        "deterministic": ["--temperature", "0.7"],
+        "cannot draft for beam search": ["--method", "lookahead"],
+        "num-return-sequences": ["--num-return-sequences", "4"],
+    }
+    for message, options in refused.items():
+        with pytest.raises(DecodeInputError, match=message):
+            run(*common, *options)
