@@ -49,8 +49,6 @@ def generate_texts(prompts: list[str], config: GenerationConfig) -> dict:
     and score). Bad settings are refused before any model is loaded."""
     import torch
 
-    from genrec_spec.core.controller import cached_pass_cost
-    from genrec_spec.core.decode import generate
     from genrec_spec.core.types import DecodeInputError, SamplingParams
     from genrec_spec.llm.threads import fastest_threads
 
@@ -58,8 +56,7 @@ def generate_texts(prompts: list[str], config: GenerationConfig) -> dict:
         raise DecodeInputError(f"--batch-size {config.batch_size}", "use --batch-size >= 1")
     sampling = SamplingParams(config.temperature, config.top_k, config.top_p)
     methods.check_method(config.model, config.method)
-    tree = (config.tree_nodes, config.tree_top_k, config.tree_depth)
-    methods.check_tree_options((config.method,), *tree)
+    methods.check_tree_options((config.method,), *_tree(config))
     if config.threads < 0:
         raise DecodeInputError(
             f"--threads {config.threads}", "use --threads >= 1, or 0 to measure the fastest"
@@ -74,13 +71,37 @@ def generate_texts(prompts: list[str], config: GenerationConfig) -> dict:
             )
             for p in prompts
         ]
-    if config.num_beams > 1:
-        results, batches = _beam_texts(model, tokenizer, prompts, config)
-        return {
-            "results": results,
-            "batches": batches,
-            "summary": summary(config.method, batches, beams=True),
-        }
+    beams = config.num_beams > 1
+    decode = (
+        _beam_decoder(model, tokenizer, config)
+        if beams
+        else _path_decoder(model, tokenizer, config, sampling)
+    )
+    results, batches = [], []
+    for start in range(0, len(prompts), config.batch_size):
+        chunk = prompts[start : start + config.batch_size]
+        stats, rows = decode([tokenizer(p)["input_ids"] for p in chunk])
+        batches.append(stats.as_dict())
+        results += [{"prompt": p, **row} for p, row in zip(chunk, rows, strict=True)]
+    return {
+        "results": results,
+        "batches": batches,
+        "summary": summary(config.method, batches, beams=beams),
+    }
+
+
+def _tree(config: GenerationConfig) -> tuple:
+    return config.tree_nodes, config.tree_top_k, config.tree_depth
+
+
+def _path_decoder(model, tokenizer, config: GenerationConfig, sampling):
+    """ids of a batch -> (DecodeStats, each row's {"text", "tokens"}) by ``generate``, plainly
+    or with the method's proposer under the speculation controller."""
+    import torch
+
+    from genrec_spec.core.controller import cached_pass_cost
+    from genrec_spec.core.decode import generate
+
     proposer = methods.make_proposer(
         config.method,
         model,
@@ -89,18 +110,17 @@ def generate_texts(prompts: list[str], config: GenerationConfig) -> dict:
         config.drafter,
         config.model,
         tokenizer,
-        *tree,
+        *_tree(config),
     )
     controller = None  # plain decoding: nothing to control (and no pass cost to time)
     if proposer is not None:
         controller = methods.controller_for(config.pass_cost, lambda: cached_pass_cost(model))
     generator = torch.Generator().manual_seed(config.seed)
-    results, batches = [], []
-    for start in range(0, len(prompts), config.batch_size):
-        chunk = prompts[start : start + config.batch_size]
+
+    def decode(ids: list[list[int]]):
         out = generate(
             model,
-            [tokenizer(p)["input_ids"] for p in chunk],
+            ids,
             proposer=proposer,
             sampling=sampling,
             max_new_tokens=config.max_new_tokens,
@@ -108,12 +128,49 @@ def generate_texts(prompts: list[str], config: GenerationConfig) -> dict:
             eos_token_id=tokenizer.eos_token_id,
             controller=controller,
         )
-        batches.append(out.stats.as_dict())
-        for prompt, tokens in zip(chunk, out.tolist(), strict=True):
-            results.append(
-                {"prompt": prompt, "text": tokenizer.decode(tokens), "tokens": len(tokens)}
-            )
-    return {"results": results, "batches": batches, "summary": summary(config.method, batches)}
+        rows = [{"text": tokenizer.decode(t), "tokens": len(t)} for t in out.tolist()]
+        return out.stats, rows
+
+    return decode
+
+
+def _beam_decoder(model, tokenizer, config: GenerationConfig):
+    """ids of a batch -> (DecodeStats, each row's best {"text", "tokens", "score"} and its K
+    "beams") by beam search. Method ngram drafts by prompt lookup; its searches share one draft
+    record, so later batches draft only if drafting paid in the earlier ones."""
+    from genrec_spec.core.beam import BeamConfig, beam_search
+    from genrec_spec.core.prompt_lookup import PromptLookupDrafter
+
+    drafter = record = None
+    if config.method == "ngram":
+        drafter = PromptLookupDrafter() if config.k is None else PromptLookupDrafter(config.k)
+        record = methods.draft_record(model, config.pass_cost)
+    settings = BeamConfig(
+        num_beams=config.num_beams,
+        num_return_sequences=config.num_return_sequences,
+        length_penalty=config.length_penalty,
+    )
+
+    def decode(ids: list[list[int]]):
+        out = beam_search(
+            model,
+            ids,
+            config=settings,
+            max_new_tokens=config.max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            drafter=drafter,
+            record=record,
+        )
+        rows = []
+        for sequences, scores in zip(out.tolist(), out.scores.tolist(), strict=True):
+            beams = [
+                {"text": tokenizer.decode(tokens), "tokens": len(tokens), "score": score}
+                for tokens, score in zip(sequences, scores, strict=True)
+            ]
+            rows.append({**beams[0], "beams": beams})
+        return out.stats, rows
+
+    return decode
 
 
 def _check_beams(config: GenerationConfig) -> None:
@@ -137,44 +194,6 @@ def _check_beams(config: GenerationConfig) -> None:
             f"--method {config.method} cannot draft for beam search",
             f"use --method {' or '.join(BEAM_METHODS)} with --num-beams > 1",
         )
-
-
-def _beam_texts(model, tokenizer, prompts: list[str], config: GenerationConfig):
-    """Each prompt's K best sequences (results, as generate_texts gives them) and each batch's
-    statistics. Method ngram drafts by prompt lookup; its searches share one draft record, so
-    later batches draft only if drafting paid in the earlier ones."""
-    from genrec_spec.core.beam import BeamConfig, beam_search
-    from genrec_spec.core.prompt_lookup import PromptLookupDrafter
-
-    drafter = record = None
-    if config.method == "ngram":
-        drafter = PromptLookupDrafter() if config.k is None else PromptLookupDrafter(config.k)
-        record = methods.draft_record(model, config.pass_cost)
-    settings = BeamConfig(
-        num_beams=config.num_beams,
-        num_return_sequences=config.num_return_sequences,
-        length_penalty=config.length_penalty,
-    )
-    results, batches = [], []
-    for start in range(0, len(prompts), config.batch_size):
-        chunk = prompts[start : start + config.batch_size]
-        out = beam_search(
-            model,
-            [tokenizer(p)["input_ids"] for p in chunk],
-            config=settings,
-            max_new_tokens=config.max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id,
-            drafter=drafter,
-            record=record,
-        )
-        batches.append(out.stats.as_dict())
-        for prompt, sequences, scores in zip(chunk, out.tolist(), out.scores.tolist(), strict=True):
-            beams = [
-                {"text": tokenizer.decode(tokens), "tokens": len(tokens), "score": score}
-                for tokens, score in zip(sequences, scores, strict=True)
-            ]
-            results.append({"prompt": prompt, **beams[0], "beams": beams})
-    return results, batches
 
 
 def summary(method: str, batches: list[dict], beams: bool = False) -> dict:
