@@ -22,7 +22,8 @@ again. The record starts from ``prior_weight`` passes that each saved a step, so
 search drafts, to measure.
 
 Whether a search drafts never changes its output, only its cost; the decision reads counts,
-not clocks, so a run repeats its passes exactly.
+not clocks, so a run repeats its passes exactly (given the same cost table: a measured one is
+timed once per machine and cached).
 """
 
 from __future__ import annotations
