@@ -161,16 +161,20 @@ def _beam_decoder(model, tokenizer, config: GenerationConfig):
             drafter=drafter,
             record=record,
         )
-        rows = []
-        for sequences, scores in zip(out.tolist(), out.scores.tolist(), strict=True):
-            beams = [
-                {"text": tokenizer.decode(tokens), "tokens": len(tokens), "score": score}
-                for tokens, score in zip(sequences, scores, strict=True)
-            ]
-            rows.append({**beams[0], "beams": beams})
-        return out.stats, rows
+        return out.stats, [{**beams[0], "beams": beams} for beams in beam_texts(tokenizer, out)]
 
     return decode
+
+
+def beam_texts(tokenizer, out) -> list[list[dict]]:
+    """Each row's K sequences of a ``BeamOutput``, best first, as {"text", "tokens", "score"}."""
+    return [
+        [
+            {"text": tokenizer.decode(tokens), "tokens": len(tokens), "score": score}
+            for tokens, score in zip(sequences, scores, strict=True)
+        ]
+        for sequences, scores in zip(out.tolist(), out.scores.tolist(), strict=True)
+    ]
 
 
 def _check_beams(config: GenerationConfig) -> None:

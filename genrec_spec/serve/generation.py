@@ -1,7 +1,10 @@
 """The LLM behind /v1/generate: SmolLM2 text with the decoding core's methods.
 
 Methods are those of the LLM method registry (`genrec_spec.llm.methods`) that need no trained
-drafter (`UNTRAINED`; "plain" is accepted as the name of none, plain decoding). The quant draft
+drafter (`UNTRAINED`; "plain" is accepted as the name of none, plain decoding). With
+``num_beams`` > 1 a request is beam search (`core.beam`): plain, or with prompt lookup drafting
+below the beams (method ngram) where the draft record shared by requests says it paid; the
+record changes only the cost of an answer, never the answer. The quant draft
 (the target's own 4-bit weights) is built once per loaded model and shared by requests: it holds
 no per-request state. Every request gets a fresh
 proposer and its own seeded `torch.Generator`, so an answer depends only on its request (n-gram
@@ -14,9 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
+from genrec_spec.core.beam import BeamConfig, beam_search
 from genrec_spec.core.decode import generate
+from genrec_spec.core.draft_record import DraftRecord
+from genrec_spec.core.prompt_lookup import PromptLookupDrafter
 from genrec_spec.core.types import SamplingParams
-from genrec_spec.llm.methods import make_proposer
+from genrec_spec.llm.generation import beam_texts
+from genrec_spec.llm.methods import draft_record, make_proposer
 from genrec_spec.serve.errors import ServeInputError
 
 LLMS = ("smollm2",)
@@ -30,6 +37,8 @@ class GenerateQuery:
     temperature: float
     seed: int
     chat: bool
+    num_beams: int = 1  # W > 1: beam search
+    num_return_sequences: int = 1  # K <= W
 
 
 class TextGenerator:
@@ -37,6 +46,7 @@ class TextGenerator:
 
     def __init__(self, model, tokenizer) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.record: DraftRecord | None = None  # beam search's, made on the first ngram search
 
     @classmethod
     def load(cls, name: str) -> TextGenerator:
@@ -58,6 +68,8 @@ class TextGenerator:
                 [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
             )
         ids = self.tokenizer(prompt)["input_ids"]
+        if query.num_beams > 1:
+            return self._beams(query, ids)
         out = generate(
             self.model,
             [ids],
@@ -74,3 +86,24 @@ class TextGenerator:
             "tokens": len(tokens),
             "stats": out.stats.as_dict(),
         }
+
+    def _beams(self, query: GenerateQuery, ids: list[int]) -> dict:
+        """The K best sequences by beam search, the best first as the answer's text."""
+        drafter = None
+        if query.method == "ngram":
+            drafter = PromptLookupDrafter()
+            if self.record is None:
+                self.record = draft_record(self.model, "measured")
+        out = beam_search(
+            self.model,
+            [ids],
+            config=BeamConfig(
+                num_beams=query.num_beams, num_return_sequences=query.num_return_sequences
+            ),
+            max_new_tokens=query.max_new_tokens,
+            eos_token_id=self.tokenizer.eos_token_id,
+            drafter=drafter,
+            record=self.record if drafter is not None else None,
+        )
+        beams = beam_texts(self.tokenizer, out)[0]
+        return {"method": query.method, **beams[0], "beams": beams, "stats": out.stats.as_dict()}

@@ -148,6 +148,8 @@ async def generate(request: GenerateRequest, state: Service):
         request.temperature,
         request.seed,
         request.chat,
+        request.num_beams,
+        request.num_return_sequences,
     )
     answer = await state.submit("generate", "generate", query)
     return answer | {"latency_ms": (time.perf_counter() - start) * 1e3}

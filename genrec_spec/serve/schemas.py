@@ -19,6 +19,9 @@ DecoderName = Literal[(*DECODERS, "llm")]
 # "plain" is a readable alias of the CLI's "none" (plain autoregressive decoding).
 MethodName = Literal[("plain", *METHODS)]
 OptionValue = StrictBool | StrictInt | float | str | None
+# Beam search on /v1/generate: plain, or prompt lookup drafting below the beams.
+BEAM_METHODS = ("plain", "none", "ngram")
+MAX_BEAMS = 32  # beams a request may ask for (each costs the LLM a tree node a step)
 
 
 class RecommendRequest(BaseModel):
@@ -83,12 +86,52 @@ class GenerateRequest(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=10.0, description="0 = greedy")
     seed: StrictInt = Field(0, ge=0, description="seeds the sampling (temperature > 0)")
     chat: StrictBool = Field(False, description="wrap the prompt in the chat template")
+    num_beams: StrictInt = Field(
+        1,
+        ge=1,
+        le=MAX_BEAMS,
+        description="W > 1: beam search (temperature 0, method plain or ngram: prompt lookup "
+        "drafts where they paid in earlier requests)",
+    )
+    num_return_sequences: StrictInt = Field(
+        1, ge=1, le=MAX_BEAMS, description="beam search: the K <= W best sequences"
+    )
+
+    @model_validator(mode="after")
+    def beams_possible(self) -> GenerateRequest:
+        w, k = self.num_beams, self.num_return_sequences
+        if k > w:
+            raise ServeInputError(
+                f"num_return_sequences = {k} is larger than num_beams = {w}",
+                "ask for at most num_beams sequences",
+            )
+        if w > 1 and self.temperature != 0:
+            raise ServeInputError(
+                f"beam search (num_beams = {w}) with temperature {self.temperature}",
+                "beam search is deterministic: send temperature 0, or num_beams 1 to sample",
+            )
+        if w > 1 and self.method not in BEAM_METHODS:
+            raise ServeInputError(
+                f"method {self.method} cannot draft for beam search",
+                f"send method {' or '.join(BEAM_METHODS)} with num_beams > 1",
+            )
+        return self
+
+
+class GeneratedSequence(BaseModel):
+    text: str
+    tokens: int
+    score: float = Field(description="beam search's score: summed log-probs / length")
 
 
 class GenerateResponse(BaseModel):
     method: str
-    text: str
+    text: str = Field(description="the generated text (beam search: the best sequence)")
     tokens: int
+    score: float | None = Field(None, description="beam search: the best sequence's score")
+    beams: list[GeneratedSequence] | None = Field(
+        None, description="beam search: the K best sequences, best first"
+    )
     stats: dict[str, float | int | list[int]]
     latency_ms: float
 

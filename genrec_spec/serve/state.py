@@ -62,7 +62,7 @@ class ServiceState:
             stats = answer["stats"]
             self.metrics.model_call(
                 "generate",
-                answer["method"],
+                answer["method"] + (" beam" if "beams" in answer else ""),
                 stats["target_forwards"],
                 stats["generated_tokens"],
                 stats["row_steps"],

@@ -29,6 +29,11 @@ def test_generate_with_smollm2(start_service):
 
         answers = [r.json() for r in asyncio.run(together())]
         too_long = httpx.post(f"{url}/v1/generate", json={"prompt": "hi", "max_new_tokens": 9})
+        beam = {"prompt": prompt, "max_new_tokens": 8, "num_beams": 3, "num_return_sequences": 2}
+        beamed = [
+            httpx.post(f"{url}/v1/generate", json=beam | {"method": m}, timeout=120).json()
+            for m in ("plain", "ngram")
+        ]
         metrics = httpx.get(f"{url}/metrics").text
     assert all("method" in a for a in answers), answers
     assert [a["method"] for a in answers] == ["none", "ngram", "lookahead", "quant"]
@@ -37,9 +42,16 @@ def test_generate_with_smollm2(start_service):
     assert answers[3]["stats"]["mean_accepted_length"] > 2.0  # the 4-bit draft agrees
     assert answers[0]["stats"]["mean_accepted_length"] == 1.0
     assert too_long.status_code == 400 and "limit of 8" in too_long.json()["detail"]
-    assert 'genrec_spec_batch_size_count{kind="generate"} 4.0' in metrics
+    # the four answers above, then the two beam searches below
+    assert 'genrec_spec_batch_size_count{kind="generate"} 6.0' in metrics
     assert 'genrec_spec_mean_accepted_length{kind="generate",method="none"} 1.0' in metrics
     assert 'genrec_spec_target_passes_total{kind="generate",method="ngram"}' in metrics
+    # beam search: the K best sequences, the best as the text; prompt lookup drafts change
+    # nothing of them
+    assert [len(b["beams"]) for b in beamed] == [2, 2], beamed
+    assert beamed[0]["text"] == beamed[0]["beams"][0]["text"] and beamed[0]["score"] <= 0
+    assert [s["text"] for s in beamed[1]["beams"]] == [s["text"] for s in beamed[0]["beams"]]
+    assert 'genrec_spec_model_calls_total{kind="generate",method="ngram beam"} 1.0' in metrics
 
 
 @pytest.mark.slow

@@ -202,3 +202,12 @@ def test_malformed_oversized_and_unknown(service):
         by_title = client.post("/v1/recommend", json={"user_id": "u1", "decoder": "llm"})
         assert by_title.status_code == 404 and "--llm smollm2" in by_title.json()["detail"]
         assert client.post("/v1/generate", json={"prompt": ""}).status_code == 422
+        beams = {"prompt": "x", "num_beams": 2}
+        refused = {  # beam search settings that cannot work, refused before the LLM is asked
+            "deterministic": {"temperature": 0.5},
+            "cannot draft for beam search": {"method": "lookahead"},
+            "larger than num_beams": {"num_return_sequences": 3},
+        }
+        for message, change in refused.items():
+            answer = client.post("/v1/generate", json=beams | change)
+            assert answer.status_code == 422 and message in answer.json()["detail"], answer.text
