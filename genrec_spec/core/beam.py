@@ -188,17 +188,8 @@ def beam_search(
 def _check_config(
     config: BeamConfig, constraint: Constraint | None, eos: list[int], max_new_tokens: int
 ) -> None:
-    w, k = config.num_beams, config.num_return_sequences
-    if w < 1 or k < 1:
-        raise DecodeInputError(
-            f"num_beams = {w} and num_return_sequences = {k} must both be >= 1",
-            "ask for at least one beam and one result",
-        )
-    if k > w:
-        raise DecodeInputError(
-            f"num_return_sequences = {k} is larger than num_beams = {w}",
-            f"pass num_beams >= {k}: beam search returns at most its W beams",
-        )
+    k = config.num_return_sequences
+    check_beam_counts(config.num_beams, k)
     if config.early_stopping not in (True, False, "never"):
         raise DecodeInputError(
             f"early_stopping = {config.early_stopping!r}", 'pass True, False or "never"'
@@ -209,6 +200,22 @@ def _check_config(
             f"num_return_sequences = {k} is larger than the catalogue "
             f"({constraint.trie.num_items} items)",
             f"ask for at most {constraint.trie.num_items} results",
+        )
+
+
+def check_beam_counts(num_beams: int, num_return_sequences: int) -> None:
+    """W >= 1 beams and 1 <= K <= W results, or a DecodeInputError saying which."""
+    w, k = num_beams, num_return_sequences
+    if w < 1 or k < 1:
+        raise DecodeInputError(
+            f"num_beams = {w} and num_return_sequences = {k} must both be >= 1",
+            "ask for at least one beam and one result",
+        )
+    if k > w:
+        raise DecodeInputError(
+            f"num_return_sequences = {k} is larger than num_beams = {w}",
+            f"pass num_beams >= {k} (--num-beams on the command line): beam search returns "
+            "at most its W beams (--num-return-sequences)",
         )
 
 

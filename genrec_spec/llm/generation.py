@@ -61,7 +61,9 @@ def generate_texts(prompts: list[str], config: GenerationConfig) -> dict:
         raise DecodeInputError(
             f"--threads {config.threads}", "use --threads >= 1, or 0 to measure the fastest"
         )
-    _check_beams(config)
+    check_beam_settings(
+        config.num_beams, config.num_return_sequences, config.temperature, config.method
+    )
     model, tokenizer = methods.load_target(config.model)
     torch.set_num_threads(config.threads or fastest_threads(model, config.batch_size))
     if config.chat:
@@ -138,7 +140,7 @@ def _beam_decoder(model, tokenizer, config: GenerationConfig):
     """ids of a batch -> (DecodeStats, each row's best {"text", "tokens", "score"} and its K
     "beams") by beam search. Method ngram drafts by prompt lookup; its searches share one draft
     record, so later batches draft only if drafting paid in the earlier ones."""
-    from genrec_spec.core.beam import BeamConfig, beam_search
+    from genrec_spec.core.beam import BeamConfig
     from genrec_spec.core.prompt_lookup import PromptLookupDrafter
 
     drafter = record = None
@@ -150,53 +152,57 @@ def _beam_decoder(model, tokenizer, config: GenerationConfig):
         num_return_sequences=config.num_return_sequences,
         length_penalty=config.length_penalty,
     )
-
-    def decode(ids: list[list[int]]):
-        out = beam_search(
-            model,
-            ids,
-            config=settings,
-            max_new_tokens=config.max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id,
-            drafter=drafter,
-            record=record,
-        )
-        return out.stats, [{**beams[0], "beams": beams} for beams in beam_texts(tokenizer, out)]
-
-    return decode
+    return lambda ids: beam_texts(
+        model, tokenizer, ids, settings, config.max_new_tokens, drafter, record
+    )
 
 
-def beam_texts(tokenizer, out) -> list[list[dict]]:
-    """Each row's K sequences of a ``BeamOutput``, best first, as {"text", "tokens", "score"}."""
-    return [
-        [
+def beam_texts(
+    model, tokenizer, ids: list[list[int]], settings, max_new_tokens: int, drafter, record
+):
+    """Beam search of token prompts ``ids`` (``core.beam.beam_search`` under ``settings``, a
+    ``BeamConfig``) as (DecodeStats, each row's best {"text", "tokens", "score"} with its K best
+    under "beams"): what the generate command and the service answer."""
+    from genrec_spec.core.beam import beam_search
+
+    out = beam_search(
+        model,
+        ids,
+        config=settings,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+        drafter=drafter,
+        record=record,
+    )
+    rows = []
+    for sequences, scores in zip(out.tolist(), out.scores.tolist(), strict=True):
+        beams = [
             {"text": tokenizer.decode(tokens), "tokens": len(tokens), "score": score}
             for tokens, score in zip(sequences, scores, strict=True)
         ]
-        for sequences, scores in zip(out.tolist(), out.scores.tolist(), strict=True)
-    ]
+        rows.append({**beams[0], "beams": beams})
+    return out.stats, rows
 
 
-def _check_beams(config: GenerationConfig) -> None:
+def check_beam_settings(num_beams: int, num_return_sequences: int, temperature: float, method: str):
+    """Refuse beam search settings that cannot work, before any model runs: the generate
+    command's rule and the service's (``method`` a registry name, "none" for plain)."""
+    from genrec_spec.core.beam import check_beam_counts
     from genrec_spec.core.types import DecodeInputError
 
-    w, k = config.num_beams, config.num_return_sequences
-    if w < 1 or not 1 <= k <= w:
-        raise DecodeInputError(
-            f"--num-beams {w} and --num-return-sequences {k}",
-            "use --num-beams >= 1 and 1 <= --num-return-sequences <= --num-beams",
-        )
+    check_beam_counts(num_beams, num_return_sequences)
+    w = num_beams
     if w == 1:
         return
-    if config.temperature != 0:
+    if temperature != 0:
         raise DecodeInputError(
-            f"--num-beams {w} with --temperature {config.temperature}",
-            "beam search is deterministic: pass --temperature 0, or --num-beams 1 to sample",
+            f"beam search (num_beams = {w}) with temperature {temperature}",
+            "beam search is deterministic: set temperature 0, or num_beams 1 to sample",
         )
-    if config.method not in BEAM_METHODS:
+    if method not in BEAM_METHODS:
         raise DecodeInputError(
-            f"--method {config.method} cannot draft for beam search",
-            f"use --method {' or '.join(BEAM_METHODS)} with --num-beams > 1",
+            f"method {method} cannot draft for beam search",
+            f"use method {' or '.join(BEAM_METHODS)} with num_beams > 1",
         )
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from genrec_spec.core.beam import BeamConfig, beam_search
+from genrec_spec.core.beam import BeamConfig
 from genrec_spec.core.decode import generate
 from genrec_spec.core.draft_record import DraftRecord
 from genrec_spec.core.prompt_lookup import PromptLookupDrafter
@@ -94,16 +94,11 @@ class TextGenerator:
             drafter = PromptLookupDrafter()
             if self.record is None:
                 self.record = draft_record(self.model, "measured")
-        out = beam_search(
-            self.model,
-            [ids],
-            config=BeamConfig(
-                num_beams=query.num_beams, num_return_sequences=query.num_return_sequences
-            ),
-            max_new_tokens=query.max_new_tokens,
-            eos_token_id=self.tokenizer.eos_token_id,
-            drafter=drafter,
-            record=self.record if drafter is not None else None,
+        settings = BeamConfig(
+            num_beams=query.num_beams, num_return_sequences=query.num_return_sequences
         )
-        beams = beam_texts(self.tokenizer, out)[0]
-        return {"method": query.method, **beams[0], "beams": beams, "stats": out.stats.as_dict()}
+        record = self.record if drafter is not None else None
+        stats, rows = beam_texts(
+            self.model, self.tokenizer, [ids], settings, query.max_new_tokens, drafter, record
+        )
+        return {"method": query.method, **rows[0], "stats": stats.as_dict()}

@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
+from genrec_spec.llm.generation import check_beam_settings
 from genrec_spec.llm.methods import UNTRAINED as METHODS
 from genrec_spec.recsys.decoders.registry import DECODERS
 from genrec_spec.serve.errors import ServeInputError
@@ -19,8 +20,6 @@ DecoderName = Literal[(*DECODERS, "llm")]
 # "plain" is a readable alias of the CLI's "none" (plain autoregressive decoding).
 MethodName = Literal[("plain", *METHODS)]
 OptionValue = StrictBool | StrictInt | float | str | None
-# Beam search on /v1/generate: plain, or prompt lookup drafting below the beams.
-BEAM_METHODS = ("plain", "none", "ngram")
 MAX_BEAMS = 32  # beams a request may ask for (each costs the LLM a tree node a step)
 
 
@@ -99,22 +98,9 @@ class GenerateRequest(BaseModel):
 
     @model_validator(mode="after")
     def beams_possible(self) -> GenerateRequest:
-        w, k = self.num_beams, self.num_return_sequences
-        if k > w:
-            raise ServeInputError(
-                f"num_return_sequences = {k} is larger than num_beams = {w}",
-                "ask for at most num_beams sequences",
-            )
-        if w > 1 and self.temperature != 0:
-            raise ServeInputError(
-                f"beam search (num_beams = {w}) with temperature {self.temperature}",
-                "beam search is deterministic: send temperature 0, or num_beams 1 to sample",
-            )
-        if w > 1 and self.method not in BEAM_METHODS:
-            raise ServeInputError(
-                f"method {self.method} cannot draft for beam search",
-                f"send method {' or '.join(BEAM_METHODS)} with num_beams > 1",
-            )
+        """The generate command's rule (``llm.generation.check_beam_settings``)."""
+        method = "none" if self.method == "plain" else self.method
+        check_beam_settings(self.num_beams, self.num_return_sequences, self.temperature, method)
         return self
 
 
