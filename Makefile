@@ -7,6 +7,8 @@ STAMP := $(VENV)/.installed
 export PYTHONDONTWRITEBYTECODE :=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
+# No wheel cache: CI's disk can be nearly full, and each install runs once per clone.
+export PIP_NO_CACHE_DIR := 1
 
 .PHONY: demo test lint install clean gpu-check
 
