@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -172,6 +173,21 @@ def tiny_model(tiny_data_dir: Path):
     torch.manual_seed(0)
     data = load_prepared(tiny_data_dir)
     config = tiny_recommender_config()
+    model = SemanticIdRecommender(
+        config, data.item_codes, data.codebook_sizes, data.long_ids, data.long_id_sizes
+    )
+    return model.eval(), data
+
+
+@pytest.fixture(params=["transformer", "hstu"])
+def block_model(request, tiny_data_dir: Path):
+    """`tiny_model` built with each kind of block (`RecommenderConfig.block`)."""
+    from genrec_spec.models.recsys.recommender import SemanticIdRecommender
+    from genrec_spec.recsys.data import load_prepared
+
+    torch.manual_seed(0)
+    data = load_prepared(tiny_data_dir)
+    config = replace(tiny_recommender_config(), block=request.param)
     model = SemanticIdRecommender(
         config, data.item_codes, data.codebook_sizes, data.long_ids, data.long_id_sizes
     )

@@ -1,6 +1,6 @@
-"""What the recommender's passes share: the pre-norm transformer block (attention itself is the
-caller's, the one thing that differs between training, prefill and tree scoring) and the state
-an encoded history leaves for tree scoring.
+"""What the recommender's passes share: its blocks (the pre-norm transformer block, or HSTU's;
+attention itself is the caller's, the one thing that differs between training, prefill and tree
+scoring) and the state an encoded history leaves for tree scoring.
 
 Shape letters: B users, T history tokens (BOS included), N tokens of a pass, D model width,
 H heads, V0 level-0 codes.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from genrec_spec.models.recsys.config import RecommenderConfig
@@ -60,9 +61,41 @@ class Block(nn.Module):
         those tokens' outputs, their queries attending over every token's keys and values (a
         last block whose other outputs nobody reads)."""
         q, k, v = self.qkv(self.norm1(x)).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
-        if keep is not None:
-            x = x.gather(1, keep[..., None].expand(-1, -1, x.shape[-1]))
-            q = q.gather(2, keep[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1]))
+        x, q = _kept(keep, x, q)
         out = attend(q, k, v).transpose(1, 2).flatten(2)  # [B, H, N, Dh] -> [B, N, D]
         x = x + self.drop(self.proj(out))
         return x + self.drop(self.ffn(self.norm2(x)))
+
+
+class HstuBlock(nn.Module):
+    """HSTU's block (Zhai et al., 2024): U, V, Q, K = SiLU(f1(norm(x))); the attention
+    (pointwise, `attention.pointwise_attention`, done by the caller's `attend`) of Q, K over V;
+    x + f2(norm(attention) * U). No feed-forward: the U gate is its nonlinearity, so a block
+    holds 5 D^2 weights against the transformer block's 12 D^2 (feed-forward 4 D wide)."""
+
+    def __init__(self, config: RecommenderConfig) -> None:
+        super().__init__()
+        self.heads = config.heads
+        self.norm1 = nn.LayerNorm(config.dim)
+        self.uvqk = nn.Linear(config.dim, 4 * config.dim)
+        self.norm2 = nn.LayerNorm(config.dim)
+        self.proj = nn.Linear(config.dim, config.dim)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, attend, keep: Tensor | None = None) -> Tensor:
+        """As `Block.forward`."""
+        u, v, q, k = F.silu(self.uvqk(self.norm1(x))).chunk(4, dim=-1)  # [B, N, D] each
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))
+        x, q, u = _kept(keep, x, q, u)
+        out = attend(q, k, v).transpose(1, 2).flatten(2)  # [B, H, N', Dh] -> [B, N', D]
+        return x + self.drop(self.proj(self.norm2(out) * u))
+
+
+def _kept(keep: Tensor | None, x: Tensor, q: Tensor, *tokens: Tensor) -> tuple[Tensor, ...]:
+    """x [B, N, D], q [B, H, N, Dh] and other [B, N, D] tensors at the `keep` ([B, N']) tokens
+    only (all of them when keep is None)."""
+    if keep is None:
+        return (x, q, *tokens)
+    rows = keep[..., None].expand(-1, -1, x.shape[-1])  # [B, N', D]
+    q = q.gather(2, keep[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1]))
+    return (x.gather(1, rows), q, *(t.gather(1, rows) for t in tokens))

@@ -17,6 +17,8 @@ from dataclasses import dataclass, fields
 
 from genrec_spec.errors import GenrecError
 
+BLOCK_KINDS = ("transformer", "hstu")  # RecommenderConfig.block
+
 
 class ConfigError(GenrecError):
     """A model config dict that cannot be read (unknown keys, a part given the wrong type)."""
@@ -102,9 +104,12 @@ class RecommenderConfig:
     """The recommender's architecture and loss weights; None turns a part off."""
 
     dim: int = 64  # model width D
-    layers: int = 2  # transformer blocks
+    layers: int = 2  # blocks
     heads: int = 2  # attention heads H (D / H per head)
-    ffn_mult: int = 4  # feed-forward width = ffn_mult * D
+    # "transformer" (pre-norm softmax attention + feed-forward) or "hstu" (HSTU's pointwise
+    # attention gated by a SiLU projection, no feed-forward: `models.recsys.attention`)
+    block: str = "transformer"
+    ffn_mult: int = 4  # feed-forward width = ffn_mult * D (transformer blocks)
     dropout: float = 0.0  # on embeddings, attention output and feed-forward output
     max_len: int = 200  # most recent history items read (older ones are dropped)
     # A per-item embedding in each history token (always there with the item objective, whose
@@ -119,6 +124,13 @@ class RecommenderConfig:
     # code heads whose position_stride is 0.
     head_branches: int = 8
     detach_heads: bool = True  # the heads learn from a detached history state (no backbone grad)
+
+    def __post_init__(self) -> None:
+        if self.block not in BLOCK_KINDS:
+            raise ConfigError(
+                f"unknown block {self.block!r}",
+                f"use one of {', '.join(BLOCK_KINDS)}",
+            )
 
     @property
     def has_item_table(self) -> bool:

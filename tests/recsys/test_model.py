@@ -3,14 +3,18 @@ item objective, exact item scores, heads, bad input (its training losses: test_m
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from genrec_spec.kernels import ancestor_mask
+from genrec_spec.models.recsys.attention import pointwise_attention, pointwise_tree_attention
 from genrec_spec.models.recsys.config import (
     ConfigError,
     ItemObjectiveConfig,
+    RecommenderConfig,
     TiedLevelsConfig,
 )
 from genrec_spec.models.recsys.errors import RecommenderInputError
@@ -56,8 +60,8 @@ def _path(parents: torch.Tensor, node: int) -> list[int]:  # root-to-node path o
     return path
 
 
-def test_shapes_and_padding(tiny_model):
-    model, _ = tiny_model
+def test_shapes_and_padding(block_model):
+    model, _ = block_model
     values, offsets = _histories(model, [5, 0, 20])  # an empty and a truncated history
     state = model.encode_history(values, offsets)
     layers, heads, dim = model.config.layers, model.config.heads, model.config.dim
@@ -78,8 +82,8 @@ def test_shapes_and_padding(tiny_model):
             assert torch.allclose(out[b, i, :width].exp().sum(), torch.tensor(1.0), atol=1e-5)
 
 
-def test_tree_equals_each_branch_as_a_chain(tiny_model):
-    model, _ = tiny_model
+def test_tree_equals_each_branch_as_a_chain(block_model):
+    model, _ = block_model
     values, offsets = _histories(model, [7, 3, 11], seed=1)
     state = model.encode_history(values, offsets)
     codes, levels, parents = _random_tree(model, 3, 10, seed=2)
@@ -380,6 +384,46 @@ def test_long_id_catalogue_loss_equals_the_summed_digit_log_probs_loss(sizes):
         torch.testing.assert_close(a, b)
 
 
+def test_pointwise_attention_is_hstus_masked_sum():
+    """Each query's output is the sum over its visible keys of SiLU(q . k) / n times the key's
+    value (the definition, one query and key at a time), for a bool mask, an additive one and
+    the causal rule; and over a tree, its history keys plus its ancestors'."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 4, generator=g) for _ in range(3))  # [B, H, M=K, Dh]
+    seen = torch.rand(2, 1, 5, 5, generator=g) < 0.6
+
+    def defined(mask):  # [B, 1, M, K] bool
+        out = torch.zeros_like(q)
+        for b, h, i, j in itertools.product(range(2), range(3), range(5), range(5)):
+            if mask[b, 0, i, j]:
+                out[b, h, i] += F.silu(q[b, h, i] @ k[b, h, j]) / 7.0 * v[b, h, j]
+        return out
+
+    additive = torch.zeros(seen.shape).masked_fill(~seen, float("-inf"))
+    torch.testing.assert_close(pointwise_attention(q, k, v, seen, 7.0), defined(seen))
+    torch.testing.assert_close(pointwise_attention(q, k, v, additive, 7.0), defined(seen))
+    causal = torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 1, 5, 5)
+    torch.testing.assert_close(
+        pointwise_attention(q, k, v, None, 7.0, causal=True), defined(causal)
+    )
+
+    # a tree of 5 nodes (node 1 under 0, 2 and 3 under 1, 4 under 0) over 4- and 2-key histories
+    parents = torch.tensor([[-1, 0, 1, 1, 0]] * 2)
+    lengths = torch.tensor([4, 2])
+    k_root, v_root = torch.randn(2, 3, 4, 4, generator=g), torch.randn(2, 3, 4, 4, generator=g)
+    visible = ancestor_mask(parents)  # [B, N, N] itself and its ancestors
+    got = pointwise_tree_attention(q, k_root, v_root, lengths, k, v, visible, 7.0)
+    keys, values = torch.cat([k_root, k], 2), torch.cat([v_root, v], 2)
+    history = (torch.arange(4) < lengths[:, None])[:, None, None, :].expand(2, 1, 5, 4)
+    mask = torch.cat([history, visible[:, None]], 3)  # [B, 1, N, 4 + N]
+    torch.testing.assert_close(got, pointwise_attention(q, keys, values, mask, 7.0))
+
+
+def test_unknown_block_is_refused():
+    with pytest.raises(ConfigError, match="unknown block 'mamba'"):
+        RecommenderConfig(block="mamba")
+
+
 def test_bad_input_raises_clear_errors(tiny_model):
     model, _ = tiny_model
     with pytest.raises(RecommenderInputError, match=r"\[0, 40\)"):
@@ -411,8 +455,8 @@ def test_bad_input_raises_clear_errors(tiny_model):
         )
 
 
-def test_extend_history_equals_encoding_the_whole_history(tiny_model):
-    model, _ = tiny_model
+def test_extend_history_equals_encoding_the_whole_history(block_model):
+    model, _ = block_model
     lengths, cuts = [7, 3, 12, 1], [4, 0, 11, 0]  # prefix lengths: one empty, one full window
     values, offsets = _histories(model, lengths, seed=3)
     rows = [values[offsets[b] : offsets[b + 1]] for b in range(len(lengths))]

@@ -17,14 +17,14 @@ from genrec_spec.models.recsys.layout import train_layout
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_training_layout_matches_inference(tiny_model, tied, random_histories, with_objective):
-    """forward_train's losses (SDPA over the training tree) equal the same cross-entropies
+def test_training_layout_matches_inference(block_model, tied, random_histories, with_objective):
+    """forward_train's losses (attention over the training tree) equal the same cross-entropies
     computed with encode_history on every prefix and score_tree on every branch (with the
-    code levels tied to the item objective too)."""
+    code levels tied to the item objective too), under either kind of block."""
 
     from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 
-    model, data = tiny_model
+    model, data = block_model
     if tied:
         config = with_objective(model.config, level0=True, tied_levels=TiedLevelsConfig(False))
         torch.manual_seed(2)

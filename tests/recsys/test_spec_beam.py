@@ -29,7 +29,10 @@ def _random_model(
     build, seed: int, sizes: tuple[int, ...], items: int, item_levels: str = "none"
 ) -> SemanticIdRecommender:
     """`build` (the random_recommender fixture) on a small config whose code levels are tied
-    to the item objective as `item_levels` says."""
+    to the item objective as `item_levels` says ("hstu": as "residual", on HSTU blocks)."""
+    if item_levels == "hstu":
+        config = _random_model(lambda c, *_: c, seed, sizes, items, "residual")
+        return build(replace(config, block="hstu"), seed, sizes, items)
     config = RecommenderConfig(
         dim=16,
         layers=2,
@@ -66,7 +69,7 @@ PASSES = {
 
 
 @pytest.mark.parametrize(("seed", "sizes", "items"), MODELS)
-@pytest.mark.parametrize("item_levels", ["none", "level0", "all", "cosine", "residual"])
+@pytest.mark.parametrize("item_levels", ["none", "level0", "all", "cosine", "residual", "hstu"])
 @pytest.mark.parametrize("engine", beam.ENGINES)
 def test_spec_beam_equals_beam(
     seed, sizes, items, item_levels, engine, random_recommender, uneven_histories

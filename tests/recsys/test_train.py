@@ -325,16 +325,23 @@ def test_shipped_configs_load_and_ml1m_is_the_default():
     assert train_config.max_minutes == TrainConfig().max_minutes
 
 
-def test_deep_recipe_trains_and_evaluates_on_a_slice(tiny_prepared, tmp_path):
-    """configs/ml-1m-deep.json, the quality recipe under test (docs/results/recsys-quality.md), as
-    shipped but for its epochs: it trains on a small slice, its loss falls, and `beam` and
-    `spec_beam` evaluate its checkpoint to the same metrics under the anchors' protocol."""
+@pytest.mark.parametrize(
+    ("recipe", "block", "layers"), [("ml-1m-deep", "transformer", 4), ("ml-1m-hstu", "hstu", 8)]
+)
+def test_quality_recipe_trains_and_evaluates_on_a_slice(
+    recipe, block, layers, tiny_prepared, tmp_path
+):
+    """The quality recipes under test (configs/ml-1m-deep.json, and its HSTU-block form
+    configs/ml-1m-hstu.json; docs/results/recsys-quality.md), as shipped but for their epochs:
+    each trains on a small slice, its loss falls, and `beam` and `spec_beam` evaluate its
+    checkpoint to the same metrics under the anchors' protocol."""
     from genrec_spec.recsys import evaluate as ev
     from genrec_spec.recsys.decoders import beam, spec_beam
 
-    path = REPO / "configs" / "ml-1m-deep.json"
+    path = REPO / "configs" / f"{recipe}.json"
     model_config, train_config = load_config(path, {"train": {"epochs": 3, "progress": False}})
-    assert (model_config.layers, model_config.dropout, train_config.max_minutes) == (4, 0.2, 0)
+    assert (model_config.block, model_config.layers) == (block, layers)
+    assert (model_config.dropout, train_config.max_minutes) == (0.2, 0)
     data = tiny_prepared(tmp_path / "data", users=48)
     metrics = train(data, tmp_path / "ckpt", model_config, train_config)["metrics"]
     assert len(metrics) == 3 and metrics[-1]["train_loss"] < metrics[0]["train_loss"]
