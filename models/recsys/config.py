@@ -115,7 +115,9 @@ class RecommenderConfig:
     # A per-item embedding in each history token (always there with the item objective, whose
     # output table it is).
     item_embedding: bool = True
-    attention_backend: str = "auto"  # tree_attention backend at inference
+    # tree_attention backend at inference (transformer blocks; HSTU's pointwise attention is
+    # plain torch on any device)
+    attention_backend: str = "auto"
     item_objective: ItemObjectiveConfig | None = ItemObjectiveConfig()  # SASRec-style next item
     parallel_heads: CodeHeadsConfig | None = CodeHeadsConfig()  # PinRec-style level heads
     long_id_heads: CodeHeadsConfig | None = CodeHeadsConfig()  # RPG-style (needs long IDs)
