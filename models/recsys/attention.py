@@ -30,7 +30,7 @@ def pointwise_attention(
     q: Tensor,  # [B, H, M, Dh]
     k: Tensor,  # [B, H, K, Dh]
     v: Tensor,  # [B, H, K, Dh]
-    visible: Tensor | None,  # [B or 1, H or 1, M, K]: bool (True: seen) or additive (0 / -inf)
+    visible: Tensor | None,  # [B or 1, H or 1, M, K] bool: True where query i sees key j
     norm: float,  # n: every weight is divided by it
     causal: bool = False,  # query i sees keys 0..i (queries and keys of the same M tokens)
 ) -> Tensor:  # [B, H, M, Dh]
@@ -39,8 +39,7 @@ def pointwise_attention(
     if causal:
         weights = weights.tril()
     if visible is not None:
-        seen = visible if visible.dtype == torch.bool else visible == 0
-        weights = weights.masked_fill(~seen, 0.0)
+        weights = weights.masked_fill(~visible, 0.0)
     return (weights @ v) / norm
 
 

@@ -454,7 +454,7 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
         q: Tensor,  # [B, H, M, Dh]
         k: Tensor,  # [B, H, K, Dh]
         v: Tensor,  # [B, H, K, Dh]
-        mask: Tensor | None = None,  # [B or 1, 1, M, K] bool (True: seen) or additive float
+        mask: Tensor | None = None,  # [B, 1, M, K] bool: True where query i sees key j
         causal: bool = False,
     ) -> Tensor:  # [B, H, M, Dh]
         """The blocks' attention rule over a dense mask (`models.recsys.attention`)."""

@@ -386,8 +386,8 @@ def test_long_id_catalogue_loss_equals_the_summed_digit_log_probs_loss(sizes):
 
 def test_pointwise_attention_is_hstus_masked_sum():
     """Each query's output is the sum over its visible keys of SiLU(q . k) / n times the key's
-    value (the definition, one query and key at a time), for a bool mask, an additive one and
-    the causal rule; and over a tree, its history keys plus its ancestors'."""
+    value (the definition, one query and key at a time), for a mask and the causal rule; and
+    over a tree, its history keys plus its ancestors'."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 5, 4, generator=g) for _ in range(3))  # [B, H, M=K, Dh]
     seen = torch.rand(2, 1, 5, 5, generator=g) < 0.6
@@ -399,9 +399,7 @@ def test_pointwise_attention_is_hstus_masked_sum():
                 out[b, h, i] += F.silu(q[b, h, i] @ k[b, h, j]) / 7.0 * v[b, h, j]
         return out
 
-    additive = torch.zeros(seen.shape).masked_fill(~seen, float("-inf"))
     torch.testing.assert_close(pointwise_attention(q, k, v, seen, 7.0), defined(seen))
-    torch.testing.assert_close(pointwise_attention(q, k, v, additive, 7.0), defined(seen))
     causal = torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 1, 5, 5)
     torch.testing.assert_close(
         pointwise_attention(q, k, v, None, 7.0, causal=True), defined(causal)
