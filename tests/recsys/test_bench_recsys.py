@@ -26,8 +26,9 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_bench_recsys_quick(tiny_model, tmp_path, capsys, device):
-    model, data = tiny_model
+def test_bench_recsys_quick(block_model, tmp_path, capsys, device):
+    """Every decoder, on either kind of block (`block_model`) and device."""
+    model, data = block_model
     save_checkpoint(
         tmp_path / "ckpt", model, {"data": {"path": str(data.path), "data_hash": data.data_hash}}
     )
