@@ -177,9 +177,10 @@ def beam_search(
             hits = _select(beams, values, options, eos_t, keep, step, max_new_tokens, config)
             if drafter is not None:  # (without drafts a beam's new node is never planned yet)
                 _link(beams, search.tree)
-            search.row_steps += int(open_rows.sum())
+            search.row_steps = search.row_steps + open_rows.sum()  # (read once, at the end)
             if not _unfinished(beams, hits, step + 1, max_new_tokens, config):
                 break
+    search.check_finite()
     if drafter is not None and record is not None:
         record.count(search.drafted_passes, search.saved)
     return _output(beams, config.num_return_sequences, search, time.perf_counter() - started)
@@ -264,6 +265,7 @@ class _Search:
         self.forced_free = isinstance(constraint, Catalogue) and free
         self.passes = self.speculative = self.nodes = self.drafted = self.row_steps = 0
         self.needed = self.hits = self.saved = 0
+        self.nan = torch.zeros((), dtype=torch.bool, device=tokens.device)  # a pass had NaN
         # (nodes planned for the beams, nodes drafted) of each pass that had a drafter
         self.drafted_passes: list[tuple[int, int]] = []
 
@@ -332,7 +334,7 @@ class _Search:
         logits = self.target.grow_tree(self.cache, tokens, parents, needed)
         rows, slots = needed.nonzero(as_tuple=True)  # [Q] the nodes to store
         self.passes += 1
-        self.nodes += int(real.sum())
+        self.nodes = self.nodes + real.sum()  # (read once, at the end)
         # [Q] each node's row of the logits (none when they are all of them, in order)
         at = None if len(rows) == needed.numel() else rows * needed.shape[1] + slots
         nodes = tree.size - tokens.shape[1] + slots
@@ -343,12 +345,17 @@ class _Search:
             scores, choices = best.values, index if choices is None else choices.gather(1, index)
         elif choices is None:  # every token fits: kept as they are, in token order
             choices = torch.arange(scores.shape[1], device=scores.device).expand_as(scores)
-        if bool(torch.isnan(scores).any()):  # a NaN logit makes its row's log-probs NaN
+        self.nan = self.nan | torch.isnan(scores).any()  # a NaN logit: NaN log-probs in its row
+        tree.store(rows, nodes, scores, choices)
+
+    def check_finite(self) -> None:
+        """Refuse the search's output if a pass had NaN logits (checked once, at the end: a
+        check per pass would make a GPU wait on every pass)."""
+        if bool(self.nan):
             raise DecodeInputError(
                 "the target's logits contain NaN",
                 "check the model's weights and dtype (fp16 overflow is a common cause)",
             )
-        tree.store(rows, nodes, scores, choices)
 
     def _log_probs(
         self,
@@ -460,8 +467,10 @@ def _unfinished(
     best_possible = beams.scores[:, :1] / (best_length**config.length_penalty)
     worst = torch.where(beams.done, beams.done_scores.min(1, keepdim=True).values, UNREACHABLE)
     beams.improvable &= (best_possible > worst).any(1, keepdim=True)
-    all_done = bool(beams.done.all()) and config.early_stopping is True
-    return bool(beams.improvable.any()) and not all_done and not bool(hits.all())
+    stop = ~beams.improvable.any() | hits.all()  # one host sync a step (a GPU waits on each)
+    if config.early_stopping is True:
+        stop |= beams.done.all()
+    return not bool(stop)
 
 
 def _output(beams: _Beams, k: int, search: _Search, wall_time_s: float) -> BeamOutput:
@@ -473,11 +482,11 @@ def _output(beams: _Beams, k: int, search: _Search, wall_time_s: float) -> BeamO
         target_forwards=search.passes,
         speculative_forwards=search.speculative,
         generated_tokens=int(lengths.sum()),
-        row_steps=search.row_steps,
+        row_steps=int(search.row_steps),
         drafted_per_position=(),
         accepted_per_position=(),
         wall_time_s=wall_time_s,
-        nodes_scored=search.nodes,
+        nodes_scored=int(search.nodes),
         draft_nodes=search.drafted,
         needed_nodes=search.needed,
         draft_hits=search.hits,

@@ -157,7 +157,8 @@ class RecommenderTarget:
             scored &= ~unread | lineage
             wanted |= scored & unread  # fed and scored, but still written as -inf
         first = cache.state is None  # the first grow encodes the histories
-        if first or bool(wanted.any()):
+        any_wanted = bool(wanted.any())
+        if first or any_wanted:
             fed = context_to_score(scored, wanted, lineage)
             # The model's tree: each row's context, then its new nodes, each part in tree order
             # (parents first) and padded to the row with the most, so the new nodes of every row
@@ -184,7 +185,7 @@ class RecommenderTarget:
             level0 = cache.state.level0_log_probs  # [B, V0]
             rows, slots = (depth == 0)[:, n - m :].nonzero(as_tuple=True)
             out[rows, slots, : level0.shape[1]] = level0[rows]
-        if not bool(wanted.any()):
+        if not any_wanted:
             return out
         rows, slots = new_real.nonzero(as_tuple=True)  # log_probs [B, W', Vmax]: the last W'
         nodes = new_order[rows, slots]  # [Q] their tree nodes
