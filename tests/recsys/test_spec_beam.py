@@ -30,10 +30,13 @@ def _random_model(
 ) -> SemanticIdRecommender:
     """`build` (the random_recommender fixture) on a small config whose code levels are tied
     to the item objective as `item_levels` says ("hstu": as "residual", on HSTU blocks)."""
+    return build(_config(item_levels), seed, sizes, items)
+
+
+def _config(item_levels: str) -> RecommenderConfig:
     if item_levels == "hstu":
-        config = _random_model(lambda c, *_: c, seed, sizes, items, "residual")
-        return build(replace(config, block="hstu"), seed, sizes, items)
-    config = RecommenderConfig(
+        return replace(_config("residual"), block="hstu")
+    return RecommenderConfig(
         dim=16,
         layers=2,
         heads=2,
@@ -53,7 +56,6 @@ def _random_model(
             temperature=0.05 if item_levels in ("cosine", "residual") else 0.0,  # cosine logits
         ),
     )
-    return build(config, seed, sizes, items)
 
 
 MODELS = [(0, (5, 4), 60), (1, (4, 3, 3), 90), (2, (6, 5, 4), 150)]  # seed, sizes, items
