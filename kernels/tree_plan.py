@@ -41,8 +41,9 @@ class TreePlan:
 
     Built by ``prepare_tree``; tensors live on the tree's device. ``host_root_lens``,
     ``dense_mask`` and ``root_padding`` exist on CPU only (on a GPU the lengths' host copy
-    would be a sync and nothing there reads them); ``depths`` and ``bits`` are built on first
-    use."""
+    would be a sync and nothing there reads them); ``depths``, ``bits`` and the dense path's
+    masks are built on first use (a caller that reads only ``visible``, such as pointwise
+    attention, never pays for them)."""
 
     parents: torch.Tensor  # [B, N] int64, the tensor the plan was built from
     root_lens: torch.Tensor  # [B] int64, the tensor the plan was built from
@@ -51,12 +52,25 @@ class TreePlan:
     # [B, M, N] bool: query i (tree node N - M + i) sees tree node j (itself or an ancestor)
     visible: torch.Tensor
     host_root_lens: tuple[int, ...] | None  # root_lens on the host (CPU only)
-    # Dense CPU path only (None: take the split path): over keys [root[:max_len] | tree], 0
-    # where visible and -inf where not.
-    dense_mask: torch.Tensor | None  # [B, 1, M, max_len + N]
-    # Dense path with ragged roots whose padding may be non-finite: True at the padding keys
-    # among root positions [min_len, max_len), zeroed in the copied keys before SDPA reads them.
-    root_padding: torch.Tensor | None  # [B, 1, max_len - min_len, 1] bool
+    dense: bool  # the CPU's dense path serves this plan (else the split one)
+    finite_padding: bool  # ``prepare_tree``'s promise: padded root keys hold finite numbers
+
+    @property
+    def dense_mask(self) -> torch.Tensor | None:  # [B, 1, M, max_len + N]
+        """Dense CPU path only (None: take the split path): over keys [root[:max_len] | tree],
+        0 where visible and -inf where not."""
+        return self._dense_masks[0] if self.dense else None
+
+    @property
+    def root_padding(self) -> torch.Tensor | None:  # [B, 1, max_len - min_len, 1] bool
+        """Dense path with ragged roots whose padding may be non-finite: True at the padding
+        keys among root positions [min_len, max_len), zeroed in the copied keys before SDPA
+        reads them."""
+        return self._dense_masks[1] if self.dense and not self.finite_padding else None
+
+    @cached_property
+    def _dense_masks(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return _dense_masks(self.visible, self.root_lens, self.host_root_lens, self.dtype)
 
     @property
     def queries(self) -> int:  # M: the queries are the last M of the N tree nodes
@@ -126,13 +140,11 @@ def prepare_tree(
     else:
         visible = _shallow_ancestor_mask(parents, max_depth)
     visible = visible[:, n - queries :]
-    host_lens = dense_mask = root_padding = None
+    host_lens, dense = None, False
     if parents.device.type == "cpu":
         host_lens = tuple(root_lens.tolist())  # free on CPU
         mask_elements = parents.shape[0] * queries * (max(host_lens) + n)
-        if dtype == torch.float32 and mask_elements <= DENSE_MAX_MASK_ELEMENTS:
-            dense_mask, root_padding = _dense_masks(visible, root_lens, host_lens, dtype)
-            root_padding = None if finite_padding else root_padding
+        dense = dtype == torch.float32 and mask_elements <= DENSE_MAX_MASK_ELEMENTS
     return TreePlan(
         parents=parents,
         root_lens=root_lens,
@@ -140,8 +152,8 @@ def prepare_tree(
         dtype=dtype,
         visible=visible,
         host_root_lens=host_lens,
-        dense_mask=dense_mask,
-        root_padding=root_padding,
+        dense=dense,
+        finite_padding=finite_padding,
     )
 
 
