@@ -1,4 +1,5 @@
-"""The recommender's two attention rules, over a dense mask and over a decoding tree.
+"""The recommender's two attention rules, over a dense mask, a decoding tree and the training
+layout; the model holds the rule of its blocks (``attention_rule``) and every pass calls it.
 
 - ``"transformer"`` blocks: softmax attention (``F.scaled_dot_product_attention``, and the
   shared-context tree-attention op ``kernels.tree_attention`` at decode time).
@@ -21,9 +22,74 @@ Dh head width.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from genrec_spec.kernels import tree_attention
+from genrec_spec.models.recsys.layout import TrainLayout
+
+Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # q, k, v [B, H, *, Dh] -> [B, H, M, Dh]
+
+
+class SoftmaxRule:
+    """Transformer blocks' attention: SDPA, and the tree-attention op at decode time."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend  # the tree-attention op's (``kernels.tree_attention``)
+
+    def dense(
+        self,
+        q: Tensor,  # [B, H, M, Dh]
+        k: Tensor,  # [B, H, K, Dh]
+        v: Tensor,  # [B, H, K, Dh]
+        visible: Tensor | None = None,  # [B, 1, M, K] bool: True where query i sees key j
+        causal: bool = False,
+    ) -> Tensor:  # [B, H, M, Dh]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, is_causal=causal)
+
+    def tree(self, q, k_root, v_root, root_lens, k_tree, v_tree, plan) -> Tensor:
+        """Tree nodes ([B, H, M, Dh]) over a row's history keys and values ([B, H, S, Dh],
+        root_lens [B] real) and the tree's own ([B, H, N, Dh]), with the pass's ``TreePlan``."""
+        return tree_attention(
+            q, k_root, v_root, root_lens, k_tree, v_tree, plan.parents,
+            backend=self.backend, plan=plan,
+        )  # fmt: skip
+
+    def layout(self, layout: TrainLayout, dtype: torch.dtype) -> Attend:
+        """Attention under a training layout's tree mask: an additive float mask (SDPA's CPU
+        kernel runs faster with it than with a bool mask), built once for all layers."""
+        hidden = ~layout.visibility()[:, None]  # [B, 1, N, N]
+        visible = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+        visible.masked_fill_(hidden, float("-inf"))
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+
+
+class PointwiseRule:
+    """HSTU blocks' attention (module docstring), every weight divided by ``norm``."""
+
+    def __init__(self, norm: float) -> None:
+        self.norm = norm  # n: the most tokens a history holds
+
+    def dense(self, q, k, v, visible=None, causal=False) -> Tensor:  # as SoftmaxRule.dense
+        return pointwise_attention(q, k, v, visible, self.norm, causal)
+
+    def tree(self, q, k_root, v_root, root_lens, k_tree, v_tree, plan) -> Tensor:
+        """As ``SoftmaxRule.tree``; reads only the plan's visibility."""
+        return pointwise_tree_attention(
+            q, k_root, v_root, root_lens, k_tree, v_tree, plan.visible, self.norm
+        )
+
+    def layout(self, layout: TrainLayout, dtype: torch.dtype) -> Attend:
+        """Attention under a training layout's visibility, read from its structure
+        (``pointwise_layout_attention``) instead of its dense mask."""
+        tokens, anchors = layout.num_history_tokens, layout.branch_anchor  # anchors [B, P]
+        chain = (layout.parents.shape[1] - tokens) // anchors.shape[1]  # code tokens a branch
+        time = torch.arange(tokens, device=anchors.device)
+        seen = time <= anchors.repeat_interleave(chain, dim=1)[:, :, None]  # [B, P * C, T]
+        return lambda q, k, v: pointwise_layout_attention(q, k, v, seen, chain, self.norm)
 
 
 def pointwise_attention(

@@ -38,8 +38,8 @@ from torch import Tensor, nn
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 
-from genrec_spec.kernels import prepare_tree, tree_attention
-from genrec_spec.models.recsys.attention import pointwise_attention, pointwise_tree_attention
+from genrec_spec.kernels import prepare_tree
+from genrec_spec.models.recsys.attention import PointwiseRule, SoftmaxRule
 from genrec_spec.models.recsys.blocks import Block, HistoryState, HstuBlock
 from genrec_spec.models.recsys.code_levels import CodeLevels
 from genrec_spec.models.recsys.config import RecommenderConfig
@@ -117,8 +117,16 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
         self.positions = nn.Embedding(config.max_len + 1, dim)
         self.level_embedding = nn.Embedding(levels - 1, dim)
         self.embed_drop = nn.Dropout(config.dropout)
-        kind = HstuBlock if config.block == "hstu" else Block
+        hstu = config.block == "hstu"
+        kind = HstuBlock if hstu else Block
         self.blocks = nn.ModuleList(kind(config) for _ in range(config.layers))
+        # Every pass's attention (prefill, tree scoring, training) is this rule's. HSTU divides
+        # its weights by the most tokens a history holds.
+        self.attention_rule = (
+            PointwiseRule(float(config.max_len + 1))
+            if hstu
+            else SoftmaxRule(config.attention_backend)
+        )
         self.norm = nn.LayerNorm(dim)
 
     def _build_heads(self) -> None:
@@ -303,13 +311,15 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
             first = q.shape[2] - nodes  # q: [B, H, T + N, Dh], or [B, H, 1 + N, Dh] when kept
             if first == tokens:
                 # Rows are right-padded, so plain causal attention is exact for every real token.
-                out = self.attention(q[:, :, :first], k_hist, v_hist, causal=True)
+                out = self.attention_rule.dense(q[:, :, :first], k_hist, v_hist, causal=True)
             else:  # each row's last token alone, seeing all of its row's tokens
                 real = torch.arange(tokens, device=k.device) < lengths[:, None]  # [B, T]
-                out = self.attention(q[:, :, :first], k_hist, v_hist, real[:, None, None, :])
+                out = self.attention_rule.dense(
+                    q[:, :, :first], k_hist, v_hist, real[:, None, None, :]
+                )
             if not nodes:
                 return out
-            tree = self._tree_attention(
+            tree = self.attention_rule.tree(
                 q[:, :, first:], k_hist, v_hist, lengths, k[:, :, tokens:], v[:, :, tokens:], plan
             )
             return torch.cat([out, tree], dim=2)
@@ -376,7 +386,7 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
                 keys.append(torch.cat([state.keys[layer], k], dim=2))
                 vals.append(torch.cat([state.values[layer], v], dim=2))
                 mask = (seen_last if is_last else seen)[:, None]
-                return self.attention(q, keys[-1], vals[-1], mask)
+                return self.attention_rule.dense(q, keys[-1], vals[-1], mask)
 
             x = block(x, attend, last if is_last else None)
         # Row b's history is its old tokens then its new ones: slot j reads [cached | new] at j
@@ -418,7 +428,7 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
         for layer, block in enumerate(self.blocks):
 
             def attend(q: Tensor, k: Tensor, v: Tensor, layer: int = layer) -> Tensor:
-                return self._tree_attention(
+                return self.attention_rule.tree(
                     q, state.keys[layer], state.values[layer], state.lengths, k, v, plan
                 )
 
@@ -442,43 +452,6 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
             dtype=self.bos.dtype,
             finite_padding=True,
             max_depth=self.num_levels - 2,
-        )
-
-    @property
-    def attention_norm(self) -> float:
-        """HSTU blocks divide their attention weights by this: the most tokens a history holds."""
-        return float(self.config.max_len + 1)
-
-    def attention(
-        self,
-        q: Tensor,  # [B, H, M, Dh]
-        k: Tensor,  # [B, H, K, Dh]
-        v: Tensor,  # [B, H, K, Dh]
-        mask: Tensor | None = None,  # [B, 1, M, K] bool: True where query i sees key j
-        causal: bool = False,
-    ) -> Tensor:  # [B, H, M, Dh]
-        """The blocks' attention rule over a dense mask (`models.recsys.attention`)."""
-        if self.config.block == "hstu":
-            return pointwise_attention(q, k, v, mask, self.attention_norm, causal)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-
-    def _tree_attention(self, q, k_root, v_root, lengths, k_tree, v_tree, plan) -> Tensor:
-        """Tree nodes' attention ([B, H, N, Dh] out) over one layer's history keys and values
-        ([B, H, T, Dh]) and the tree's own ([B, H, N, Dh]), lengths [B], with the pass's plan."""
-        if self.config.block == "hstu":
-            return pointwise_tree_attention(
-                q, k_root, v_root, lengths, k_tree, v_tree, plan.visible, self.attention_norm
-            )
-        return tree_attention(
-            q,
-            k_root,
-            v_root,
-            lengths,
-            k_tree,
-            v_tree,
-            plan.parents,
-            backend=self.config.attention_backend,
-            plan=plan,
         )
 
     def _check_tree(self, batch: int, codes: Tensor, levels: Tensor) -> None:

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from genrec_spec.models.recsys.attention import pointwise_layout_attention
 from genrec_spec.models.recsys.errors import RecommenderInputError
 from genrec_spec.models.recsys.layout import TrainLayout
 
@@ -96,27 +95,7 @@ class TrainingForward:
             layout.hist_items, layout.hist_offsets, node_codes, node_levels, node_valid
         )
         x = torch.cat([hist, nodes], dim=1)  # [B, T + P*(L-1), D]
-        if self.config.block == "hstu":  # the layout's structure instead of its dense mask
-            time = torch.arange(tokens, device=x.device)
-            anchors = layout.branch_anchor.repeat_interleave(levels - 1, dim=1)  # [B, P*(L-1)]
-            branch_history = time[None, None, :] <= anchors[:, :, None]  # [B, P*(L-1), T]
-
-            def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-                return pointwise_layout_attention(
-                    q, k, v, branch_history, levels - 1, self.attention_norm
-                )
-
-        else:
-            # The tree mask as an additive float mask (SDPA's CPU kernel runs faster with it
-            # than with a bool mask), built once for all layers.
-            hidden = ~layout.visibility()[:, None]  # [B, 1, N, N]
-            visible = torch.zeros(hidden.shape, dtype=x.dtype, device=x.device).masked_fill_(
-                hidden, float("-inf")
-            )
-
-            def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
-
+        attend = self.attention_rule.layout(layout, x.dtype)  # built once for all layers
         for block in self.blocks:
             x = block(x, attend)
         h = self.norm(x)
