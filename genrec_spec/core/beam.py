@@ -177,7 +177,7 @@ def beam_search(
             hits = _select(beams, values, options, eos_t, keep, step, max_new_tokens, config)
             if drafter is not None:  # (without drafts a beam's new node is never planned yet)
                 _link(beams, search.tree)
-            search.row_steps = search.row_steps + open_rows.sum()  # (read once, at the end)
+            search.row_steps += open_rows.sum()
             if not _unfinished(beams, hits, step + 1, max_new_tokens, config):
                 break
     search.check_finite()
@@ -263,9 +263,13 @@ class _Search:
         # allowed tokens (by the rule, or by the target's own outputs): known without a pass.
         free = config.renormalize or getattr(target, "forced_tokens_free", False)
         self.forced_free = isinstance(constraint, Catalogue) and free
-        self.passes = self.speculative = self.nodes = self.drafted = self.row_steps = 0
+        self.passes = self.speculative = self.drafted = 0
         self.needed = self.hits = self.saved = 0
-        self.nan = torch.zeros((), dtype=torch.bool, device=tokens.device)  # a pass had NaN
+        # Summed on the device and read once, at the end (a read per step makes a GPU wait)
+        on = tokens.device
+        self.nodes = torch.zeros((), dtype=torch.long, device=on)  # real nodes scored
+        self.row_steps = torch.zeros((), dtype=torch.long, device=on)
+        self.nan = torch.zeros((), dtype=torch.bool, device=on)  # a pass had NaN logits
         # (nodes planned for the beams, nodes drafted) of each pass that had a drafter
         self.drafted_passes: list[tuple[int, int]] = []
 
@@ -334,7 +338,7 @@ class _Search:
         logits = self.target.grow_tree(self.cache, tokens, parents, needed)
         rows, slots = needed.nonzero(as_tuple=True)  # [Q] the nodes to store
         self.passes += 1
-        self.nodes = self.nodes + real.sum()  # (read once, at the end)
+        self.nodes += real.sum()
         # [Q] each node's row of the logits (none when they are all of them, in order)
         at = None if len(rows) == needed.numel() else rows * needed.shape[1] + slots
         nodes = tree.size - tokens.shape[1] + slots
@@ -345,7 +349,7 @@ class _Search:
             scores, choices = best.values, index if choices is None else choices.gather(1, index)
         elif choices is None:  # every token fits: kept as they are, in token order
             choices = torch.arange(scores.shape[1], device=scores.device).expand_as(scores)
-        self.nan = self.nan | torch.isnan(scores).any()  # a NaN logit: NaN log-probs in its row
+        self.nan |= torch.isnan(scores).any()  # a NaN logit makes its row's log-probs NaN
         tree.store(rows, nodes, scores, choices)
 
     def check_finite(self) -> None:
