@@ -179,18 +179,23 @@ def tiny_model(tiny_data_dir: Path):
     return model.eval(), data
 
 
-@pytest.fixture(params=["transformer", "hstu"])
+@pytest.fixture(params=["transformer", "hstu", "hstu-relative-bias"])
 def block_model(request, tiny_data_dir: Path):
-    """`tiny_model` built with each kind of block (`RecommenderConfig.block`)."""
+    """`tiny_model` built with each kind of block (`RecommenderConfig.block`), and HSTU blocks
+    with their relative position bias (`relative_bias`), drawn far from its small initial
+    values so that a wrong distance anywhere shows."""
     from genrec_spec.models.recsys.recommender import SemanticIdRecommender
     from genrec_spec.recsys.data import load_prepared
 
     torch.manual_seed(0)
     data = load_prepared(tiny_data_dir)
-    config = replace(tiny_recommender_config(), block=request.param)
+    block, *bias = request.param.split("-", 1)
+    config = replace(tiny_recommender_config(), block=block, relative_bias=bool(bias))
     model = SemanticIdRecommender(
         config, data.item_codes, data.codebook_sizes, data.long_ids, data.long_id_sizes
     )
+    for layer in model.blocks if bias else ():
+        layer.relative_bias.data.normal_()
     return model.eval(), data
 
 

@@ -7,7 +7,11 @@ layout; the model holds the rule of its blocks (``attention_rule``) and every pa
   attention. A visible key weighs its value by SiLU(q . k) / n, n a constant (the most tokens a
   history holds), with no softmax across the keys. A token's output is then a plain masked sum,
   so a tree node's output is its history part plus its ancestors' part, each summed apart: the
-  tree form needs no log-sum-exp merge and no kernel of its own.
+  tree form needs no log-sum-exp merge and no kernel of its own. With
+  ``RecommenderConfig.relative_bias`` each block adds a learned bias of the query's distance to
+  the key, b[i - j], to q . k before the SiLU (HSTU's relative attention bias, positions only).
+  A code token sits at the position of the item it spells (its anchor's + 1): distance 0 to its
+  own ancestors, anchor + 1 - j to history token j, at training and at decode time alike.
 
 Training and decoding call the same rule on the same visible keys (training's tree mask, the
 decoders' history + ancestors), so a node's output at decode time is its training-time output up
@@ -31,7 +35,23 @@ from torch import Tensor
 from genrec_spec.kernels import tree_attention
 from genrec_spec.models.recsys.layout import TrainLayout
 
-Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # q, k, v [B, H, *, Dh] -> [B, H, M, Dh]
+# q, k, v [B, H, *, Dh], the block's relative position bias table [R] (None: no bias; only
+# HSTU blocks have one) -> [B, H, M, Dh]
+Attend = Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]
+
+
+def relative_bias(table: Tensor | None, distance: Tensor) -> Tensor | None:
+    """The bias of each (query, key) pair, table[distance] with the distance (query position
+    minus key position, [..., M, K] int64) clamped into the table, as [..., 1, M, K] (one bias
+    for every head); None without a table."""
+    if table is None:
+        return None
+    return table[distance.clamp(0, len(table) - 1)].unsqueeze(-3)
+
+
+def _no_bias(table: Tensor | None) -> None:
+    if table is not None:  # RecommenderConfig refuses the combination; this guards callers
+        raise ValueError("softmax attention takes no relative position bias (HSTU blocks do)")
 
 
 class SoftmaxRule:
@@ -47,12 +67,16 @@ class SoftmaxRule:
         v: Tensor,  # [B, H, K, Dh]
         visible: Tensor | None = None,  # [B, 1, M, K] bool: True where query i sees key j
         causal: bool = False,
+        bias: Tensor | None = None,  # [B or 1, 1, M, K] added to q . k (`relative_bias`)
     ) -> Tensor:  # [B, H, M, Dh]
+        _no_bias(bias)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, is_causal=causal)
 
-    def tree(self, q, k_root, v_root, root_lens, k_tree, v_tree, plan) -> Tensor:
+    def tree(self, q, k_root, v_root, root_lens, k_tree, v_tree, plan, table=None) -> Tensor:
         """Tree nodes ([B, H, M, Dh]) over a row's history keys and values ([B, H, S, Dh],
-        root_lens [B] real) and the tree's own ([B, H, N, Dh]), with the pass's ``TreePlan``."""
+        root_lens [B] real) and the tree's own ([B, H, N, Dh]), with the pass's ``TreePlan``;
+        ``table`` the block's relative position bias (`Attend`)."""
+        _no_bias(table)
         return tree_attention(
             q, k_root, v_root, root_lens, k_tree, v_tree, plan.parents,
             backend=self.backend, plan=plan,
@@ -64,7 +88,12 @@ class SoftmaxRule:
         hidden = ~layout.visibility()[:, None]  # [B, 1, N, N]
         visible = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
         visible.masked_fill_(hidden, float("-inf"))
-        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+
+        def attend(q: Tensor, k: Tensor, v: Tensor, table: Tensor | None) -> Tensor:
+            _no_bias(table)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+
+        return attend
 
 
 class PointwiseRule:
@@ -73,14 +102,22 @@ class PointwiseRule:
     def __init__(self, norm: float) -> None:
         self.norm = norm  # n: the most tokens a history holds
 
-    def dense(self, q, k, v, visible=None, causal=False) -> Tensor:  # as SoftmaxRule.dense
-        return pointwise_attention(q, k, v, visible, self.norm, causal)
+    def dense(self, q, k, v, visible=None, causal=False, bias=None) -> Tensor:
+        """As ``SoftmaxRule.dense``."""
+        return pointwise_attention(q, k, v, visible, self.norm, causal, bias)
 
-    def tree(self, q, k_root, v_root, root_lens, k_tree, v_tree, plan) -> Tensor:
-        """As ``SoftmaxRule.tree``; reads only the plan's visibility."""
+    def tree(self, q, k_root, v_root, root_lens, k_tree, v_tree, plan, table=None) -> Tensor:
+        """As ``SoftmaxRule.tree``; reads only the plan's visibility. Every node sits at its
+        row's position root_lens (the next item's), so its distance to history key j is
+        root_lens - j and to its ancestors 0."""
+        history_bias = None
+        if table is not None:
+            keys = torch.arange(k_root.shape[2], device=q.device)
+            history_bias = relative_bias(table, root_lens[:, None, None] - keys)  # [B, 1, 1, S]
         return pointwise_tree_attention(
-            q, k_root, v_root, root_lens, k_tree, v_tree, plan.visible, self.norm
-        )
+            q, k_root, v_root, root_lens, k_tree, v_tree, plan.visible, self.norm,
+            history_bias, None if table is None else table[0],
+        )  # fmt: skip
 
     def layout(self, layout: TrainLayout, dtype: torch.dtype) -> Attend:
         """Attention under a training layout's visibility, read from its structure
@@ -88,8 +125,23 @@ class PointwiseRule:
         tokens, anchors = layout.num_history_tokens, layout.branch_anchor  # anchors [B, P]
         chain = (layout.parents.shape[1] - tokens) // anchors.shape[1]  # code tokens a branch
         time = torch.arange(tokens, device=anchors.device)
-        seen = time <= anchors.repeat_interleave(chain, dim=1)[:, :, None]  # [B, P * C, T]
-        return lambda q, k, v: pointwise_layout_attention(q, k, v, seen, chain, self.norm)
+        anchor_of = anchors.repeat_interleave(chain, dim=1)[:, :, None]  # [B, P * C, 1]
+        seen = time <= anchor_of  # [B, P * C, T]
+        # Distances: history token i to j, i - j; a code token (at its anchor + 1) to j.
+        history_distance = time[:, None] - time  # [T, T]
+        code_distance = anchor_of + 1 - time  # [B, P * C, T]
+
+        def attend(q: Tensor, k: Tensor, v: Tensor, table: Tensor | None) -> Tensor:
+            biases = None
+            if table is not None:
+                biases = (
+                    relative_bias(table, history_distance),
+                    relative_bias(table, code_distance),
+                    table[0],
+                )
+            return pointwise_layout_attention(q, k, v, seen, chain, self.norm, biases)
+
+        return attend
 
 
 def pointwise_attention(
@@ -99,9 +151,12 @@ def pointwise_attention(
     visible: Tensor | None,  # [B or 1, H or 1, M, K] bool: True where query i sees key j
     norm: float,  # n: every weight is divided by it
     causal: bool = False,  # query i sees keys 0..i (queries and keys of the same M tokens)
+    bias: Tensor | float | None = None,  # [B or 1, 1, M, K] (or one number) added to q . k
 ) -> Tensor:  # [B, H, M, Dh]
-    """HSTU's attention: sum over the visible keys of SiLU(q . k) / n times their values."""
-    weights = F.silu(q @ k.transpose(-1, -2))  # [B, H, M, K]
+    """HSTU's attention: sum over the visible keys of SiLU(q . k + bias) / n times their
+    values."""
+    scores = q @ k.transpose(-1, -2)  # [B, H, M, K]
+    weights = F.silu(scores if bias is None else scores + bias)
     if causal:
         weights = weights.tril()
     if visible is not None:
@@ -118,12 +173,17 @@ def pointwise_tree_attention(
     v_tree: Tensor,  # [B, H, N, Dh]
     visible: Tensor,  # [B, M, N] bool: query i sees tree node j (itself or an ancestor)
     norm: float,
+    history_bias: Tensor | None = None,  # [B, 1, M or 1, S] added to q . k of the history keys
+    tree_bias: Tensor | None = None,  # one number added to q . k of the tree's own keys
 ) -> Tensor:  # [B, H, M, Dh]
     """Pointwise attention of tree nodes over their row's history and their own ancestors (the
     tree-attention op's visibility, ``kernels.tree_attention``), as two masked sums."""
     seen = torch.arange(k_root.shape[2], device=q.device) < root_lens[:, None]  # [B, S]
-    history = pointwise_attention(q, k_root, v_root, seen[:, None, None, :], norm)
-    return history + pointwise_attention(q, k_tree, v_tree, visible[:, None], norm)
+    history = pointwise_attention(
+        q, k_root, v_root, seen[:, None, None, :], norm, bias=history_bias
+    )
+    own = pointwise_attention(q, k_tree, v_tree, visible[:, None], norm, bias=tree_bias)
+    return history + own
 
 
 def pointwise_layout_attention(
@@ -133,6 +193,9 @@ def pointwise_layout_attention(
     branch_history: Tensor,  # [B, P * C, T] bool: the history tokens each code token sees
     chain: int,  # C
     norm: float,
+    # the relative position biases (`relative_bias`) of the history tokens' pairs [1, T, T],
+    # the code tokens' over the history [B, 1, P * C, T] and within a branch (one number)
+    biases: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:  # [B, H, N, Dh]
     """Pointwise attention under the training layout's visibility: a history token sees the
     history up to itself (causal), a code token the history up to its branch's anchor and its
@@ -142,7 +205,10 @@ def pointwise_layout_attention(
     tokens = branch_history.shape[2]
     qh, kh, vh = q[:, :, :tokens], k[:, :, :tokens], v[:, :, :tokens]
     qc, kc, vc = (t[:, :, tokens:].unflatten(2, (-1, chain)) for t in (q, k, v))  # [B,H,P,C,Dh]
-    history = pointwise_attention(qh, kh, vh, None, norm, causal=True)
-    codes = pointwise_attention(q[:, :, tokens:], kh, vh, branch_history[:, None], norm)
-    own = pointwise_attention(qc, kc, vc, None, norm, causal=True)  # each branch's own tokens
+    history_bias, code_bias, own_bias = biases or (None, None, None)
+    history = pointwise_attention(qh, kh, vh, None, norm, causal=True, bias=history_bias)
+    codes = pointwise_attention(
+        q[:, :, tokens:], kh, vh, branch_history[:, None], norm, bias=code_bias
+    )
+    own = pointwise_attention(qc, kc, vc, None, norm, causal=True, bias=own_bias)  # a branch's
     return torch.cat([history, codes + own.flatten(2, 3)], dim=2)

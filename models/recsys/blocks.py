@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -62,7 +63,7 @@ class Block(nn.Module):
         last block whose other outputs nobody reads)."""
         q, k, v = self.qkv(self.norm1(x)).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
         x, q = _kept(keep, x, q)
-        out = attend(q, k, v).transpose(1, 2).flatten(2)  # [B, H, N, Dh] -> [B, N, D]
+        out = attend(q, k, v, None).transpose(1, 2).flatten(2)  # [B, H, N, Dh] -> [B, N, D]
         x = x + self.drop(self.proj(out))
         return x + self.drop(self.ffn(self.norm2(x)))
 
@@ -71,7 +72,9 @@ class HstuBlock(nn.Module):
     """HSTU's block (Zhai et al., 2024): U, V, Q, K = SiLU(f1(norm(x))); the attention
     (pointwise, `attention.pointwise_attention`, done by the caller's `attend`) of Q, K over V;
     x + f2(norm(attention) * U). No feed-forward: the U gate is its nonlinearity, so a block
-    holds 5 D^2 weights against the transformer block's 12 D^2 (feed-forward 4 D wide)."""
+    holds 5 D^2 weights against the transformer block's 12 D^2 (feed-forward 4 D wide). With
+    `config.relative_bias` it holds HSTU's relative position bias, one learned number per
+    distance 0..max_len + 1 shared by its heads (`attention.relative_bias`)."""
 
     def __init__(self, config: RecommenderConfig) -> None:
         super().__init__()
@@ -81,13 +84,17 @@ class HstuBlock(nn.Module):
         self.norm2 = nn.LayerNorm(config.dim)
         self.proj = nn.Linear(config.dim, config.dim)
         self.drop = nn.Dropout(config.dropout)
+        self.relative_bias = None
+        if config.relative_bias:  # HSTU's initialisation of its bias weights
+            self.relative_bias = nn.Parameter(torch.randn(config.max_len + 2) * 0.02)
 
     def forward(self, x: Tensor, attend, keep: Tensor | None = None) -> Tensor:
         """As `Block.forward`."""
         u, v, q, k = F.silu(self.uvqk(self.norm1(x))).chunk(4, dim=-1)  # [B, N, D] each
         q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))
         x, q, u = _kept(keep, x, q, u)
-        out = attend(q, k, v).transpose(1, 2).flatten(2)  # [B, H, N', Dh] -> [B, N', D]
+        out = attend(q, k, v, self.relative_bias)  # [B, H, N', Dh]
+        out = out.transpose(1, 2).flatten(2)  # [B, N', D]
         return x + self.drop(self.proj(self.norm2(out) * u))
 
 

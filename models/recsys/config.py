@@ -109,6 +109,9 @@ class RecommenderConfig:
     # "transformer" (pre-norm softmax attention + feed-forward) or "hstu" (HSTU's pointwise
     # attention gated by a SiLU projection, no feed-forward: `models.recsys.attention`)
     block: str = "transformer"
+    # HSTU's relative attention bias over positions (hstu blocks): a learned number per
+    # distance between a query and a key, added to q . k (`models.recsys.attention`)
+    relative_bias: bool = False
     ffn_mult: int = 4  # feed-forward width = ffn_mult * D (transformer blocks)
     dropout: float = 0.0  # on embeddings, attention output and feed-forward output
     max_len: int = 200  # most recent history items read (older ones are dropped)
@@ -132,6 +135,12 @@ class RecommenderConfig:
             raise ConfigError(
                 f"unknown block {self.block!r}",
                 f"use one of {', '.join(BLOCK_KINDS)}",
+            )
+        if self.relative_bias and self.block != "hstu":
+            raise ConfigError(
+                f"relative_bias needs hstu blocks, not {self.block!r}: the tree-attention op "
+                "that decodes softmax blocks takes no bias",
+                'set model.block to "hstu" or model.relative_bias to false',
             )
 
     @property

@@ -39,7 +39,7 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 
 from genrec_spec.kernels import prepare_tree
-from genrec_spec.models.recsys.attention import PointwiseRule, SoftmaxRule
+from genrec_spec.models.recsys.attention import PointwiseRule, SoftmaxRule, relative_bias
 from genrec_spec.models.recsys.blocks import Block, HistoryState, HstuBlock
 from genrec_spec.models.recsys.code_levels import CodeLevels
 from genrec_spec.models.recsys.config import RecommenderConfig
@@ -304,24 +304,31 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
             x = torch.cat([x, self._embed_nodes(codes, levels)], dim=1)  # [B, T + N, D]
         keys, vals = [], []
 
-        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # k, v: [B, H, T + N, Dh]
-            k_hist, v_hist = k[:, :, :tokens], v[:, :, :tokens]
+        time = torch.arange(tokens, device=x.device)  # [T] a history token's position
+
+        def attend(q: Tensor, k: Tensor, v: Tensor, table: Tensor | None) -> Tensor:
+            k_hist, v_hist = k[:, :, :tokens], v[:, :, :tokens]  # k, v: [B, H, T + N, Dh]
             keys.append(k_hist)
             vals.append(v_hist)
             first = q.shape[2] - nodes  # q: [B, H, T + N, Dh], or [B, H, 1 + N, Dh] when kept
             if first == tokens:
                 # Rows are right-padded, so plain causal attention is exact for every real token.
-                out = self.attention_rule.dense(q[:, :, :first], k_hist, v_hist, causal=True)
-            else:  # each row's last token alone, seeing all of its row's tokens
-                real = torch.arange(tokens, device=k.device) < lengths[:, None]  # [B, T]
+                bias = relative_bias(table, time[:, None] - time)  # [1, T, T]
                 out = self.attention_rule.dense(
-                    q[:, :, :first], k_hist, v_hist, real[:, None, None, :]
+                    q[:, :, :first], k_hist, v_hist, causal=True, bias=bias
+                )
+            else:  # each row's last token alone, seeing all of its row's tokens
+                real = time < lengths[:, None]  # [B, T]
+                bias = relative_bias(table, (lengths - 1)[:, None, None] - time)  # [B, 1, 1, T]
+                out = self.attention_rule.dense(
+                    q[:, :, :first], k_hist, v_hist, real[:, None, None, :], bias=bias
                 )
             if not nodes:
                 return out
             tree = self.attention_rule.tree(
-                q[:, :, first:], k_hist, v_hist, lengths, k[:, :, tokens:], v[:, :, tokens:], plan
-            )
+                q[:, :, first:], k_hist, v_hist, lengths, k[:, :, tokens:], v[:, :, tokens:], plan,
+                table,
+            )  # fmt: skip
             return torch.cat([out, tree], dim=2)
 
         # The last block computes outputs only for each row's last history token (what the heads
@@ -374,19 +381,27 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
         seen = torch.where(
             keys_at < cached, keys_at < old[:, None, None], keys_at - cached <= step[:, None]
         )  # [B, n, T0 + n]
+        # Positions: new token i at old + i; key j of [cached | new] at j, or old + j - T0.
+        key_at = torch.where(keys_at < cached, keys_at, old[:, None] + keys_at - cached)
+        distance = (old[:, None] + step)[:, :, None] - key_at[:, None, :]  # [B, n, T0 + n]
         # As in encode_history, the last block computes the last new token's output only.
         last = (added - 1)[:, None]  # [B, 1]
-        seen_last = seen.gather(1, last[..., None].expand(-1, -1, seen.shape[2]))  # [B, 1, T0 + n]
+
+        def last_row(pairs: Tensor) -> Tensor:  # [B, n, T0 + n] -> [B, 1, T0 + n]
+            return pairs.gather(1, last[..., None].expand(-1, -1, pairs.shape[2]))
+
         keys, vals = [], []  # per layer [B, H, T0 + n, Dh]
         for layer, block in enumerate(self.blocks):
             is_last = layer == len(self.blocks) - 1
 
-            def attend(q: Tensor, k: Tensor, v: Tensor, layer=layer, is_last=is_last) -> Tensor:
+            def attend(q, k, v, table, layer=layer, is_last=is_last) -> Tensor:
                 """q [B, H, n', Dh] of the new tokens over [cached | new] keys."""
                 keys.append(torch.cat([state.keys[layer], k], dim=2))
                 vals.append(torch.cat([state.values[layer], v], dim=2))
-                mask = (seen_last if is_last else seen)[:, None]
-                return self.attention_rule.dense(q, keys[-1], vals[-1], mask)
+                mask, pairs = (last_row(seen), last_row(distance)) if is_last else (seen, distance)
+                return self.attention_rule.dense(
+                    q, keys[-1], vals[-1], mask[:, None], bias=relative_bias(table, pairs)
+                )
 
             x = block(x, attend, last if is_last else None)
         # Row b's history is its old tokens then its new ones: slot j reads [cached | new] at j
@@ -427,9 +442,9 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
         plan = self._tree_plan(parents, state.lengths, state.keys.shape[3])
         for layer, block in enumerate(self.blocks):
 
-            def attend(q: Tensor, k: Tensor, v: Tensor, layer: int = layer) -> Tensor:
+            def attend(q, k, v, table, layer: int = layer) -> Tensor:
                 return self.attention_rule.tree(
-                    q, state.keys[layer], state.values[layer], state.lengths, k, v, plan
+                    q, state.keys[layer], state.values[layer], state.lengths, k, v, plan, table
                 )
 
             x = block(x, attend)

@@ -10,7 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from genrec_spec.kernels import ancestor_mask
-from genrec_spec.models.recsys.attention import pointwise_attention, pointwise_tree_attention
+from genrec_spec.models.recsys.attention import (
+    pointwise_attention,
+    pointwise_tree_attention,
+    relative_bias,
+)
 from genrec_spec.models.recsys.config import (
     ConfigError,
     ItemObjectiveConfig,
@@ -392,14 +396,20 @@ def test_pointwise_attention_is_hstus_masked_sum():
     q, k, v = (torch.randn(2, 3, 5, 4, generator=g) for _ in range(3))  # [B, H, M=K, Dh]
     seen = torch.rand(2, 1, 5, 5, generator=g) < 0.6
 
-    def defined(mask):  # [B, 1, M, K] bool
+    def defined(mask, table=None):  # [B, 1, M, K] bool, a relative bias table [R]
         out = torch.zeros_like(q)
         for b, h, i, j in itertools.product(range(2), range(3), range(5), range(5)):
             if mask[b, 0, i, j]:
-                out[b, h, i] += F.silu(q[b, h, i] @ k[b, h, j]) / 7.0 * v[b, h, j]
+                bias = 0.0 if table is None else table[min(max(i - j, 0), len(table) - 1)]
+                out[b, h, i] += F.silu(q[b, h, i] @ k[b, h, j] + bias) / 7.0 * v[b, h, j]
         return out
 
     torch.testing.assert_close(pointwise_attention(q, k, v, seen, 7.0), defined(seen))
+    # HSTU's relative bias: b[i - j] (distances past the table read its last entry)
+    table, at = torch.randn(4, generator=g), torch.arange(5)
+    bias = relative_bias(table, at[:, None] - at)
+    got = pointwise_attention(q, k, v, seen, 7.0, bias=bias)
+    torch.testing.assert_close(got, defined(seen, table))
     causal = torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 1, 5, 5)
     torch.testing.assert_close(
         pointwise_attention(q, k, v, None, 7.0, causal=True), defined(causal)
@@ -420,6 +430,8 @@ def test_pointwise_attention_is_hstus_masked_sum():
 def test_unknown_block_is_refused():
     with pytest.raises(ConfigError, match="unknown block 'mamba'"):
         RecommenderConfig(block="mamba")
+    with pytest.raises(ConfigError, match="relative_bias needs hstu blocks"):
+        RecommenderConfig(relative_bias=True)
 
 
 def test_bad_input_raises_clear_errors(tiny_model):
