@@ -56,6 +56,9 @@ class TrainConfig:
     # cores.
     threads: int = 1
     device: str = "auto"  # "auto" (cuda when available) | "cpu" | "cuda"
+    # "fp32", or "bf16": the forward's matrix products in bfloat16 (torch.autocast; weights,
+    # optimiser and losses stay fp32), for CPUs with bf16 instructions and GPUs
+    precision: str = "fp32"
     progress: bool = True  # progress bars (the per-epoch summary line prints regardless)
 
     def __post_init__(self) -> None:
@@ -63,6 +66,11 @@ class TrainConfig:
             raise TrainConfigError(
                 f"train.window must be random or last, got {self.window!r}",
                 'use "random" or "last"',
+            )
+        if self.precision not in ("fp32", "bf16"):
+            raise TrainConfigError(
+                f"train.precision must be fp32 or bf16, got {self.precision!r}",
+                'use "fp32" or "bf16"',
             )
         if self.freeze_backbone and not self.init_from:
             raise TrainConfigError(

@@ -223,7 +223,9 @@ def train_step(run: TrainRun, users: torch.Tensor) -> dict[str, torch.Tensor]:
     layout = train_layout(
         values, offsets, model.num_levels - 1, config.branches_per_row, run.local_gen
     ).to(run.device)
-    losses = run.ddp(layout)
+    bf16 = config.precision == "bf16"
+    with torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=bf16):
+        losses = run.ddp(layout)
     run.optimizer.zero_grad(set_to_none=True)
     losses["loss"].backward()
     torch.nn.utils.clip_grad_norm_(run.trainable, config.grad_clip)

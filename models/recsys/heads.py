@@ -72,8 +72,15 @@ def _sum_of_code_scores(
     """Item score = sum over its J positions of log p(code): one sparse product with the items'
     code incidence matrix (J nonzeros per item): several times faster than gathering [B, I] per
     position, forward and backward (the gather's backward is an indexed accumulate)."""
-    incidence = _code_incidence(item_codes, log_probs.shape[-1], log_probs.dtype)
-    return (incidence @ log_probs.flatten(1).T).T
+    incidence = _code_incidence(item_codes, log_probs.shape[-1], torch.float32)
+    return _incidence_product(incidence, log_probs.flatten(1).T).T
+
+
+def _incidence_product(incidence: Tensor, dense: Tensor) -> Tensor:  # [I, C] @ [C, N] -> [I, N]
+    """A code incidence matrix's product, in fp32 under bf16 autocast too: the sparse product
+    has no bf16 CPU kernel, and sums of log-probs would lose their ranks in bf16."""
+    with torch.autocast(dense.device.type, enabled=False):
+        return incidence @ dense.float()
 
 
 def _code_cross_entropy(
@@ -150,7 +157,8 @@ class LongIdHeads(_IndependentCodeHeads):
         """Every item's summed digit rows and biases of the output layer: an item's summed digit
         logits are <proj(h), vectors[i]> + biases[i] (`recsys.rpg` scores items with it)."""
         incidence = _code_incidence(item_codes, self.vmax, self.out.weight.dtype)  # [I, Q*Vmax]
-        return incidence @ self.out.weight, (incidence @ self.out.bias[:, None])[:, 0]
+        vectors = _incidence_product(incidence, self.out.weight)
+        return vectors, _incidence_product(incidence, self.out.bias[:, None])[:, 0]
 
     def catalogue_loss(self, h: Tensor, item_codes: Tensor, items: Tensor) -> Tensor:
         # h: [M, D], item_codes: [I, Q], items: [M] -> []

@@ -124,6 +124,15 @@ def test_training_lowers_loss_and_writes_a_checkpoint(tiny_prepared, tmp_path):
     assert not resume_path(tmp_path / "ckpt").exists()  # removed with the checkpoint written
 
 
+def test_bf16_training_lowers_loss(tiny_prepared, tmp_path):
+    """`train.precision` bf16 (the forward under bfloat16 autocast) trains as fp32 does; its
+    losses per batch are checked against fp32's in test_model_losses."""
+    data = tiny_prepared(tmp_path / "data", users=48)
+    manifest = _train(data, tmp_path / "ckpt", epochs=5, precision="bf16")
+    losses = [epoch["train_loss"] for epoch in manifest["metrics"]]
+    assert losses[-1] < losses[0] - 0.3 and manifest["train_config"]["precision"] == "bf16"
+
+
 def test_checkpoint_round_trip(tiny_model, tmp_path):
     model, data = tiny_model
     manifest = save_checkpoint(tmp_path / "ckpt", model, {"data": {"data_hash": data.data_hash}})
@@ -413,6 +422,8 @@ def test_bad_input_is_reported_clearly(tiny_data_dir, tmp_path):
         load_config(bad)
     with pytest.raises(ValueError, match="init_from"):
         load_config(None, {"train": {"freeze_backbone": True}})
+    with pytest.raises(ValueError, match="precision must be fp32 or bf16, got 'fp16'"):
+        load_config(None, {"train": {"precision": "fp16"}})
 
     with pytest.raises(DataError, match="genrec-spec prepare"):
         load_prepared(tmp_path / "nowhere")
