@@ -40,10 +40,11 @@ from genrec_spec.models.recsys.layout import TrainLayout
 Attend = Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]
 
 
-def relative_bias(table: Tensor | None, distance: Tensor) -> Tensor | None:
+def relative_bias(table: Tensor | None, distance: Tensor | None) -> Tensor | None:
     """The bias of each (query, key) pair, table[distance] with the distance (query position
     minus key position, [..., M, K] int64) clamped into the table, as [..., 1, M, K] (one bias
-    for every head); None without a table."""
+    for every head); None without a table (blocks without a bias: their passes need not
+    compute the distances)."""
     if table is None:
         return None
     return table[distance.clamp(0, len(table) - 1)].unsqueeze(-3)
@@ -99,8 +100,9 @@ class SoftmaxRule:
 class PointwiseRule:
     """HSTU blocks' attention (module docstring), every weight divided by ``norm``."""
 
-    def __init__(self, norm: float) -> None:
+    def __init__(self, norm: float, relative: bool = False) -> None:
         self.norm = norm  # n: the most tokens a history holds
+        self.relative = relative  # the blocks have a relative position bias
 
     def dense(self, q, k, v, visible=None, causal=False, bias=None) -> Tensor:
         """As ``SoftmaxRule.dense``."""
@@ -127,18 +129,15 @@ class PointwiseRule:
         time = torch.arange(tokens, device=anchors.device)
         anchor_of = anchors.repeat_interleave(chain, dim=1)[:, :, None]  # [B, P * C, 1]
         seen = time <= anchor_of  # [B, P * C, T]
-        # Distances: history token i to j, i - j; a code token (at its anchor + 1) to j.
-        history_distance = time[:, None] - time  # [T, T]
-        code_distance = anchor_of + 1 - time  # [B, P * C, T]
+        # Distances for a relative position bias: history token i to j, i - j; a code token
+        # (at its anchor + 1) to j
+        distances = (time[:, None] - time, anchor_of + 1 - time) if self.relative else None
 
         def attend(q: Tensor, k: Tensor, v: Tensor, table: Tensor | None) -> Tensor:
             biases = None
             if table is not None:
-                biases = (
-                    relative_bias(table, history_distance),
-                    relative_bias(table, code_distance),
-                    table[0],
-                )
+                history, codes = (relative_bias(table, d) for d in distances)
+                biases = (history, codes, table[0])
             return pointwise_layout_attention(q, k, v, seen, chain, self.norm, biases)
 
         return attend

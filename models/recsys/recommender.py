@@ -123,7 +123,7 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
         # Every pass's attention (prefill, tree scoring, training) is this rule's. HSTU divides
         # its weights by the most tokens a history holds.
         self.attention_rule = (
-            PointwiseRule(float(config.max_len + 1))
+            PointwiseRule(float(config.max_len + 1), config.relative_bias)
             if hstu
             else SoftmaxRule(config.attention_backend)
         )
@@ -305,6 +305,13 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
         keys, vals = [], []
 
         time = torch.arange(tokens, device=x.device)  # [T] a history token's position
+        # Query-key distances of every token, and of each row's last one (blocks with a
+        # relative position bias read them)
+        every, last = (
+            (time[:, None] - time, (lengths - 1)[:, None, None] - time)  # [T, T], [B, 1, T]
+            if self.config.relative_bias
+            else (None, None)
+        )
 
         def attend(q: Tensor, k: Tensor, v: Tensor, table: Tensor | None) -> Tensor:
             k_hist, v_hist = k[:, :, :tokens], v[:, :, :tokens]  # k, v: [B, H, T + N, Dh]
@@ -313,16 +320,15 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
             first = q.shape[2] - nodes  # q: [B, H, T + N, Dh], or [B, H, 1 + N, Dh] when kept
             if first == tokens:
                 # Rows are right-padded, so plain causal attention is exact for every real token.
-                bias = relative_bias(table, time[:, None] - time)  # [1, T, T]
                 out = self.attention_rule.dense(
-                    q[:, :, :first], k_hist, v_hist, causal=True, bias=bias
+                    q[:, :, :first], k_hist, v_hist, causal=True, bias=relative_bias(table, every)
                 )
             else:  # each row's last token alone, seeing all of its row's tokens
                 real = time < lengths[:, None]  # [B, T]
-                bias = relative_bias(table, (lengths - 1)[:, None, None] - time)  # [B, 1, 1, T]
                 out = self.attention_rule.dense(
-                    q[:, :, :first], k_hist, v_hist, real[:, None, None, :], bias=bias
-                )
+                    q[:, :, :first], k_hist, v_hist, real[:, None, None, :],
+                    bias=relative_bias(table, last),
+                )  # fmt: skip
             if not nodes:
                 return out
             tree = self.attention_rule.tree(
@@ -381,14 +387,18 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
         seen = torch.where(
             keys_at < cached, keys_at < old[:, None, None], keys_at - cached <= step[:, None]
         )  # [B, n, T0 + n]
-        # Positions: new token i at old + i; key j of [cached | new] at j, or old + j - T0.
-        key_at = torch.where(keys_at < cached, keys_at, old[:, None] + keys_at - cached)
-        distance = (old[:, None] + step)[:, :, None] - key_at[:, None, :]  # [B, n, T0 + n]
         # As in encode_history, the last block computes the last new token's output only.
         last = (added - 1)[:, None]  # [B, 1]
 
         def last_row(pairs: Tensor) -> Tensor:  # [B, n, T0 + n] -> [B, 1, T0 + n]
             return pairs.gather(1, last[..., None].expand(-1, -1, pairs.shape[2]))
+
+        distance = last_distance = None  # query-key distances, for a relative position bias
+        if self.config.relative_bias:  # new token i at old + i; key j at j, or old + j - T0
+            key_at = torch.where(keys_at < cached, keys_at, old[:, None] + keys_at - cached)
+            distance = (old[:, None] + step)[:, :, None] - key_at[:, None, :]  # [B, n, T0 + n]
+            last_distance = last_row(distance)
+        seen_last = last_row(seen)
 
         keys, vals = [], []  # per layer [B, H, T0 + n, Dh]
         for layer, block in enumerate(self.blocks):
@@ -398,7 +408,7 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
                 """q [B, H, n', Dh] of the new tokens over [cached | new] keys."""
                 keys.append(torch.cat([state.keys[layer], k], dim=2))
                 vals.append(torch.cat([state.values[layer], v], dim=2))
-                mask, pairs = (last_row(seen), last_row(distance)) if is_last else (seen, distance)
+                mask, pairs = (seen_last, last_distance) if is_last else (seen, distance)
                 return self.attention_rule.dense(
                     q, keys[-1], vals[-1], mask[:, None], bias=relative_bias(table, pairs)
                 )
