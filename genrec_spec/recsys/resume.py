@@ -57,9 +57,12 @@ class TrainProgress:
         return self.history[-1]["epoch"] if self.history else 0
 
     def add_epoch(self, record: dict, model: torch.nn.Module, keep_last: bool) -> None:
-        """Append an epoch's record; it becomes the best on a higher valid NDCG@10 (or always,
-        with `keep_last`), and its weights are kept."""
+        """Append an epoch's record; a validated one becomes the best on a higher valid NDCG@10
+        (or always, with `keep_last`), and its weights are kept. An epoch not validated
+        (`TrainConfig.valid_from`) changes neither the best nor the count towards patience."""
         self.history.append(record)
+        if "ndcg@10" not in record:
+            return
         if self.best is None or record["ndcg@10"] > self.best["ndcg@10"] or keep_last:
             self.best, self.stale = record, 0
             self.best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -47,6 +47,10 @@ class TrainConfig:
     # Fixed random subset of valid users scored per epoch (0 = all): the early-stopping and
     # checkpoint signal, whose noise falls as it holds more users.
     valid_users: int = 2048
+    # The first epoch validated. Validation costs up to a third of an epoch, and under the
+    # cosine schedule the best epoch comes late: earlier epochs train only (and do not count
+    # towards patience). The last epoch is always validated, so it needs max_minutes 0.
+    valid_from: int = 1
     eval_batch_size: int = 64  # users per validation pass
     eval_chunk: int = 32  # scored prefix nodes per tree pass in validation
     patience: int = 10  # epochs without a better valid NDCG@10 before stopping (it is noisy)
@@ -71,6 +75,17 @@ class TrainConfig:
             raise TrainConfigError(
                 f"train.precision must be fp32 or bf16, got {self.precision!r}",
                 'use "fp32" or "bf16"',
+            )
+        if not 1 <= self.valid_from <= self.epochs:
+            raise TrainConfigError(
+                f"train.valid_from = {self.valid_from} must lie in 1..epochs ({self.epochs})",
+                "validate from an epoch the run reaches (1: every epoch)",
+            )
+        if self.valid_from > 1 and self.max_minutes:
+            raise TrainConfigError(
+                f"train.valid_from = {self.valid_from} with a time budget (max_minutes "
+                f"{self.max_minutes}): the budget may end the run before it validates",
+                "set train.max_minutes to 0 (run every epoch) or train.valid_from to 1",
             )
         if self.freeze_backbone and not self.init_from:
             raise TrainConfigError(

@@ -81,7 +81,9 @@ def train(
     for epoch in range(progress.epoch + 1, config.epochs + 1):
         epoch_start = time.perf_counter()
         record = _train_epoch(run, epoch)
-        record.update(validate(run.model, run.data, run.data.valid, valid_rows, config, run.device))
+        if epoch >= config.valid_from:
+            valid = validate(run.model, run.data, run.data.valid, valid_rows, config, run.device)
+            record.update(valid)
         record["epoch_s"] = round(time.perf_counter() - epoch_start, 2)
         if run.rank == 0:
             print(_format_epoch(record), flush=True)
@@ -440,8 +442,12 @@ def _format_epoch(r: dict) -> str:
     # the sum covers levels 1.. only and says so.
     codes = sum(v for k, v in r.items() if k.startswith("train_level_"))
     label = "codes" if "train_level_0" in r else "codes 1+"
+    valid = (
+        f"valid nll {r['nll']:.4f} hr@10 {r['hr@10']:.4f} ndcg@10 {r['ndcg@10']:.4f}{heads}"
+        if "ndcg@10" in r
+        else "not validated (train.valid_from)"
+    )
     return (
-        f"epoch {r['epoch']}: loss {r['train_loss']:.4f} ({label} {codes:.4f}) | valid nll "
-        f"{r['nll']:.4f} hr@10 {r['hr@10']:.4f} ndcg@10 {r['ndcg@10']:.4f}{heads} | "
+        f"epoch {r['epoch']}: loss {r['train_loss']:.4f} ({label} {codes:.4f}) | {valid} | "
         f"{r['seq_per_s']:.1f} seq/s, {r['epoch_s']:.0f} s"
     )

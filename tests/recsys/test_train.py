@@ -133,6 +133,25 @@ def test_bf16_training_lowers_loss(tiny_prepared, tmp_path):
     assert losses[-1] < losses[0] - 0.3 and manifest["train_config"]["precision"] == "bf16"
 
 
+def test_validation_from_a_later_epoch(tiny_prepared, tmp_path):
+    """`train.valid_from`: the epochs before it train only; the best epoch, its weights and the
+    patience count come from the validated ones (the last is always among them)."""
+    data = tiny_prepared(tmp_path / "data", users=48)
+    every = _train(data, tmp_path / "every", max_minutes=0, epochs=4)
+    # patience 1 would stop a run validated every epoch after epoch 2 (NDCG@10 falls there)
+    assert every["metrics"][1]["ndcg@10"] < every["metrics"][0]["ndcg@10"]
+    late = _train(data, tmp_path / "late", max_minutes=0, epochs=4, patience=1, valid_from=3)
+    assert [("ndcg@10" in e) for e in late["metrics"]] == [False, False, True, True]
+    # the same training (validation draws nothing from the run's generators)
+    assert _untimed(late["metrics"])[2:] == _untimed(every["metrics"])[2:]
+    assert late["best"] in late["metrics"][2:]
+    assert late["best"]["ndcg@10"] == max(e["ndcg@10"] for e in late["metrics"][2:])
+    with pytest.raises(ValueError, match="valid_from = 5 must lie in 1..epochs"):
+        load_config(None, {"train": {"epochs": 4, "valid_from": 5, "max_minutes": 0}})
+    with pytest.raises(ValueError, match="set train.max_minutes to 0"):
+        load_config(None, {"train": {"valid_from": 2}})
+
+
 def test_checkpoint_round_trip(tiny_model, tmp_path):
     model, data = tiny_model
     manifest = save_checkpoint(tmp_path / "ckpt", model, {"data": {"data_hash": data.data_hash}})
