@@ -50,6 +50,12 @@ def relative_bias(table: Tensor | None, distance: Tensor | None) -> Tensor | Non
     return table[distance.clamp(0, len(table) - 1)].unsqueeze(-3)
 
 
+def tree_distance(root_lens: Tensor, root_size: int) -> Tensor:  # [B] -> [B, 1, S]
+    """Each tree node's distance to each of its row's S history keys: nodes sit at the position
+    of the item they spell, root_lens (a pass builds it once for all its layers)."""
+    return root_lens[:, None, None] - torch.arange(root_size, device=root_lens.device)
+
+
 def _no_bias(table: Tensor | None) -> None:
     if table is not None:  # RecommenderConfig refuses the combination; this guards callers
         raise ValueError("softmax attention takes no relative position bias (HSTU blocks do)")
@@ -73,10 +79,13 @@ class SoftmaxRule:
         _no_bias(bias)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, is_causal=causal)
 
-    def tree(self, q, k_root, v_root, root_lens, k_tree, v_tree, plan, table=None) -> Tensor:
+    def tree(
+        self, q, k_root, v_root, root_lens, k_tree, v_tree, plan, table=None, distance=None
+    ) -> Tensor:
         """Tree nodes ([B, H, M, Dh]) over a row's history keys and values ([B, H, S, Dh],
         root_lens [B] real) and the tree's own ([B, H, N, Dh]), with the pass's ``TreePlan``;
-        ``table`` the block's relative position bias (`Attend`)."""
+        ``table`` the block's relative position bias (`Attend`) and ``distance`` ([B, 1, S],
+        built once a pass) each node's distance to each history key."""
         _no_bias(table)
         return tree_attention(
             q, k_root, v_root, root_lens, k_tree, v_tree, plan.parents,
@@ -108,17 +117,15 @@ class PointwiseRule:
         """As ``SoftmaxRule.dense``."""
         return pointwise_attention(q, k, v, visible, self.norm, causal, bias)
 
-    def tree(self, q, k_root, v_root, root_lens, k_tree, v_tree, plan, table=None) -> Tensor:
+    def tree(
+        self, q, k_root, v_root, root_lens, k_tree, v_tree, plan, table=None, distance=None
+    ) -> Tensor:
         """As ``SoftmaxRule.tree``; reads only the plan's visibility. Every node sits at its
-        row's position root_lens (the next item's), so its distance to history key j is
-        root_lens - j and to its ancestors 0."""
-        history_bias = None
-        if table is not None:
-            keys = torch.arange(k_root.shape[2], device=q.device)
-            history_bias = relative_bias(table, root_lens[:, None, None] - keys)  # [B, 1, 1, S]
+        row's position root_lens (the next item's), so ``distance`` is root_lens - j to history
+        key j (`tree_distance`) and its distance to its ancestors 0."""
         return pointwise_tree_attention(
             q, k_root, v_root, root_lens, k_tree, v_tree, plan.visible, self.norm,
-            history_bias, None if table is None else table[0],
+            relative_bias(table, distance), None if table is None else table[0],
         )  # fmt: skip
 
     def layout(self, layout: TrainLayout, dtype: torch.dtype) -> Attend:

@@ -39,7 +39,12 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 
 from genrec_spec.kernels import prepare_tree
-from genrec_spec.models.recsys.attention import PointwiseRule, SoftmaxRule, relative_bias
+from genrec_spec.models.recsys.attention import (
+    PointwiseRule,
+    SoftmaxRule,
+    relative_bias,
+    tree_distance,
+)
 from genrec_spec.models.recsys.blocks import Block, HistoryState, HstuBlock
 from genrec_spec.models.recsys.code_levels import CodeLevels
 from genrec_spec.models.recsys.config import RecommenderConfig
@@ -305,13 +310,11 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
         keys, vals = [], []
 
         time = torch.arange(tokens, device=x.device)  # [T] a history token's position
-        # Query-key distances of every token, and of each row's last one (blocks with a
-        # relative position bias read them)
-        every, last = (
-            (time[:, None] - time, (lengths - 1)[:, None, None] - time)  # [T, T], [B, 1, T]
-            if self.config.relative_bias
-            else (None, None)
-        )
+        every = last = below = None  # query-key distances, for blocks with a relative bias
+        if self.config.relative_bias:
+            every = time[:, None] - time  # [T, T] among the history tokens
+            below = tree_distance(lengths, tokens)  # [B, 1, T] a tree node's: one past the last
+            last = below - 1  # [B, 1, T] each row's last token's
 
         def attend(q: Tensor, k: Tensor, v: Tensor, table: Tensor | None) -> Tensor:
             k_hist, v_hist = k[:, :, :tokens], v[:, :, :tokens]  # k, v: [B, H, T + N, Dh]
@@ -333,7 +336,7 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
                 return out
             tree = self.attention_rule.tree(
                 q[:, :, first:], k_hist, v_hist, lengths, k[:, :, tokens:], v[:, :, tokens:], plan,
-                table,
+                table, below,
             )  # fmt: skip
             return torch.cat([out, tree], dim=2)
 
@@ -450,12 +453,16 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
         if not codes.shape[1]:  # no node (a draft that proposed nothing): nothing to score
             return self._next_level_log_probs(x, levels, None, state.hidden)
         plan = self._tree_plan(parents, state.lengths, state.keys.shape[3])
+        below = (  # [B, 1, S] for the blocks' relative position bias
+            tree_distance(state.lengths, state.keys.shape[3]) if self.config.relative_bias else None
+        )
         for layer, block in enumerate(self.blocks):
 
             def attend(q, k, v, table, layer: int = layer) -> Tensor:
                 return self.attention_rule.tree(
-                    q, state.keys[layer], state.values[layer], state.lengths, k, v, plan, table
-                )
+                    q, state.keys[layer], state.values[layer], state.lengths, k, v, plan, table,
+                    below,
+                )  # fmt: skip
 
             x = block(x, attend)
         prefixes = self._node_prefixes(codes, levels, parents)
