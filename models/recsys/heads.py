@@ -47,22 +47,23 @@ def _padded_log_softmax(logits: Tensor, sizes: list[int]) -> Tensor:
 _INCIDENCE = DerivedCache()  # item code table -> its sparse code incidence matrix
 
 
-def _code_incidence(item_codes: Tensor, vmax: int, dtype: torch.dtype) -> Tensor:
+def _code_incidence(item_codes: Tensor, vmax: int) -> Tensor:
     """[I, J] codes -> sparse CSR [I, J * vmax] with a 1 at j * vmax + code[i, j] for each
-    position j of item i (columns rise within a row, as CSR wants)."""
+    position j of item i (columns rise within a row, as CSR wants); float32, as its products
+    (`_incidence_product`)."""
 
     def build() -> Tensor:
         items, positions = item_codes.shape
         columns = item_codes + torch.arange(positions, device=item_codes.device) * vmax  # [I, J]
         rows = torch.arange(0, items * positions + 1, positions, device=item_codes.device)
-        ones = torch.ones(items * positions, dtype=dtype, device=item_codes.device)
+        ones = torch.ones(items * positions, device=item_codes.device)
         with warnings.catch_warnings():  # "CSR support is in beta": products are all we use
             warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta")
             return torch.sparse_csr_tensor(
                 rows, columns.flatten(), ones, (items, positions * vmax), check_invariants=True
             )
 
-    return _INCIDENCE.get(item_codes, (item_codes,), build, extra=(vmax, dtype))
+    return _INCIDENCE.get(item_codes, (item_codes,), build, extra=vmax)
 
 
 def _sum_of_code_scores(
@@ -72,7 +73,7 @@ def _sum_of_code_scores(
     """Item score = sum over its J positions of log p(code): one sparse product with the items'
     code incidence matrix (J nonzeros per item): several times faster than gathering [B, I] per
     position, forward and backward (the gather's backward is an indexed accumulate)."""
-    incidence = _code_incidence(item_codes, log_probs.shape[-1], torch.float32)
+    incidence = _code_incidence(item_codes, log_probs.shape[-1])
     return _incidence_product(incidence, log_probs.flatten(1).T).T
 
 
@@ -156,7 +157,7 @@ class LongIdHeads(_IndependentCodeHeads):
         # item_codes: [I, Q] -> (vectors [I, D], biases [I])
         """Every item's summed digit rows and biases of the output layer: an item's summed digit
         logits are <proj(h), vectors[i]> + biases[i] (`recsys.rpg` scores items with it)."""
-        incidence = _code_incidence(item_codes, self.vmax, self.out.weight.dtype)  # [I, Q*Vmax]
+        incidence = _code_incidence(item_codes, self.vmax)  # [I, Q*Vmax]
         vectors = _incidence_product(incidence, self.out.weight)
         return vectors, _incidence_product(incidence, self.out.bias[:, None])[:, 0]
 
