@@ -5,9 +5,11 @@
                 record=None) -> BeamOutput
 
 The W beams of a row are branches of one tree over the row's prompt, whose K/V are stored once:
-a pass grows the tree by the nodes the beams need (``Target.grow_tree``), and the best
-next-token log-probabilities of a scored node serve every later step that reaches it
-(``BeamTree``). A *step* selects the beams one token longer; a *pass* is one target forward.
+a pass grows the tree by the nodes the beams need (``Target.grow_tree``). A *step* selects the
+beams one token longer; a *pass* is one target forward. Plain beam search scores each step's
+new nodes in fixed slots, beam w's the step's w-th, and reads their candidates straight from
+the pass; speculative beam search keeps every scored node's best next-token log-probabilities
+(``BeamTree``), so they serve every later step that reaches the node.
 
 Selection is transformers' beam search, step for step: each step keeps the top 2W candidates
 (W beams x their tokens, scored by summed log-probabilities), the best W that did not just end
@@ -37,7 +39,7 @@ nodes are all such needs no pass; they wait, planned, for the pass that scores t
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -111,6 +113,7 @@ class _Beams:
     nodes: Tensor  # [B, W] tree node of each beam's last token; -1: not scored yet
     parents: Tensor  # [B, W] tree node of the token before it (-1: the root itself)
     last: Tensor  # [B, W] each beam's last token
+    origin: Tensor  # [B, W] the beam it extends (its place among the beams a step before)
     done_scores: Tensor  # [B, W] finished hypotheses' penalised scores
     done_sequences: Tensor  # [B, W, T]
     done_lengths: Tensor  # [B, W]
@@ -157,10 +160,11 @@ def beam_search(
         width = min(keep, target.vocab_size, allows)
         if drafter is not None and record is not None and not record.drafts():
             drafter = None  # drafting did not pay in the record's searches: a plain search
-        search = _Search(
-            target, cache, tokens, lengths, config, constraint, drafter, width, max_new_tokens
-        )
-        if drafter is not None:
+        args = (target, cache, tokens, lengths, config, constraint, width)
+        if drafter is None:
+            search: _PlainSearch | _TreeSearch = _PlainSearch(*args)
+        else:
+            search = _TreeSearch(*args, drafter, max_new_tokens)
             drafter.begin(tokens, lengths)
         beams = _start(tokens, lengths, config.num_beams, max_new_tokens)
         eos_t = torch.tensor(eos, dtype=torch.long, device=device)
@@ -168,15 +172,11 @@ def beam_search(
             open_rows = beams.improvable[:, 0] & ~(
                 beams.done.all(1) & (config.early_stopping is True)
             )
-            search.score_beams(beams, open_rows)
-            alive = open_rows[:, None] & (beams.scores > float("-inf"))
-            if drafter is not None and step:  # (the first step's beams are the roots)
-                search.count_hits(beams, alive)
-            values, options = search.tree.candidates(beams.nodes)  # [B, W, C] each
+            alive = open_rows[:, None] & (beams.scores > float("-inf"))  # [B, W]
+            values, options = search.candidates(beams, open_rows, alive, step)  # [B, W, C]
             values = values.masked_fill(~alive[..., None], float("-inf"))
             hits = _select(beams, values, options, eos_t, keep, step, max_new_tokens, config)
-            if drafter is not None:  # (without drafts a beam's new node is never planned yet)
-                _link(beams, search.tree)
+            search.advance(beams)
             search.row_steps += open_rows.sum()
             if not _unfinished(beams, hits, step + 1, max_new_tokens, config):
                 break
@@ -233,6 +233,7 @@ def _start(tokens: Tensor, lengths: Tensor, w: int, max_new_tokens: int) -> _Bea
         nodes=torch.full((batch, w), -1, dtype=torch.long, device=on),
         parents=torch.full((batch, w), -1, dtype=torch.long, device=on),
         last=root.clone(),
+        origin=torch.zeros(batch, w, dtype=torch.long, device=on),
         done_scores=torch.full((batch, w), UNREACHABLE, device=on),
         done_sequences=empty.clone(),
         done_lengths=torch.zeros(batch, w, dtype=torch.long, device=on),
@@ -241,24 +242,16 @@ def _start(tokens: Tensor, lengths: Tensor, w: int, max_new_tokens: int) -> _Bea
     )
 
 
-class _Search:
-    """The scored tree and the passes that grow it."""
+class _Passes:
+    """What plain and speculative search share: the target's passes, their counts, and the rule
+    that turns a pass's outputs into each scored node's best candidates."""
 
-    def __init__(
-        self, target: Target, cache, tokens, lengths, config, constraint, drafter, width, steps
-    ):
+    def __init__(self, target: Target, cache, tokens, lengths, config, constraint, width):
         self.target, self.cache = target, cache
         self.prompts = [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist(), strict=True)]
-        self.config, self.constraint, self.drafter = config, constraint, drafter
+        self.config, self.constraint = config, constraint
+        self.width = width  # C: the best next tokens a node keeps
         self.normalized = getattr(target, "outputs_log_probs", False)  # read as they are
-        batch = tokens.shape[0]
-        # Keys pack tokens below this: generated ones, and the roots' (prompt tokens, which a
-        # recommender draws from its items, not its codes).
-        tokens_below = max(target.vocab_size, getattr(target, "prompt_vocab_size", 0))
-        # Plain beam search adds at most W nodes per row a step (and the root): room for them
-        # all from the start; drafted nodes grow the tree past it.
-        capacity = min(1 + config.num_beams * steps, MAX_NODES)
-        self.tree = BeamTree(batch, width, tokens_below, capacity, tokens.device, constraint)
         # A catalogue's forced token costs exactly 0 where log-probs are renormalised over the
         # allowed tokens (by the rule, or by the target's own outputs): known without a pass.
         free = config.renormalize or getattr(target, "forced_tokens_free", False)
@@ -272,6 +265,169 @@ class _Search:
         self.nan = torch.zeros((), dtype=torch.bool, device=on)  # a pass had NaN logits
         # (nodes planned for the beams, nodes drafted) of each pass that had a drafter
         self.drafted_passes: list[tuple[int, int]] = []
+
+    def check_finite(self) -> None:
+        """Refuse the search's output if a pass had NaN logits (checked once, at the end: a
+        check per pass would make a GPU wait on every pass)."""
+        if bool(self.nan):
+            raise DecodeInputError(
+                "the target's logits contain NaN",
+                "check the model's weights and dtype (fp16 overflow is a common cause)",
+            )
+
+    def _best(
+        self,
+        logits: Tensor,  # [N, V] the pass's nodes'
+        at: Tensor | None,  # [Q] the logits row of each node scored (None: all N, in order)
+        rows: Tensor,  # [Q] their rows
+        states: Tensor,  # [Q] their constraint states
+        paths: Callable[[], list[list[int]]],  # their generated tokens (a hook reads them)
+    ) -> tuple[Tensor, Tensor]:  # [Q, C' <= C] log-probs (-inf pads), [Q, C'] their tokens
+        """The nodes' best next tokens under the constraint."""
+        scores, choices = self._log_probs(logits, at, rows, states, paths)
+        if scores.shape[1] > self.width:  # keep the best C (a search reads no more)
+            best = scores.topk(self.width, dim=-1)
+            index = best.indices
+            scores, choices = best.values, index if choices is None else choices.gather(1, index)
+        elif choices is None:  # every token fits: kept as they are, in token order
+            choices = torch.arange(scores.shape[1], device=scores.device).expand_as(scores)
+        self.nan |= torch.isnan(scores).any()  # a NaN logit makes its row's log-probs NaN
+        return scores, choices
+
+    def _log_probs(
+        self, logits: Tensor, at: Tensor | None, rows: Tensor, states: Tensor, paths
+    ) -> tuple[Tensor, Tensor | None]:  # [Q, C] log-probs, [Q, C] their tokens (None: 0..V-1)
+        """``_best``'s log-probabilities, all of them; a catalogue reads only each node's
+        children."""
+        if isinstance(self.constraint, Catalogue):
+            return catalogue_log_probs(
+                logits, self.constraint.trie, states, self.config.renormalize, self.normalized, at
+            )
+        logits = logits if at is None else logits[at]
+        if self.constraint is None:
+            return log_probs(logits, None, self.config.renormalize, self.normalized), None
+
+        def sequences() -> list[list[int]]:  # each node's prompt and generated tokens
+            where = rows.tolist()
+            return [self.prompts[r] + path for r, path in zip(where, paths(), strict=True)]
+
+        allowed = self.constraint.allowed(states, rows, sequences)
+        return log_probs(logits, allowed, self.config.renormalize, self.normalized), None
+
+
+class _PlainSearch(_Passes):
+    """Plain beam search: a pass scores the live beams' new nodes, each beam's in a fixed slot
+    (beam w's node is the w-th of the step's W; the first step's, the W copies of the root, is
+    one), so no node is ever looked up: the candidates go from the pass's outputs straight to
+    the selection, and each beam carries its node's constraint state. A step whose live nodes
+    are all known forced ones needs no pass: they wait for the next, which carries them as their
+    children's ancestors."""
+
+    def __init__(self, target: Target, cache, tokens, lengths, config, constraint, width):
+        super().__init__(target, cache, tokens, lengths, config, constraint, width)
+        batch, on = tokens.shape[0], tokens.device
+        start = torch.zeros(batch, dtype=torch.long, device=on)
+        if constraint is not None:
+            start = constraint.start(batch, on)
+        self.states = start[:, None].expand(batch, config.num_beams)  # [B, W] beams' nodes'
+        self.size = 0  # nodes in the target's pending tree
+        self.waiting: list[tuple[Tensor, Tensor, Tensor]] = []  # steps' unscored nodes (below)
+
+    def candidates(
+        self, beams: _Beams, open_rows: Tensor, alive: Tensor, step: int
+    ) -> tuple[Tensor, Tensor]:  # open_rows [B], alive [B, W] bool -> [B, W, C] each
+        """The beams' new nodes' best next tokens, from a pass where a live one needs it."""
+        n = 1 if step == 0 else beams.last.shape[1]  # the first step's beams share the root
+        tokens, parents = beams.last[:, :n], beams.parents[:, :n]  # [B, n] each
+        states, live = self.states[:, :n], alive[:, :n]
+        waited = sum(part[0].shape[1] for part in self.waiting)
+        slots = torch.arange(beams.last.shape[1], device=tokens.device).clamp(max=n - 1)
+        beams.nodes = (self.size + waited + slots).expand_as(beams.last).clone()  # [B, W]
+        forced = self.constraint.trie.forced(states) if self.forced_free else None  # [B, n]
+        need = live if forced is None else live & (forced < 0)
+        self.waiting.append((tokens, parents, live))
+        if bool(need.any()):
+            values, options = self._pass(need, states, beams.sequences[:, :n, :step])
+        else:
+            values = torch.full((*tokens.shape, 1), float("-inf"), device=tokens.device)
+            options = torch.zeros_like(values, dtype=torch.long)
+        if forced is not None:  # a forced node's one candidate, at log-prob 0
+            known = live & (forced >= 0)
+            values[..., 0] = torch.where(known, 0.0, values[..., 0])
+            options[..., 0] = torch.where(known, forced.to(options.dtype), options[..., 0])
+        return values.expand(*beams.last.shape, -1), options.expand(*beams.last.shape, -1)
+
+    def _pass(
+        self,
+        need: Tensor,  # [B, n] bool the step's nodes whose candidates are read
+        states: Tensor,  # [B, n] their constraint states
+        sequences: Tensor,  # [B, n, T] their generated tokens
+    ) -> tuple[Tensor, Tensor]:  # [B, n, C] each: -inf (token 0) where not needed
+        """One target pass over the waiting nodes and the step's (the last n of it)."""
+        tokens, parents, live = (torch.cat(part, 1) for part in zip(*self.waiting, strict=True))
+        needed = torch.zeros_like(live)
+        needed[:, -need.shape[1] :] = need
+        self.waiting = []
+        logits = self.target.grow_tree(self.cache, tokens, parents, needed)  # [B, M, V]
+        self.size += tokens.shape[1]
+        self.passes += 1
+        self.nodes += live.sum()
+        rows, slots = needed.nonzero(as_tuple=True)  # [Q] the nodes read
+        at = None if len(rows) == needed.numel() else rows * needed.shape[1] + slots
+        beam = slots - (needed.shape[1] - need.shape[1])  # [Q] each one's slot in the step
+
+        def paths() -> list[list[int]]:
+            return sequences[rows, beam].tolist()
+
+        scores, choices = self._best(logits.flatten(0, 1), at, rows, states[rows, beam], paths)
+        shape = (*need.shape, scores.shape[1])
+        if at is None:  # every node of the pass, in order
+            return scores.view(shape), choices.reshape(shape)
+        values = scores.new_full(shape, float("-inf"))
+        options = choices.new_zeros(shape)
+        values[rows, beam], options[rows, beam] = scores, choices
+        return values, options
+
+    def advance(self, beams: _Beams) -> None:
+        """After a step: the states of the beams' new nodes (not scored yet)."""
+        if self.constraint is not None:
+            above = self.states.gather(1, beams.origin)  # [B, W]
+            self.states = self.constraint.advance(above, beams.last)
+
+
+class _TreeSearch(_Passes):
+    """Speculative beam search: the scored tree and the passes that grow it, a drafter adding
+    nodes below the beams to each."""
+
+    def __init__(
+        self, target: Target, cache, tokens, lengths, config, constraint, width, drafter, steps
+    ):
+        super().__init__(target, cache, tokens, lengths, config, constraint, width)
+        self.drafter = drafter
+        # Keys pack tokens below this: generated ones, and the roots' (prompt tokens, which a
+        # recommender draws from its items, not its codes).
+        tokens_below = max(target.vocab_size, getattr(target, "prompt_vocab_size", 0))
+        # The beams add at most W nodes per row a step (and the root): room for them all from
+        # the start; drafted nodes grow the tree past it.
+        capacity = min(1 + config.num_beams * steps, MAX_NODES)
+        self.tree = BeamTree(
+            tokens.shape[0], width, tokens_below, capacity, tokens.device, constraint
+        )
+
+    def candidates(
+        self, beams: _Beams, open_rows: Tensor, alive: Tensor, step: int
+    ) -> tuple[Tensor, Tensor]:  # open_rows [B], alive [B, W] bool -> [B, W, C] each
+        """The beams' nodes' stored candidates, after a pass where a live one has none."""
+        self.score_beams(beams, open_rows)
+        if step:  # (the first step's beams are the roots)
+            self.count_hits(beams, alive)
+        return self.tree.candidates(beams.nodes)
+
+    def advance(self, beams: _Beams) -> None:
+        """Point every beam at its scored (or planned) node, where it has one."""
+        missing = beams.nodes < 0
+        rows = missing.nonzero()[:, 0]
+        beams.nodes[missing] = self.tree.child(rows, beams.parents[missing], beams.last[missing])
 
     def score_beams(self, beams: _Beams, open_rows: Tensor) -> None:
         """One pass when an open row has a live beam whose node is not scored: those nodes, and
@@ -342,58 +498,12 @@ class _Search:
         # [Q] each node's row of the logits (none when they are all of them, in order)
         at = None if len(rows) == needed.numel() else rows * needed.shape[1] + slots
         nodes = tree.size - tokens.shape[1] + slots
-        scores, choices = self._log_probs(logits.flatten(0, 1), at, rows, nodes)  # [Q, C'] each
-        if scores.shape[1] > tree.width:  # keep the best C (a search reads no more)
-            best = scores.topk(tree.width, dim=-1)
-            index = best.indices
-            scores, choices = best.values, index if choices is None else choices.gather(1, index)
-        elif choices is None:  # every token fits: kept as they are, in token order
-            choices = torch.arange(scores.shape[1], device=scores.device).expand_as(scores)
-        self.nan |= torch.isnan(scores).any()  # a NaN logit makes its row's log-probs NaN
-        tree.store(rows, nodes, scores, choices)
 
-    def check_finite(self) -> None:
-        """Refuse the search's output if a pass had NaN logits (checked once, at the end: a
-        check per pass would make a GPU wait on every pass)."""
-        if bool(self.nan):
-            raise DecodeInputError(
-                "the target's logits contain NaN",
-                "check the model's weights and dtype (fp16 overflow is a common cause)",
-            )
+        def paths() -> list[list[int]]:
+            return tree.paths(rows.tolist(), nodes.tolist())
 
-    def _log_probs(
-        self,
-        logits: Tensor,  # [N, V] the pass's nodes'
-        at: Tensor | None,  # [Q] the logits row of each node scored (None: all N, in order)
-        rows: Tensor,  # [Q] their rows
-        nodes: Tensor,  # [Q] their node numbers
-    ) -> tuple[Tensor, Tensor | None]:  # [Q, C] log-probs, [Q, C] their tokens (None: 0..V-1)
-        """The nodes' next-token log-probabilities under the constraint; a catalogue reads
-        only each node's children."""
-        tree = self.tree
         states = tree.states[rows, nodes]
-        if isinstance(self.constraint, Catalogue):
-            return catalogue_log_probs(
-                logits, self.constraint.trie, states, self.config.renormalize, self.normalized, at
-            )
-        logits = logits if at is None else logits[at]
-        if self.constraint is None:
-            return log_probs(logits, None, self.config.renormalize, self.normalized), None
-
-        def sequences() -> list[list[int]]:  # each node's prompt and generated tokens
-            where = rows.tolist()
-            paths = tree.paths(where, nodes.tolist())
-            return [self.prompts[r] + path for r, path in zip(where, paths, strict=True)]
-
-        allowed = self.constraint.allowed(states, rows, sequences)
-        return log_probs(logits, allowed, self.config.renormalize, self.normalized), None
-
-
-def _link(beams: _Beams, tree: BeamTree) -> None:
-    """Point every beam at its scored (or planned) node, where it has one."""
-    missing = beams.nodes < 0
-    rows = missing.nonzero()[:, 0]
-    beams.nodes[missing] = tree.child(rows, beams.parents[missing], beams.last[missing])
+        tree.store(rows, nodes, *self._best(logits.flatten(0, 1), at, rows, states, paths))
 
 
 def _distinct(keys: Tensor) -> tuple[Tensor, Tensor]:  # [Q] -> [F], [Q]
@@ -440,6 +550,7 @@ def _select(
     beams.scores = running.gather(1, pick)
     beams.sequences = sequences.gather(1, pick[..., None].expand(-1, -1, max_new_tokens))
     beams.parents, beams.last = parent_nodes.gather(1, pick), token.gather(1, pick)
+    beams.origin = origin.gather(1, pick)
     beams.nodes = torch.full_like(beams.parents, -1)
     # Finished: those of the top W that ended, if they beat the worst finished hypothesis.
     ended = hits & (torch.arange(keep, device=hits.device) < w)
@@ -477,7 +588,7 @@ def _unfinished(
     return not bool(stop)
 
 
-def _output(beams: _Beams, k: int, search: _Search, wall_time_s: float) -> BeamOutput:
+def _output(beams: _Beams, k: int, search: _Passes, wall_time_s: float) -> BeamOutput:
     lengths = beams.done_lengths[:, :k].flatten()  # [B * K]
     columns = torch.arange(beams.done_sequences.shape[2], device=lengths.device)
     mask = columns < lengths[:, None]
