@@ -26,6 +26,7 @@ Items are whole code tuples, so the recommender decodes by beam search only: ``s
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -73,9 +74,11 @@ class RecommenderTarget:
         sizes = torch.tensor(model.codebook_sizes, device=self.device)  # [L]
         self.offsets = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)])  # [L + 1]
         self.vocab_size = int(self.offsets[-1])
-        # (first column, codebook size) of each level's codes in the flattened vocabulary
-        self.level_columns = list(
-            zip(self.offsets[:-1].tolist(), model.codebook_sizes, strict=True)
+        # [L, Vmax] the column of each level's codes in the flattened vocabulary; the codes a
+        # level lacks (below the widest codebook) go to a spill column, V, past the outputs
+        code = torch.arange(max(model.codebook_sizes), device=self.device)
+        self.columns = torch.where(
+            code < sizes[:, None], self.offsets[:-1, None] + code, self.vocab_size
         )
         self.start_token = model.num_items  # every prompt's first token (module docstring)
         self.prompt_vocab_size = model.num_items + 1
@@ -180,7 +183,8 @@ class RecommenderTarget:
                 log_probs, local = score_rows(
                     model, cache.state, codes, levels, parents, busy, last
                 )
-        out = _output_buffer(cache, (batch, m, self.vocab_size))
+        spill = _output_buffer(cache, (batch * m, self.vocab_size + 1))  # [B * M, V + 1]
+        out = spill[:, : self.vocab_size].view(batch, m, self.vocab_size)
         if first:  # the roots (a later grow's depth-0 nodes are padding, which no beam reads)
             level0 = cache.state.level0_log_probs  # [B, V0]
             rows, slots = (depth == 0)[:, n - m :].nonzero(as_tuple=True)
@@ -193,14 +197,11 @@ class RecommenderTarget:
             read = needed[rows, nodes - (n - m)]
             rows, slots, nodes = rows[read], slots[read], nodes[read]
         following = depth[rows, nodes]  # the level each node predicts
-        values = log_probs[local[rows], slots]  # [Q, Vmax]
-        at = out.view(-1, self.vocab_size)  # [B * M, V] rows, each node's row below
-        positions = rows * m + nodes - (n - m)
-        # Each node's codebook lands at its level's offset, one copy per level predicted.
-        for level in following.unique().tolist():
-            here = following == level
-            lo, size = self.level_columns[level]
-            at[positions[here], lo : lo + size] = values[here, :size]
+        positions = rows * m + nodes - (n - m)  # [Q] each node's row of the outputs
+        # Each node's codebook lands at its level's columns (log_probs are as wide as the
+        # widest level scored).
+        columns = self.columns[:, : log_probs.shape[2]][following]  # [Q, Vmax]
+        spill[positions[:, None], columns] = log_probs[local[rows], slots]
         return out
 
     def _layout(
@@ -225,7 +226,7 @@ class RecommenderTarget:
 
 def _output_buffer(cache: RecommenderCache, shape: tuple[int, ...]) -> Tensor:
     """The cache's output buffer as a tensor of `shape`, all -inf (valid until the next grow)."""
-    size = shape[0] * shape[1] * shape[2]
+    size = math.prod(shape)
     if cache.buffer is None or len(cache.buffer) < size:
         cache.buffer = torch.empty(size, device=cache.values.device)
     return cache.buffer[:size].view(shape).fill_(float("-inf"))
