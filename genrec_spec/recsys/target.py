@@ -271,11 +271,10 @@ def context_to_score(
 
 def with_ancestors(marked: Tensor, parents: Tensor, depth: int) -> Tensor:  # [B, N] each
     """The marked nodes and their ancestors up to `depth` levels above them."""
-    marked, up, attached = marked.clone(), marked, parents >= 0
-    for _ in range(depth):  # a level at a time
-        rows, cols = (up & attached).nonzero(as_tuple=True)
-        up = torch.zeros_like(marked)
-        up[rows, parents[rows, cols]] = True
+    marked, up, attached, above = marked.clone(), marked, parents >= 0, parents.clamp_min(0)
+    for _ in range(depth):  # a level at a time: each marked node's parent, counted
+        counts = torch.zeros_like(marked, dtype=torch.int32)
+        up = counts.scatter_add_(1, above, (up & attached).int()) > 0
         marked |= up
     return marked
 

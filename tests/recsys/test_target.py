@@ -14,7 +14,7 @@ from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 from genrec_spec.recsys.decoders import beam
 from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.history_cache import rows_of
-from genrec_spec.recsys.target import RecommenderTarget
+from genrec_spec.recsys.target import RecommenderTarget, with_ancestors
 
 
 def core_beam(model, users, k: int, width: int, drafter: bool = False):
@@ -148,3 +148,19 @@ def test_outputs_not_needed_are_skipped_without_changing_the_others(
     assert torch.isinf(some[:, 1]).all()
     torch.testing.assert_close(some[:, [0, 2]], every[:, [0, 2]], rtol=0, atol=1e-5)
     assert torch.isfinite(every[:, 2]).any(1).all()  # the last level is scored
+
+
+def test_with_ancestors_marks_each_marked_nodes_ancestors_up_to_a_depth():
+    """Two rows of one tree layout each: a chain 0 <- 1 <- 2 <- 3 and a branch 0 <- 4, a
+    padding node (parent -1) at 5; against a walk up the parents."""
+    parents = torch.tensor([[-1, 0, 1, 2, 0, -1], [-1, 0, 1, 2, 0, -1]])
+    marked = torch.tensor([[0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 1, 1]], dtype=torch.bool)
+    for depth in range(4):
+        want = marked.clone()
+        for b, i in marked.nonzero().tolist():
+            for _ in range(depth):
+                i = int(parents[b, i])
+                if i < 0:
+                    break
+                want[b, i] = True
+        assert torch.equal(with_ancestors(marked, parents, depth), want), depth
