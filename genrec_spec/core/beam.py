@@ -540,7 +540,7 @@ def _select(
     scores, index = flat.topk(keep, dim=1)  # [B, 2W]
     origin = index // c
     token = options.flatten(1).gather(1, index).long()
-    sequences = beams.sequences.gather(1, origin[..., None].expand(-1, -1, max_new_tokens)).clone()
+    sequences = beams.sequences.gather(1, origin[..., None].expand(-1, -1, max_new_tokens))
     sequences[:, :, step] = token
     hits = torch.isin(token, eos) | (step + 1 >= max_new_tokens)
     # Running: the best W that did not end.
