@@ -342,7 +342,7 @@ class _PlainSearch(_Passes):
         states, live = self.states[:, :n], alive[:, :n]
         waited = sum(part[0].shape[1] for part in self.waiting)
         slots = torch.arange(beams.last.shape[1], device=tokens.device).clamp(max=n - 1)
-        beams.nodes = (self.size + waited + slots).expand_as(beams.last).clone()  # [B, W]
+        beams.nodes = (self.size + waited + slots).expand_as(beams.last)  # [B, W]
         forced = self.constraint.trie.forced(states) if self.forced_free else None  # [B, n]
         need = live if forced is None else live & (forced < 0)
         self.waiting.append((tokens, parents, live))
@@ -418,23 +418,26 @@ class _TreeSearch(_Passes):
         self, beams: _Beams, open_rows: Tensor, alive: Tensor, step: int
     ) -> tuple[Tensor, Tensor]:  # open_rows [B], alive [B, W] bool -> [B, W, C] each
         """The beams' nodes' stored candidates, after a pass where a live one has none."""
-        self.score_beams(beams, open_rows)
+        self.score_beams(beams, open_rows, alive)
         if step:  # (the first step's beams are the roots)
             self.count_hits(beams, alive)
         return self.tree.candidates(beams.nodes)
 
     def advance(self, beams: _Beams) -> None:
-        """Point every beam at its scored (or planned) node, where it has one."""
-        missing = beams.nodes < 0
-        rows = missing.nonzero()[:, 0]
-        beams.nodes[missing] = self.tree.child(rows, beams.parents[missing], beams.last[missing])
+        """After a step: point every beam at its scored (or planned) node, where it has one
+        (-1: none yet)."""
+        rows = torch.arange(beams.last.shape[0], device=beams.last.device)[:, None]
+        found = self.tree.child(
+            rows.expand_as(beams.last).flatten(), beams.parents.flatten(), beams.last.flatten()
+        )
+        beams.nodes = found.view(beams.last.shape)
 
-    def score_beams(self, beams: _Beams, open_rows: Tensor) -> None:
-        """One pass when an open row has a live beam whose node is not scored: those nodes, and
-        the drafter's nodes below every live beam of the open rows."""
-        need = open_rows[:, None] & (beams.scores > float("-inf")) & (beams.nodes < 0)
+    def score_beams(self, beams: _Beams, open_rows: Tensor, alive: Tensor) -> None:
+        """One pass when an open row has a live beam (alive [B, W]) whose node is not scored:
+        those nodes, and the drafter's nodes below every live beam of the open rows."""
+        need = alive & (beams.nodes < 0)
         if not bool(need.any()):
-            self.saved += self._scored_by_drafts(beams, open_rows)
+            self.saved += self._scored_by_drafts(beams, alive)
             return
         tree = self.tree
         rows, parents, tokens = need.nonzero()[:, 0], beams.parents[need], beams.last[need]
@@ -447,9 +450,8 @@ class _TreeSearch(_Passes):
         if self.forced_free and self._know_forced(rows, nodes) == len(rows):
             return  # no new node needs the target: they wait for a pass
         if self.drafter is not None:
-            live = open_rows[:, None] & (beams.scores > float("-inf"))
             budget = max(1, self.config.draft_nodes // int(open_rows.sum()))
-            rows_live, nodes_live = live.nonzero()[:, 0], beams.nodes[live]
+            rows_live, nodes_live = alive.nonzero()[:, 0], beams.nodes[alive]
             once, _ = _distinct(rows_live * MAX_NODES + nodes_live)
             before = tree.pending.clone()
             self.drafter.draft(tree, rows_live[once], nodes_live[once], budget, self.cache)
@@ -462,12 +464,11 @@ class _TreeSearch(_Passes):
         self.speculative += self.drafter is not None
         self._pass()
 
-    def _scored_by_drafts(self, beams: _Beams, open_rows: Tensor) -> bool:
+    def _scored_by_drafts(self, beams: _Beams, alive: Tensor) -> bool:
         """Whether a step that needs no pass owes it to drafts: a live beam's node was scored
         by the target (without drafts, only a step whose new nodes are all known forced ones
         needs no pass)."""
-        live = open_rows[:, None] & (beams.scores > float("-inf"))
-        return bool((live & ~self.tree.known.gather(1, beams.nodes.clamp_min(0))).any())
+        return bool((alive & ~self.tree.known.gather(1, beams.nodes.clamp_min(0))).any())
 
     def count_hits(self, beams: _Beams, alive: Tensor) -> None:  # alive [B, W] bool
         """Count the live beams' nodes whose scores came from the target, and those of them a
@@ -551,7 +552,6 @@ def _select(
     beams.sequences = sequences.gather(1, pick[..., None].expand(-1, -1, max_new_tokens))
     beams.parents, beams.last = parent_nodes.gather(1, pick), token.gather(1, pick)
     beams.origin = origin.gather(1, pick)
-    beams.nodes = torch.full_like(beams.parents, -1)
     # Finished: those of the top W that ended, if they beat the worst finished hypothesis.
     ended = hits & (torch.arange(keep, device=hits.device) < w)
     if not bool(ended.any()):  # most steps: the finished hypotheses stay as they are
