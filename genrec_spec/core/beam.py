@@ -175,10 +175,10 @@ def beam_search(
             alive = open_rows[:, None] & (beams.scores > float("-inf"))  # [B, W]
             values, options = search.candidates(beams, open_rows, alive, step)  # [B, W, C]
             values = values.masked_fill(~alive[..., None], float("-inf"))
-            hits = _select(beams, values, options, eos_t, keep, step, max_new_tokens, config)
+            ended = _select(beams, values, options, eos_t, keep, step, max_new_tokens, config)
             search.advance(beams)
             search.row_steps += open_rows.sum()
-            if not _unfinished(beams, hits, step + 1, max_new_tokens, config):
+            if not _unfinished(beams, ended, step + 1, max_new_tokens, config):
                 break
     search.check_finite()
     if drafter is not None and record is not None:
@@ -532,30 +532,59 @@ def _select(
     step: int,  # tokens generated before this step
     max_new_tokens: int,
     config: BeamConfig,
-) -> Tensor:  # [B, 2W] bool, the candidates that ended
+) -> Tensor | bool:  # whether every candidate kept ended (bool: none can end this step)
     """One step of transformers' beam search (``_get_top_k_continuations``, then
     ``_get_running_beams_for_next_iteration`` and ``_update_finished_beams``), in place."""
     batch, w, c = values.shape
-    keep = min(keep, w * c)  # a vocabulary smaller than 2W holds fewer
     flat = (beams.scores[:, :, None] + values).flatten(1)  # [B, W * C]
+    if not len(eos) and step + 1 < max_new_tokens:  # no candidate can end: the best W run on
+        _run_on(beams, *flat.topk(w, dim=1), options, step)
+        return False
+    keep = min(keep, w * c)  # a vocabulary smaller than 2W holds fewer
     scores, index = flat.topk(keep, dim=1)  # [B, 2W]
-    origin = index // c
     token = options.flatten(1).gather(1, index).long()
-    sequences = beams.sequences.gather(1, origin[..., None].expand(-1, -1, max_new_tokens))
-    sequences[:, :, step] = token
     hits = torch.isin(token, eos) | (step + 1 >= max_new_tokens)
+    # Finished: those of the top W that ended, if they beat the worst finished hypothesis.
+    ended = hits & (torch.arange(keep, device=hits.device) < w)
+    if bool(ended.any()):  # most steps of an LLM's search: the finished ones stay as they are
+        sequences = beams.sequences.gather(
+            1, (index // c)[..., None].expand(-1, -1, max_new_tokens)
+        )
+        sequences[:, :, step] = token
+        _finish(beams, scores, sequences, ended, step, config)
     # Running: the best W that did not end.
     running = scores + hits.float() * UNREACHABLE
     pick = running.topk(w, dim=1).indices
-    parent_nodes = beams.nodes.gather(1, origin)
-    beams.scores = running.gather(1, pick)
-    beams.sequences = sequences.gather(1, pick[..., None].expand(-1, -1, max_new_tokens))
-    beams.parents, beams.last = parent_nodes.gather(1, pick), token.gather(1, pick)
-    beams.origin = origin.gather(1, pick)
-    # Finished: those of the top W that ended, if they beat the worst finished hypothesis.
-    ended = hits & (torch.arange(keep, device=hits.device) < w)
-    if not bool(ended.any()):  # most steps: the finished hypotheses stay as they are
-        return hits
+    _run_on(beams, running.gather(1, pick), index.gather(1, pick), options, step)
+    return hits.all()
+
+
+def _run_on(
+    beams: _Beams,
+    scores: Tensor,  # [B, W] the running beams' new scores
+    index: Tensor,  # [B, W] their candidates' places among the step's W * C
+    options: Tensor,  # [B, W, C] the candidates' tokens
+    step: int,
+) -> None:
+    """The running beams, one token longer."""
+    origin = index // options.shape[2]
+    beams.scores, beams.origin = scores, origin
+    beams.sequences = beams.sequences.gather(1, origin[..., None].expand_as(beams.sequences))
+    beams.last = options.flatten(1).gather(1, index).long()
+    beams.sequences[:, :, step] = beams.last
+    beams.parents = beams.nodes.gather(1, origin)
+
+
+def _finish(
+    beams: _Beams,
+    scores: Tensor,  # [B, 2W] the step's best candidates' summed log-probs
+    sequences: Tensor,  # [B, 2W, T] their tokens
+    ended: Tensor,  # [B, 2W] bool those of the top W that ended
+    step: int,
+    config: BeamConfig,
+) -> None:
+    """The ended candidates enter the finished hypotheses where they beat the worst."""
+    w = beams.done.shape[1]
     penalised = scores / ((step + 1) ** config.length_penalty)
     full = beams.done.all(1, keepdim=True) & (config.early_stopping is True)
     penalised += full.float() * UNREACHABLE
@@ -563,18 +592,17 @@ def _select(
     penalised += (~ended) * UNREACHABLE
     merged = torch.cat([beams.done_scores, penalised], dim=1)
     best = merged.topk(w, dim=1).indices
-    lengths = torch.full_like(token, step + 1)
+    lengths = torch.full_like(ended, step + 1, dtype=torch.long)
     beams.done_scores = merged.gather(1, best)
     beams.done_sequences = torch.cat([beams.done_sequences, sequences], 1).gather(
-        1, best[..., None].expand(-1, -1, max_new_tokens)
+        1, best[..., None].expand(-1, -1, sequences.shape[2])
     )
     beams.done_lengths = torch.cat([beams.done_lengths, lengths], 1).gather(1, best)
     beams.done = torch.cat([beams.done, ended], 1).gather(1, best)
-    return hits
 
 
 def _unfinished(
-    beams: _Beams, hits: Tensor, generated: int, max_new_tokens: int, config: BeamConfig
+    beams: _Beams, all_ended: Tensor | bool, generated: int, max_new_tokens: int, config: BeamConfig
 ) -> bool:
     """transformers' ``_check_early_stop_heuristic`` and stopping rule, after a step."""
     never = config.early_stopping == "never" and config.length_penalty > 0.0
@@ -582,7 +610,7 @@ def _unfinished(
     best_possible = beams.scores[:, :1] / (best_length**config.length_penalty)
     worst = torch.where(beams.done, beams.done_scores.min(1, keepdim=True).values, UNREACHABLE)
     beams.improvable &= (best_possible > worst).any(1, keepdim=True)
-    stop = ~beams.improvable.any() | hits.all()  # one host sync a step (a GPU waits on each)
+    stop = ~beams.improvable.any() | all_ended  # one host sync a step (a GPU waits on each)
     if config.early_stopping is True:
         stop |= beams.done.all()
     return not bool(stop)

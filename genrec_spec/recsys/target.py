@@ -155,13 +155,13 @@ class RecommenderTarget:
             # among the new nodes (it may descend from another needed one)
             unread[:, n - m :] = ~needed
             wanted &= ~unread
-        lineage = with_ancestors(wanted, tree.parents, model.num_levels - 2)
-        if needed is not None:
-            scored &= ~unread | lineage
-            wanted |= scored & unread  # fed and scored, but still written as -inf
         first = cache.state is None  # the first grow encodes the histories
         any_wanted = bool(wanted.any())
-        if first or any_wanted:
+        if any_wanted:
+            lineage = with_ancestors(wanted, tree.parents, model.num_levels - 2)
+            if needed is not None:
+                scored &= ~unread | lineage
+                wanted |= scored & unread  # fed and scored, but still written as -inf
             fed = context_to_score(scored, wanted, lineage)
             # The model's tree: each row's context, then its new nodes, each part in tree order
             # (parents first) and padded to the row with the most, so the new nodes of every row
@@ -172,17 +172,18 @@ class RecommenderTarget:
             real = torch.cat([context_real, new_real], 1)
             codes, levels, parents = self._layout(tree, depth, fed, order, real)
             last = new_order.shape[1]
-            if first:  # the history pass, with the code nodes planned below the roots
-                cache.state, log_probs = model.encode_history_and_tree(
-                    cache.values, cache.offsets, codes, levels, parents
-                )
-                log_probs = log_probs[:, log_probs.shape[1] - last :]  # [B, W', Vmax]
-                local = torch.arange(batch, device=self.device)  # [B] each row's in log_probs
-            else:  # only the rows with a node to score take part (in a batch, few rows miss)
-                busy = wanted.any(1)  # [B]
-                log_probs, local = score_rows(
-                    model, cache.state, codes, levels, parents, busy, last
-                )
+        elif first:  # the history pass alone (a plain search's first grow: the roots)
+            codes = levels = parents = tree.tokens.new_zeros(batch, 0)
+            last = 0
+        if first:  # the history pass, with the code nodes planned below the roots
+            cache.state, log_probs = model.encode_history_and_tree(
+                cache.values, cache.offsets, codes, levels, parents
+            )
+            log_probs = log_probs[:, log_probs.shape[1] - last :]  # [B, W', Vmax]
+            local = torch.arange(batch, device=self.device)  # [B] each row's in log_probs
+        elif any_wanted:  # only the rows with a node to score take part (few miss in a batch)
+            busy = wanted.any(1)  # [B]
+            log_probs, local = score_rows(model, cache.state, codes, levels, parents, busy, last)
         spill = _output_buffer(cache, (batch * m, self.vocab_size + 1))  # [B * M, V + 1]
         out = spill[:, : self.vocab_size].view(batch, m, self.vocab_size)
         if first:  # the roots (a later grow's depth-0 nodes are padding, which no beam reads)
