@@ -353,8 +353,9 @@ class _PlainSearch(_Passes):
             options = torch.zeros_like(values, dtype=torch.long)
         if forced is not None:  # a forced node's one candidate, at log-prob 0
             known = live & (forced >= 0)
-            values[..., 0] = torch.where(known, 0.0, values[..., 0])
-            options[..., 0] = torch.where(known, forced.to(options.dtype), options[..., 0])
+            values[..., 0].masked_fill_(known, 0.0)
+            first = options[..., 0]
+            first.copy_(torch.where(known, forced.to(options.dtype), first))
         return values.expand(*beams.last.shape, -1), options.expand(*beams.last.shape, -1)
 
     def _pass(
@@ -364,9 +365,12 @@ class _PlainSearch(_Passes):
         sequences: Tensor,  # [B, n, T] their generated tokens
     ) -> tuple[Tensor, Tensor]:  # [B, n, C] each: -inf (token 0) where not needed
         """One target pass over the waiting nodes and the step's (the last n of it)."""
-        tokens, parents, live = (torch.cat(part, 1) for part in zip(*self.waiting, strict=True))
-        needed = torch.zeros_like(live)
-        needed[:, -need.shape[1] :] = need
+        if len(self.waiting) == 1:  # the step's nodes alone
+            (tokens, parents, live), needed = self.waiting[0], need
+        else:
+            tokens, parents, live = (torch.cat(part, 1) for part in zip(*self.waiting, strict=True))
+            needed = torch.zeros_like(live)
+            needed[:, -need.shape[1] :] = need
         self.waiting = []
         logits = self.target.grow_tree(self.cache, tokens, parents, needed)  # [B, M, V]
         self.size += tokens.shape[1]

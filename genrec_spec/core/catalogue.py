@@ -98,26 +98,24 @@ class TokenTrie:
     def num_nodes(self) -> int:
         return len(self.child_offsets) - 1
 
-    def child_counts(self, nodes: Tensor) -> Tensor:  # [...] -> [...] int64
-        return self.child_offsets[nodes + 1] - self.child_offsets[nodes]
-
     def step(self, nodes: Tensor, tokens: Tensor) -> Tensor:  # [...], [...] -> [...] int64
         """The child of each node along each token; -1 where the token leaves the catalogue
         (or the node is -1 already)."""
-        keys = nodes.clamp_min(0) * self.vocab_size + tokens
+        keys = nodes * self.vocab_size + tokens  # a -1 node's are negative: no edge's
         edge = torch.searchsorted(self.edge_keys, keys.flatten()).view(keys.shape)
         edge = edge.clamp(max=len(self.edge_keys) - 1)
-        found = (self.edge_keys[edge] == keys) & (nodes >= 0)
-        return torch.where(found, self.child_nodes[edge], -1)
+        return torch.where(self.edge_keys[edge] == keys, self.child_nodes[edge], -1)
 
     def children_of(self, nodes: Tensor) -> tuple[Tensor, Tensor]:  # [Q] -> 2 x [Q, C]
         """Each node's child tokens in token order, C the most any of them has (at least 1),
         and which of the C slots hold one (-1 nodes have none)."""
-        counts = torch.where(nodes >= 0, self.child_counts(nodes.clamp_min(0)), 0)  # [Q]
+        safe = nodes.clamp_min(0)
+        first = self.child_offsets[safe]  # [Q] each node's first edge
+        counts = torch.where(nodes >= 0, self.child_offsets[safe + 1] - first, 0)  # [Q]
         most = max(1, int(counts.max())) if len(nodes) else 1
         slots = torch.arange(most, device=nodes.device)
         exists = slots < counts[:, None]  # [Q, C]
-        edge = self.child_offsets[nodes.clamp_min(0)][:, None] + slots
+        edge = first[:, None] + slots
         tokens = self.child_tokens[edge.clamp(max=max(len(self.child_tokens) - 1, 0))]
         return tokens.masked_fill(~exists, 0), exists
 
@@ -132,10 +130,10 @@ class TokenTrie:
     def forced(self, nodes: Tensor) -> Tensor:  # [...] -> [...] int64
         """The one token a node allows, where it has exactly one child; -1 elsewhere."""
         safe = nodes.clamp_min(0)
-        one = (self.child_counts(safe) == 1) & (nodes >= 0)
+        first = self.child_offsets[safe]
+        one = (self.child_offsets[safe + 1] - first == 1) & (nodes >= 0)
         # A leaf's first edge may lie past the last edge: clamped, never read.
-        first = self.child_offsets[safe].clamp(max=len(self.child_tokens) - 1)
-        return torch.where(one, self.child_tokens[first], -1)
+        return torch.where(one, self.child_tokens[first.clamp(max=len(self.child_tokens) - 1)], -1)
 
     def to(self, device: torch.device | str) -> TokenTrie:
         """The trie with its tables on `device`."""

@@ -74,12 +74,12 @@ class Catalogue:
         is: its trie leaf's, the first of items sharing the sequence; -1 for a row that is not
         a whole catalogue sequence."""
         lengths = offsets.diff()  # [R]
-        start = offsets[:-1]
         nodes = self.start(len(lengths), values.device)
-        for j in range(int(lengths.max()) if len(lengths) else 0):
-            inside = j < lengths
-            token = values[(start + j).clamp(max=max(len(values) - 1, 0))]
-            nodes = torch.where(inside, self.advance(nodes, token), nodes)
+        longest = int(lengths.max()) if len(lengths) else 0
+        inside = torch.arange(longest, device=values.device) < lengths[:, None]  # [R, T]
+        tokens = values.new_zeros(inside.shape).masked_scatter_(inside, values)  # [R, T]
+        for j in range(longest):
+            nodes = torch.where(inside[:, j], self.advance(nodes, tokens[:, j]), nodes)
         return self.trie.items(nodes)
 
 

@@ -39,7 +39,6 @@ from genrec_spec.core.catalogue import TokenTrie
 from genrec_spec.core.constraints import Catalogue
 from genrec_spec.core.targets import grown
 from genrec_spec.core.types import DecodeInputError, DraftTree
-from genrec_spec.data_pipelines.jagged import jagged_to_padded, padded_to_jagged
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.recsys.types import Recommendations, RecommendStats
 
@@ -90,9 +89,13 @@ class RecommenderTarget:
         """Histories (jagged: values [M], offsets [B + 1]) as prompts: tokens [B, 1 + T] (the
         start token, then the history, 0-padded) and lengths [B]."""
         lengths = offsets.diff()  # [B]
-        history = jagged_to_padded(values, offsets, int(lengths.max()), 0, backend="torch")
-        start = history.new_full((len(lengths), 1), self.start_token)
-        return torch.cat([start, history], 1), lengths + 1
+        column = torch.arange(int(lengths.max()) + 1, device=values.device)  # [1 + T]
+        # Prompt slot t > 0 of row b is values[offsets[b] + t - 1], read from `source` (the
+        # start token, the padding token, then the values): one gather for the whole batch.
+        source = torch.cat([values.new_tensor([self.start_token, 0]), values])  # [2 + M]
+        at = torch.where(column <= lengths[:, None], offsets[:-1, None] + column + 1, 1)
+        at[:, 0] = 0
+        return source[at], lengths + 1
 
     def catalogue(self) -> Catalogue:
         """The model's items as code-token sequences (fixed length L, no end token)."""
@@ -115,7 +118,10 @@ class RecommenderTarget:
             )
         # The history pass waits for the first grow, which also scores any code nodes planned
         # below the roots (`encode_history_and_tree`: one forward for both).
-        return RecommenderCache(*padded_to_jagged(tokens[:, 1:], lengths - 1, backend="torch"))
+        lengths = lengths - 1  # [B] the histories'
+        real = torch.arange(tokens.shape[1] - 1, device=tokens.device) < lengths[:, None]
+        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        return RecommenderCache(tokens[:, 1:][real], offsets)
 
     def grow_tree(
         self, cache: RecommenderCache, tokens: Tensor, parents: Tensor, needed: Tensor | None = None
