@@ -169,9 +169,9 @@ def beam_search(
         beams = _start(tokens, lengths, config.num_beams, max_new_tokens)
         eos_t = torch.tensor(eos, dtype=torch.long, device=device)
         for step in range(max_new_tokens):
-            open_rows = beams.improvable[:, 0] & ~(
-                beams.done.all(1) & (config.early_stopping is True)
-            )
+            open_rows = beams.improvable[:, 0]  # [B]
+            if config.early_stopping is True:  # a row with W finished hypotheses is done
+                open_rows = open_rows & ~beams.done.all(1)
             alive = open_rows[:, None] & (beams.scores > float("-inf"))  # [B, W]
             values, options = search.candidates(beams, open_rows, alive, step)  # [B, W, C]
             values = values.masked_fill(~alive[..., None], float("-inf"))
