@@ -10,8 +10,10 @@ tokens, so the core's ``beam_search`` (and its drafters) decode it.
     items = catalogue.items_of(out.values, out.offsets).view(out.scores.shape)  # [B, K]
 
 Vocabularies: a prompt is a start token, then the history's item indices (oldest first), so an
-empty history is a prompt too; generated tokens are codes in one flattened code vocabulary,
-code c of level l being token ``offsets[l] + c``. A tree's root (parent -1, the start token or
+empty history is a prompt too; generated tokens are codes in one code vocabulary of L blocks
+as wide as the widest codebook, code c of level l being token ``offsets[l] + c`` (offsets[l] =
+l * Vmax: a node's level is its token // Vmax, and its output block is one row of a
+[L, Vmax] view). A tree's root (parent -1, the start token or
 the history's last item) is scored by the history pass: its output is the level-0 log-probs; a
 node at depth d carries a level d - 1 code and outputs level d's.
 Outputs are the model's own log-probabilities (``outputs_log_probs``), which beam search reads
@@ -70,15 +72,10 @@ class RecommenderTarget:
     def __init__(self, model) -> None:
         self.model = model
         self.device = model.item_codes.device
-        sizes = torch.tensor(model.codebook_sizes, device=self.device)  # [L]
-        self.offsets = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)])  # [L + 1]
-        self.vocab_size = int(self.offsets[-1])
-        # [L, Vmax] the column of each level's codes in the flattened vocabulary; the codes a
-        # level lacks (below the widest codebook) go to a spill column, V, past the outputs
-        code = torch.arange(max(model.codebook_sizes), device=self.device)
-        self.columns = torch.where(
-            code < sizes[:, None], self.offsets[:-1, None] + code, self.vocab_size
-        )
+        self.block = max(model.codebook_sizes)  # Vmax: a level's share of the vocabulary
+        levels = torch.arange(model.num_levels + 1, device=self.device)
+        self.offsets = levels * self.block  # [L + 1] each level's first token
+        self.vocab_size = model.num_levels * self.block
         self.start_token = model.num_items  # every prompt's first token (module docstring)
         self.prompt_vocab_size = model.num_items + 1
         self.max_length = UNBOUNDED
@@ -151,8 +148,7 @@ class RecommenderTarget:
         batch, n = tree.tokens.shape
         # [B, N] each node's depth: a code token's value says its level (codes are offset per
         # level); roots (and padding, no beam's) are 0
-        level = torch.bucketize(tree.tokens, self.offsets[1:], right=True)
-        depth = torch.where(tree.parents >= 0, level + 1, 0)
+        depth = torch.where(tree.parents >= 0, tree.tokens // self.block + 1, 0)
         scored = (depth > 0) & (depth < model.num_levels)
         wanted = scored.clone()
         wanted[:, : n - m] = False  # earlier nodes are context: their outputs are not needed
@@ -190,8 +186,7 @@ class RecommenderTarget:
         elif any_wanted:  # only the rows with a node to score take part (few miss in a batch)
             busy = wanted.any(1)  # [B]
             log_probs, local = score_rows(model, cache.state, codes, levels, parents, busy, last)
-        spill = _output_buffer(cache, (batch * m, self.vocab_size + 1))  # [B * M, V + 1]
-        out = spill[:, : self.vocab_size].view(batch, m, self.vocab_size)
+        out = _output_buffer(cache, (batch, m, self.vocab_size))  # [B, M, V]
         if first:  # the roots (a later grow's depth-0 nodes are padding, which no beam reads)
             level0 = cache.state.level0_log_probs  # [B, V0]
             rows, slots = (depth == 0)[:, n - m :].nonzero(as_tuple=True)
@@ -205,10 +200,10 @@ class RecommenderTarget:
             rows, slots, nodes = rows[read], slots[read], nodes[read]
         following = depth[rows, nodes]  # the level each node predicts
         positions = rows * m + nodes - (n - m)  # [Q] each node's row of the outputs
-        # Each node's codebook lands at its level's columns (log_probs are as wide as the
-        # widest level scored).
-        columns = self.columns[:, : log_probs.shape[2]][following]  # [Q, Vmax]
-        spill[positions[:, None], columns] = log_probs[local[rows], slots]
+        # Each node's codebook fills its level's block (log_probs are as wide as the widest
+        # level scored)
+        blocks = out.view(batch * m, self.model.num_levels, self.block)
+        blocks[positions, following, : log_probs.shape[2]] = log_probs[local[rows], slots]
         return out
 
     def _layout(

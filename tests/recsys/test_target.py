@@ -64,7 +64,12 @@ def test_the_catalogue_is_every_item_as_code_tokens(tiny_model):
     catalogue = target.catalogue()
     assert catalogue.trie.num_items == model.num_items
     assert catalogue.trie.shortest == catalogue.trie.longest == model.num_levels
-    assert target.vocab_size == sum(model.codebook_sizes)
+    # L blocks as wide as the widest codebook: item i's level-l code c is token l * Vmax + c
+    assert target.vocab_size == model.num_levels * max(model.codebook_sizes)
+    assert catalogue.items_of(
+        (model.item_codes + torch.arange(model.num_levels) * max(model.codebook_sizes)).flatten(),
+        torch.arange(model.num_items + 1) * model.num_levels,
+    ).tolist() == list(range(model.num_items))
     assert target.prompt_vocab_size == model.num_items + 1  # the items and the start token
 
 
