@@ -33,6 +33,9 @@ class TokenTrie:
     child_nodes: Tensor  # [edges] int64
     edge_keys: Tensor  # [edges] int64, parent * V + token, ascending
     leaf_items: Tensor  # [nodes] int64: the item a finished sequence is; -1 elsewhere
+    # [nodes] int64: the one token a node with exactly one child allows; -1 elsewhere (a
+    # search asks it of every step's beams: one read, not the CSR arithmetic)
+    forced_tokens: Tensor
     num_items: int  # distinct sequences (items with identical sequences count once)
     longest: int  # tokens in the longest sequence (end token included)
     shortest: int  # tokens in the shortest
@@ -81,6 +84,8 @@ class TokenTrie:
         parents = torch.repeat_interleave(torch.arange(len(children)), counts)
         leaf_items = torch.full((len(children),), -1, dtype=torch.long)
         leaf_items[torch.tensor(list(leaf))] = torch.tensor(list(leaf.values()))
+        first = offsets[:-1].clamp(max=len(tokens) - 1)  # a leaf's lies past the last edge
+        forced = torch.where(counts == 1, tokens[first], -1)
         return cls(
             vocab_size=vocab_size,
             child_offsets=offsets,
@@ -88,6 +93,7 @@ class TokenTrie:
             child_nodes=nodes,
             edge_keys=parents * vocab_size + tokens,
             leaf_items=leaf_items,
+            forced_tokens=forced,
             num_items=len(leaf),
             longest=longest,
             shortest=shortest,
@@ -129,11 +135,7 @@ class TokenTrie:
 
     def forced(self, nodes: Tensor) -> Tensor:  # [...] -> [...] int64
         """The one token a node allows, where it has exactly one child; -1 elsewhere."""
-        safe = nodes.clamp_min(0)
-        first = self.child_offsets[safe]
-        one = (self.child_offsets[safe + 1] - first == 1) & (nodes >= 0)
-        # A leaf's first edge may lie past the last edge: clamped, never read.
-        return torch.where(one, self.child_tokens[first.clamp(max=len(self.child_tokens) - 1)], -1)
+        return torch.where(nodes >= 0, self.forced_tokens[nodes.clamp_min(0)], -1)
 
     def to(self, device: torch.device | str) -> TokenTrie:
         """The trie with its tables on `device`."""
