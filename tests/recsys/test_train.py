@@ -354,10 +354,11 @@ def test_shipped_configs_load_and_ml1m_is_the_default():
 
 
 @pytest.mark.parametrize(
-    ("recipe", "block", "layers"), [("ml-1m-deep", "transformer", 4), ("ml-1m-hstu", "hstu", 8)]
+    ("recipe", "block", "layers", "bias"),
+    [("ml-1m-deep", "transformer", 4, False), ("ml-1m-hstu", "hstu", 8, True)],
 )
 def test_quality_recipe_trains_and_evaluates_on_a_slice(
-    recipe, block, layers, tiny_prepared, tmp_path
+    recipe, block, layers, bias, tiny_prepared, tmp_path
 ):
     """The quality recipes under test (configs/ml-1m-deep.json, and its HSTU-block form
     configs/ml-1m-hstu.json; docs/results/recsys-quality.md), as shipped but for their epochs:
@@ -367,8 +368,11 @@ def test_quality_recipe_trains_and_evaluates_on_a_slice(
     from genrec_spec.recsys.decoders import beam, spec_beam
 
     path = REPO / "configs" / f"{recipe}.json"
-    model_config, train_config = load_config(path, {"train": {"epochs": 3, "progress": False}})
+    # 3 epochs, each validated (the HSTU recipe validates its last 10 of 30)
+    shorter = {"train": {"epochs": 3, "valid_from": 1, "progress": False}}
+    model_config, train_config = load_config(path, shorter)
     assert (model_config.block, model_config.layers) == (block, layers)
+    assert model_config.relative_bias == bias
     assert (model_config.dropout, train_config.max_minutes) == (0.2, 0)
     data = tiny_prepared(tmp_path / "data", users=48)
     metrics = train(data, tmp_path / "ckpt", model_config, train_config)["metrics"]
