@@ -256,12 +256,14 @@ class _Passes:
         # allowed tokens (by the rule, or by the target's own outputs): known without a pass.
         free = config.renormalize or getattr(target, "forced_tokens_free", False)
         self.forced_free = isinstance(constraint, Catalogue) and free
-        self.passes = self.speculative = self.drafted = 0
-        self.needed = self.hits = self.saved = 0
+        self.passes = self.speculative = self.drafted = self.saved = 0
         # Summed on the device and read once, at the end (a read per step makes a GPU wait)
         on = tokens.device
         self.nodes = torch.zeros((), dtype=torch.long, device=on)  # real nodes scored
         self.row_steps = torch.zeros((), dtype=torch.long, device=on)
+        # Live beams' nodes whose scores came from the target, and those a drafter proposed
+        self.needed = torch.zeros((), dtype=torch.long, device=on)
+        self.hits = torch.zeros((), dtype=torch.long, device=on)
         self.nan = torch.zeros((), dtype=torch.bool, device=on)  # a pass had NaN logits
         # (nodes planned for the beams, nodes drafted) of each pass that had a drafter
         self.drafted_passes: list[tuple[int, int]] = []
@@ -456,9 +458,11 @@ class _TreeSearch(_Passes):
         if self.drafter is not None:
             budget = max(1, self.config.draft_nodes // int(open_rows.sum()))
             rows_live, nodes_live = alive.nonzero()[:, 0], beams.nodes[alive]
-            once, _ = _distinct(rows_live * MAX_NODES + nodes_live)
+            if bool((beams.scores[alive] <= UNREACHABLE / 2).any()):  # a copy shares a node
+                once, _ = _distinct(rows_live * MAX_NODES + nodes_live)
+                rows_live, nodes_live = rows_live[once], nodes_live[once]
             before = tree.pending.clone()
-            self.drafter.draft(tree, rows_live[once], nodes_live[once], budget, self.cache)
+            self.drafter.draft(tree, rows_live, nodes_live, budget, self.cache)
             drafted = tree.planned(before)
             tree.drafted[drafted] = True
             self.drafted += len(drafted[0])
@@ -479,8 +483,8 @@ class _TreeSearch(_Passes):
         drafter proposed (a forced node's are known, not read)."""
         nodes = beams.nodes.clamp_min(0)
         needed = alive & ~self.tree.known.gather(1, nodes)
-        self.needed += int(needed.sum())
-        self.hits += int((needed & self.tree.drafted.gather(1, nodes)).sum())
+        self.needed += needed.sum()
+        self.hits += (needed & self.tree.drafted.gather(1, nodes)).sum()
 
     def _know_forced(self, rows: Tensor, nodes: Tensor) -> int:  # [Q] planned nodes each
         """Store the candidates of the planned nodes whose token is forced; how many were."""
@@ -635,8 +639,8 @@ def _output(beams: _Beams, k: int, search: _Passes, wall_time_s: float) -> BeamO
         wall_time_s=wall_time_s,
         nodes_scored=int(search.nodes),
         draft_nodes=search.drafted,
-        needed_nodes=search.needed,
-        draft_hits=search.hits,
+        needed_nodes=int(search.needed),
+        draft_hits=int(search.hits),
     )
     values = beams.done_sequences[:, :k].flatten(0, 1)[mask]
     return BeamOutput(values=values, offsets=offsets, scores=beams.done_scores[:, :k], stats=stats)
