@@ -103,12 +103,17 @@ class BeamTree:
         at = torch.searchsorted(self.keys, keys).clamp(max=len(self.keys) - 1)
         return torch.where(self.keys[at] == keys, self.key_nodes[at], -1)
 
-    def add(self, rows: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:
+    def add(
+        self, rows: Tensor, parents: Tensor, tokens: Tensor, states: Tensor | None = None
+    ) -> Tensor:
         """Plan Q distinct new nodes (rows [Q] grouped ascending, their parent nodes -1 for a
-        root, and tokens) for the next pass; returns their numbers [Q]."""
+        root, and tokens) for the next pass; returns their numbers [Q]. ``states``: their
+        constraint states where the caller has them (a catalogue drafter reads them with the
+        children), else derived from their parents'."""
         if not len(rows):
             return rows
-        states = self._states(rows, parents, tokens)
+        if states is None:
+            states = self._states(rows, parents, tokens)
         rank = rank_within_rows(rows, self.batch)  # [Q] order among the row's new nodes
         nodes = self.size + self.pending[rows] + rank
         self.pending += torch.bincount(rows, minlength=self.batch)

@@ -115,15 +115,19 @@ class TokenTrie:
     def children_of(self, nodes: Tensor) -> tuple[Tensor, Tensor]:  # [Q] -> 2 x [Q, C]
         """Each node's child tokens in token order, C the most any of them has (at least 1),
         and which of the C slots hold one (-1 nodes have none)."""
+        edges, exists = self.child_edges(nodes)
+        return self.child_tokens[edges].masked_fill(~exists, 0), exists
+
+    def child_edges(self, nodes: Tensor) -> tuple[Tensor, Tensor]:  # [Q] -> 2 x [Q, C]
+        """``children_of``'s edges (a child's token and node are ``child_tokens[e]`` and
+        ``child_nodes[e]``), any edge in the slots that hold none, and which slots hold one."""
         safe = nodes.clamp_min(0)
         first = self.child_offsets[safe]  # [Q] each node's first edge
         counts = torch.where(nodes >= 0, self.child_offsets[safe + 1] - first, 0)  # [Q]
         most = max(1, int(counts.max())) if len(nodes) else 1
         slots = torch.arange(most, device=nodes.device)
         exists = slots < counts[:, None]  # [Q, C]
-        edge = first[:, None] + slots
-        tokens = self.child_tokens[edge.clamp(max=max(len(self.child_tokens) - 1, 0))]
-        return tokens.masked_fill(~exists, 0), exists
+        return (first[:, None] + slots).clamp(max=max(len(self.child_tokens) - 1, 0)), exists
 
     def allowed(self, nodes: Tensor) -> Tensor:  # [Q] -> [Q, V] bool
         """The tokens each node lets through (its children's); none for -1."""

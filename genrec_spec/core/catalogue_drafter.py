@@ -43,15 +43,18 @@ class CatalogueDrafter:
             # [F] each frontier node's catalogue state: the tree derives it (the search runs
             # under this catalogue)
             states = tree.states[rows, nodes]
-            tokens, exists = trie.children_of(states)  # [F, C]
+            edges, exists = trie.child_edges(states)  # [F, C]
             few = (states >= 0) & (self.catalogue.items_below[states.clamp_min(0)] <= self.items)
             exists &= (few | (exists.sum(1) <= self.fanout))[:, None]
             at, slot = exists.nonzero(as_tuple=True)  # frontier order, then token order
-            rows, parents, tokens = rows[at], nodes[at], tokens[at, slot]
+            rows, parents, edges = rows[at], nodes[at], edges[at, slot]
+            tokens = trie.child_tokens[edges]
             nodes = tree.child(rows, parents, tokens)  # [F'] -1: not planned yet
             new = (nodes < 0).nonzero()[:, 0]
             take = new[rank_within_rows(rows[new], tree.batch) < left[rows[new]]]
-            nodes[take] = tree.add(rows[take], parents[take], tokens[take])
+            # (the children's catalogue states come with them: the tree need not step to them)
+            states = trie.child_nodes[edges[take]]
+            nodes[take] = tree.add(rows[take], parents[take], tokens[take], states)
             left -= torch.bincount(rows[take], minlength=tree.batch)
             kept = nodes >= 0  # over budget: not drafted, nor anything below it
             rows, nodes = rows[kept], nodes[kept]
