@@ -18,7 +18,7 @@ decoder's lookahead.
 
 Recsys trie nodes (``data_pipelines.trie.PrefixTrie``, level-ordered) become core tree nodes
 (``core.beam_tree.BeamTree``) level by level: a prefix's token is its code at its level's offset
-in the target's flattened code vocabulary, its parent the core node of its trie parent.
+in the target's code vocabulary (one block a level), its parent the core node of its trie parent.
 """
 
 from __future__ import annotations
