@@ -76,8 +76,10 @@ class Catalogue:
         lengths = offsets.diff()  # [R]
         nodes = self.start(len(lengths), values.device)
         longest = int(lengths.max()) if len(lengths) else 0
-        inside = torch.arange(longest, device=values.device) < lengths[:, None]  # [R, T]
-        tokens = values.new_zeros(inside.shape).masked_scatter_(inside, values)  # [R, T]
+        column = torch.arange(longest, device=values.device)  # [T]
+        inside = column < lengths[:, None]  # [R, T]
+        # [R, T] each row's tokens (past its end: any token, masked below)
+        tokens = values[(offsets[:-1, None] + column).clamp(max=max(len(values) - 1, 0))]
         for j in range(longest):
             nodes = torch.where(inside[:, j], self.advance(nodes, tokens[:, j]), nodes)
         return self.trie.items(nodes)

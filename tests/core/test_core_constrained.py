@@ -181,6 +181,10 @@ def test_items_of_names_each_whole_sequence_and_nothing_else():
     values = torch.tensor([t for row in rows for t in row])
     offsets = torch.tensor([0, *torch.tensor([len(r) for r in rows]).cumsum(0).tolist()])
     assert catalogue.items_of(values, offsets).tolist() == [1, 0, -1, -1, -1]
+    # rows that start past the first value (a slice of a longer output) read the same
+    assert catalogue.items_of(torch.cat([values[:1], values]), offsets + 1).tolist() == [
+        1, 0, -1, -1, -1
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
