@@ -447,8 +447,10 @@ class _TreeSearch(_Passes):
             return
         tree = self.tree
         rows, parents, tokens = need.nonzero()[:, 0], beams.parents[need], beams.last[need]
-        copies = bool((beams.scores[need] <= UNREACHABLE / 2).any())
-        if copies:  # copies of a beam (the first step's, and beams from them) plan one node
+        # Copies of a beam (scored UNREACHABLE) share its nodes; a live one is rare (the first
+        # step's, and beams from them where a catalogue is narrower than 2W)
+        copies = bool((beams.scores[alive] <= UNREACHABLE / 2).any())
+        if copies:  # the beams that share a node plan it once
             once, copy_of = _distinct(tree.key(rows, parents, tokens))
             rows, parents, tokens = rows[once], parents[once], tokens[once]
         nodes = tree.add(rows, parents, tokens)
@@ -458,7 +460,7 @@ class _TreeSearch(_Passes):
         if self.drafter is not None:
             budget = max(1, self.config.draft_nodes // int(open_rows.sum()))
             rows_live, nodes_live = alive.nonzero()[:, 0], beams.nodes[alive]
-            if bool((beams.scores[alive] <= UNREACHABLE / 2).any()):  # a copy shares a node
+            if copies:  # the frontier lists a shared node once
                 once, _ = _distinct(rows_live * MAX_NODES + nodes_live)
                 rows_live, nodes_live = rows_live[once], nodes_live[once]
             before = tree.pending.clone()
@@ -546,40 +548,38 @@ def _select(
     batch, w, c = values.shape
     flat = (beams.scores[:, :, None] + values).flatten(1)  # [B, W * C]
     if not len(eos) and step + 1 < max_new_tokens:  # no candidate can end: the best W run on
-        _run_on(beams, *flat.topk(w, dim=1), options, step)
+        scores, index = flat.topk(w, dim=1)  # [B, W]
+        _run_on(beams, scores, index // c, options.flatten(1).gather(1, index).long(), step)
         return False
     keep = min(keep, w * c)  # a vocabulary smaller than 2W holds fewer
     scores, index = flat.topk(keep, dim=1)  # [B, 2W]
+    origin = index // c
     token = options.flatten(1).gather(1, index).long()
     hits = torch.isin(token, eos) | (step + 1 >= max_new_tokens)
     # Finished: those of the top W that ended, if they beat the worst finished hypothesis.
     ended = hits & (torch.arange(keep, device=hits.device) < w)
     if bool(ended.any()):  # most steps of an LLM's search: the finished ones stay as they are
-        sequences = beams.sequences.gather(
-            1, (index // c)[..., None].expand(-1, -1, max_new_tokens)
-        )
+        sequences = beams.sequences.gather(1, origin[..., None].expand(-1, -1, max_new_tokens))
         sequences[:, :, step] = token
         _finish(beams, scores, sequences, ended, step, config)
     # Running: the best W that did not end.
     running = scores + hits.float() * UNREACHABLE
     pick = running.topk(w, dim=1).indices
-    _run_on(beams, running.gather(1, pick), index.gather(1, pick), options, step)
+    _run_on(beams, running.gather(1, pick), origin.gather(1, pick), token.gather(1, pick), step)
     return hits.all()
 
 
 def _run_on(
     beams: _Beams,
     scores: Tensor,  # [B, W] the running beams' new scores
-    index: Tensor,  # [B, W] their candidates' places among the step's W * C
-    options: Tensor,  # [B, W, C] the candidates' tokens
+    origin: Tensor,  # [B, W] the beam each extends
+    last: Tensor,  # [B, W] the token it adds
     step: int,
 ) -> None:
     """The running beams, one token longer."""
-    origin = index // options.shape[2]
-    beams.scores, beams.origin = scores, origin
+    beams.scores, beams.origin, beams.last = scores, origin, last
     beams.sequences = beams.sequences.gather(1, origin[..., None].expand_as(beams.sequences))
-    beams.last = options.flatten(1).gather(1, index).long()
-    beams.sequences[:, :, step] = beams.last
+    beams.sequences[:, :, step] = last
     beams.parents = beams.nodes.gather(1, origin)
 
 

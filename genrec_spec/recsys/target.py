@@ -12,10 +12,10 @@ tokens, so the core's ``beam_search`` (and its drafters) decode it.
 Vocabularies: a prompt is a start token, then the history's item indices (oldest first), so an
 empty history is a prompt too; generated tokens are codes in one code vocabulary of L blocks
 as wide as the widest codebook, code c of level l being token ``offsets[l] + c`` (offsets[l] =
-l * Vmax: a node's level is its token // Vmax, and its output block is one row of a
-[L, Vmax] view). A tree's root (parent -1, the start token or
-the history's last item) is scored by the history pass: its output is the level-0 log-probs; a
-node at depth d carries a level d - 1 code and outputs level d's.
+l * Vmax: a node's level is its token // Vmax, and its output block is one row of a [L, Vmax]
+view). A tree's root (parent -1, the start token or the history's last item) is scored by the
+history pass: its output is the level-0 log-probs; a node at depth d carries a level d - 1 code
+and outputs level d's.
 Outputs are the model's own log-probabilities (``outputs_log_probs``), which beam search reads
 as they are, masked to the catalogue: exactly the scores of the recommender's ``beam``.
 
