@@ -114,14 +114,18 @@ class BeamTree:
             return rows
         if states is None:
             states = self._states(rows, parents, tokens)
-        rank = rank_within_rows(rows, self.batch)  # [Q] order among the row's new nodes
-        nodes = self.size + self.pending[rows] + rank
+        nodes = self.numbers(rows)
         self.pending += torch.bincount(rows, minlength=self.batch)
         self._reserve(self.size + int(self.pending.max()))
         self.parents[rows, nodes], self.tokens[rows, nodes] = parents, tokens
         self.states[rows, nodes] = states
         self.unsorted.append((rows, parents, tokens, nodes))
         return nodes
+
+    def numbers(self, rows: Tensor) -> Tensor:  # [Q] grouped ascending -> [Q]
+        """The numbers ``add`` gives new nodes of these rows, in order (a caller planning a
+        node and its children in one ``add`` names the parents by them)."""
+        return self.size + self.pending[rows] + rank_within_rows(rows, self.batch)
 
     def _states(self, rows: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:  # [Q] each
         """The constraint state after each (parent node, token), in one batched step; a root

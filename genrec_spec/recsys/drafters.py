@@ -17,8 +17,9 @@ without the target). Every pass after the history's also drafts the beams' desce
 decoder's lookahead.
 
 Recsys trie nodes (``data_pipelines.trie.PrefixTrie``, level-ordered) become core tree nodes
-(``core.beam_tree.BeamTree``) level by level: a prefix's token is its code at its level's offset
-in the target's code vocabulary (one block a level), its parent the core node of its trie parent.
+(``core.beam_tree.BeamTree``) in one ``add``: a prefix's token is its code at its level's offset
+in the target's code vocabulary (one block a level), its parent the core node of its trie parent,
+and a prefix the tree holds already is found by its catalogue state (one per prefix).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ DRAFT_ITEMS_PER_PREFIX = 2
 # (trie, item codes) -> the distinct longer prefixes of every item (ascending), and the column of
 # each (length, item) among them: the exact "items" draft's, the same for every decode
 _DEEPER = DerivedCache()
+# catalogue -> each scorable recsys trie prefix's catalogue state (`RecommenderDrafter._plan`)
+_STATES = DerivedCache()
 
 
 def draft_member(
@@ -197,21 +200,48 @@ class RecommenderDrafter:
         return member.where(rank_within_rows(member.rows, batch) < budget)
 
     def _plan(self, tree: BeamTree, member: NodeSet) -> None:
-        """Plan the members (closed under ancestors) below the roots, parents first, each as the
-        existing node of its (parent, token) where the tree has one."""
+        """Plan the members (closed under ancestors) below the roots in one ``add``, each as
+        the tree's existing node of its prefix where it has one. A catalogue state names one
+        prefix, so a row's nodes are found by state: no lookup a level at a time."""
+        if not len(member):
+            return
         index = TrieIndex.of(self.trie)
         rows, nodes = member.rows, member.nodes  # [K] each, (row, node) ascending
-        level = index.level[nodes]  # [K] the level of each member's last code
-        core = torch.zeros_like(nodes)  # [K] each member's core node, filled a level at a time
-        for depth in range(int(level.max()) + 1 if len(nodes) else 0):
-            at = (level == depth).nonzero().squeeze(1)  # [Q] rows ascending
-            here = rows[at]
-            above = torch.zeros_like(here)  # a level-0 code's parent: the root, node 0
-            if depth:
-                keys = here * member.stride + index.parent[nodes[at]]
-                above = core[member.position(keys)[0]]
-            tokens = index.code[nodes[at]] + self.target.offsets[depth]
-            found = tree.child(here, above, tokens)
-            new = found < 0
-            found[new] = tree.add(here[new], above[new], tokens[new])
-            core[at] = found
+        states = self._states()[nodes]  # [K] each member's catalogue state
+        # The tree's nodes by (row, state), sorted: a member is found by one search
+        have = tree.states[:, : tree.size + int(tree.pending.max())]  # [B, N] -1: padding
+        count = self.catalogue.trie.num_nodes
+        row_of = torch.arange(tree.batch, device=have.device)[:, None]
+        named, order = torch.where(have >= 0, row_of * count + have, -1).flatten().sort()
+        wanted = rows * count + states  # [K]
+        at = torch.searchsorted(named, wanted).clamp(max=len(named) - 1)
+        core = order[at] % have.shape[1]  # [K] each member's core node, where found
+        new = named[at] != wanted
+        core[new] = tree.numbers(rows[new])  # [K] each member's core node
+        parent = index.parent[nodes]  # [K] its trie parent (0: the root, core node 0)
+        above = member.position(rows * member.stride + parent)[0]  # (every ancestor a member)
+        parents = torch.where(parent > 0, core[above], 0)
+        tokens = index.code[nodes] + self.target.offsets[index.level[nodes]]
+        tree.add(rows[new], parents[new], tokens[new], states[new])
+
+    def _states(self) -> Tensor:  # [scorable] int64
+        """The catalogue state (core trie node) of each scorable prefix of the recsys trie,
+        made once per trie and catalogue."""
+        return _STATES.get(
+            self.catalogue,  # (made once per model, outside any inference mode)
+            (self.trie.edge_keys,),
+            lambda: _catalogue_states(self.trie, self.catalogue, self.target.offsets),
+        )
+
+
+def _catalogue_states(trie: PrefixTrie, catalogue: Catalogue, offsets: Tensor) -> Tensor:
+    """``RecommenderDrafter._states``: the catalogue trie stepped by each prefix's last code, a
+    level at a time (recsys node ids grow with the level: parents are stepped first)."""
+    index = TrieIndex.of(trie)
+    states = torch.zeros(index.scorable, dtype=torch.long, device=trie.device)
+    starts = trie.level_starts  # code level l's nodes: starts[l + 1] .. starts[l + 2] - 1
+    for level in range(trie.levels - 1):  # the scorable ones
+        at = torch.arange(starts[level + 1], starts[level + 2], device=trie.device)
+        tokens = index.code[at] + offsets[level]
+        states[at] = catalogue.trie.step(states[index.parent[at]], tokens)
+    return states

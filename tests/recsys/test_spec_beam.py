@@ -206,6 +206,22 @@ def test_item_drafts_that_hit_and_miss(drafted, engine, random_recommender, unev
         assert 0.0 <= got.stats.draft_hit_rate < 1.0
 
 
+def test_core_drafts_under_inference_mode(random_recommender, uneven_histories):
+    """The core engine's first decode of a model inside ``torch.inference_mode`` (its target,
+    catalogue and the drafter's tables all made there, as a service's would be) equals `beam`'s,
+    given items drafted with the after-history draft (nodes found in the tree by state)."""
+    model = _random_model(random_recommender, 3, (5, 4, 3), 80)
+    trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+    values, offsets = uneven_histories(model, users=6, seed=7)
+    want = beam.decode(model, values, offsets, k=10, trie=trie, beam_width=12)
+    given = torch.cat([want.items[:, :3], want.items[:, :3].flip(0)], 1)  # hits and misses
+    with torch.inference_mode():
+        for draft in ("items", "nezha"):
+            got = spec_beam.decode(model, values, offsets, k=10, trie=trie, beam_width=12,
+                                   draft=draft, draft_items=given, engine="core")  # fmt: skip
+            assert same_top_k(want, got).all(), draft
+
+
 def test_same_top_k_rejects_different_lists():
     items = torch.tensor([[3, 1, 2], [5, 6, 7]])
     scores = torch.tensor([[-1.0, -2.0, -2.00001], [-0.5, -1.0, -3.0]])
