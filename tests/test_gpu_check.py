@@ -23,7 +23,7 @@ def test_the_plan_runs_tests_first_and_bench_recsys_at_each_width(tmp_path):
     config = gpu_check.GpuCheckConfig(beam_widths=(20, 200), tune_grid="pipeline")
     out, catalogues = tmp_path / "out", tmp_path / "catalogues"
     checks = gpu_check.plan(TESTS, tmp_path / "ckpt", None, out, catalogues, config)
-    names = ["tests", "tune", "recsys-w20", "recsys-w200", "llm", "scale", "kernel"]
+    names = ["tests", "tune", "recsys-w20", "recsys-w200", "llm", "beam", "scale", "kernel"]
     assert [c.name for c in checks] == names
     assert checks[0].argv[1:5] == ["-m", "pytest", "-m", "gpu"]
     assert checks[1].argv[-2:] == ["--grid", "pipeline"]
@@ -32,13 +32,15 @@ def test_the_plan_runs_tests_first_and_bench_recsys_at_each_width(tmp_path):
     assert recsys[recsys.index("--device") + 1] == "cuda" and "--data" not in recsys
     llm = checks[4].argv
     assert llm[llm.index("--device") + 1] == "cuda"
-    scale = checks[5].argv
+    beam = checks[5].argv
+    assert beam[beam.index("--device") + 1] == "cuda" and beam[3:5] == ["bench", "beam"]
+    scale = checks[6].argv
     assert scale[scale.index("--device") + 1] == "cuda"
     assert scale[scale.index("--data-root") + 1] == str(catalogues)
     assert scale[scale.index("--out") + 1] == str(out / "scale")
     assert sum(c.limit_s for c in checks) < 12 * 60  # the window the issue gives
     without = gpu_check.plan(TESTS, None, None, out, catalogues, config)
-    assert [c.name for c in without] == ["tests", "tune", "llm", "scale", "kernel"]
+    assert [c.name for c in without] == ["tests", "tune", "llm", "beam", "scale", "kernel"]
 
 
 def test_a_check_keeps_its_output_and_a_cut_check_says_so(tmp_path):

@@ -25,7 +25,8 @@ Columns:
            our plain beam's): "n/N"; a difference is either a float tie or a bug
 
 Timing: the methods take turns (``machine.time_in_turns``), after one untimed warm-up round.
-Example (the headline row): ``genrec-spec bench beam --beam-widths 10 --batch-sizes 1``.
+Example (the headline row): ``genrec-spec bench beam --beam-widths 10 --batch-sizes 1``; on a
+GPU, ``--device cuda`` (both models there; a search's tables live beside its target's outputs).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from genrec_spec.core.prompt_lookup import PromptLookupDrafter
 from genrec_spec.core.targets import HFTarget
 from genrec_spec.llm.methods import PASS_COSTS, draft_record
 from genrec_spec.llm.title_recommender import TitleRecommender, item_titles
-from genrec_spec.machine import time_in_turns
+from genrec_spec.machine import describe_device, time_in_turns
 
 METHODS = ("hf", "beam", "spec", "hft-beam", "hft-spec")
 TASKS = ("titles", "code")
@@ -75,6 +76,7 @@ class BenchBeamConfig:
     # whether to draft (core.draft_record; llm.methods.controller_for)
     pass_cost: str = "measured"
     seed: int = 0
+    device: str = "cpu"  # where both models run: "cuda" for a GPU
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -86,6 +88,15 @@ class BenchBeamConfig:
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise BenchError(f"unknown methods {unknown}", f"choose from {','.join(METHODS)}")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError as error:
+            raise BenchError(f"unknown device {self.device!r}", "pass cpu, or cuda") from error
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise BenchError(
+                f"--device {self.device}: torch finds no CUDA GPU on this machine",
+                "run it where one is (and a CUDA build of torch), or pass --device cpu",
+            )
         counts = (self.k, self.requests, self.repeats, self.threads, self.max_new_tokens)
         if min(counts + self.beam_widths + self.batch_sizes) < 1:
             raise BenchError(
@@ -325,13 +336,19 @@ def bench_beam(config: BenchBeamConfig, log: Callable[[str], None] = print) -> s
         work = title_workload(tokenizer, config.requests, config.seed)
     else:
         work = code_workload(tokenizer, config.requests, config.seed, config.max_new_tokens)
-    machine = cpu_paths(native, ())
+    native, hf_model = native.to(config.device), hf_model.to(config.device)
+    machine = (
+        cpu_paths(native, ())
+        if config.device == "cpu"
+        else [f"machine: {describe_device(config.device)}"]
+    )
     load_before, started = os.getloadavg()[0], time.perf_counter()
     rows = benchmark(native, hf_model, work, config, log)
     lengths = [len(p) for p in work.prompts]
     header = (
-        f"SmolLM2-135M-Instruct on cpu, {config.threads} thread(s): task {config.task}, "
-        f"{len(lengths)} requests, prompt tokens {min(lengths)}-{max(lengths)}, K={config.k}, "
+        f"SmolLM2-135M-Instruct on {config.device}, {config.threads} thread(s): "
+        f"task {config.task}, {len(lengths)} requests, prompt tokens "
+        f"{min(lengths)}-{max(lengths)}, K={config.k}, "
         f"max_new_tokens={work.max_new_tokens}, median of {config.repeats} repeat(s); "
         f"{time.perf_counter() - started:.0f} s, load average {load_before:.2f} -> "
         f"{os.getloadavg()[0]:.2f}"

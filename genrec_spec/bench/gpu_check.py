@@ -12,10 +12,13 @@ its limit keeps what it printed):
    checkpoint (``--ckpt``): beam, spec_beam and every other decoder on the same users;
 4. ``llm``: ``bench llm --device cuda`` on SmolLM2: plain decoding, our drafters that run on a
    GPU (``CPU_ONLY`` left out) and transformers' ``generate``, a few HumanEval prompts;
-5. ``scale``: ``bench scale --device cuda`` on small synthetic catalogues (prepared on the
+5. ``beam``: ``bench beam --device cuda`` on SmolLM2, the catalogue-constrained title task at
+   W=10: transformers' ``generate``, our plain and speculative beam search (native and through
+   ``HFTarget``), a few users (on a GPU a pass's fixed cost is most of it: what drafting saves);
+6. ``scale``: ``bench scale --device cuda`` on small synthetic catalogues (prepared on the
    machine's CPU under ``--catalogues``, reused by a later run), every decoder at W 20, 200
    and 512, batch 1 and 64, its report in DIR/scale;
-6. ``kernel``: ``bench kernel --device cuda`` on a few shapes, timed by the host clock with each
+7. ``kernel``: ``bench kernel --device cuda`` on a few shapes, timed by the host clock with each
    call's launch overhead (FlexAttention compiled there too).
 
 DIR gets one ``<check>.txt`` per check and ``summary.md``: each check's exit status, seconds and
@@ -47,12 +50,14 @@ class GpuCheckConfig:
     # Small enough to prepare on the machine inside the check (about a minute each)
     scale_sizes: str = "10000,100000"
     llm_prompts: int = 4
-    # Seconds each check may take: under 11 minutes in all, inside a 12-minute window with the
-    # install and the machine's start.
+    beam_requests: int = 4
+    # Seconds each check may take: under 12 minutes in all. A window shorter than that runs the
+    # kinds that fit (``--checks``).
     tests_s: int = 110
     tune_s: int = 90
     recsys_s: int = 70  # each beam width
     llm_s: int = 90
+    beam_s: int = 60
     scale_s: int = 150
     kernel_s: int = 40
 
@@ -106,6 +111,8 @@ def plan(
             checks.append(Check(f"recsys-w{width}", argv, config.recsys_s))
     llm = [*cli, "bench", "llm", "--device", "cuda", "--n", str(config.llm_prompts)]
     checks.append(Check("llm", [*llm, "--max-new-tokens", "64"], config.llm_s))
+    beam = [*cli, "bench", "beam", "--device", "cuda", "--requests", str(config.beam_requests)]
+    checks.append(Check("beam", [*beam, "--repeats", "1"], config.beam_s))
     scale = [*cli, "bench", "scale", "--device", "cuda", "--sizes", config.scale_sizes]
     scale += ["--data-root", str(catalogues), "--out", str(out_dir / "scale"), "--repeats", "3"]
     scale += ["--prepare-options", "--long-id-digits 0"]  # no decoder timed reads long IDs
@@ -149,8 +156,9 @@ def summary(outcomes: list[Outcome], machine: str) -> str:
             picked = text[-3:]
         elif o.check.name == "tune":
             picked = [line for line in text if line.startswith("best ")]
-        elif o.check.name.startswith(("recsys", "llm", "scale")):  # the report, after its log
-            head = {"llm": " on cuda, ", "scale": "bench scale: "}.get(o.check.name, " split, ")
+        elif o.check.name.startswith(("recsys", "llm", "beam", "scale")):  # the report
+            heads = {"llm": " on cuda, ", "beam": " on cuda, ", "scale": "bench scale: "}
+            head = heads.get(o.check.name, " split, ")
             picked = _report(text, head)
         else:
             continue
@@ -179,13 +187,13 @@ def gpu_check(
     log=print,
 ) -> list[Outcome]:
     """Run every check of `plan` (or those of the kinds named in `only`: "tests", "tune",
-    "recsys", "llm", "scale", "kernel") into `out_dir` and write its summary.md; the scale check's
-    catalogues go to `catalogues` (default: out_dir/catalogues)."""
+    "recsys", "llm", "beam", "scale", "kernel") into `out_dir` and write its summary.md; the
+    scale check's catalogues go to `catalogues` (default: out_dir/catalogues)."""
     import torch
 
     from genrec_spec.machine import describe_device
 
-    kinds = {"tests", "tune", "recsys", "llm", "scale", "kernel"}
+    kinds = {"tests", "tune", "recsys", "llm", "beam", "scale", "kernel"}
     if only is not None and not only <= kinds:
         raise BenchError(f"unknown checks {sorted(only - kinds)}", f"choose from {sorted(kinds)}")
     if not torch.cuda.is_available():

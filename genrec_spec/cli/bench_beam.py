@@ -48,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "whether to draft (measured: timed once per machine and cached; none: always drafts)",
     )
     parser.add_argument("--seed", type=int, default=c.seed)
+    parser.add_argument("--device", default=c.device, help="cpu, or cuda for a GPU")
 
 
 def run(args: argparse.Namespace) -> int:

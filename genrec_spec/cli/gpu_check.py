@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--checks",
         type=comma_list(str),
         help="run only these kinds of check, e.g. tests,recsys (of tests, tune, recsys, llm, "
-        "scale, kernel; default: all)",
+        "beam, scale, kernel; default: all)",
     )
 
 

@@ -3,6 +3,7 @@ catalogue's continuations, or by prompt lookup without one), ours equal transfor
 search under a catalogue and without one, and the table prints."""
 
 import pytest
+import torch
 
 from genrec_spec.bench.beam import (
     BenchBeamConfig,
@@ -28,7 +29,10 @@ def pair(tiny, tmp_path_factory):
 
 @pytest.mark.parametrize("constrained", [True, False])
 def test_bench_beam_rows(pair, constrained):
-    native, hf = pair
+    check_rows(*pair, constrained)
+
+
+def check_rows(native, hf, constrained: bool) -> None:
     prompts = [[5, 9, 2, 33, 7], [4, 7, 8], [12, 30, 3, 20]]
     catalogue = allowed = None
     if constrained:
@@ -57,3 +61,18 @@ def test_bad_settings_are_refused():
         BenchBeamConfig(beam_widths=(0,))
     with pytest.raises(BenchError, match="unknown pass cost"):
         BenchBeamConfig(pass_cost="free")
+    with pytest.raises(BenchError, match="unknown device"):
+        BenchBeamConfig(device="gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(BenchError, match="no CUDA GPU"):
+            BenchBeamConfig(device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("constrained", [True, False])
+def test_bench_beam_rows_on_a_gpu(pair, constrained):
+    """The same rows with both models on the GPU (`--device cuda`): every search's tables live
+    beside its target's outputs there, and ours still equal transformers'."""
+    import copy
+
+    check_rows(*(copy.deepcopy(m).to("cuda") for m in pair), constrained)
