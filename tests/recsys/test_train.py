@@ -551,7 +551,7 @@ def test_ml100k_demo_config_learns(ml100k_dir, tmp_path):
     the valid targets at HR@10 0.038 (the 10 most frequent train items)."""
     model_config, train_config = load_config(
         REPO / "configs" / "ml-100k-demo.json",
-        {"train": {"epochs": 5, "max_minutes": 0, "patience": 5, "progress": False}},
+        {"train": {"epochs": 5, "valid_from": 1, "patience": 5, "progress": False}},
     )
     manifest = train(ml100k_dir, tmp_path / "ckpt", model_config, train_config)
     assert sum(e["steps"] for e in manifest["metrics"]) >= 140
