@@ -228,7 +228,9 @@ class RecommenderDrafter:
         """The catalogue state (core trie node) of each scorable prefix of the recsys trie,
         made once per trie and catalogue."""
         return _STATES.get(
-            self.catalogue,  # (made once per model, outside any inference mode)
+            # Keyed on the catalogue object (made once per model), not on its tables: those may
+            # be inference tensors, which keep no version to compare
+            self.catalogue,
             (self.trie.edge_keys,),
             lambda: _catalogue_states(self.trie, self.catalogue, self.target.offsets),
         )
