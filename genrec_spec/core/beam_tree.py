@@ -103,6 +103,19 @@ class BeamTree:
         at = torch.searchsorted(self.keys, keys).clamp(max=len(self.keys) - 1)
         return torch.where(self.keys[at] == keys, self.key_nodes[at], -1)
 
+    def with_state(self, rows: Tensor, states: Tensor) -> Tensor:  # [Q] each -> [Q]
+        """The node of each (row, catalogue state), scored or planned; -1 where the row has
+        none. Under a catalogue a state names one prefix, so it names one node of a row: a
+        drafter holding the states of a whole set of prefixes finds them all in one search,
+        without stepping down to each from its parent (``child``)."""
+        have = self.states[:, : self.size + int(self.pending.max())]  # [B, N] -1: padding
+        count = self.constraint.trie.num_nodes
+        row_of = torch.arange(self.batch, device=self.device)[:, None]
+        named, order = torch.where(have >= 0, row_of * count + have, -1).flatten().sort()
+        wanted = rows * count + states
+        at = torch.searchsorted(named, wanted).clamp(max=len(named) - 1)
+        return torch.where(named[at] == wanted, order[at] % have.shape[1], -1)
+
     def add(
         self, rows: Tensor, parents: Tensor, tokens: Tensor, states: Tensor | None = None
     ) -> Tensor:

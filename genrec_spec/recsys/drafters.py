@@ -201,23 +201,16 @@ class RecommenderDrafter:
 
     def _plan(self, tree: BeamTree, member: NodeSet) -> None:
         """Plan the members (closed under ancestors) below the roots in one ``add``, each as
-        the tree's existing node of its prefix where it has one. A catalogue state names one
-        prefix, so a row's nodes are found by state: no lookup a level at a time."""
+        the tree's existing node of its prefix where it has one (found by its catalogue state,
+        ``BeamTree.with_state``: no lookup a level at a time)."""
         if not len(member):
             return
         index = TrieIndex.of(self.trie)
         rows, nodes = member.rows, member.nodes  # [K] each, (row, node) ascending
         states = self._states()[nodes]  # [K] each member's catalogue state
-        # The tree's nodes by (row, state), sorted: a member is found by one search
-        have = tree.states[:, : tree.size + int(tree.pending.max())]  # [B, N] -1: padding
-        count = self.catalogue.trie.num_nodes
-        row_of = torch.arange(tree.batch, device=have.device)[:, None]
-        named, order = torch.where(have >= 0, row_of * count + have, -1).flatten().sort()
-        wanted = rows * count + states  # [K]
-        at = torch.searchsorted(named, wanted).clamp(max=len(named) - 1)
-        core = order[at] % have.shape[1]  # [K] each member's core node, where found
-        new = named[at] != wanted
-        core[new] = tree.numbers(rows[new])  # [K] each member's core node
+        core = tree.with_state(rows, states)  # [K] each member's core node; -1: not planned
+        new = core < 0
+        core[new] = tree.numbers(rows[new])
         parent = index.parent[nodes]  # [K] its trie parent (0: the root, core node 0)
         above = member.position(rows * member.stride + parent)[0]  # (every ancestor a member)
         parents = torch.where(parent > 0, core[above], 0)
