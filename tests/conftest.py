@@ -83,7 +83,8 @@ def write_tiny_prepared(
             "long_id": list(long_id),
         }
     ).to_parquet(path / "items.parquet", index=False)
-    rows = {"train": [], "valid": [], "test": []}
+    rows = {"train": [], "valid": [], "test": [], "interactions": []}
+    clock = np.random.default_rng(seed + 1)  # the times' own, so the items stay as they were
     for u in range(users):
         n = int(rng.integers(3, max_len + 3))
         steps = np.where(rng.random(n) < 0.85, 1, rng.integers(2, items, n))
@@ -92,6 +93,13 @@ def write_tiny_prepared(
         rows["train"].append({"user_id": user, "history": seq[:-2]})
         rows["valid"].append({"user_id": user, "history": seq[:-2], "target": seq[-2]})
         rows["test"].append({"user_id": user, "history": seq[:-1], "target": seq[-1]})
+        # Timestamps rising by gaps of 0 s (a burst) to months, in the split's order
+        gaps = np.where(clock.random(n) < 0.3, 0, (10 ** clock.uniform(0, 7, n)).astype(int))
+        times = 978_000_000 + np.cumsum(gaps)
+        rows["interactions"] += [
+            {"user_id": user, "item_id": f"i{i}", "timestamp": t, "rating": 4.0, "item_index": i}
+            for i, t in zip(seq.tolist(), times.tolist(), strict=True)
+        ]
     for name, frame in rows.items():
         pd.DataFrame(frame).to_parquet(path / f"{name}.parquet", index=False)
     np.save(path / "item_embeddings.npy", rng.standard_normal((items, 8)).astype(np.float32))
@@ -199,16 +207,17 @@ def block_model(request, tiny_data_dir: Path):
     return model.eval(), data
 
 
-def write_tiny_checkpoint(root: Path, users: int = 24) -> Path:
-    """A checkpoint folder of an untrained tiny model (all heads) on its own tiny data folder of
-    `users` users, with the manifest `genrec-spec train` writes (data path and hash)."""
+def write_tiny_checkpoint(root: Path, users: int = 24, **changes) -> Path:
+    """A checkpoint folder of an untrained tiny model (all heads; `changes` to its config) on
+    its own tiny data folder of `users` users, with the manifest `genrec-spec train` writes
+    (data path and hash)."""
     from genrec_spec.models.recsys.recommender import SemanticIdRecommender
     from genrec_spec.recsys.checkpoint import save_checkpoint
     from genrec_spec.recsys.data import load_prepared
 
     data = load_prepared(write_tiny_prepared(root / "data", users=users))
     torch.manual_seed(0)
-    config = tiny_recommender_config()
+    config = replace(tiny_recommender_config(), **changes)
     model = SemanticIdRecommender(
         config, data.item_codes, data.codebook_sizes, data.long_ids, data.long_id_sizes
     )

@@ -129,15 +129,16 @@ class Floors:
 
 
 def make_decoders(names: tuple[str, ...], beam_width: int) -> dict:
-    """name -> decode(model, values, offsets, *, k, trie) with the row's options bound."""
+    """name -> decode(model, values, offsets, *, k, trie, times) with the row's options
+    bound."""
     runners = {}
     for name in names:
         base, options = VARIANTS.get(name, (name, {}))
         decode = get_decoder(base)
         options = options | options_for(decode, {"beam_width": beam_width})
 
-        def bound(model, values, offsets, *, k, trie, _decode=decode, _options=options):
-            return _decode(model, values, offsets, k=k, trie=trie, **_options)
+        def bound(model, values, offsets, *, k, trie, times=None, _decode=decode, _options=options):
+            return _decode(model, values, offsets, k=k, trie=trie, times=times, **_options)
 
         runners[name] = bound
     return runners
@@ -164,7 +165,7 @@ def returning_users(model, users, names: list[str]) -> dict:
 def _timed(decode, model, users, k, trie):
     """(wall seconds, CPU seconds of this thread, Recommendations) of one call."""
     start, cpu = time.perf_counter(), time.thread_time()
-    out = decode(model, users.values, users.offsets, k=k, trie=trie)
+    out = decode(model, users.values, users.offsets, k=k, trie=trie, times=users.history_times())
     finish(users.values.device)
     return time.perf_counter() - start, time.thread_time() - cpu, out
 
@@ -172,12 +173,13 @@ def _timed(decode, model, users, k, trie):
 @torch.no_grad()
 def _timed_floor(name: str, model, users, prefixes: PrefixTree) -> float:
     """Wall seconds of one floor's work (module docstring) for `users`."""
+    times = users.history_times()
     start = time.perf_counter()
     if name == "history":
-        model.encode_history(users.values, users.offsets)
+        model.encode_history(users.values, users.offsets, times)
     else:
         model.encode_history_and_tree(
-            users.values, users.offsets, prefixes.codes, prefixes.levels, prefixes.parents
+            users.values, users.offsets, prefixes.codes, prefixes.levels, prefixes.parents, times
         )
     finish(users.values.device)
     return time.perf_counter() - start
@@ -189,7 +191,7 @@ def needed_prefixes(model, users, trie, width: int) -> PrefixTree:
     per row."""
     index = TrieIndex.of(trie)
     with torch.no_grad():
-        state = model.encode_history(users.values, users.offsets)
+        state = model.encode_history(users.values, users.offsets, users.history_times())
         history, _, _ = search(model, state, trie, width)
     nodes = torch.cat([beams.nodes for beams in history[:-1]], dim=1)  # [B, (L-1) W]
     return prefix_tree(index, index.scored(index.rowwise(nodes), index.to_score(model)), len(nodes))
@@ -219,7 +221,7 @@ def benchmark(
     runners = make_decoders(tuple(names), width)
     first = histories.select(torch.tensor([0]))
     for name in names:  # untimed warm-up: first-call allocations, the rpg item graph
-        out = runners[name](model, first.values, first.offsets, k=settings.k, trie=trie)
+        out = _timed(runners[name], model, first, settings.k, trie)[2]
         if out.stats.graph_build_s is not None:
             log(f"{name}: item graph built in {out.stats.graph_build_s:.2f} s (once per model)")
     one_by_one = _time_batch1(model, histories, settings, runners, trie, width, log)

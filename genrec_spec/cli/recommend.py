@@ -32,6 +32,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     who = parser.add_mutually_exclusive_group(required=True)
     who.add_argument("--user", help="a user id of the data: recommend from all they did")
     who.add_argument("--history", help='item ids, comma-separated, oldest first ("" = none)')
+    parser.add_argument(
+        "--history-times",
+        help="timestamps (seconds) of the --history items, comma-separated: what a time-aware "
+        "model reads (a --user's come from the data)",
+    )
+    parser.add_argument(
+        "--at",
+        type=int,
+        help="the time (seconds) to recommend at, for a time-aware model (default: the "
+        "history's last timestamp)",
+    )
     parser.add_argument("--k", type=int, default=10, help="recommendations")
     parser.add_argument("--decoder", default="beam", help=f"one of {decoder_names()}")
     add_option_argument(parser, "decoder option, e.g. beam_width=50 (repeatable)")
@@ -55,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         args.data,
         user_id=args.user,
         history_ids=history,
+        history_times=_times(args.history_times),
+        at=args.at,
         k=args.k,
         decoder=args.decoder,
         options=dict(args.option),
@@ -75,6 +88,19 @@ def run(args: argparse.Namespace) -> int:
         text = f"  {entry['text']}" if "text" in entry else ""
         print(f"{entry['rank']:>3}  {entry['item_id']:<12} {entry['score']:>9.4f}{text}")
     return 0
+
+
+def _times(text: str | None) -> list[int] | None:
+    """--history-times as integers."""
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(
+            f"--history-times {text!r} is not a list of integers: pass seconds like "
+            "978300760,978302109"
+        ) from None
 
 
 def _run_llm(args: argparse.Namespace, history: list[str] | None) -> int:

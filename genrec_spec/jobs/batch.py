@@ -8,6 +8,8 @@ data's splits), or ``all`` for every user of the test split, in its order. Each 
 is every interaction the data holds for them, oldest first: the test split's history plus its
 held-out item, as ``genrec-spec recommend --user`` reads it (the model sees the most recent
 ``max_len`` of them). Unknown or repeated ids are an error naming some of them, before any work.
+A time-aware model (`models.recsys.times`) reads the data's timestamps of those items, and its
+lists are for the time of each user's last interaction (what follows it).
 
 Output: one parquet row per user with ``user_id``, ``item_ids`` (raw item ids, best first;
 shorter than k only when fewer items are reachable), ``scores`` (the decoder's log-likelihoods,
@@ -44,6 +46,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import torch
+from torch import Tensor
 from tqdm import tqdm
 
 from genrec_spec.jobs.batch_chunks import (
@@ -90,15 +93,30 @@ def read_user_ids(users: str | Path) -> list[str]:
 
 
 def known_histories(test: Histories) -> Histories:
-    """Every test user's history with the held-out item appended: all the data knows of them."""
+    """Every test user's history with the held-out item appended: all the data knows of them;
+    with the data's times, their timestamps and, as the time of the prediction (`target_times`),
+    the last one's."""
     lengths = test.lengths + 1  # [U]
     offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])  # [U+1]
     last = offsets[1:] - 1  # [U] where each held-out item goes
-    values = torch.empty(int(offsets[-1]), dtype=torch.long)
-    history = torch.ones_like(values, dtype=torch.bool)
+    history = torch.ones(int(offsets[-1]), dtype=torch.bool)
     history[last] = False
-    values[history], values[last] = test.values, test.targets
-    return Histories(user_ids=test.user_ids, values=values, offsets=offsets, targets=None)
+
+    def appended(per_item: Tensor, per_target: Tensor) -> Tensor:  # [M'], [U] -> [M' + U]
+        out = torch.empty(len(history), dtype=per_item.dtype)
+        out[history], out[last] = per_item, per_target
+        return out
+
+    values = appended(test.values, test.targets)
+    times = None if test.times is None else appended(test.times, test.target_times)
+    return Histories(
+        user_ids=test.user_ids,
+        values=values,
+        offsets=offsets,
+        targets=None,
+        times=times,
+        target_times=None if times is None else times[last],
+    )
 
 
 def select_users(data, users: str | Path) -> Histories:

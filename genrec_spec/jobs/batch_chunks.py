@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.checkpoint import MANIFEST, WEIGHTS
 from genrec_spec.recsys.data import Histories
 from genrec_spec.recsys.decoders.beam import item_trie
@@ -55,6 +56,7 @@ class Chunk:
     user_ids: list[str]  # [B]
     values: Tensor  # [M] int64 item indices, oldest first within a user
     offsets: Tensor  # [B+1] int64
+    times: HistoryTimes | None = None  # their timestamps (a time-aware model reads them)
 
 
 class ChunkDecoder:
@@ -66,8 +68,12 @@ class ChunkDecoder:
         self.trie = item_trie(model)
 
     @torch.no_grad()
-    def __call__(self, values: Tensor, offsets: Tensor) -> Recommendations:  # [M], [B+1]
-        return self.decode(self.model, values, offsets, k=self.k, trie=self.trie, **self.options)
+    def __call__(
+        self, values: Tensor, offsets: Tensor, times: HistoryTimes | None = None
+    ) -> Recommendations:  # values [M], offsets [B+1]
+        return self.decode(
+            self.model, values, offsets, k=self.k, trie=self.trie, times=times, **self.options
+        )
 
 
 def run_local(
@@ -75,7 +81,7 @@ def run_local(
 ) -> Iterator[tuple[Chunk, Recommendations]]:
     """The local engine: every chunk in order, in this process."""
     for chunk in chunks:
-        yield chunk, decoder(chunk.values, chunk.offsets)
+        yield chunk, decoder(chunk.values, chunk.offsets, chunk.times)
 
 
 def model_hash(ckpt: Path) -> str:
@@ -97,7 +103,7 @@ def plan_shards(
         rows = torch.arange(bounds[shard], bounds[shard + 1]).split(batch_size)
         parts = [histories.select(r) for r in rows]
         chunks[shard] = [
-            Chunk(shard, i, part.user_ids, part.values, part.offsets)
+            Chunk(shard, i, part.user_ids, part.values, part.offsets, part.history_times())
             for i, part in enumerate(parts)
         ]
     return [bounds[s + 1] - bounds[s] for s in range(count)], chunks

@@ -31,6 +31,7 @@ import torch
 
 from genrec_spec.jobs.batch_chunks import BatchConfig, Chunk, ChunkDecoder, model_hash
 from genrec_spec.jobs.errors import BatchInputError, RayAddressError
+from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.checkpoint import load_checkpoint
 from genrec_spec.recsys.types import Recommendations, RecommendStats
 
@@ -93,9 +94,15 @@ class RayChunkDecoder:
         self.decode = ChunkDecoder(model, decoder, k, options)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        values = torch.as_tensor(np.asarray(batch["values"][0], dtype=np.int64))  # [M]
-        offsets = torch.as_tensor(np.asarray(batch["offsets"][0], dtype=np.int64))  # [B+1]
-        out = self.decode(values, offsets)
+        values, offsets = (
+            torch.as_tensor(np.asarray(batch[name][0], dtype=np.int64))
+            for name in ("values", "offsets")
+        )  # [M], [B+1]
+        times = None
+        if "times" in batch:  # [B + M]: the query times, then the items'
+            both = torch.as_tensor(np.asarray(batch["times"][0], dtype=np.int64))
+            times = HistoryTimes(both[len(offsets) - 1 :], both[: len(offsets) - 1])
+        out = self.decode(values, offsets, times)
         return {
             "shard": batch["shard"],
             "index": batch["index"],
@@ -143,6 +150,13 @@ def run_ray(
                 "index": c.index,
                 "values": c.values.tolist(),
                 "offsets": c.offsets.tolist(),
+                # One list that is never empty (a column of empty lists does not reach the
+                # actors): the query times, then the items'
+                **(
+                    {}
+                    if c.times is None
+                    else {"times": c.times.query.tolist() + c.times.values.tolist()}
+                ),
             }
             for c in chunks
         ]

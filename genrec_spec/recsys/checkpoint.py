@@ -111,6 +111,8 @@ def load_model_and_data(
             f"{data.path} holds data {data.data_hash}",
             "pass --data with the folder it was trained on",
         )
+    if model.uses_times:  # its histories come with their timestamps
+        data = data.with_times()
     return model, data
 
 

@@ -1,9 +1,11 @@
 """A prepared data folder (`genrec-spec prepare`) as tensors, and training batches from it.
 
 `load_prepared(dir)` reads the item table (Semantic IDs, long IDs) and the three splits as
-ragged values + offsets. `epoch_batches` cuts one epoch of training users into batches and
-`training_windows` cuts each user's train sequence to a window the model can read;
-`sample_users` draws the fixed user subsets that evaluation and benchmarks read.
+ragged values + offsets; `PreparedData.with_times()` adds the timestamp of every history item and
+target, re-derived from interactions.parquet (the prepared files stay as they are, so their data
+hash and the checkpoints trained on them stay valid). `epoch_batches` cuts one epoch of training
+users into batches and `training_windows` cuts each user's train sequence to a window the model
+can read; `sample_users` draws the fixed user subsets that evaluation and benchmarks read.
 
 Shape letters: U users of a split, B users of a batch, M history items, I items, L code levels,
 Q long-ID digits.
@@ -23,6 +25,7 @@ import torch
 from torch import Tensor
 
 from genrec_spec.data_pipelines.errors import DataError
+from genrec_spec.models.recsys.times import HistoryTimes
 
 REQUIRED_FILES = (
     "manifest.json",
@@ -36,12 +39,15 @@ WINDOW_MODES = ("random", "last")
 
 @dataclass(frozen=True)
 class Histories:
-    """One split: every user's history as values + offsets, and the held-out target."""
+    """One split: every user's history as values + offsets, and the held-out target; the
+    times are None unless added by `PreparedData.with_times`."""
 
     user_ids: list[str]  # [U]
     values: Tensor  # [M] int64 item indices, oldest first within a user
     offsets: Tensor  # [U+1] int64
     targets: Tensor | None  # [U] int64 item after each history; None for train
+    times: Tensor | None = None  # [M] int64 timestamp (seconds) of each history item
+    target_times: Tensor | None = None  # [U] int64 timestamp of each target; None for train
 
     @property
     def lengths(self) -> Tensor:  # [U] int64
@@ -51,7 +57,7 @@ class Histories:
         return len(self.user_ids)
 
     def select(self, users: Tensor) -> Histories:  # users: [B] int64 rows of this split
-        """The histories (and targets) of some users, in the given order."""
+        """The histories (targets, times) of some users, in the given order."""
         users = users.to(self.offsets.device)
         start, lengths = self.offsets[users], self.lengths[users]  # [B], [B]
         offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
@@ -62,13 +68,31 @@ class Histories:
             values=self.values[index],
             offsets=offsets,
             targets=None if self.targets is None else self.targets[users],
+            times=None if self.times is None else self.times[index],
+            target_times=None if self.target_times is None else self.target_times[users],
         )
+
+    def history_times(self) -> HistoryTimes | None:
+        """The times a time-aware model reads with these histories: each item's, and the
+        target's as the time of the prediction (HSTU's protocol); None without times."""
+        if self.times is None or self.target_times is None:
+            return None
+        return HistoryTimes(self.times, self.target_times)
 
     def to(self, device: torch.device | str) -> Histories:
         """The same histories with their tensors on `device`."""
-        targets = None if self.targets is None else self.targets.to(device)
-        values, offsets = self.values.to(device), self.offsets.to(device)
-        return replace(self, values=values, offsets=offsets, targets=targets)
+
+        def move(tensor: Tensor | None) -> Tensor | None:
+            return None if tensor is None else tensor.to(device)
+
+        return replace(
+            self,
+            values=self.values.to(device),
+            offsets=self.offsets.to(device),
+            targets=move(self.targets),
+            times=move(self.times),
+            target_times=move(self.target_times),
+        )
 
 
 @dataclass(frozen=True)
@@ -91,6 +115,28 @@ class PreparedData:
     @property
     def num_items(self) -> int:
         return self.item_codes.shape[0]
+
+    def with_times(self) -> PreparedData:
+        """This data with `times` on every split and `target_times` on valid and test (unchanged
+        if it has them already). The split is a function of interactions.parquet
+        (`data_pipelines.split`): each user's interactions in the stable order, every history a
+        prefix of them and the target the next one; so the times are read off that order, once
+        it is checked to give exactly the stored histories and targets."""
+        if self.train.times is not None:
+            return self
+        file = self.path / "interactions.parquet"
+        fix = (
+            f"re-create the folder with `genrec-spec prepare --dataset "
+            f"{self.manifest.get('dataset', '...')} --out {self.path} --overwrite`"
+        )
+        sequences = _time_ordered(file, fix)
+        return replace(
+            self,
+            **{
+                name: _with_times(getattr(self, name), name, sequences, file, fix)
+                for name in ("train", "valid", "test")
+            },
+        )
 
 
 def load_prepared(path: Path | str) -> PreparedData:
@@ -182,6 +228,80 @@ def _read_split(file: Path) -> Histories:
     )
 
 
+@dataclass(frozen=True)
+class _Sequences:
+    """Every user's interactions in the stable order, ragged over the users of a file."""
+
+    user_ids: pa.Array  # [U'] str, first-appearance order
+    items: np.ndarray  # [N] int64 item indices
+    times: np.ndarray  # [N] int64 timestamps, non-decreasing within a user
+    offsets: np.ndarray  # [U'+1] int64
+
+
+def _time_ordered(file: Path, fix: str) -> _Sequences:
+    """Group interactions.parquet by user and order each user's interactions by the stable rule
+    of `data_pipelines.split.user_sequences`: timestamp ascending, ties in source-row order."""
+    if not file.is_file():
+        raise DataError(f"{file} does not exist (the item timestamps are read from it)", fix)
+    columns = ["user_id", "timestamp", "item_index"]
+    missing = [column for column in columns if column not in pq.read_schema(file).names]
+    if missing:
+        raise DataError(f"{file} lacks the columns {missing}", fix)
+    table = pq.read_table(file, columns=columns)
+    empty = [column for column in columns if table[column].null_count]
+    if empty:
+        raise DataError(f"{file} has missing values in {empty}", fix)
+    users = pc.dictionary_encode(table["user_id"].combine_chunks())  # codes by first appearance
+    user = users.indices.to_numpy().astype(np.int64)  # [N]
+    times = table["timestamp"].to_numpy().astype(np.int64)  # [N]
+    order = np.lexsort((np.arange(len(user)), times, user))  # by user, then time, then row
+    counts = np.bincount(user, minlength=len(users.dictionary))  # [U']
+    return _Sequences(
+        user_ids=pc.cast(users.dictionary, pa.string()),
+        items=table["item_index"].to_numpy().astype(np.int64)[order],
+        times=times[order],
+        offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+    )
+
+
+def _with_times(split: Histories, name: str, seqs: _Sequences, file: Path, fix: str) -> Histories:
+    """`split` with the times of its histories (and targets), each history being the start of
+    its user's ordered interactions and the target the next one; refuses any user for whom
+    that does not hold."""
+    rows = pc.index_in(pa.array(split.user_ids, pa.string()), value_set=seqs.user_ids)  # [U]
+    if rows.null_count:
+        absent = split.user_ids[int(np.argmax(rows.is_null().to_numpy(zero_copy_only=False)))]
+        raise DataError(f"user {absent!r} of {name}.parquet has no interactions in {file}", fix)
+    rows = rows.to_numpy().astype(np.int64)
+    start = seqs.offsets[rows]  # [U] where each user's ordered interactions begin in seqs
+    lengths = split.lengths.numpy()  # [U]
+    needed = lengths + (0 if split.targets is None else 1)  # [U] history + target
+    short = needed > seqs.offsets[rows + 1] - start  # [U]
+    _refuse_users(
+        split, short, f"have more items in {name}.parquet than interactions in {file}", fix
+    )
+    # Each history item's position in seqs: its user's start + its rank in the history.
+    offsets = split.offsets.numpy()  # [U+1]
+    positions = np.repeat(start - offsets[:-1], lengths) + np.arange(offsets[-1])  # [M]
+    wrong = seqs.items[positions] != split.values.numpy()  # [M]
+    bad = np.zeros(len(rows), dtype=bool)  # [U]
+    bad[np.repeat(np.arange(len(rows)), lengths)[wrong]] = True
+    target_times = None
+    if split.targets is not None:
+        bad |= seqs.items[start + lengths] != split.targets.numpy()
+        target_times = torch.from_numpy(seqs.times[start + lengths])
+    what = f"in {name}.parquet do not follow the time order of {file} (made from others?)"
+    _refuse_users(split, bad, what, fix)
+    return replace(split, times=torch.from_numpy(seqs.times[positions]), target_times=target_times)
+
+
+def _refuse_users(split: Histories, wrong: np.ndarray, what: str, fix: str) -> None:
+    """DataError naming how many users `what` holds for (wrong: [U] bool) and the first."""
+    if wrong.any():
+        first = split.user_ids[int(np.argmax(wrong))]
+        raise DataError(f"{int(wrong.sum())} users (first {first!r}) {what}", fix)
+
+
 def sample_users(count: int, users: int, seed: int) -> Tensor:  # [U] int64 rows of a split
     """A fixed random subset of `users` of `count` rows (all rows when users is 0), in order."""
     if users < 0:
@@ -215,9 +335,10 @@ def training_windows(
     window: int,  # most items per window (the model's max_len + 1: inputs + the last target)
     mode: str,  # "random": a uniformly placed window; "last": the most recent items
     generator: torch.Generator,
-) -> tuple[Tensor, Tensor]:  # (values [M'], offsets [B+1])
-    """Cut every sequence longer than `window` to `window` consecutive items. "random" shows
-    a long user's older items too over the epochs; "last" always trains on the most recent."""
+) -> tuple[Tensor, Tensor, Tensor | None]:  # (values [M'], offsets [B+1], times [M'] or None)
+    """Cut every sequence longer than `window` to `window` consecutive items (and their times,
+    when `histories` has them). "random" shows a long user's older items too over the epochs;
+    "last" always trains on the most recent."""
     if mode not in WINDOW_MODES:
         raise DataError(f"unknown window mode {mode!r}", f"use one of {WINDOW_MODES}")
     lengths = histories.lengths  # [B]
@@ -230,4 +351,5 @@ def training_windows(
     offsets = torch.cat([kept.new_zeros(1), kept.cumsum(0)])
     row = torch.repeat_interleave(torch.arange(len(kept)), kept)
     index = histories.offsets[row] + start[row] + torch.arange(int(offsets[-1])) - offsets[row]
-    return histories.values[index], offsets
+    times = None if histories.times is None else histories.times[index]
+    return histories.values[index], offsets, times

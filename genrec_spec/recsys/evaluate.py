@@ -9,7 +9,9 @@ decoder, which chooses among all catalogue items; the user's held-out next item 
 that list and HR@K, NDCG@K and MRR (over the whole list) are averaged over users
 (`recsys.metrics`). All decoders of one run see the same users. The report also gives each
 decoder's wall time per user, its sequential backbone passes per batch, and the count of invalid
-or repeated items in its lists (always 0 for a correct decoder).
+or repeated items in its lists (always 0 for a correct decoder). A time-aware model
+(`models.recsys.times`) reads each history item's timestamp and, as the time of its prediction,
+the held-out item's: HSTU's protocol writes the target's timestamp after the history.
 
 `exclude_history` leaves each user's history items out of the ranking: the items the model
 reads (its most recent ``max_len``), dropped from a longer list (`recommend.decode_excluding`),
@@ -59,7 +61,7 @@ class EvaluateConfig:
 def evaluate(
     model,  # SemanticIdRecommender
     histories,  # recsys.data.Histories of a split with targets
-    decode,  # a decoder: decode(model, values, offsets, *, k, trie, **options)
+    decode,  # a decoder: decode(model, values, offsets, *, k, trie, times, **options)
     *,
     ks: tuple[int, ...] = DEFAULT_KS,
     batch_size: int = EvaluateConfig.batch_size,
@@ -85,9 +87,11 @@ def evaluate(
     ranks, invalid, seconds, passes, batches = [], 0, 0.0, 0, 0
     for part in torch.arange(len(histories)).split(batch_size):
         users = histories.select(part)
+        # A time-aware model reads each item's time and the target's (HSTU's protocol)
+        times = users.history_times()
         start = time.perf_counter()
         if exclude_history:
-            seen_values, seen_offsets, _ = model.keep_recent(users.values, users.offsets)
+            seen_values, seen_offsets, *_ = model.keep_recent(users.values, users.offsets)
             out = decode_excluding(
                 decode,
                 model,
@@ -97,10 +101,11 @@ def evaluate(
                 seen_offsets,
                 k=k,
                 trie=trie,
+                times=times,
                 **options,
             )
         else:
-            out = decode(model, users.values, users.offsets, k=k, trie=trie, **options)
+            out = decode(model, users.values, users.offsets, k=k, trie=trie, times=times, **options)
         seconds += time.perf_counter() - start
         invalid += count_invalid(out.items, model.num_items)
         passes += out.stats.target_passes

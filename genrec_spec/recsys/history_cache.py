@@ -19,7 +19,8 @@ evicted beyond `max_bytes`.
 
 The result equals `encode_history` of the same histories up to float rounding (attention over
 the same keys in other shapes sums in another order), the same tolerance batching already has.
-A cache belongs to one model with frozen weights: entries are states of that model.
+A cache belongs to one model with frozen weights: entries are states of that model, and not to
+a time-aware model (`models.recsys.times`), whose states depend on the time of the request.
 
     cache = HistoryCache(model, max_bytes=256 << 20)
     recommend(model, histories, k=10, decoder="heads", history_cache=cache)
@@ -114,6 +115,12 @@ class HistoryCache:
                 f"max_bytes and max_extend must be >= 0, got {max_bytes} and {max_extend}",
                 "pass 0 or more bytes and items",
             )
+        if model.uses_times:
+            raise RecommendInputError(
+                "a time-aware model (model.time_bias) cannot reuse encoded histories: its last "
+                "history token reads the time of each request",
+                "serve it without a history cache (serve --history-cache-mb 0)",
+            )
         self.model, self.max_bytes, self.max_extend = model, max_bytes, max_extend
         self.entries: OrderedDict[tuple[int, ...], Entry] = OrderedDict()
         self.bytes = 0
@@ -203,7 +210,8 @@ class CachedRecommender:
     def __getattr__(self, name: str):
         return getattr(self.cache.model, name)
 
-    def encode_history(self, values: Tensor, offsets: Tensor) -> HistoryState:
+    def encode_history(self, values: Tensor, offsets: Tensor, times=None) -> HistoryState:
+        # The cache's model reads no times (`HistoryCache` refuses one that does)
         return self.cache.encode(values, offsets)
 
     def encode_history_and_tree(
@@ -213,6 +221,7 @@ class CachedRecommender:
         codes: Tensor,  # [B, N]
         levels: Tensor,  # [B, N]
         parents: Tensor,  # [B, N]
+        times=None,  # read by no model a cache holds
     ) -> tuple[HistoryState, Tensor]:
         """The cached history, then the tree in its own pass (the model fuses the two when it
         has to read the whole history anyway)."""

@@ -20,6 +20,10 @@ Bad input and edge cases:
 - an unknown decoder or an option the decoder does not take: `RecommendInputError` listing the
   valid names.
 
+Time: a model with a time bias (`models.recsys.times`) reads `times`, a `HistoryTimes` of every
+history item's timestamp and each row's time of prediction (the request's); other models ignore
+them. Without them, such a model raises `RecommenderInputError`.
+
 Across calls: `history_cache` (a `recsys.history_cache.HistoryCache` of this model) keeps the
 encoded histories, so a repeated history skips its history pass and a history that grew by a
 few items since its last call encodes only those (what an online service wants; same lists up
@@ -46,6 +50,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.decoders.beam import item_trie
 from genrec_spec.recsys.decoders.registry import get_decoder
 from genrec_spec.recsys.errors import RecommendInputError
@@ -131,6 +136,7 @@ def recommend(
     decoder: str = "beam",
     exclude: Sequence[Sequence[int]] | None = None,  # [B] item-index lists to leave out
     history_cache: HistoryCache | None = None,  # serves the history passes across calls
+    times: HistoryTimes | None = None,  # the histories' timestamps (a time-aware model's)
     **options,
 ) -> Recommendations:  # items [B, K], scores [B, K], stats
     """The top-k items of every history by the named decoder, without each row's `exclude`
@@ -159,11 +165,13 @@ def recommend(
     values, offsets = as_values_offsets(histories, model.num_items, device)
     if options.get("trie") is None:
         options["trie"] = item_trie(model)
+    if times is not None:
+        times = HistoryTimes(times.values.to(device), times.query.to(device))
     if exclude is None:
-        return decode(model, values, offsets, k=k, **options)
+        return decode(model, values, offsets, k=k, times=times, **options)
     drop_values, drop_offsets = as_values_offsets(exclude, model.num_items, device)
     return decode_excluding(
-        decode, model, values, offsets, drop_values, drop_offsets, k=k, **options
+        decode, model, values, offsets, drop_values, drop_offsets, k=k, times=times, **options
     )
 
 

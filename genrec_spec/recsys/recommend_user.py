@@ -5,7 +5,10 @@ A known user stands for every interaction the data holds of them (the test split
 its held-out item), oldest first; a history is given as item ids, oldest first. An unknown id is
 an error that names it. An empty history is the cold-start case (the same list for every new
 user); a history longer than the model's context keeps its most recent items, and the answer
-says so (``truncated``). ``exclude_seen`` leaves the history's items out of the list.
+says so (``truncated``). ``exclude_seen`` leaves the history's items out of the list. A
+time-aware model (`models.recsys.times`) reads a known user's timestamps from the data, a given
+history's from ``history_times``, and recommends for the time ``at`` (default: the history's last
+timestamp, the moment after its last interaction).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.checkpoint import load_model_and_data
 from genrec_spec.recsys.errors import RecommendInputError
 from genrec_spec.recsys.recommend import recommend
@@ -33,6 +37,36 @@ def user_history(data, user_id: str) -> list[int]:
         ) from None
     history = test.values[test.offsets[row] : test.offsets[row + 1]].tolist()
     return history + [int(test.targets[row])]
+
+
+def user_times(data, user_id: str) -> list[int]:
+    """The timestamps of `user_history` (data with times: `PreparedData.with_times`)."""
+    test = data.test
+    row = test.user_ids.index(user_id)
+    times = test.times[test.offsets[row] : test.offsets[row + 1]].tolist()
+    return times + [int(test.target_times[row])]
+
+
+def times_for(
+    model, history: list[int], history_times: list[int] | None, at: int | None
+) -> HistoryTimes | None:
+    """The times a time-aware model reads with one history (module docstring); None for other
+    models."""
+    if not model.uses_times:
+        return None
+    if history_times is None or len(history_times) != len(history):
+        got = "none" if history_times is None else len(history_times)
+        raise RecommendInputError(
+            f"this model reads the time of every history item (it was trained with "
+            f"time_bias): {len(history)} items, {got} timestamps",
+            "pass --history-times T,T,... (seconds), one per --history item",
+        )
+    if at is None and not history_times:
+        raise RecommendInputError(
+            "an empty history has no last timestamp to recommend at", "pass --at SECONDS"
+        )
+    at = history_times[-1] if at is None else at
+    return HistoryTimes(torch.tensor(history_times), torch.tensor([at]))
 
 
 def item_indices(data, item_ids: list[str]) -> list[int]:
@@ -64,10 +98,11 @@ def recommend_one(
     decoder: str,
     options: dict,
     exclude_seen: bool = False,
+    times: HistoryTimes | None = None,  # a time-aware model's (`times_for`)
 ) -> dict:
     """The JSON-able answer for one history of item indices."""
     exclude = [history] if exclude_seen else None  # repeats count once (an item mask)
-    out = recommend(model, [history], k=k, decoder=decoder, exclude=exclude, **options)
+    out = recommend(model, [history], k=k, decoder=decoder, exclude=exclude, times=times, **options)
     texts = item_texts(data)
     items = []
     ranked = zip(out.items[0].tolist(), out.scores[0].tolist(), strict=True)
@@ -97,6 +132,8 @@ def recommend_for(
     *,
     user_id: str | None = None,  # a user of the data, or
     history_ids: list[str] | None = None,  # raw item ids, oldest first ([] = a new user)
+    history_times: list[int] | None = None,  # their timestamps (a time-aware model's)
+    at: int | None = None,  # the time to recommend at (a time-aware model's)
     k: int = 10,
     decoder: str = "beam",
     options: dict | None = None,
@@ -115,7 +152,10 @@ def recommend_for(
     model, data = load_model_and_data(ckpt, data_dir)
     if user_id is not None:
         history = user_history(data, user_id)
+        if model.uses_times:
+            history_times = user_times(data, user_id)
     else:
         history = item_indices(data, history_ids)
-    answer = recommend_one(model, data, history, k, decoder, options or {}, exclude_seen)
+    times = times_for(model, history, history_times, at)
+    answer = recommend_one(model, data, history, k, decoder, options or {}, exclude_seen, times)
     return answer if user_id is None else {"user_id": user_id} | answer

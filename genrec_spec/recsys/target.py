@@ -28,6 +28,7 @@ Items are whole code tuples, so the recommender decodes by beam search only: ``s
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Sequence
@@ -42,6 +43,7 @@ from genrec_spec.core.constraints import Catalogue
 from genrec_spec.core.targets import grown
 from genrec_spec.core.types import DecodeInputError, DraftTree
 from genrec_spec.models.derived import DerivedCache
+from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.types import Recommendations, RecommendStats
 
 # The model slides over long histories itself; no prompt is too long for it.
@@ -58,6 +60,7 @@ PRUNE_SHARE = 0.25
 class RecommenderCache:
     values: Tensor  # [M] int64 the B histories' items, oldest first within a row
     offsets: Tensor  # [B + 1] int64
+    times: HistoryTimes | None  # their timestamps, for a time-aware model
     state: object = None  # the model's HistoryState of them, from the first grow on
     tree: DraftTree | None = None  # the nodes grown since prefill
     # Every grow's output is written here, grown as needed: a pass's output is read before the
@@ -81,6 +84,15 @@ class RecommenderTarget:
         self.max_length = UNBOUNDED
         # Code levels normalised over a prefix's children give a forced code log-prob 0.
         self.forced_tokens_free = model.forced_codes_free
+        self.times = None  # the prompts' timestamps (`at_times`)
+
+    def at_times(self, times: HistoryTimes | None) -> RecommenderTarget:
+        """This target reading `times` beside the histories of the prompts it is given (what a
+        time-aware model needs): a copy for one decode, since the engine's prefill takes tokens
+        alone."""
+        timed = copy.copy(self)
+        timed.times = times
+        return timed
 
     def prompts(self, values: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:
         """Histories (jagged: values [M], offsets [B + 1]) as prompts: tokens [B, 1 + T] (the
@@ -118,7 +130,7 @@ class RecommenderTarget:
         lengths = lengths - 1  # [B] the histories'
         real = torch.arange(tokens.shape[1] - 1, device=tokens.device) < lengths[:, None]
         offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-        return RecommenderCache(tokens[:, 1:][real], offsets)
+        return RecommenderCache(tokens[:, 1:][real], offsets, self.times)
 
     def grow_tree(
         self, cache: RecommenderCache, tokens: Tensor, parents: Tensor, needed: Tensor | None = None
@@ -179,7 +191,7 @@ class RecommenderTarget:
             last = 0
         if first:  # the history pass, with the code nodes planned below the roots
             cache.state, log_probs = model.encode_history_and_tree(
-                cache.values, cache.offsets, codes, levels, parents
+                cache.values, cache.offsets, codes, levels, parents, cache.times
             )
             log_probs = log_probs[:, log_probs.shape[1] - last :]  # [B, W', Vmax]
             local = torch.arange(batch, device=self.device)  # [B] each row's in log_probs
@@ -298,10 +310,12 @@ def core_beam(
     width: int,  # W
     start_time: float,  # perf_counter() when the decode began (the stats' wall time)
     drafter: BeamDrafter | None = None,  # e.g. spec_beam's (`recsys.drafters`)
+    times: HistoryTimes | None = None,  # the histories' timestamps (a time-aware model)
 ) -> Recommendations:
     """The recommender's trie-constrained beam search on the core (module docstring): items and
     scores as the recommender's ``beam`` gives them, with its stats."""
     target, catalogue = core_target(model)
+    target = target.at_times(times)
     tokens, lengths = target.prompts(values, offsets)  # [B, 1 + T], [B]
     # The recommender's drafts size themselves (their draft width): the engine's budget, nodes
     # a pass shared by the rows, is the whole catalogue's.

@@ -145,6 +145,8 @@ def start_run(data_dir: Path, model_config: RecommenderConfig, config: TrainConf
     rank, world, device = _setup_processes(config)
     torch.manual_seed(config.seed)
     data = load_prepared(data_dir)
+    if model_config.time_bias:  # the model reads every item's timestamp
+        data = data.with_times()
     model = _build_model(data, model_config, config).to(device)
     ddp = model
     if world > 1:
@@ -221,9 +223,11 @@ def train_step(run: TrainRun, users: torch.Tensor) -> dict[str, torch.Tensor]:
     for group in run.optimizer.param_groups:
         group["lr"] = run.lr
     part = run.data.train.select(users[run.rank :: run.world])
-    values, offsets = training_windows(part, model.config.max_len + 1, config.window, run.local_gen)
+    values, offsets, times = training_windows(
+        part, model.config.max_len + 1, config.window, run.local_gen
+    )
     layout = train_layout(
-        values, offsets, model.num_levels - 1, config.branches_per_row, run.local_gen
+        values, offsets, model.num_levels - 1, config.branches_per_row, run.local_gen, times
     ).to(run.device)
     bf16 = config.precision == "bf16"
     with torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=bf16):
@@ -292,9 +296,9 @@ def validate(
     width = beam_width_for(EVAL_K, None, data.num_items)  # the nezha decoder's default
     sums: dict[str, torch.Tensor] = {}
     for part in rows.split(config.eval_batch_size):
-        users = split.select(part)
-        state = model.encode_history(users.values.to(device), users.offsets.to(device))
-        targets = users.targets.to(device)
+        users = split.select(part).to(device)
+        state = model.encode_history(users.values, users.offsets, users.history_times())
+        targets = users.targets
         scores = {"": item_log_likelihoods(model, state, items, chunk=config.eval_chunk)}
         target_ll = scores[""].gather(1, targets[:, None])  # [B', 1]
         sums["nll"] = sums.get("nll", 0.0) - target_ll.sum()

@@ -2,14 +2,15 @@
 
 A decoder is a function
 
-    decode(model, values, offsets, *, k, trie, **options) -> Recommendations
+    decode(model, values, offsets, *, k, trie, times=None, **options) -> Recommendations
 
 with `model` a `genrec_spec.models.recsys.recommender.SemanticIdRecommender`, the B users'
 histories as item indices `values [M]` + `offsets [B+1]` (oldest first), `trie` the valid-ID
-`genrec_spec.data_pipelines.trie.PrefixTrie` of the catalogue, and decoder-specific options
-(beam width, draft source, ...). Decoders never return an item outside the catalogue or the same
-item twice in a row; a row with fewer than K reachable items is padded with item -1 and score
--inf.
+`genrec_spec.data_pipelines.trie.PrefixTrie` of the catalogue, `times` the histories'
+timestamps (`models.recsys.times.HistoryTimes`, which a model with a time bias needs), and
+decoder-specific options (beam width, draft source, ...). Decoders never return an item
+outside the catalogue or the same item twice in a row; a row with fewer than K reachable items
+is padded with item -1 and score -inf.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ A user id stands for everything the data holds of the user: the test split's his
 held-out item, oldest first (as ``genrec-spec recommend --user``). ``exclude_seen`` leaves the
 items of that history out of the list (`recsys.recommend`'s `exclude`).
 
+A time-aware model (`models.recsys.times`) reads each history item's timestamp (the data's for a
+user id, the request's ``history_times`` otherwise) and the time the list is for (``time``, by
+default the request's arrival); it keeps no history cache (its states depend on that time).
+
 With a history cache (`genrec-spec serve --history-cache-mb`, on by default) the encoded
 histories stay between requests: a user asking again, or with a few new items at the end of
 their history, skips (most of) the history pass (`recsys.history_cache`).
@@ -17,6 +21,7 @@ their history, skips (most of) the history pass (`recsys.history_cache`).
 
 from __future__ import annotations
 
+import time
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.checkpoint import load_model_and_data
 from genrec_spec.recsys.decoders.beam import item_trie
 from genrec_spec.recsys.decoders.registry import DECODERS, decoder_options, get_decoder
@@ -50,6 +56,8 @@ class Query:
     user_id: str | None
     history: list[int]  # item indices, oldest first
     exclude: list[int]  # item indices to leave out of the list ([] = none)
+    times: list[int] | None = None  # the history's timestamps (a time-aware model's)
+    time: int | None = None  # the time the list is for (a time-aware model's)
 
 
 def servable_options(decode) -> dict[str, tuple[type, ...]]:
@@ -93,10 +101,11 @@ class Retriever:
 
     def __init__(self, model, data, max_k: int, history_cache_bytes: int = 0) -> None:
         self.model, self.data = model, data
-        # Encoded histories across requests (`recsys.history_cache`); None when 0 bytes.
-        self.history_cache = (
-            HistoryCache(model, max_bytes=history_cache_bytes) if history_cache_bytes else None
-        )
+        # Encoded histories across requests (`recsys.history_cache`); None when 0 bytes, or for
+        # a time-aware model, whose states depend on each request's time.
+        self.history_cache = None
+        if history_cache_bytes and not model.uses_times:
+            self.history_cache = HistoryCache(model, max_bytes=history_cache_bytes)
         self.max_k = min(max_k, model.num_items)
         self.trie = item_trie(model)
         self.item_index = {item: i for i, item in enumerate(data.item_ids)}
@@ -127,6 +136,12 @@ class Retriever:
         test = self.data.test
         history = test.values[test.offsets[row] : test.offsets[row + 1]].tolist()
         return history + [int(test.targets[row])]
+
+    def user_times(self, user_id: str) -> list[int]:
+        """The timestamps of `user_history` (the data's times: a time-aware model's data)."""
+        test, row = self.data.test, self.user_row[user_id]
+        times = test.times[test.offsets[row] : test.offsets[row + 1]].tolist()
+        return times + [int(test.target_times[row])]
 
     def item_indices(self, item_ids: Sequence[str | int]) -> list[int]:
         indices = [self.item_index.get(str(item), -1) for item in item_ids]
@@ -168,6 +183,7 @@ class Retriever:
         for name, value in request.options.items():
             check_option(request.decoder, name, value, servable[name], self.model.num_items)
         history = self.history_of(request)
+        times = self.times_of(request)
         exclude = sorted(set(history)) if request.exclude_seen else []
         key = BatchKey(
             decoder=request.decoder,
@@ -175,7 +191,23 @@ class Retriever:
             fetch=fetch_size(request.k, len(exclude), self.model.num_items),
             options=tuple(sorted(request.options.items())),
         )
-        return key, Query(request.user_id, history, exclude)
+        return key, Query(request.user_id, history, exclude, *times)
+
+    def times_of(self, request: RecommendRequest) -> tuple[list[int] | None, int | None]:
+        """(the history's timestamps, the time the list is for) that a time-aware model reads;
+        (None, None) for other models."""
+        if not self.model.uses_times:
+            return None, None
+        now = request.time if request.time is not None else int(time.time())
+        if request.user_id is not None:
+            return self.user_times(request.user_id), now
+        if request.history_times is None:
+            raise ServeInputError(
+                "this model reads the time of every history item (it was trained with "
+                "time_bias), and the request has no history_times",
+                "send history_times: one timestamp (seconds) per history item",
+            )
+        return list(request.history_times), now
 
     @torch.no_grad()
     def run(self, key: BatchKey, queries: Sequence[Query]) -> tuple[list[dict], dict]:
@@ -184,6 +216,12 @@ class Retriever:
         whole, extended or missed)."""
         cache = self.history_cache
         before = dict(cache.counts) if cache is not None else {}
+        times = None
+        if self.model.uses_times:
+            times = HistoryTimes(
+                torch.tensor([t for q in queries for t in q.times], dtype=torch.long),
+                torch.tensor([q.time for q in queries], dtype=torch.long),
+            )
         out = recommend(
             self.model,
             [q.history for q in queries],
@@ -191,6 +229,7 @@ class Retriever:
             decoder=key.decoder,
             exclude=[q.exclude for q in queries],
             history_cache=cache,
+            times=times,
             trie=self.trie,
             **dict(key.options),
         )

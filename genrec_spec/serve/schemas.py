@@ -37,6 +37,15 @@ class RecommendRequest(BaseModel):
         max_length=10_000,
         description="raw item ids (items.parquet item_id), oldest first; [] = a new user",
     )
+    history_times: list[StrictInt] | None = Field(
+        None,
+        max_length=10_000,
+        description="timestamps (seconds) of the history items, one each: what a time-aware "
+        "model reads (others ignore them); a user_id's come from the data",
+    )
+    time: StrictInt | None = Field(
+        None, description="the time (seconds) the list is for; default: when the request arrives"
+    )
     k: StrictInt = Field(10, ge=1, description="list length (at most the service's max_k)")
     decoder: DecoderName = "beam"
     exclude_seen: StrictBool = Field(
@@ -52,6 +61,12 @@ class RecommendRequest(BaseModel):
             raise ServeInputError(
                 "the request names both or neither of user_id and history",
                 "give exactly one of user_id (a known user) or history (item ids)",
+            )
+        if self.history_times is not None and len(self.history_times) != len(self.history or ()):
+            raise ServeInputError(
+                f"history_times holds {len(self.history_times)} timestamps for "
+                f"{len(self.history or ())} history items",
+                "send one timestamp per history item (a user_id's times come from the data)",
             )
         return self
 

@@ -11,7 +11,9 @@ layout; the model holds the rule of its blocks (``attention_rule``) and every pa
   ``RecommenderConfig.relative_bias`` each block adds a learned bias of the query's distance to
   the key, b[i - j], to q . k before the SiLU (HSTU's relative attention bias, positions only).
   A code token sits at the position of the item it spells (its anchor's + 1): distance 0 to its
-  own ancestors, anchor + 1 - j to history token j, at training and at decode time alike.
+  own ancestors, anchor + 1 - j to history token j, at training and at decode time alike. With
+  ``RecommenderConfig.time_bias`` a second table adds a learned number per time bucket of the
+  pair (``models.recsys.times``: the time the query predicts minus the key's).
 
 Training and decoding call the same rule on the same visible keys (training's tree mask, the
 decoders' history + ancestors), so a node's output at decode time is its training-time output up
@@ -33,21 +35,43 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from genrec_spec.kernels import tree_attention
+from genrec_spec.models.recsys.errors import RecommenderInputError
 from genrec_spec.models.recsys.layout import TrainLayout
+from genrec_spec.models.recsys.times import time_gaps
 
-# q, k, v [B, H, *, Dh], the block's relative position bias table [R] (None: no bias; only
-# HSTU blocks have one) -> [B, H, M, Dh]
-Attend = Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]
+# A block's relative bias tables: over distances [R] and over time buckets [129] (None: a
+# position bias alone). Only HSTU blocks have them.
+BiasTables = tuple[Tensor, Tensor | None]
+# q, k, v [B, H, *, Dh], the block's bias tables (None: no bias) -> [B, H, M, Dh]
+Attend = Callable[[Tensor, Tensor, Tensor, BiasTables | None], Tensor]
 
 
-def relative_bias(table: Tensor | None, distance: Tensor | None) -> Tensor | None:
-    """The bias of each (query, key) pair, table[distance] with the distance (query position
-    minus key position, [..., M, K] int64) clamped into the table, as [..., 1, M, K] (one bias
-    for every head); None without a table (blocks without a bias: their passes need not
+def relative_bias(
+    tables: BiasTables | None, distance: Tensor | None, gap: Tensor | None = None
+) -> Tensor | None:
+    """The bias of each (query, key) pair as [..., 1, M, K] (one bias for every head):
+    position[distance] with the distance (query position minus key position, [..., M, K] int64)
+    clamped into the table, plus time[gap] with a time table (gap: the pairs' time buckets,
+    ``times.time_gaps``). None without tables (blocks without a bias: their passes need not
     compute the distances)."""
-    if table is None:
+    if tables is None:
         return None
-    return table[distance.clamp(0, len(table) - 1)].unsqueeze(-3)
+    position, time = tables
+    bias = position[distance.clamp(0, len(position) - 1)]
+    if time is not None:
+        if gap is None:  # the model checks its inputs' times; this guards callers
+            raise ValueError("a time bias needs the pairs' time buckets")
+        bias = bias + time[gap]
+    return bias.unsqueeze(-3)
+
+
+def own_bias(tables: BiasTables | None) -> Tensor | None:
+    """The bias of a code token's pairs with its own branch (itself and its ancestors): they sit
+    at one position and ask for one time, distance 0 and time bucket 0."""
+    if tables is None:
+        return None
+    position, time = tables
+    return position[0] if time is None else position[0] + time[0]
 
 
 def tree_distance(root_lens: Tensor, root_size: int) -> Tensor:  # [B] -> [B, 1, S]
@@ -56,8 +80,8 @@ def tree_distance(root_lens: Tensor, root_size: int) -> Tensor:  # [B] -> [B, 1,
     return root_lens[:, None, None] - torch.arange(root_size, device=root_lens.device)
 
 
-def _no_bias(table: Tensor | None) -> None:
-    if table is not None:  # RecommenderConfig refuses the combination; this guards callers
+def _no_bias(tables: BiasTables | Tensor | None) -> None:
+    if tables is not None:  # RecommenderConfig refuses the combination; this guards callers
         raise ValueError("softmax attention takes no relative position bias (HSTU blocks do)")
 
 
@@ -80,13 +104,14 @@ class SoftmaxRule:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, is_causal=causal)
 
     def tree(
-        self, q, k_root, v_root, root_lens, k_tree, v_tree, plan, table=None, distance=None
-    ) -> Tensor:
+        self, q, k_root, v_root, root_lens, k_tree, v_tree, plan, tables=None, distance=None,
+        gap=None,
+    ) -> Tensor:  # fmt: skip
         """Tree nodes ([B, H, M, Dh]) over a row's history keys and values ([B, H, S, Dh],
         root_lens [B] real) and the tree's own ([B, H, N, Dh]), with the pass's ``TreePlan``;
-        ``table`` the block's relative position bias (`Attend`) and ``distance`` ([B, 1, S],
-        built once a pass) each node's distance to each history key."""
-        _no_bias(table)
+        ``tables`` the block's relative bias tables (`Attend`), ``distance`` and ``gap`` ([B, 1,
+        S] each, built once a pass) each node's distance and time bucket to each history key."""
+        _no_bias(tables)
         return tree_attention(
             q, k_root, v_root, root_lens, k_tree, v_tree, plan.parents,
             backend=self.backend, plan=plan,
@@ -99,8 +124,8 @@ class SoftmaxRule:
         visible = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
         visible.masked_fill_(hidden, float("-inf"))
 
-        def attend(q: Tensor, k: Tensor, v: Tensor, table: Tensor | None) -> Tensor:
-            _no_bias(table)
+        def attend(q: Tensor, k: Tensor, v: Tensor, tables: BiasTables | None) -> Tensor:
+            _no_bias(tables)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
 
         return attend
@@ -109,23 +134,26 @@ class SoftmaxRule:
 class PointwiseRule:
     """HSTU blocks' attention (module docstring), every weight divided by ``norm``."""
 
-    def __init__(self, norm: float, relative: bool = False) -> None:
+    def __init__(self, norm: float, relative: bool = False, timed: bool = False) -> None:
         self.norm = norm  # n: the most tokens a history holds
         self.relative = relative  # the blocks have a relative position bias
+        self.timed = timed  # and a time bias (`models.recsys.times`)
 
     def dense(self, q, k, v, visible=None, causal=False, bias=None) -> Tensor:
         """As ``SoftmaxRule.dense``."""
         return pointwise_attention(q, k, v, visible, self.norm, causal, bias)
 
     def tree(
-        self, q, k_root, v_root, root_lens, k_tree, v_tree, plan, table=None, distance=None
-    ) -> Tensor:
+        self, q, k_root, v_root, root_lens, k_tree, v_tree, plan, tables=None, distance=None,
+        gap=None,
+    ) -> Tensor:  # fmt: skip
         """As ``SoftmaxRule.tree``; reads only the plan's visibility. Every node sits at its
         row's position root_lens (the next item's), so ``distance`` is root_lens - j to history
-        key j (`tree_distance`) and its distance to its ancestors 0."""
+        key j (`tree_distance`) and its distance to its ancestors 0; it asks for its row's
+        query time (``gap``), as its ancestors do."""
         return pointwise_tree_attention(
             q, k_root, v_root, root_lens, k_tree, v_tree, plan.visible, self.norm,
-            relative_bias(table, distance), None if table is None else table[0],
+            relative_bias(tables, distance, gap), own_bias(tables),
         )  # fmt: skip
 
     def layout(self, layout: TrainLayout, dtype: torch.dtype) -> Attend:
@@ -139,12 +167,25 @@ class PointwiseRule:
         # Distances for a relative position bias: history token i to j, i - j; a code token
         # (at its anchor + 1) to j
         distances = (time[:, None] - time, anchor_of + 1 - time) if self.relative else None
+        gaps = (None, None)  # the same pairs' time buckets, for a time bias
+        if self.timed:
+            if layout.key_times is None:
+                raise RecommenderInputError(
+                    "this model's attention reads time (model.time_bias) but the training "
+                    "batch has no timestamps",
+                    "train on data with times (`PreparedData.with_times`)",
+                )
+            key, query = layout.key_times, layout.query_times  # [B, T] each
+            code_query = query.gather(1, anchor_of[:, :, 0].clamp(min=0))  # [B, P * C]
+            gaps = (time_gaps(query, key), time_gaps(code_query, key))
 
-        def attend(q: Tensor, k: Tensor, v: Tensor, table: Tensor | None) -> Tensor:
+        def attend(q: Tensor, k: Tensor, v: Tensor, tables: BiasTables | None) -> Tensor:
             biases = None
-            if table is not None:
-                history, codes = (relative_bias(table, d) for d in distances)
-                biases = (history, codes, table[0])
+            if tables is not None:
+                history, codes = (
+                    relative_bias(tables, d, g) for d, g in zip(distances, gaps, strict=True)
+                )
+                biases = (history, codes, own_bias(tables))
             return pointwise_layout_attention(q, k, v, seen, chain, self.norm, biases)
 
         return attend
@@ -199,7 +240,7 @@ def pointwise_layout_attention(
     branch_history: Tensor,  # [B, P * C, T] bool: the history tokens each code token sees
     chain: int,  # C
     norm: float,
-    # the relative position biases (`relative_bias`) of the history tokens' pairs [1, T, T],
+    # the relative biases (`relative_bias`) of the history tokens' pairs [1 or B, 1, T, T],
     # the code tokens' over the history [B, 1, P * C, T] and within a branch (one number)
     biases: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:  # [B, H, N, Dh]

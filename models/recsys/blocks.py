@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from genrec_spec.models.recsys.config import RecommenderConfig
+from genrec_spec.models.recsys.times import NUM_TIME_BUCKETS
 
 
 @dataclass
@@ -27,6 +28,9 @@ class HistoryState:
     hidden: Tensor  # [B, D] final hidden state of the last history token (input of the heads)
     level0_log_probs: Tensor  # [B, V0] log-probs of the next item's level-0 code
     truncated: Tensor  # [B] bool, True where the history was longer than max_len
+    # [B, 1, T] int64 time bucket of each row's query time to each history key, what a tree
+    # node's time bias reads (`models.recsys.times`); None for models without one
+    query_gaps: Tensor | None = None
 
     def rows(self, index: Tensor) -> HistoryState:  # index [b] int64 -> the state of b rows
         return HistoryState(
@@ -36,6 +40,7 @@ class HistoryState:
             hidden=self.hidden[index],
             level0_log_probs=self.level0_log_probs[index],
             truncated=self.truncated[index],
+            query_gaps=None if self.query_gaps is None else self.query_gaps[index],
         )
 
 
@@ -74,7 +79,8 @@ class HstuBlock(nn.Module):
     x + f2(norm(attention) * U). No feed-forward: the U gate is its nonlinearity, so a block
     holds 5 D^2 weights against the transformer block's 12 D^2 (feed-forward 4 D wide). With
     `config.relative_bias` it holds HSTU's relative position bias, one learned number per
-    distance 0..max_len + 1 shared by its heads (`attention.relative_bias`)."""
+    distance 0..max_len + 1 shared by its heads (`attention.relative_bias`), and with
+    `config.time_bias` one per time bucket (`models.recsys.times`)."""
 
     def __init__(self, config: RecommenderConfig) -> None:
         super().__init__()
@@ -84,16 +90,19 @@ class HstuBlock(nn.Module):
         self.norm2 = nn.LayerNorm(config.dim)
         self.proj = nn.Linear(config.dim, config.dim)
         self.drop = nn.Dropout(config.dropout)
-        self.relative_bias = None
+        self.relative_bias = self.time_bias = None
         if config.relative_bias:  # HSTU's initialisation of its bias weights
             self.relative_bias = nn.Parameter(torch.randn(config.max_len + 2) * 0.02)
+        if config.time_bias:
+            self.time_bias = nn.Parameter(torch.randn(NUM_TIME_BUCKETS + 1) * 0.02)
 
     def forward(self, x: Tensor, attend, keep: Tensor | None = None) -> Tensor:
         """As `Block.forward`."""
         u, v, q, k = F.silu(self.uvqk(self.norm1(x))).chunk(4, dim=-1)  # [B, N, D] each
         q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))
         x, q, u = _kept(keep, x, q, u)
-        out = attend(q, k, v, self.relative_bias)  # [B, H, N', Dh]
+        tables = None if self.relative_bias is None else (self.relative_bias, self.time_bias)
+        out = attend(q, k, v, tables)  # [B, H, N', Dh]
         out = out.transpose(1, 2).flatten(2)  # [B, N', D]
         return x + self.drop(self.proj(self.norm2(out) * u))
 

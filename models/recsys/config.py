@@ -112,6 +112,11 @@ class RecommenderConfig:
     # HSTU's relative attention bias over positions (hstu blocks): a learned number per
     # distance between a query and a key, added to q . k (`models.recsys.attention`)
     relative_bias: bool = False
+    # HSTU's relative attention bias over time too (with relative_bias): a learned number per
+    # log-scale bucket of the gap between the time a query predicts and a key's time
+    # (`models.recsys.times`); the model then reads every history item's timestamp and the
+    # time of the prediction
+    time_bias: bool = False
     ffn_mult: int = 4  # feed-forward width = ffn_mult * D (transformer blocks)
     dropout: float = 0.0  # on embeddings, attention output and feed-forward output
     max_len: int = 200  # most recent history items read (older ones are dropped)
@@ -141,6 +146,11 @@ class RecommenderConfig:
                 f"relative_bias needs hstu blocks, not {self.block!r}: the tree-attention op "
                 "that decodes softmax blocks takes no bias",
                 'set model.block to "hstu" or model.relative_bias to false',
+            )
+        if self.time_bias and not self.relative_bias:
+            raise ConfigError(
+                "time_bias adds time buckets to the relative position bias, which is off",
+                "set model.relative_bias to true as well, or model.time_bias to false",
             )
 
     @property

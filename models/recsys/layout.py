@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from genrec_spec.models.recsys.errors import RecommenderInputError
+from genrec_spec.models.recsys.times import HistoryTimes, token_times
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,10 @@ class TrainLayout:
     next_items: Tensor  # [B, T] int64 item each history token must predict; -1 = padding
     branch_anchor: Tensor  # [B, P] int64 history token each branch hangs off; -1 = no branch
     parents: Tensor  # [B, T + P * (L-1)] int64 the whole row as one tree, -1 = a root
+    # A history token's time as a key and the time of the item it predicts ([B, T] int64 each,
+    # `models.recsys.times`); None for windows without timestamps
+    key_times: Tensor | None = None
+    query_times: Tensor | None = None
 
     @property
     def num_history_tokens(self) -> int:  # T
@@ -85,7 +90,8 @@ class TrainLayout:
         return visible | torch.eye(node.numel(), dtype=torch.bool, device=device)
 
     def to(self, device: torch.device | str) -> TrainLayout:
-        return TrainLayout(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return TrainLayout(**{k: v if v is None else v.to(device) for k, v in moved.items()})
 
 
 def train_layout(
@@ -94,9 +100,12 @@ def train_layout(
     branch_levels: int,  # L - 1: code tokens per branch
     branches_per_row: int,  # P: positions per row that get a branch (fewer if the row is short)
     generator: torch.Generator,
+    window_times: Tensor | None = None,  # [M'] int64 timestamps of the window items, or None
 ) -> TrainLayout:
     """Lay out B training windows: window x_0..x_{n-1} gives tokens BOS, x_0..x_{n-2}, token t
-    predicting x_t, and branches at min(P, n) positions drawn uniformly without replacement."""
+    predicting x_t, and branches at min(P, n) positions drawn uniformly without replacement.
+    With `window_times`, the tokens' times: the history x_0..x_{n-2} predicted at x_{n-1}'s time
+    (`models.recsys.times.token_times`)."""
     lengths = window_offsets[1:] - window_offsets[:-1]  # [B] n_b
     if bool((lengths < 1).any()):
         raise RecommenderInputError(
@@ -128,12 +137,18 @@ def train_layout(
     first = anchor[:, :, None]  # [B, P, 1] level-0 code token hangs off its history anchor
     rest = (node[None, :, 1:] - 1).expand(batch, -1, -1)  # [B, P, L-2] previous code token
     branch_parents = torch.cat([first, torch.where(first >= 0, rest, -1)], dim=2)
+    key_times = query_times = None
+    if window_times is not None:
+        history = HistoryTimes(window_times[~is_last], window_times[is_last])
+        key_times, query_times = token_times(history, hist_offsets, tokens)
     return TrainLayout(
         hist_items=hist_items,
         hist_offsets=hist_offsets,
         next_items=next_items,
         branch_anchor=anchor,
         parents=torch.cat([hist_parents, branch_parents.reshape(batch, -1)], dim=1),
+        key_times=key_times,
+        query_times=query_times,
     )
 
 

@@ -13,6 +13,7 @@ l + 1 (output head l + 1). Code tokens see the whole history and their own ances
 their siblings (see `layout`). Inference:
 
     state = model.encode_history(values, offsets)   # one causal pass, K/V cached per layer
+    state = model.encode_history(values, offsets, times)   # a model with a time bias
     log_probs = model.score_tree(state, codes, levels, parents)   # one tree-attention pass
     state, log_probs = model.encode_history_and_tree(values, offsets, codes, levels, parents)
 
@@ -50,9 +51,16 @@ from genrec_spec.models.recsys.code_levels import CodeLevels
 from genrec_spec.models.recsys.config import RecommenderConfig
 from genrec_spec.models.recsys.errors import RecommenderInputError
 from genrec_spec.models.recsys.heads import LongIdHeads, ParallelLevelHeads, RecurrentDraftHead
+from genrec_spec.models.recsys.times import HistoryTimes, time_gaps, token_times
 from genrec_spec.models.recsys.training import TrainingForward
 
-__all__ = ["HistoryState", "RecommenderConfig", "RecommenderInputError", "SemanticIdRecommender"]
+__all__ = [
+    "HistoryState",
+    "HistoryTimes",
+    "RecommenderConfig",
+    "RecommenderInputError",
+    "SemanticIdRecommender",
+]
 
 
 class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
@@ -128,7 +136,7 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
         # Every pass's attention (prefill, tree scoring, training) is this rule's. HSTU divides
         # its weights by the most tokens a history holds.
         self.attention_rule = (
-            PointwiseRule(float(config.max_len + 1), config.relative_bias)
+            PointwiseRule(float(config.max_len + 1), config.relative_bias, config.time_bias)
             if hstu
             else SoftmaxRule(config.attention_backend)
         )
@@ -176,6 +184,12 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
     @property
     def num_levels(self) -> int:  # L
         return len(self.codebook_sizes)
+
+    @property
+    def uses_times(self) -> bool:
+        """True when the model reads timestamps with its histories (`models.recsys.times`):
+        its passes then need `HistoryTimes`."""
+        return self.config.time_bias
 
     @property
     def forced_codes_free(self) -> bool:
@@ -236,6 +250,31 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
                 "map raw item ids to item indices (items.parquet item_index) first",
             )
 
+    def _check_times(
+        self, times: HistoryTimes | None, values: Tensor, offsets: Tensor
+    ) -> HistoryTimes | None:
+        """The times a pass reads: a time-aware model needs every item's time and every row's
+        query time; other models read none (times given to them are ignored, so a caller may
+        pass the times it has to any model)."""
+        if not self.uses_times:
+            return None
+        if times is None:
+            raise RecommenderInputError(
+                "this model reads timestamps (model.time_bias): it needs the time of every "
+                "history item and of each prediction",
+                "pass times=HistoryTimes(values=[M] item times, query=[B] prediction times) "
+                "(seconds, as in training)",
+            )
+        batch = offsets.numel() - 1
+        if times.values.shape != values.shape or times.query.shape != (batch,):
+            raise RecommenderInputError(
+                f"times must be [M] = {tuple(values.shape)} (one per history item) and [B] = "
+                f"({batch},) (one query time per row); got {tuple(times.values.shape)} and "
+                f"{tuple(times.query.shape)}",
+                "pass one timestamp per history item and one per history",
+            )
+        return times
+
     # ----------------------------------------------------------------------------- inference
     # Inference reads the EmbeddingCollection's tables directly instead of through a
     # KeyedJaggedTensor: the KJT's bookkeeping and `_embed`'s per-level node loop are a large
@@ -262,27 +301,33 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
         first = torch.tensor([0, *self.codebook_sizes[:-2]], device=codes.device).cumsum(0)
         return self.embed_drop(F.embedding(codes + first[levels], stacked))
 
-    def keep_recent(self, values: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The most recent max_len items of each row: (values [M'], offsets [B+1], cut [B])."""
+    def keep_recent(
+        self, values: Tensor, offsets: Tensor, times: HistoryTimes | None = None
+    ) -> tuple[Tensor, Tensor, Tensor, HistoryTimes | None]:
+        """The most recent max_len items of each row: (values [M'], offsets [B+1], cut [B], the
+        kept items' times)."""
         lengths = offsets[1:] - offsets[:-1]
         if int(lengths.max()) <= self.config.max_len:  # nothing to cut (one sync, ~12 ops less)
-            return values, offsets, torch.zeros_like(lengths, dtype=torch.bool)
+            return values, offsets, torch.zeros_like(lengths, dtype=torch.bool), times
         cut = (lengths - self.config.max_len).clamp(min=0)  # [B]
         row = torch.repeat_interleave(torch.arange(lengths.numel(), device=values.device), lengths)
         position = torch.arange(values.numel(), device=values.device) - offsets[row]
         keep = position >= cut[row]
         new_offsets = torch.cat([offsets[:1], (lengths - cut).cumsum(0)])
-        return values[keep], new_offsets, cut > 0
+        if times is not None:
+            times = HistoryTimes(times.values[keep], times.query)
+        return values[keep], new_offsets, cut > 0, times
 
     @torch.no_grad()  # inference only: training goes through forward_train
     def encode_history(
         self,
         values: Tensor,  # [M] int64 item indices of B histories, oldest first within a row
         offsets: Tensor,  # [B+1] int64
+        times: HistoryTimes | None = None,  # what a model with a time bias needs (`uses_times`)
     ) -> HistoryState:
         """Prefill: one causal pass over BOS + the (most recent max_len) history items."""
         empty = torch.zeros(offsets.numel() - 1, 0, dtype=torch.long, device=values.device)
-        return self.encode_history_and_tree(values, offsets, empty, empty, empty)[0]
+        return self.encode_history_and_tree(values, offsets, empty, empty, empty, times)[0]
 
     @torch.no_grad()
     def encode_history_and_tree(
@@ -292,13 +337,15 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
         codes: Tensor,  # [B, N] int64 code of each tree node (N may be 0)
         levels: Tensor,  # [B, N] int64 level of that code, 0..L-2
         parents: Tensor,  # [B, N] int64 parent node, -1 = child of the history root
+        times: HistoryTimes | None = None,  # what a model with a time bias needs (`uses_times`)
     ) -> tuple[HistoryState, Tensor]:  # (state, [B, N, Vmax] log-probs as `score_tree` gives)
         """`encode_history` and `score_tree` fused into one forward, for a tree known before the
         history is read (candidate scoring): per layer the history tokens attend causally and
         the tree nodes through the tree-attention op against this layer's history keys, so the
         state equals `encode_history`'s and the log-probs `score_tree`'s, in one pass."""
         self._check_history(values, offsets)
-        values, offsets, truncated = self.keep_recent(values.long(), offsets.long())
+        times = self._check_times(times, values, offsets)
+        values, offsets, truncated, times = self.keep_recent(values.long(), offsets.long(), times)
         batch, nodes = offsets.numel() - 1, codes.shape[1]
         lengths = offsets[1:] - offsets[:-1] + 1  # [B] history tokens, BOS included
         x = self._embed_history(values, offsets)  # [B, T, D]
@@ -315,6 +362,12 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
             every = time[:, None] - time  # [T, T] among the history tokens
             below = tree_distance(lengths, tokens)  # [B, 1, T] a tree node's: one past the last
             last = below - 1  # [B, 1, T] each row's last token's
+        gaps = query_gaps = None  # their time buckets, for blocks with a time bias
+        if times is not None:
+            key_times, query_times = token_times(times, offsets, tokens)  # [B, T] each
+            gaps = time_gaps(query_times, key_times)  # [B, T, T]
+            # A row's last token and its tree nodes ask for the row's query time.
+            query_gaps = time_gaps(times.query[:, None], key_times)  # [B, 1, T]
 
         def attend(q: Tensor, k: Tensor, v: Tensor, table: Tensor | None) -> Tensor:
             k_hist, v_hist = k[:, :, :tokens], v[:, :, :tokens]  # k, v: [B, H, T + N, Dh]
@@ -324,19 +377,20 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
             if first == tokens:
                 # Rows are right-padded, so plain causal attention is exact for every real token.
                 out = self.attention_rule.dense(
-                    q[:, :, :first], k_hist, v_hist, causal=True, bias=relative_bias(table, every)
-                )
+                    q[:, :, :first], k_hist, v_hist, causal=True,
+                    bias=relative_bias(table, every, gaps),
+                )  # fmt: skip
             else:  # each row's last token alone, seeing all of its row's tokens
                 real = time < lengths[:, None]  # [B, T]
                 out = self.attention_rule.dense(
                     q[:, :, :first], k_hist, v_hist, real[:, None, None, :],
-                    bias=relative_bias(table, last),
+                    bias=relative_bias(table, last, query_gaps),
                 )  # fmt: skip
             if not nodes:
                 return out
             tree = self.attention_rule.tree(
                 q[:, :, first:], k_hist, v_hist, lengths, k[:, :, tokens:], v[:, :, tokens:], plan,
-                table, below,
+                table, below, query_gaps,
             )  # fmt: skip
             return torch.cat([out, tree], dim=2)
 
@@ -346,7 +400,9 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
         keep = torch.cat([lengths[:, None] - 1, node_positions], dim=1)  # [B, 1 + N]
         for layer, block in enumerate(self.blocks):
             x = block(x, attend, keep if layer == len(self.blocks) - 1 else None)
-        state = self._state(torch.stack(keys), torch.stack(vals), lengths, x[:, 0], truncated)
+        state = self._state(
+            torch.stack(keys), torch.stack(vals), lengths, x[:, 0], truncated, query_gaps
+        )
         prefixes = self._node_prefixes(codes, levels, parents)
         log_probs = self._next_level_log_probs(self.norm(x[:, 1:]), levels, prefixes, state.hidden)
         return state, log_probs
@@ -362,7 +418,15 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
         attends over its row's cached keys and values and the new tokens up to itself (causal,
         as in `encode_history`), so the result equals `encode_history` of the whole histories up
         to float rounding. Positions are absolute, so the window must not slide: an extended row
-        must stay within max_len items (`encode_history` cuts longer ones to the recent end)."""
+        must stay within max_len items (`encode_history` cuts longer ones to the recent end).
+        Not for a model with a time bias: its last history token asks for the prediction's time,
+        which the appended items change, so its cached keys and values would be stale."""
+        if self.uses_times:
+            raise RecommenderInputError(
+                "extend_history cannot extend a time-aware model's history (model.time_bias): "
+                "the last cached token's keys depend on the time of the prediction",
+                "encode the whole history afresh with encode_history",
+            )
         self._check_history(values, offsets)
         added = offsets[1:] - offsets[:-1]  # [B]
         old = state.lengths  # [B] cached tokens per row, BOS included
@@ -430,12 +494,12 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
 
         return self._state(appended(keys), appended(vals), old + added, x[:, 0], state.truncated)
 
-    def _state(self, keys, vals, lengths, last: Tensor, truncated) -> HistoryState:
+    def _state(self, keys, vals, lengths, last: Tensor, truncated, query_gaps=None) -> HistoryState:
         """The HistoryState of per-layer keys/values and the last history token's block output
         `last` [B, D] (final norm, level-0 head)."""
         hidden = self.norm(last)  # [B, D]
         level0 = self.level0_logits(hidden).log_softmax(dim=-1)
-        return HistoryState(keys, vals, lengths, hidden, level0, truncated)
+        return HistoryState(keys, vals, lengths, hidden, level0, truncated, query_gaps)
 
     @torch.no_grad()
     def score_tree(
@@ -461,7 +525,7 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
             def attend(q, k, v, table, layer: int = layer) -> Tensor:
                 return self.attention_rule.tree(
                     q, state.keys[layer], state.values[layer], state.lengths, k, v, plan, table,
-                    below,
+                    below, state.query_gaps,
                 )  # fmt: skip
 
             x = block(x, attend)

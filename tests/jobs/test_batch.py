@@ -304,3 +304,31 @@ def test_ray_engine_writes_the_local_engines_rows(tiny_checkpoint, tmp_path):
     assert list(ray_rows) == COLUMNS
     assert_same_rows(local, ray_rows)
     assert local[COLUMNS[3:]].equals(ray_rows[COLUMNS[3:]])
+
+
+def test_a_time_aware_model_reads_the_data_times_on_either_engine(tiny_checkpoint_writer, tmp_path):
+    """With a time-aware model every user's known history comes with the data's timestamps and
+    the list is for the time of their last interaction; the Ray engine ships the times to its
+    actors and writes the local engine's rows."""
+    from genrec_spec.models.recsys.times import HistoryTimes
+
+    changes = {"block": "hstu", "relative_bias": True, "time_bias": True}
+    ckpt = tiny_checkpoint_writer(tmp_path / "timed", **changes)
+    config = BatchConfig(k=4, shards=2, batch_size=8, **QUIET)
+    run_batch(ckpt, "all", tmp_path / "local", config)
+    run_batch(
+        ckpt,
+        "all",
+        tmp_path / "ray",
+        BatchConfig(k=4, shards=2, batch_size=8, engine="ray", **QUIET),
+    )
+    local, ray_rows = read_output(tmp_path / "local"), read_output(tmp_path / "ray")
+    assert_same_rows(local, ray_rows)
+    model, data = load_model_and_data(ckpt)
+    known = known_histories(data.test)
+    last = known.offsets[1:] - 1
+    times = HistoryTimes(known.times, known.times[last])
+    expected = recommend(model, (known.values, known.offsets), k=4, times=times)
+    assert [list(x) for x in local["item_ids"]] == [
+        [data.item_ids[i] for i in row] for row in expected.items.tolist()
+    ]

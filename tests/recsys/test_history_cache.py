@@ -80,8 +80,8 @@ def test_eviction_keeps_the_byte_budget(tiny_model):
 
 
 def test_a_cache_of_another_model_is_refused(tiny_model):
-    model, _ = tiny_model
-    other = HistoryCache(torch.nn.Linear(1, 1))
+    model, data = tiny_model
+    other = HistoryCache(type(model)(model.config, data.item_codes, data.codebook_sizes))
     with pytest.raises(RecommendInputError, match="another model"):
         recommend(model, [[1]], k=2, history_cache=other)
     with pytest.raises(ValueError, match="max_bytes"):

@@ -396,20 +396,26 @@ def test_pointwise_attention_is_hstus_masked_sum():
     q, k, v = (torch.randn(2, 3, 5, 4, generator=g) for _ in range(3))  # [B, H, M=K, Dh]
     seen = torch.rand(2, 1, 5, 5, generator=g) < 0.6
 
-    def defined(mask, table=None):  # [B, 1, M, K] bool, a relative bias table [R]
+    def defined(mask, table=None, times=None):  # [B, 1, M, K] bool, bias tables [R], [G]
         out = torch.zeros_like(q)
         for b, h, i, j in itertools.product(range(2), range(3), range(5), range(5)):
             if mask[b, 0, i, j]:
                 bias = 0.0 if table is None else table[min(max(i - j, 0), len(table) - 1)]
+                bias = bias + (0.0 if times is None else times[gap[b, i, j]])
                 out[b, h, i] += F.silu(q[b, h, i] @ k[b, h, j] + bias) / 7.0 * v[b, h, j]
         return out
 
     torch.testing.assert_close(pointwise_attention(q, k, v, seen, 7.0), defined(seen))
-    # HSTU's relative bias: b[i - j] (distances past the table read its last entry)
+    # HSTU's relative bias: b[i - j] (distances past the table read its last entry), plus a
+    # time table's entry for each pair's time bucket
     table, at = torch.randn(4, generator=g), torch.arange(5)
-    bias = relative_bias(table, at[:, None] - at)
+    times, gap = torch.randn(6, generator=g), torch.randint(0, 6, (2, 5, 5), generator=g)
+    bias = relative_bias((table, None), at[:, None] - at)
     got = pointwise_attention(q, k, v, seen, 7.0, bias=bias)
     torch.testing.assert_close(got, defined(seen, table))
+    bias = relative_bias((table, times), at[:, None] - at, gap)
+    got = pointwise_attention(q, k, v, seen, 7.0, bias=bias)
+    torch.testing.assert_close(got, defined(seen, table, times))
     causal = torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 1, 5, 5)
     torch.testing.assert_close(
         pointwise_attention(q, k, v, None, 7.0, causal=True), defined(causal)

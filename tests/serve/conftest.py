@@ -30,16 +30,17 @@ def retriever(tiny_checkpoint):
 
 @pytest.fixture(scope="session")
 def start_service(retriever):
-    """start_service(**ServeConfig fields, llm=None) -> context manager yielding the base URL;
-    the server stops when the block ends."""
+    """start_service(**ServeConfig fields, llm=None, recommender=None) -> context manager
+    yielding the base URL (serving `recommender`, a Retriever, or the tiny checkpoint's); the
+    server stops when the block ends."""
     import uvicorn
 
     from genrec_spec.serve.app import create_app
     from genrec_spec.serve.config import ServeConfig
 
     @contextmanager
-    def start(llm=None, **settings):
-        app = create_app(ServeConfig(port=0, **settings), retriever, llm=llm)
+    def start(llm=None, recommender=None, **settings):
+        app = create_app(ServeConfig(port=0, **settings), recommender or retriever, llm=llm)
         config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
         server = uvicorn.Server(config)
         thread = threading.Thread(target=server.run, daemon=True)

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
+from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.target import (
     context_to_score,
@@ -286,14 +287,15 @@ def decode(
     # "native": this module's search, a level at a time; "core": the engine's beam_search on
     # the recommender as a Target (recsys.target), the same lists
     engine: str = "native",
+    times: HistoryTimes | None = None,  # a time-aware model's (`models.recsys.times`)
 ) -> Recommendations:
     start_time = time.perf_counter()
     width = beam_width_for(k, beam_width, model.num_items)
     check_trie(model, trie)
     check_engine(engine)
     if engine == "core":
-        return core_beam(model, values, offsets, k, width, start_time)
-    state = model.encode_history(values, offsets)
+        return core_beam(model, values, offsets, k, width, start_time, times=times)
+    state = model.encode_history(values, offsets, times)
     history, passes, nodes_scored = search(model, state, trie, width)
     items, scores = finish(history[-1], trie, k)
     return Recommendations(

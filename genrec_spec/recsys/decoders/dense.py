@@ -29,6 +29,7 @@ from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.recsys.blocks import HistoryState
+from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.decoders.heads import rank_catalogue, whole_catalogue
 from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.item_index import (
@@ -75,6 +76,7 @@ def decode(
     trie: PrefixTrie,
     item_search: str = DenseConfig.item_search,
     index_kind: str = DenseConfig.index_kind,
+    times: HistoryTimes | None = None,  # a time-aware model's (`models.recsys.times`)
 ) -> Recommendations:
     """Top-K catalogue items by log p(item | history) (one backbone pass, one product), or by
     item logit through the approximate item index (module docstring)."""
@@ -82,13 +84,13 @@ def decode(
     config = ItemIndexConfig(kind=index_kind)
     if not use_index(model, item_search, config):
         top = whole_catalogue(lambda state: item_log_probs(model, state))
-        return rank_catalogue(model, values, offsets, k, trie, top)
+        return rank_catalogue(model, values, offsets, k, trie, top, times)
 
     def indexed(state: HistoryState, k: int) -> tuple[Tensor, Tensor, dict]:
         found = top_items(model, state.hidden, k, config)
         return found.items, found.scores, {"item_index": True}
 
-    return rank_catalogue(model, values, offsets, k, trie, indexed)
+    return rank_catalogue(model, values, offsets, k, trie, indexed, times)
 
 
 @torch.no_grad()
@@ -99,9 +101,10 @@ def index_recall(
     *,
     k: int,
     index_kind: str = DenseConfig.index_kind,
+    times: HistoryTimes | None = None,  # a time-aware model's (`models.recsys.times`)
 ) -> Tensor:  # [B] recall@K: the share of each row's exact top-K the item index finds
     """How much of the exact product's top-K `decode(..., item_search="index")` returns."""
     check_item_objective(model)
-    hidden = model.encode_history(values, offsets).hidden  # [B, D]
+    hidden = model.encode_history(values, offsets, times).hidden  # [B, D]
     found = top_items(model, hidden, k, ItemIndexConfig(kind=index_kind))
     return recall_at_k(found.items, exact_top_items(model, hidden, k).items)

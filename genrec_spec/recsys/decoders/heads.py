@@ -33,6 +33,7 @@ from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.recsys.blocks import HistoryState
+from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.decoders.beam import beam_width_for, check_trie
 from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.types import Recommendations, RecommendStats
@@ -90,11 +91,11 @@ def decode(
     k: int,
     trie: PrefixTrie,
     level0: str = HeadsConfig.level0,
+    times: HistoryTimes | None = None,  # a time-aware model's (`models.recsys.times`)
 ) -> Recommendations:
     """Top-K catalogue items by the parallel heads' summed level log-probs (one backbone pass)."""
-    return rank_catalogue(
-        model, values, offsets, k, trie, whole_catalogue(lambda s: item_scores(model, s, level0))
-    )
+    top = whole_catalogue(lambda s: item_scores(model, s, level0))
+    return rank_catalogue(model, values, offsets, k, trie, top, times)
 
 
 # state, k -> (items [B, K], scores [B, K], the search's own RecommendStats fields)
@@ -119,12 +120,13 @@ def rank_catalogue(
     k: int,
     trie: PrefixTrie,
     top: TopItems,  # the K best items of the history state, by whole catalogue or an index
+    times: HistoryTimes | None = None,  # a time-aware model's (`models.recsys.times`)
 ) -> Recommendations:
     """Top-K catalogue items after one backbone pass: the body of the decoders that rank the
     catalogue from the history state (`heads`, `dense`)."""
     check_decode_args(model, k, trie)
     start = time.perf_counter()
-    state = model.encode_history(values, offsets)
+    state = model.encode_history(values, offsets, times)
     items, scores, found = top(state, k)
     return Recommendations(
         items=items,

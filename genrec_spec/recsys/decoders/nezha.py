@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
+from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.decoders.beam import (
     Beams,
     beam_width_for,
@@ -100,13 +101,14 @@ def decode(
     k: int,
     trie: PrefixTrie,
     beam_width: int | None = None,  # W >= k; None = beam's default, max(k, 20)
+    times: HistoryTimes | None = None,  # a time-aware model's (`models.recsys.times`)
 ) -> Recommendations:
     """Top-K items of a trie-constrained beam over the draft head's code distributions."""
     start_time = time.perf_counter()
     width = beam_width_for(k, beam_width, model.num_items)
     check_trie(model, trie)
     draft_head_of(model)  # before any work
-    state = model.encode_history(values, offsets)
+    state = model.encode_history(values, offsets, times)
     items, scores, draft_nodes = search(model, state, trie, k, width)
     return Recommendations(
         items=items,

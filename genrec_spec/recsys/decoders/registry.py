@@ -7,7 +7,7 @@ Each entry names its decode function (imported only when asked for, so reading t
 no torch import), says in one line what it does, whether it is exact (`lossless`: the same top-K
 as plain trie-constrained beam search) and which part of the model it reads beyond the backbone.
 Every decode function has the signature of `recsys.types`; its keyword-only parameters other than
-`k` and `trie` are its options.
+`k`, `trie` and `times` are its options.
 """
 
 from __future__ import annotations
@@ -91,11 +91,12 @@ def runs_on(model, name: str) -> bool:
 
 
 def decoder_options(decode) -> list[str]:
-    """The names of a decoder's own options (its keyword-only parameters but k and trie)."""
+    """The names of a decoder's own options (its keyword-only parameters but the ones every
+    decoder takes: k, trie and times)."""
     return [
         p.name
         for p in inspect.signature(decode).parameters.values()
-        if p.kind == p.KEYWORD_ONLY and p.name not in ("k", "trie")
+        if p.kind == p.KEYWORD_ONLY and p.name not in ("k", "trie", "times")
     ]
 
 

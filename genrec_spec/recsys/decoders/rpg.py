@@ -45,6 +45,7 @@ from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
+from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.decoders.heads import check_decode_args
 from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.types import Recommendations, RecommendStats
@@ -228,6 +229,7 @@ def decode(
     steps: int = RpgConfig.steps,
     degree: int = RpgConfig.degree,
     seeds: int = RpgConfig.seeds,
+    times: HistoryTimes | None = None,  # a time-aware model's (`models.recsys.times`)
 ) -> Recommendations:
     """Top-K items by the long-ID heads' summed digit log-probs, over the item graph or exactly."""
     check_decode_args(model, k, trie)
@@ -257,7 +259,7 @@ def decode(
         graph = GRAPHS.get(model, config)
         counted["graph_build_s"] = graph.build_s
     start = time.perf_counter()
-    state = model.encode_history(values, offsets)
+    state = model.encode_history(values, offsets, times)
     u = model.long_id_heads.proj(state.hidden)  # [B, D]
     norm = digit_normalizer(model, u)  # [B]
     if mode == "exact":

@@ -66,6 +66,7 @@ from torch import Tensor
 
 from genrec_spec.data_pipelines.jagged import lengths_to_offsets, row_positions
 from genrec_spec.data_pipelines.trie import PrefixTrie
+from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.decoders.beam import (
     Beams,
     beam_width_for,
@@ -267,6 +268,7 @@ def decode(
     # "native": this module's search, a level at a time; "core": the engine's beam_search with
     # these drafts as its drafter (`recsys.drafters`), the same lists
     engine: str = "native",
+    times: HistoryTimes | None = None,  # a time-aware model's (`models.recsys.times`)
 ) -> Recommendations:
     start_time = time.perf_counter()
     width = beam_width_for(k, beam_width, model.num_items)
@@ -285,13 +287,13 @@ def decode(
             target, catalogue, trie, width, draft, draft_width or 2 * width, item_search,
             lookahead, draft_codes,
         )  # fmt: skip
-        return core_beam(model, values, offsets, k, width, start_time, drafter)
+        return core_beam(model, values, offsets, k, width, start_time, drafter, times)
     index = TrieIndex.of(trie)
     to_score = index.to_score(model)  # [scorable] the prefixes whose next code is not free
     member = draft_member(trie, index, batch, draft, draft_codes)
     first = prefix_tree(index, index.scored(member, to_score), batch)
     state, log_probs = model.encode_history_and_tree(
-        values, offsets, first.codes, first.levels, first.parents
+        values, offsets, first.codes, first.levels, first.parents, times
     )
     scored = ScoredNodes.of(first, log_probs)
     passes, nodes_scored = 1, first.real_nodes
