@@ -50,6 +50,8 @@ def run_replay(
             "replay needs exactly one event source", "give a split or a log file, not both"
         )
     model_a, data = load_model_and_data(arm_a.ckpt, data_dir)
+    if (data.path / "interactions.parquet").is_file():  # events in time order, with their times
+        data = data.with_times()
     model_b = model_a
     if Path(arm_b.ckpt).resolve() != Path(arm_a.ckpt).resolve():
         model_b, manifest = load_checkpoint(arm_b.ckpt)

@@ -114,8 +114,9 @@ def replay(
     def decode(side: int, part: Histories):
         model = models[side]
         return decoders[side](
-            model, part.values, part.offsets, k=k, trie=item_trie(model), **arms[side].options
-        )
+            model, part.values, part.offsets, k=k, trie=item_trie(model),
+            times=part.history_times(), **arms[side].options,
+        )  # fmt: skip
 
     batches = torch.arange(len(events.histories)).split(batch_size)
     for side in (0, 1):  # warm-up: lazy caches and allocations stay out of the timings

@@ -2,11 +2,12 @@
 
 - **split** (``valid`` / ``test``): one event per user of the prepared data's split: the user's
   history -> the held-out item (time-ordered leave-one-out). Events are ordered by the held-out
-  item's timestamp, read from the folder's ``interactions.parquet`` with the split's own rule
-  (the user's last interaction is the test item, the one before it the valid item); a folder
-  without that file is replayed in split order and gets no timestamps.
+  item's timestamp, from data with times (`PreparedData.with_times`, read off the folder's
+  ``interactions.parquet``); data without them is replayed in split order and gets no
+  timestamps.
 - **log**: a parquet or csv file with columns ``user_id, timestamp, item_id`` (raw ids of the
-  prepared data; other columns are ignored; timestamps are numbers or dates). Every event is
+  prepared data; other columns are ignored; timestamps are numbers in seconds, as the data's,
+  or dates). Every event is
   predicted from the user's *train* history (the split's ``train`` part, which holds neither the
   valid nor the test item) followed by all of that user's log events that come before it.
   "Before" is the replay order: timestamp ascending, equal timestamps in file order. A log made
@@ -16,7 +17,9 @@
   context); decoders would drop older ones anyway.
 
 ``users`` draws a fixed random subset of users (all their events), seeded as in
-``genrec-spec evaluate``.
+``genrec-spec evaluate``. With data with times, every event's history carries its items'
+timestamps and the event's own as the time of the prediction (`Histories.history_times`: what
+a time-aware model reads).
 
 Shape letters: E events, M history items.
 """
@@ -42,7 +45,7 @@ SPLITS = ("valid", "test")
 class Events:
     """The events to replay, in replay (time) order."""
 
-    histories: Histories  # E events: user_ids, values [M], offsets [E+1], targets [E]
+    histories: Histories  # E events: user_ids, values [M], offsets [E+1], targets [E], times
     timestamps: Tensor | None  # [E] int64 time of each target; None when the data has none
     source: str  # "test split", "valid split" or "log FILE"
     history_lengths: Tensor  # [E] int64 items before each event (histories may keep fewer)
@@ -58,27 +61,10 @@ def split_events(data, split: str, users: int, seed: int) -> Events:
         raise ReplayInputError(f"unknown split {split!r}", f"use one of {SPLITS}")
     part = getattr(data, split)
     histories = part.select(sample_users(len(part), users, seed))
-    times = held_out_times(Path(data.path), split, histories.user_ids)
+    times = histories.target_times
     if times is not None:
-        order = torch.sort(times, stable=True).indices  # ties keep the split's order
-        histories, times = histories.select(order), times[order]
-    return Events(histories, times, f"{split} split", histories.lengths)
-
-
-def held_out_times(folder: Path, split: str, user_ids: list[str]) -> Tensor | None:  # [E] int64
-    """Timestamp of each user's held-out item: the last interaction (test) or the one before it
-    (valid), by the split's stable rule; None without interactions.parquet."""
-    file = folder / "interactions.parquet"
-    if not file.is_file():
-        return None
-    frame = pd.read_parquet(file, columns=["user_id", "timestamp"])
-    frame = frame.iloc[np.argsort(frame["timestamp"].to_numpy(), kind="stable")]
-    from_last = frame.groupby("user_id", sort=False).cumcount(ascending=False)
-    held = frame[from_last == SPLITS[::-1].index(split)]
-    times = held.set_index(held["user_id"].astype(str))["timestamp"].reindex(user_ids)
-    if times.isna().any():
-        return None
-    return torch.tensor(times.to_numpy(np.int64))
+        histories = histories.select(torch.sort(times, stable=True).indices)  # ties: split order
+    return Events(histories, histories.target_times, f"{split} split", histories.lengths)
 
 
 def read_log(path: Path) -> pd.DataFrame:
@@ -110,7 +96,7 @@ def read_log(path: Path) -> pd.DataFrame:
     stamps = frame["timestamp"]
     if not pd.api.types.is_numeric_dtype(stamps):
         try:
-            stamps = pd.to_datetime(stamps).astype("int64")
+            stamps = pd.to_datetime(stamps).astype("int64") // 10**9  # seconds, as the data's
         except (ValueError, TypeError):
             raise ReplayInputError(
                 f"log file {path}: timestamps are neither numbers nor dates, e.g. "
@@ -146,24 +132,35 @@ def log_events(
     chosen = {chosen[int(i)] for i in sample_users(len(chosen), users, seed)}
     log = log[log["user_id"].isin(chosen)]
     train, offsets = data.train.values.tolist(), data.train.offsets.tolist()
-    past: dict[str, list[int]] = {}
-    histories, targets, full_lengths = [], [], []
-    for user, item in zip(log["user_id"], log["item_id"], strict=True):
+    # With the data's times, each history carries its items' timestamps: the train items' and
+    # the earlier log events'
+    timed = data.train.times is not None
+    train_times = data.train.times.tolist() if timed else []
+    past: dict[str, tuple[list[int], list[int]]] = {}  # user -> (items, their times) so far
+    histories, history_times, targets, full_lengths = [], [], [], []
+    for user, item, at in zip(log["user_id"], log["item_id"], log["timestamp"], strict=True):
         if user not in past:
-            past[user] = train[offsets[rows[user]] : offsets[rows[user] + 1]]
-        histories.append(past[user][-keep_last:])
-        full_lengths.append(len(past[user]))
+            span = slice(offsets[rows[user]], offsets[rows[user] + 1])
+            past[user] = (train[span], train_times[span])
+        items, times = past[user]
+        histories.append(items[-keep_last:])
+        history_times.append(times[-keep_last:])
+        full_lengths.append(len(items))
         targets.append(index[item])
-        past[user].append(index[item])
+        items.append(index[item])
+        times.append(int(at))
     lengths = torch.tensor([len(h) for h in histories], dtype=torch.long)
+    stamps = torch.tensor(log["timestamp"].to_numpy(np.int64))
     return Events(
         Histories(
             user_ids=log["user_id"].tolist(),
             values=torch.tensor([i for h in histories for i in h], dtype=torch.long),
             offsets=torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]),
             targets=torch.tensor(targets, dtype=torch.long),
+            times=torch.tensor([t for h in history_times for t in h]) if timed else None,
+            target_times=stamps if timed else None,
         ),
-        torch.tensor(log["timestamp"].to_numpy(np.int64)),
+        stamps,
         source,
         torch.tensor(full_lengths, dtype=torch.long),
     )

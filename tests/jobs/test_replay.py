@@ -173,6 +173,34 @@ def test_beam_and_spec_beam_replay_to_identical_lists(tiny_checkpoint):
     assert f"replay of {len(data.test)} events of {len(data.test)} users" in s["verdict"][0]
 
 
+def test_a_time_aware_arm_replays_with_the_events_times(tiny_checkpoint, tmp_path):
+    """A time-aware model (the same data) against the plain one: its events carry their items'
+    times and the held-out item's as the time of the prediction, so its metrics are `evaluate`'s
+    on the data with times; on a log, the log's timestamps join the train items'."""
+    from dataclasses import replace
+
+    from genrec_spec.models.recsys.recommender import SemanticIdRecommender
+
+    plain, data = load_model_and_data(tiny_checkpoint)
+    config = replace(plain.config, block="hstu", relative_bias=True, time_bias=True)
+    torch.manual_seed(3)
+    timed = SemanticIdRecommender(
+        config, data.item_codes, data.codebook_sizes, data.long_ids, data.long_id_sizes
+    ).eval()
+    manifest = {"data": {"path": str(data.path), "data_hash": data.data_hash}}
+    save_checkpoint(tmp_path / "timed", timed, manifest)
+    arm_a = arms.parse_arm("decoder=beam", tiny_checkpoint)
+    arm_b = arms.parse_arm("decoder=spec_beam", tmp_path / "timed", "--b")
+    replay_config = arms.ReplayConfig(bootstrap=20, batch_size=5)
+    s = rp.run_replay(arm_a, arm_b, replay_config, split="test").summary
+    reference = evaluate(timed, data.with_times().test, get_decoder("beam"), ks=(10,))
+    assert s["arms"]["B"]["metrics"]["hr@10"] == pytest.approx(reference["hr@10"])
+    assert s["arms"]["B"]["metrics"]["mrr@10"] == pytest.approx(reference["mrr"])
+    _valid_then_test_log(data).to_parquet(tmp_path / "log.parquet", index=False)
+    logged = rp.run_replay(arm_a, arm_b, replay_config, log=tmp_path / "log.parquet").summary
+    assert logged["replay"]["events"] == 2 * len(data.test)
+
+
 def test_replay_counts_the_users_of_a_sample_and_of_a_log(tiny_checkpoint, tmp_path):
     arm_a = arms.parse_arm("decoder=beam", tiny_checkpoint)
     arm_b = arms.parse_arm("decoder=heads", tiny_checkpoint, "--b")
@@ -269,29 +297,33 @@ def test_a_failed_replay_leaves_nothing_behind(tiny_checkpoint, tmp_path, capsys
 
 
 def test_split_events_follow_the_held_out_items_time(tmp_path, tiny_prepared):
+    """Events run in the held-out items' time order (the data's times, read off
+    interactions.parquet), each history with its items' times; without times, in split order."""
     from genrec_spec.recsys.data import load_prepared
 
-    users = ["a", "b", "a", "b", "a", "c", "c"]
-    times = pd.DataFrame({"user_id": users, "timestamp": [5, 9, 1, 2, 3, 4, 4]})
-    times.to_parquet(tmp_path / "interactions.parquet")
-    # a: 1, 3, 5 -> test 5, valid 3; b: 2, 9 -> test 9, valid 2; c: 4, 4
-    assert ev.held_out_times(tmp_path, "test", ["a", "b", "c"]).tolist() == [5, 9, 4]
-    assert ev.held_out_times(tmp_path, "valid", ["c", "a", "b"]).tolist() == [4, 3, 2]
-    assert ev.held_out_times(tmp_path, "test", ["a", "nobody"]) is None
-    assert ev.held_out_times(tmp_path / "elsewhere", "test", ["a"]) is None
-    # A prepared folder whose users' last interactions run backwards in time.
     data = load_prepared(tiny_prepared(tmp_path / "data", users=6))
-    stamps = {user: 100 - u for u, user in enumerate(data.test.user_ids)}
-    pd.DataFrame({"user_id": list(stamps), "timestamp": list(stamps.values())}).to_parquet(
-        data.path / "interactions.parquet"
-    )
-    events = ev.split_events(data, "test", users=4, seed=0)
+    # Every user's interactions at time 1 but the last (the test item), whose times run
+    # backwards over the users: 100, 99, ...
+    test, rows = data.test, []
+    for u, user in enumerate(test.user_ids):
+        items = test.values[test.offsets[u] : test.offsets[u + 1]].tolist()
+        items.append(int(test.targets[u]))
+        times = [1] * (len(items) - 1) + [100 - u]
+        rows += [(user, data.item_ids[i], t, i) for i, t in zip(items, times, strict=True)]
+    columns = ["user_id", "item_id", "timestamp", "item_index"]
+    pd.DataFrame(rows, columns=columns).to_parquet(data.path / "interactions.parquet")
+    stamps = {user: 100 - u for u, user in enumerate(test.user_ids)}
+    events = ev.split_events(data.with_times(), "test", users=4, seed=0)
     assert events.timestamps.tolist() == sorted(events.timestamps.tolist())
     assert events.histories.user_ids == sorted(events.histories.user_ids, key=stamps.get)
     assert len(events.histories) == 4 and events.is_split
-    rows = torch.tensor([data.test.user_ids.index(u) for u in events.histories.user_ids])
-    assert torch.equal(events.histories.targets, data.test.targets[rows])
-    assert torch.equal(events.history_lengths, data.test.lengths[rows])
+    picked = torch.tensor([test.user_ids.index(u) for u in events.histories.user_ids])
+    assert torch.equal(events.histories.targets, test.targets[picked])
+    assert torch.equal(events.history_lengths, test.lengths[picked])
+    assert bool((events.histories.times == 1).all())
+    untimed = ev.split_events(data, "test", users=4, seed=0)
+    assert untimed.timestamps is None
+    assert untimed.histories.user_ids == sorted(untimed.histories.user_ids, key=test.user_ids.index)
 
 
 # --- log replay ----------------------------------------------------------------------------------
