@@ -33,6 +33,7 @@ from genrec_spec.core.beam_tree import rank_within_rows
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.recsys.errors import RecommenderInputError
+from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.decoders.beam import item_trie
 
 _INDEXES = DerivedCache()  # PrefixTrie -> its TrieIndex
@@ -251,6 +252,7 @@ def score(
     candidates: Tensor,  # [B, C] int64 item indices (repeats allowed)
     *,
     trie: PrefixTrie | None = None,  # the catalogue's trie; None = item_trie(model)
+    times: HistoryTimes | None = None,  # a time-aware model's (`models.recsys.times`)
 ) -> Tensor:  # [B, C] float32 log-likelihood of each candidate
     """Every candidate's exact log-likelihood, in one forward pass per batch."""
     check_candidates(model, candidates, offsets.numel() - 1)
@@ -264,7 +266,7 @@ def score(
     member = index.scored(index.rowwise(paths.flatten(1)), index.to_score(model))
     tree = prefix_tree(index, member, batch)
     state, out = model.encode_history_and_tree(
-        values, offsets, tree.codes, tree.levels, tree.parents
+        values, offsets, tree.codes, tree.levels, tree.parents, times
     )
     total = state.level0_log_probs.gather(1, codes[:, :, 0])  # [B, C]
     if not out.shape[1]:  # every deeper code of every candidate is forced

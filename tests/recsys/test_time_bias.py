@@ -166,10 +166,11 @@ def test_wrong_times_are_refused(timed_model, tiny_model, random_histories):
 def test_every_decoder_reads_times_and_spec_beam_is_beam(timed_model, tiny_data_dir):
     """Every decoder runs on a time-aware model given the test split's times (the targets' as
     the query times), on either engine; spec_beam's lists are beam's; without times each
-    decoder is refused."""
+    decoder is refused; candidate scoring gives beam's scores."""
     from genrec_spec.recsys.data import load_prepared
     from genrec_spec.recsys.decoders.registry import DECODERS
     from genrec_spec.recsys.recommend import recommend
+    from genrec_spec.recsys.scoring import score
 
     test = load_prepared(tiny_data_dir).with_times().test
     histories, times = (test.values, test.offsets), test.history_times()
@@ -186,6 +187,10 @@ def test_every_decoder_reads_times_and_spec_beam_is_beam(timed_model, tiny_data_
     for engine in ("native", "core"):
         assert torch.equal(lists["spec_beam", engine], lists["beam", "native"])
     assert torch.equal(lists["beam", "core"], lists["beam", "native"])
+    # candidate scoring reads the times too: beam's scores are its items' log-likelihoods
+    out = recommend(timed_model, histories, 5, "beam", times=times)
+    scored = score(timed_model, *histories, out.items, times=times)
+    torch.testing.assert_close(scored, out.scores, atol=1e-5, rtol=1e-5)
 
 
 def test_the_time_recipe_trains_and_evaluates_on_a_slice(tiny_prepared, tmp_path):
