@@ -290,7 +290,7 @@ def _with_times(split: Histories, name: str, seqs: _Sequences, file: Path, fix: 
     if split.targets is not None:
         bad |= seqs.items[start + lengths] != split.targets.numpy()
         target_times = torch.from_numpy(seqs.times[start + lengths])
-    what = f"in {name}.parquet do not follow the time order of {file} (made from others?)"
+    what = f"in {name}.parquet do not follow the time order of {file}: made from other data?"
     _refuse_users(split, bad, what, fix)
     return replace(split, times=torch.from_numpy(seqs.times[positions]), target_times=target_times)
 
