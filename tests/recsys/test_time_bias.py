@@ -193,37 +193,6 @@ def test_every_decoder_reads_times_and_spec_beam_is_beam(timed_model, tiny_data_
     torch.testing.assert_close(scored, out.scores, atol=1e-5, rtol=1e-5)
 
 
-def test_the_time_recipe_trains_and_evaluates_on_a_slice(tiny_prepared, tmp_path):
-    """The HSTU recipe (configs/ml-1m-hstu.json) with the time bias trains on a small slice (the
-    data's times read from its interactions), its loss falls, and `beam` and `spec_beam`
-    evaluate its checkpoint, which loads with the times, to the same metrics."""
-    from pathlib import Path
-
-    from genrec_spec.recsys import evaluate as ev
-    from genrec_spec.recsys.checkpoint import load_model_and_data
-    from genrec_spec.recsys.decoders import beam, spec_beam
-    from genrec_spec.recsys.train_config import load_config
-    from genrec_spec.recsys.trainer import train
-
-    recipe = Path(__file__).parents[2] / "configs" / "ml-1m-hstu.json"
-    changes = {"model": {"time_bias": True}, "train": {"epochs": 3, "valid_from": 1}}
-    model_config, train_config = load_config(recipe, changes)
-    train_config = replace(train_config, progress=False)
-    data = tiny_prepared(tmp_path / "data", users=48)
-    metrics = train(data, tmp_path / "ckpt", model_config, train_config)["metrics"]
-    assert len(metrics) == 3 and metrics[-1]["train_loss"] < metrics[0]["train_loss"]
-    model, prepared = load_model_and_data(tmp_path / "ckpt")
-    assert model.uses_times and prepared.test.target_times is not None
-    results = [
-        ev.evaluate(model, prepared.test, decode, ks=(10,), exclude_history=True)
-        for decode in (beam.decode, spec_beam.decode)
-    ]
-    timed = ("wall_s_per_user", "target_passes_per_batch")
-    untimed = [{k: v for k, v in r.items() if k not in timed} for r in results]
-    assert untimed[0] == untimed[1]
-    assert results[0]["invalid_items"] == 0 and results[0]["users"] == len(prepared.test)
-
-
 def test_bench_recsys_times_a_time_aware_model(timed_model, tiny_data_dir, tmp_path):
     """`bench recsys --quick` on a time-aware checkpoint: its data loads with the times, every
     decoder and floor reads them, and the lossless decoders give beam's lists."""

@@ -21,7 +21,12 @@ from genrec_spec.data_pipelines.errors import DataError
 from genrec_spec.models.recsys.config import FLAT_ADDED_LATER, CodeHeadsConfig
 from genrec_spec.models.recsys.item_scores import item_log_likelihoods
 from genrec_spec.recsys import trainer
-from genrec_spec.recsys.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from genrec_spec.recsys.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    load_model_and_data,
+    save_checkpoint,
+)
 from genrec_spec.recsys.data import load_prepared
 from genrec_spec.recsys.errors import ResumeError
 from genrec_spec.recsys.resume import load_resume_state, resume_path
@@ -355,15 +360,20 @@ def test_shipped_configs_load_and_ml1m_is_the_default():
 
 @pytest.mark.parametrize(
     ("recipe", "block", "layers", "bias"),
-    [("ml-1m-deep", "transformer", 4, False), ("ml-1m-hstu", "hstu", 8, True)],
+    [
+        ("ml-1m-deep", "transformer", 4, False),
+        ("ml-1m-hstu", "hstu", 8, True),
+        ("ml-1m-hstu-time", "hstu", 8, True),
+    ],
 )
 def test_quality_recipe_trains_and_evaluates_on_a_slice(
     recipe, block, layers, bias, tiny_prepared, tmp_path
 ):
-    """The quality recipes under test (configs/ml-1m-deep.json, and its HSTU-block form
-    configs/ml-1m-hstu.json; docs/results/recsys-quality.md), as shipped but for their epochs:
-    each trains on a small slice, its loss falls, and `beam` and `spec_beam` evaluate its
-    checkpoint to the same metrics under the anchors' protocol."""
+    """The quality recipes under test (configs/ml-1m-deep.json, its HSTU-block form
+    configs/ml-1m-hstu.json, and that with HSTU's time bias, configs/ml-1m-hstu-time.json;
+    docs/results/recsys-quality.md), as shipped but for their epochs: each trains on a small
+    slice (the time-aware one reading the data's times), its loss falls, and `beam` and
+    `spec_beam` evaluate its checkpoint to the same metrics under the anchors' protocol."""
     from genrec_spec.recsys import evaluate as ev
     from genrec_spec.recsys.decoders import beam, spec_beam
 
@@ -373,12 +383,13 @@ def test_quality_recipe_trains_and_evaluates_on_a_slice(
     model_config, train_config = load_config(path, shorter)
     assert (model_config.block, model_config.layers) == (block, layers)
     assert model_config.relative_bias == bias
+    assert model_config.time_bias == recipe.endswith("time")
     assert (model_config.dropout, train_config.max_minutes) == (0.2, 0)
     data = tiny_prepared(tmp_path / "data", users=48)
     metrics = train(data, tmp_path / "ckpt", model_config, train_config)["metrics"]
     assert len(metrics) == 3 and metrics[-1]["train_loss"] < metrics[0]["train_loss"]
-    model, _ = load_checkpoint(tmp_path / "ckpt")
-    test = load_prepared(data).test
+    model, prepared = load_model_and_data(tmp_path / "ckpt")  # with the times the model reads
+    test = prepared.test
     results = [
         ev.evaluate(model, test, decode, ks=(10,), exclude_history=True)
         for decode in (beam.decode, spec_beam.decode)
