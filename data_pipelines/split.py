@@ -136,15 +136,25 @@ def user_sequences(interactions: pd.DataFrame, item_index: pd.Index) -> UserSequ
         )
     users, user_ids = pd.factorize(interactions["user_id"], sort=False)
     times = interactions["timestamp"].to_numpy(dtype=np.int64)
-    rows = np.arange(len(users))
-    order = np.lexsort((rows, times, users))  # by user, then time, then source row
-    counts = np.bincount(users, minlength=len(user_ids))
+    return ordered_sequences(users, user_ids, items, times, len(item_index))
+
+
+def ordered_sequences(
+    users: np.ndarray,  # [N] int64 each interaction's user, 0..U-1 in first-appearance order
+    user_ids: np.ndarray,  # [U] the users' ids
+    items: np.ndarray,  # [N] int64 item indices
+    times: np.ndarray,  # [N] int64 timestamps
+    num_items: int,
+) -> UserSequences:
+    """Interactions in source order grouped by user, each user's ordered by the stable rule:
+    timestamp ascending, ties in source-row order."""
+    order = np.lexsort((np.arange(len(users)), times, users))  # by user, time, source row
     return UserSequences(
         user_ids=np.asarray(user_ids, dtype=object),
         item_values=items[order].astype(np.int64),
         time_values=times[order],
-        offsets=_offsets(counts),
-        num_items=len(item_index),
+        offsets=_offsets(np.bincount(users, minlength=len(user_ids))),
+        num_items=num_items,
     )
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from genrec_spec.data_pipelines.errors import DataError
+from genrec_spec.data_pipelines.split import UserSequences, ordered_sequences
 from genrec_spec.models.recsys.times import HistoryTimes
 
 REQUIRED_FILES = (
@@ -129,7 +130,7 @@ class PreparedData:
             f"re-create the folder with `genrec-spec prepare --dataset "
             f"{self.manifest.get('dataset', '...')} --out {self.path} --overwrite`"
         )
-        sequences = _time_ordered(file, fix)
+        sequences = _time_ordered(file, self.num_items, fix)
         return replace(
             self,
             **{
@@ -228,19 +229,10 @@ def _read_split(file: Path) -> Histories:
     )
 
 
-@dataclass(frozen=True)
-class _Sequences:
-    """Every user's interactions in the stable order, ragged over the users of a file."""
-
-    user_ids: pa.Array  # [U'] str, first-appearance order
-    items: np.ndarray  # [N] int64 item indices
-    times: np.ndarray  # [N] int64 timestamps, non-decreasing within a user
-    offsets: np.ndarray  # [U'+1] int64
-
-
-def _time_ordered(file: Path, fix: str) -> _Sequences:
-    """Group interactions.parquet by user and order each user's interactions by the stable rule
-    of `data_pipelines.split.user_sequences`: timestamp ascending, ties in source-row order."""
+def _time_ordered(file: Path, num_items: int, fix: str) -> UserSequences:
+    """interactions.parquet grouped by user in the split's stable order
+    (`data_pipelines.split.ordered_sequences`), read through arrow (the item indices are a
+    column: no id lookup)."""
     if not file.is_file():
         raise DataError(f"{file} does not exist (the item timestamps are read from it)", fix)
     columns = ["user_id", "timestamp", "item_index"]
@@ -252,23 +244,23 @@ def _time_ordered(file: Path, fix: str) -> _Sequences:
     if empty:
         raise DataError(f"{file} has missing values in {empty}", fix)
     users = pc.dictionary_encode(table["user_id"].combine_chunks())  # codes by first appearance
-    user = users.indices.to_numpy().astype(np.int64)  # [N]
-    times = table["timestamp"].to_numpy().astype(np.int64)  # [N]
-    order = np.lexsort((np.arange(len(user)), times, user))  # by user, then time, then row
-    counts = np.bincount(user, minlength=len(users.dictionary))  # [U']
-    return _Sequences(
-        user_ids=pc.cast(users.dictionary, pa.string()),
-        items=table["item_index"].to_numpy().astype(np.int64)[order],
-        times=times[order],
-        offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+    return ordered_sequences(
+        users.indices.to_numpy().astype(np.int64),
+        pc.cast(users.dictionary, pa.string()).to_numpy(zero_copy_only=False),
+        table["item_index"].to_numpy().astype(np.int64),
+        table["timestamp"].to_numpy().astype(np.int64),
+        num_items,
     )
 
 
-def _with_times(split: Histories, name: str, seqs: _Sequences, file: Path, fix: str) -> Histories:
+def _with_times(
+    split: Histories, name: str, seqs: UserSequences, file: Path, fix: str
+) -> Histories:
     """`split` with the times of its histories (and targets), each history being the start of
     its user's ordered interactions and the target the next one; refuses any user for whom
     that does not hold."""
-    rows = pc.index_in(pa.array(split.user_ids, pa.string()), value_set=seqs.user_ids)  # [U]
+    known = pa.array(seqs.user_ids, pa.string())
+    rows = pc.index_in(pa.array(split.user_ids, pa.string()), value_set=known)  # [U]
     if rows.null_count:
         absent = split.user_ids[int(np.argmax(rows.is_null().to_numpy(zero_copy_only=False)))]
         raise DataError(f"user {absent!r} of {name}.parquet has no interactions in {file}", fix)
@@ -283,16 +275,17 @@ def _with_times(split: Histories, name: str, seqs: _Sequences, file: Path, fix: 
     # Each history item's position in seqs: its user's start + its rank in the history.
     offsets = split.offsets.numpy()  # [U+1]
     positions = np.repeat(start - offsets[:-1], lengths) + np.arange(offsets[-1])  # [M]
-    wrong = seqs.items[positions] != split.values.numpy()  # [M]
+    wrong = seqs.item_values[positions] != split.values.numpy()  # [M]
     bad = np.zeros(len(rows), dtype=bool)  # [U]
     bad[np.repeat(np.arange(len(rows)), lengths)[wrong]] = True
     target_times = None
     if split.targets is not None:
-        bad |= seqs.items[start + lengths] != split.targets.numpy()
-        target_times = torch.from_numpy(seqs.times[start + lengths])
+        bad |= seqs.item_values[start + lengths] != split.targets.numpy()
+        target_times = torch.from_numpy(seqs.time_values[start + lengths])
     what = f"in {name}.parquet do not follow the time order of {file}: made from other data?"
     _refuse_users(split, bad, what, fix)
-    return replace(split, times=torch.from_numpy(seqs.times[positions]), target_times=target_times)
+    times = torch.from_numpy(seqs.time_values[positions])
+    return replace(split, times=times, target_times=target_times)
 
 
 def _refuse_users(split: Histories, wrong: np.ndarray, what: str, fix: str) -> None:
