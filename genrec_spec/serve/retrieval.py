@@ -35,6 +35,7 @@ from genrec_spec.recsys.decoders.beam import item_trie
 from genrec_spec.recsys.decoders.registry import DECODERS, decoder_options, get_decoder
 from genrec_spec.recsys.history_cache import HistoryCache
 from genrec_spec.recsys.recommend import fetch_size, recommend
+from genrec_spec.recsys.recommend_user import user_times
 from genrec_spec.serve.errors import ServeInputError
 from genrec_spec.serve.schemas import RecommendRequest
 
@@ -139,9 +140,7 @@ class Retriever:
 
     def user_times(self, user_id: str) -> list[int]:
         """The timestamps of `user_history` (the data's times: a time-aware model's data)."""
-        test, row = self.data.test, self.user_row[user_id]
-        times = test.times[test.offsets[row] : test.offsets[row + 1]].tolist()
-        return times + [int(test.target_times[row])]
+        return user_times(self.data, user_id)
 
     def item_indices(self, item_ids: Sequence[str | int]) -> list[int]:
         indices = [self.item_index.get(str(item), -1) for item in item_ids]
