@@ -7,7 +7,7 @@ that, so a forward pass pays the tree bookkeeping once, not once per layer.
 
 On CPU the plan also picks the CPU path for the shape and dtype (see
 ``DENSE_MAX_MASK_ELEMENTS``) and, for the dense one, prebuilds its additive mask. The views only
-some paths read (``depths``, the Triton kernel's ``bits``) are built on first use.
+some paths read (``depths``, ``ancestors``, the Triton kernel's ``bits``) are built on first use.
 
 A caller that knows its trees are shallow (a Semantic-ID prefix tree is at most L - 1 code levels
 deep) passes ``max_depth``: the ancestor mask then takes max_depth walk steps up the tree instead
@@ -41,9 +41,9 @@ class TreePlan:
 
     Built by ``prepare_tree``; tensors live on the tree's device. ``host_root_lens``,
     ``dense_mask`` and ``root_padding`` exist on CPU only (on a GPU the lengths' host copy
-    would be a sync and nothing there reads them); ``depths``, ``bits`` and the dense path's
-    masks are built on first use (a caller that reads only ``visible``, such as pointwise
-    attention, never pays for them)."""
+    would be a sync and nothing there reads them); ``depths``, ``ancestors``, ``bits`` and the
+    dense path's masks are built on first use (pointwise attention, which reads ``visible`` or
+    ``ancestors``, never pays for the dense masks or the bits)."""
 
     parents: torch.Tensor  # [B, N] int64, the tensor the plan was built from
     root_lens: torch.Tensor  # [B] int64, the tensor the plan was built from
@@ -79,6 +79,19 @@ class TreePlan:
     @cached_property
     def depths(self) -> torch.Tensor:  # [B, M] int64: each query's ancestors (position past root)
         return self.visible.sum(dim=-1) - 1
+
+    @cached_property
+    def ancestors(self) -> torch.Tensor:  # [B, M, A] int64: the tree nodes each query sees
+        """Each query's own node, then its ancestors up the tree, -1 past its root; A is the
+        deepest query's depth + 1. The few keys a node sees, for attention that gathers them
+        instead of masking all N (``visible`` holds the same sets)."""
+        batch, n = self.parents.shape
+        node = torch.arange(n - self.queries, n, device=self.parents.device).expand(batch, -1)
+        chain = [node]
+        for _ in range(int(self.depths.max())):
+            node = torch.where(node >= 0, self.parents.gather(1, node.clamp_min(0)), -1)
+            chain.append(node)
+        return torch.stack(chain, dim=2)
 
     @cached_property
     def bits(

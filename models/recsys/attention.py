@@ -34,11 +34,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from genrec_spec.kernels import tree_attention
+from genrec_spec.kernels import TreePlan, tree_attention
 from genrec_spec.models.recsys.errors import RecommenderInputError
 from genrec_spec.models.recsys.layout import TrainLayout
 from genrec_spec.models.recsys.times import time_gaps
 
+# Pointwise tree attention gathers each node's keys (itself and its ancestors) in trees of more
+# nodes than this and masks all N below it: masking costs N x Dh a query, gathering A x Dh (A at
+# most the code levels) plus a fixed cost of its own, so small trees mask and wide beams' trees
+# gather (the crossover, measured: docs/results/recsys-speed.md).
+GATHER_MIN_NODES = 128
 # A block's relative bias tables: over distances [R] and over time buckets [129] (None: a
 # position bias alone). Only HSTU blocks have them.
 BiasTables = tuple[Tensor, Tensor | None]
@@ -152,7 +157,7 @@ class PointwiseRule:
         key j (`tree_distance`) and its distance to its ancestors 0; it asks for its row's
         query time (``gap``), as its ancestors do."""
         return pointwise_tree_attention(
-            q, k_root, v_root, root_lens, k_tree, v_tree, plan.visible, self.norm,
+            q, k_root, v_root, root_lens, k_tree, v_tree, plan, self.norm,
             relative_bias(tables, distance, gap), own_bias(tables),
         )  # fmt: skip
 
@@ -218,19 +223,44 @@ def pointwise_tree_attention(
     root_lens: Tensor,  # [B] real history keys per row
     k_tree: Tensor,  # [B, H, N, Dh]
     v_tree: Tensor,  # [B, H, N, Dh]
-    visible: Tensor,  # [B, M, N] bool: query i sees tree node j (itself or an ancestor)
+    plan: TreePlan,  # the tree's (``kernels.prepare_tree``): which nodes each query sees
     norm: float,
     history_bias: Tensor | None = None,  # [B, 1, M or 1, S] added to q . k of the history keys
     tree_bias: Tensor | None = None,  # one number added to q . k of the tree's own keys
 ) -> Tensor:  # [B, H, M, Dh]
     """Pointwise attention of tree nodes over their row's history and their own ancestors (the
-    tree-attention op's visibility, ``kernels.tree_attention``), as two masked sums."""
+    tree-attention op's visibility, ``kernels.tree_attention``), as two sums. A node sees
+    itself and at most a few ancestors: over a tree of more than ``GATHER_MIN_NODES`` nodes
+    their keys are gathered (``pointwise_ancestor_attention``), below it all N are masked."""
     seen = torch.arange(k_root.shape[2], device=q.device) < root_lens[:, None]  # [B, S]
     history = pointwise_attention(
         q, k_root, v_root, seen[:, None, None, :], norm, bias=history_bias
     )
-    own = pointwise_attention(q, k_tree, v_tree, visible[:, None], norm, bias=tree_bias)
+    if k_tree.shape[2] > GATHER_MIN_NODES:
+        own = pointwise_ancestor_attention(q, k_tree, v_tree, plan.ancestors, norm, tree_bias)
+    else:
+        own = pointwise_attention(q, k_tree, v_tree, plan.visible[:, None], norm, bias=tree_bias)
     return history + own
+
+
+def pointwise_ancestor_attention(
+    q: Tensor,  # [B, H, M, Dh] the last M tree nodes' queries
+    k: Tensor,  # [B, H, N, Dh] the tree's keys
+    v: Tensor,  # [B, H, N, Dh]
+    ancestors: Tensor,  # [B, M, A] the nodes each query sees (``TreePlan.ancestors``; -1: none)
+    norm: float,
+    bias: Tensor | None = None,  # one number added to every q . k
+) -> Tensor:  # [B, H, M, Dh]
+    """``pointwise_attention`` of each query over the A keys it sees, gathered: A x Dh work a
+    query instead of N x Dh over a mask."""
+    batch, heads, n, width = k.shape
+    at = ancestors.clamp_min(0) + n * torch.arange(batch, device=k.device)[:, None, None]
+    keys = k.transpose(1, 2).reshape(batch * n, heads, width)[at]  # [B, M, A, H, Dh]
+    values = v.transpose(1, 2).reshape(batch * n, heads, width)[at]
+    scores = (keys * q.transpose(1, 2)[:, :, None]).sum(-1)  # [B, M, A, H]
+    weights = F.silu(scores if bias is None else scores + bias)
+    weights = weights.masked_fill((ancestors < 0)[..., None], 0.0)
+    return ((weights[..., None] * values).sum(2) / norm).transpose(1, 2)
 
 
 def pointwise_layout_attention(

@@ -2,6 +2,8 @@
 KV-cache layout, and misuse errors. (Plan path == no-plan path over randomized shapes is checked
 in test_tree_attention.py's ``check_against_reference``.)"""
 
+import itertools
+
 import pytest
 import torch
 
@@ -28,6 +30,16 @@ def test_plan_holds_the_trees_views(n, tree_kinds, random_parents):
     assert torch.equal(plan.visible, ancestor_mask(parents))
     assert torch.equal(plan.depths, tree_depths(parents))
     assert torch.equal(plan.bits, ancestor_bitmask(parents))
+    # ancestors: each node, then its ancestors up to its root, -1 past it: the sets `visible` holds
+    for b, i in itertools.product(range(4), range(n)):
+        chain, node = [], i
+        while node >= 0:
+            chain.append(node)
+            node = int(parents[b, node])
+        row = plan.ancestors[b, i].tolist()
+        assert row == chain + [-1] * (len(row) - len(chain))
+    assert plan.ancestors.shape[2] == int(plan.depths.max()) + 1
+    assert torch.equal(prepare_tree(parents, lens, 8, queries=1).ancestors, plan.ancestors[:, -1:])
     assert plan.root_size == 8 and plan.host_root_lens == (0, 3, 7, 7)
     # The dense mask over [root[:7] | tree]: row b sees its first lens[b] root keys and its
     # ancestors; the padding mask marks root positions 0..6 past each row's length.

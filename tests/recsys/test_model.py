@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from genrec_spec.kernels import ancestor_mask
+from genrec_spec.kernels import ancestor_mask, prepare_tree
+from genrec_spec.models.recsys import attention
 from genrec_spec.models.recsys.attention import (
     pointwise_attention,
     pointwise_tree_attention,
@@ -425,12 +426,37 @@ def test_pointwise_attention_is_hstus_masked_sum():
     parents = torch.tensor([[-1, 0, 1, 1, 0]] * 2)
     lengths = torch.tensor([4, 2])
     k_root, v_root = torch.randn(2, 3, 4, 4, generator=g), torch.randn(2, 3, 4, 4, generator=g)
-    visible = ancestor_mask(parents)  # [B, N, N] itself and its ancestors
-    got = pointwise_tree_attention(q, k_root, v_root, lengths, k, v, visible, 7.0)
+    plan = prepare_tree(parents, lengths, 4)
+    got = pointwise_tree_attention(q, k_root, v_root, lengths, k, v, plan, 7.0)
     keys, values = torch.cat([k_root, k], 2), torch.cat([v_root, v], 2)
     history = (torch.arange(4) < lengths[:, None])[:, None, None, :].expand(2, 1, 5, 4)
+    visible = ancestor_mask(parents)  # [B, N, N] itself and its ancestors
     mask = torch.cat([history, visible[:, None]], 3)  # [B, 1, N, 4 + N]
     torch.testing.assert_close(got, pointwise_attention(q, keys, values, mask, 7.0))
+
+
+@pytest.mark.parametrize("queries", [None, 9])
+def test_pointwise_tree_attention_gathers_what_the_mask_shows(queries, monkeypatch):
+    """Over a tree of more than GATHER_MIN_NODES nodes each query's keys are gathered
+    (itself and its ancestors) instead of masked out of all N: the same outputs, biases
+    included, for every query or the last few (a grown tree), on rows of different shapes."""
+    g = torch.Generator().manual_seed(1)
+    n = 40
+    parents = torch.full((3, n), -1)
+    for i in range(1, n):  # row 0 a forest of roots, row 1 a chain, row 2 random shallow
+        parents[1, i] = i - 1
+        parents[2, i] = int(torch.randint(-1, i, (1,), generator=g))
+    m = queries or n
+    q = torch.randn(3, 2, m, 8, generator=g)
+    k, v = (torch.randn(3, 2, n, 8, generator=g) for _ in range(2))
+    k_root, v_root = (torch.randn(3, 2, 6, 8, generator=g) for _ in range(2))
+    lengths, bias = torch.tensor([6, 0, 3]), torch.tensor(0.3)
+    plan = prepare_tree(parents, lengths, 6, queries=queries)
+    history = torch.randn(3, 1, m, 6, generator=g)
+    args = (q, k_root, v_root, lengths, k, v, plan, 7.0, history, bias)
+    masked = pointwise_tree_attention(*args)
+    monkeypatch.setattr(attention, "GATHER_MIN_NODES", n - 1)
+    torch.testing.assert_close(pointwise_tree_attention(*args), masked)
 
 
 def test_unknown_block_is_refused():
