@@ -443,7 +443,7 @@ def test_pointwise_tree_attention_gathers_what_the_mask_shows(queries, monkeypat
     g = torch.Generator().manual_seed(1)
     n = 40
     parents = torch.full((3, n), -1)
-    for i in range(1, n):  # row 0 a forest of roots, row 1 a chain, row 2 random shallow
+    for i in range(1, n):  # row 0 a forest of roots, row 1 a chain, row 2 a random tree
         parents[1, i] = i - 1
         parents[2, i] = int(torch.randint(-1, i, (1,), generator=g))
     m = queries or n
