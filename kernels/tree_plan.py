@@ -84,14 +84,17 @@ class TreePlan:
     def ancestors(self) -> torch.Tensor:  # [B, M, A] int64: the tree nodes each query sees
         """Each query's own node, then its ancestors up the tree, -1 past its root; A is the
         deepest query's depth + 1. The few keys a node sees, for attention that gathers them
-        instead of masking all N (``visible`` holds the same sets)."""
+        instead of masking all N (``visible`` holds the same sets). Walked up from the
+        parents, a step per level (summing ``visible`` for the depths costs more on wide
+        trees: it reads all B x M x N entries)."""
         batch, n = self.parents.shape
         node = torch.arange(n - self.queries, n, device=self.parents.device).expand(batch, -1)
         chain = [node]
-        for _ in range(int(self.depths.max())):
+        while True:
             node = torch.where(node >= 0, self.parents.gather(1, node.clamp_min(0)), -1)
+            if not bool((node >= 0).any()):  # a host sync a level: shallow trees have few
+                return torch.stack(chain, dim=2)
             chain.append(node)
-        return torch.stack(chain, dim=2)
 
     @cached_property
     def bits(
