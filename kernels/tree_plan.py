@@ -41,9 +41,10 @@ class TreePlan:
 
     Built by ``prepare_tree``; tensors live on the tree's device. ``host_root_lens``,
     ``dense_mask`` and ``root_padding`` exist on CPU only (on a GPU the lengths' host copy
-    would be a sync and nothing there reads them); ``depths``, ``ancestors``, ``bits`` and the
-    dense path's masks are built on first use (pointwise attention, which reads ``visible`` or
-    ``ancestors``, never pays for the dense masks or the bits)."""
+    would be a sync and nothing there reads them); ``depths``, ``ancestors``,
+    ``ancestor_rows``, ``bits`` and the dense path's masks are built on first use (pointwise
+    attention, which reads ``visible`` or ``ancestor_rows``, never pays for the dense masks or
+    the bits)."""
 
     parents: torch.Tensor  # [B, N] int64, the tensor the plan was built from
     root_lens: torch.Tensor  # [B] int64, the tensor the plan was built from
@@ -95,6 +96,15 @@ class TreePlan:
             if not bool((node >= 0).any()):  # a host sync a level: shallow trees have few
                 return torch.stack(chain, dim=2)
             chain.append(node)
+
+    @cached_property
+    def ancestor_rows(self) -> tuple[torch.Tensor, torch.Tensor]:  # [B, M, A] int64, bool
+        """``ancestors`` as rows of the tree flattened to [B * N] (row b's node j is b * N + j;
+        -1 entries read row b's node 0) and which of them are real: what a gather over every
+        layer's keys reads, made once a pass."""
+        batch, n = self.parents.shape
+        rows = torch.arange(batch, device=self.parents.device)[:, None, None] * n
+        return self.ancestors.clamp_min(0) + rows, self.ancestors >= 0
 
     @cached_property
     def bits(

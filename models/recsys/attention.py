@@ -237,7 +237,7 @@ def pointwise_tree_attention(
         q, k_root, v_root, seen[:, None, None, :], norm, bias=history_bias
     )
     if k_tree.shape[2] > GATHER_MIN_NODES:
-        own = pointwise_ancestor_attention(q, k_tree, v_tree, plan.ancestors, norm, tree_bias)
+        own = pointwise_ancestor_attention(q, k_tree, v_tree, *plan.ancestor_rows, norm, tree_bias)
     else:
         own = pointwise_attention(q, k_tree, v_tree, plan.visible[:, None], norm, bias=tree_bias)
     return history + own
@@ -247,19 +247,21 @@ def pointwise_ancestor_attention(
     q: Tensor,  # [B, H, M, Dh] the last M tree nodes' queries
     k: Tensor,  # [B, H, N, Dh] the tree's keys
     v: Tensor,  # [B, H, N, Dh]
-    ancestors: Tensor,  # [B, M, A] the nodes each query sees (``TreePlan.ancestors``; -1: none)
+    # [B, M, A] each: the nodes each query sees as rows of [B * N], and which are real
+    # (``TreePlan.ancestor_rows``, made once a pass for every layer)
+    rows: Tensor,
+    real: Tensor,
     norm: float,
     bias: Tensor | None = None,  # one number added to every q . k
 ) -> Tensor:  # [B, H, M, Dh]
     """``pointwise_attention`` of each query over the A keys it sees, gathered: A x Dh work a
     query instead of N x Dh over a mask."""
     batch, heads, n, width = k.shape
-    at = ancestors.clamp_min(0) + n * torch.arange(batch, device=k.device)[:, None, None]
-    keys = k.transpose(1, 2).reshape(batch * n, heads, width)[at]  # [B, M, A, H, Dh]
-    values = v.transpose(1, 2).reshape(batch * n, heads, width)[at]
+    keys = k.transpose(1, 2).reshape(batch * n, heads, width)[rows]  # [B, M, A, H, Dh]
+    values = v.transpose(1, 2).reshape(batch * n, heads, width)[rows]
     scores = (keys * q.transpose(1, 2)[:, :, None]).sum(-1)  # [B, M, A, H]
     weights = F.silu(scores if bias is None else scores + bias)
-    weights = weights.masked_fill((ancestors < 0)[..., None], 0.0)
+    weights = weights.masked_fill(~real[..., None], 0.0)
     return ((weights[..., None] * values).sum(2) / norm).transpose(1, 2)
 
 

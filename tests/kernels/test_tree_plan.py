@@ -39,6 +39,9 @@ def test_plan_holds_the_trees_views(n, tree_kinds, random_parents):
         row = plan.ancestors[b, i].tolist()
         assert row == chain + [-1] * (len(row) - len(chain))
     assert plan.ancestors.shape[2] == int(plan.depths.max()) + 1
+    rows, real = plan.ancestor_rows  # the same nodes as rows of the [B * N] flattened tree
+    assert torch.equal(real, plan.ancestors >= 0)
+    assert torch.equal(rows[real], (plan.ancestors + n * torch.arange(4)[:, None, None])[real])
     assert torch.equal(prepare_tree(parents, lens, 8, queries=1).ancestors, plan.ancestors[:, -1:])
     assert plan.root_size == 8 and plan.host_root_lens == (0, 3, 7, 7)
     # The dense mask over [root[:7] | tree]: row b sees its first lens[b] root keys and its
