@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import math
 import os
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from genrec_spec.machine import finish
+from genrec_spec.machine import cpu_flags, cpu_model, finish
 from genrec_spec.models.recsys.config import RecommenderConfig
 from genrec_spec.models.recsys.item_scores import item_log_likelihoods
 from genrec_spec.models.recsys.layout import train_layout
@@ -75,6 +76,14 @@ def train(
     state_file = resume_path(out)
     check_resume_request(state_file, resume=resume, overwrite=overwrite)
     run = start_run(data_dir, model_config, config)
+    if run.rank == 0 and slow_bf16(config, run.device):
+        print(
+            f"warning: train.precision bf16 on a CPU without bf16 instructions ({cpu_model()}, "
+            f"flags {' '.join(cpu_flags())}) runs several times slower than fp32; "
+            "set train.precision to fp32 here",
+            file=sys.stderr,
+            flush=True,
+        )
     progress = _resume_or_start(run, state_file, resume)
     start_time = time.perf_counter() - progress.elapsed_s
     valid_rows = _validation_rows(run.data.valid, config)[run.rank :: run.world]
@@ -238,6 +247,14 @@ def train_step(run: TrainRun, users: torch.Tensor) -> dict[str, torch.Tensor]:
     run.optimizer.step()
     run.done_steps += 1
     return losses
+
+
+def slow_bf16(config: TrainConfig, device: torch.device) -> bool:
+    """Whether bf16 autocast is asked of a CPU that has no bf16 instructions (AVX512-BF16 or
+    AMX), where its products are emulated: several times slower than fp32 (measured:
+    docs/results/recsys-quality.md, bf16 autocast)."""
+    native = {"avx512_bf16", "amx_bf16"} & set(cpu_flags())
+    return config.precision == "bf16" and device.type == "cpu" and not native
 
 
 def synchronized_time(run: TrainRun) -> float:

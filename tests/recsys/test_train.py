@@ -138,6 +138,25 @@ def test_bf16_training_lowers_loss(tiny_prepared, tmp_path):
     assert losses[-1] < losses[0] - 0.3 and manifest["train_config"]["precision"] == "bf16"
 
 
+@pytest.mark.parametrize(
+    "flags, precision, device, slow",
+    [
+        (("avx", "avx2", "fma"), "bf16", "cpu", True),
+        (("avx2", "avx512f", "avx512_bf16"), "bf16", "cpu", False),
+        (("avx2", "amx_tile", "amx_bf16"), "bf16", "cpu", False),
+        (("avx", "avx2", "fma"), "fp32", "cpu", False),
+        (("avx", "avx2", "fma"), "bf16", "cuda", False),
+    ],
+)
+def test_bf16_on_a_cpu_without_bf16_instructions_is_flagged(
+    flags, precision, device, slow, monkeypatch
+):
+    """Emulated bf16 products train several times slower than fp32: the trainer warns."""
+    monkeypatch.setattr(trainer, "cpu_flags", lambda: flags)
+    config = TrainConfig(precision=precision)
+    assert trainer.slow_bf16(config, torch.device(device)) is slow
+
+
 def test_validation_from_a_later_epoch(tiny_prepared, tmp_path):
     """`train.valid_from`: the epochs before it train only; the best epoch, its weights and the
     patience count come from the validated ones (the last is always among them)."""
