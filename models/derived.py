@@ -5,6 +5,9 @@ A prepacked copy of a weight (`llama.linear`), the valid-ID trie of a model's it
 graph (`recsys.rpg`): each is too costly to rebuild on every decode call, depends only on a few
 tensors, and must follow them when an optimiser step or `load_state_dict` rewrites them in place
 (both bump the version counter) or when they are replaced (another storage).
+
+Values are built outside inference mode (and without autograd), so a value first asked for by a
+decoder (which runs in inference mode) is an ordinary tensor that training may still use.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ class DerivedCache:
         key = ([(t._version, t.data_ptr()) for t in sources], extra)
         cached = self._values.get(owner)
         if cached is None or cached[0] != key:
-            cached = (key, build())
+            # An inference tensor could not be updated in place, nor saved for backward, later
+            with torch.inference_mode(False), torch.no_grad():
+                cached = (key, build())
             self._values[owner] = cached
         return cached[1]

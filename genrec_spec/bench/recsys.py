@@ -170,7 +170,7 @@ def _timed(decode, model, users, k, trie):
     return time.perf_counter() - start, time.thread_time() - cpu, out
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def _timed_floor(name: str, model, users, prefixes: PrefixTree) -> float:
     """Wall seconds of one floor's work (module docstring) for `users`."""
     times = users.history_times()
@@ -190,7 +190,7 @@ def needed_prefixes(model, users, trie, width: int) -> PrefixTree:
     1..L-1 with a choice of next code: `TrieIndex.to_score`), with their ancestors, as one tree
     per row."""
     index = TrieIndex.of(trie)
-    with torch.no_grad():
+    with torch.inference_mode():
         state = model.encode_history(users.values, users.offsets, users.history_times())
         history, _, _ = search(model, state, trie, width)
     nodes = torch.cat([beams.nodes for beams in history[:-1]], dim=1)  # [B, (L-1) W]

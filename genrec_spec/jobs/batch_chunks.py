@@ -67,7 +67,7 @@ class ChunkDecoder:
         self.decode = get_decoder(decoder)
         self.trie = item_trie(model)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def __call__(
         self, values: Tensor, offsets: Tensor, times: HistoryTimes | None = None
     ) -> Recommendations:  # values [M], offsets [B+1]

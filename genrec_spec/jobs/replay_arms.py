@@ -104,7 +104,7 @@ class ArmRun:
     invalid_items: int  # list entries outside the catalogue or repeated (0 for a correct decoder)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def replay(
     models: tuple, arms: tuple[Arm, Arm], events: Events, k: int, batch_size: int
 ) -> tuple[ArmRun, ArmRun, Tensor]:  # A, B, batch_offsets [NB+1] int64

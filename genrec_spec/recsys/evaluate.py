@@ -57,7 +57,7 @@ class EvaluateConfig:
     exclude_history: bool = False  # leave the history items the model reads out of the lists
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def evaluate(
     model,  # SemanticIdRecommender
     histories,  # recsys.data.Histories of a split with targets

@@ -55,6 +55,7 @@ from genrec_spec.recsys.decoders.beam import item_trie
 from genrec_spec.recsys.decoders.registry import get_decoder
 from genrec_spec.recsys.errors import RecommendInputError
 from genrec_spec.recsys.history_cache import CachedRecommender, HistoryCache
+from genrec_spec.recsys.inference import inference
 from genrec_spec.recsys.types import Recommendations
 
 MAP_IDS = "map raw ids to item indices (items.parquet item_index) first"
@@ -128,7 +129,7 @@ def drop_excluded(
     return items, scores
 
 
-@torch.no_grad()
+@inference
 def recommend(
     model,  # SemanticIdRecommender
     histories: Sequence[Sequence[int]] | tuple[Tensor, Tensor],

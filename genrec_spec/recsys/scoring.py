@@ -35,6 +35,7 @@ from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.recsys.errors import RecommenderInputError
 from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.decoders.beam import item_trie
+from genrec_spec.recsys.inference import inference
 
 _INDEXES = DerivedCache()  # PrefixTrie -> its TrieIndex
 _ITEM_PREFIXES = DerivedCache()  # PrefixTrie -> its items' prefix nodes
@@ -244,7 +245,7 @@ def check_candidates(model, candidates: Tensor, batch: int) -> None:
         )
 
 
-@torch.no_grad()
+@inference
 def score(
     model,  # SemanticIdRecommender
     values: Tensor,  # [M] int64 history item indices, oldest first within a row

@@ -208,7 +208,7 @@ class Retriever:
             )
         return list(request.history_times), now
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def run(self, key: BatchKey, queries: Sequence[Query]) -> tuple[list[dict], dict]:
         """Answers (response fields but latency) for a batch of queries of one key, and the
         decoder call's stats (with a history cache: how many of the batch's histories it served

@@ -211,3 +211,24 @@ def test_the_tree_of_some_beams_holds_them_and_their_ancestors(model):
         assert torch.equal(last[real], current.code[scored])
         assert bool((levels[:, -picked.shape[1] :][real] == depth - 1).all())
         assert bool((parents[:, -picked.shape[1] :][real] >= 0).all()) == (depth > 1)
+
+
+def test_decoders_run_in_inference_mode_and_return_ordinary_tensors(model, monkeypatch):
+    modes = []
+    encode = model.encode_history
+
+    def recording(*args, **kwargs):
+        modes.append(torch.is_inference_mode_enabled())
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(model, "encode_history", recording)
+    values, offsets = _histories(model, [3, 5], seed=1)
+    out = beam.decode(model, values, offsets, k=3, trie=beam.item_trie(model), beam_width=4)
+    assert modes == [True]  # no autograd bookkeeping in the decode
+    # What it returns, and the trie it cached, can be changed in place and used in autograd.
+    assert not out.items.is_inference() and not out.scores.is_inference()
+    assert not beam.item_trie(model).leaf_items.is_inference()
+    out.scores.clamp_(min=-1e9)
+    weights = torch.ones(out.scores.shape, requires_grad=True)
+    (weights * out.scores).sum().backward()
+    assert torch.equal(weights.grad, out.scores)

@@ -32,6 +32,7 @@ from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.errors import DecodeOptionError
+from genrec_spec.recsys.inference import inference
 from genrec_spec.recsys.target import (
     context_to_score,
     core_beam,
@@ -275,7 +276,7 @@ def search(
     return history, passes, nodes_scored
 
 
-@torch.no_grad()
+@inference
 def decode(
     model,  # SemanticIdRecommender
     values: Tensor,  # [M] int64 history item indices, oldest first within a row

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
@@ -32,6 +31,7 @@ from genrec_spec.models.recsys.blocks import HistoryState
 from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.decoders.heads import rank_catalogue, whole_catalogue
 from genrec_spec.recsys.errors import DecodeOptionError
+from genrec_spec.recsys.inference import inference
 from genrec_spec.recsys.item_index import (
     ItemIndexConfig,
     exact_top_items,
@@ -66,7 +66,7 @@ def item_log_probs(model, state: HistoryState) -> Tensor:  # [B, I]
     return model.item_scores(state.hidden).log_softmax(dim=-1)
 
 
-@torch.no_grad()
+@inference
 def decode(
     model,  # SemanticIdRecommender trained with the item objective
     values: Tensor,  # [M] int64 item indices of B histories, oldest first
@@ -93,7 +93,7 @@ def decode(
     return rank_catalogue(model, values, offsets, k, trie, indexed, times)
 
 
-@torch.no_grad()
+@inference
 def index_recall(
     model,  # SemanticIdRecommender trained with the item objective
     values: Tensor,  # [M] int64 item indices of B histories, oldest first

@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
@@ -36,6 +35,7 @@ from genrec_spec.models.recsys.blocks import HistoryState
 from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.decoders.beam import beam_width_for, check_trie
 from genrec_spec.recsys.errors import DecodeOptionError
+from genrec_spec.recsys.inference import inference
 from genrec_spec.recsys.types import Recommendations, RecommendStats
 
 LEVEL0_SOURCES = ("auto", "backbone", "head")
@@ -82,7 +82,7 @@ def item_scores(
     return score
 
 
-@torch.no_grad()
+@inference
 def decode(
     model,  # SemanticIdRecommender
     values: Tensor,  # [M] int64 item indices of B histories, oldest first

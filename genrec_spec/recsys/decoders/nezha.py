@@ -35,6 +35,7 @@ from genrec_spec.recsys.decoders.beam import (
     start_beams,
 )
 from genrec_spec.recsys.errors import DecodeOptionError
+from genrec_spec.recsys.inference import inference
 from genrec_spec.recsys.types import Recommendations, RecommendStats
 
 
@@ -92,7 +93,7 @@ def search(
     return items, scores, draft_nodes
 
 
-@torch.no_grad()
+@inference
 def decode(
     model,  # SemanticIdRecommender with a draft head
     values: Tensor,  # [M] int64 item indices of B histories, oldest first

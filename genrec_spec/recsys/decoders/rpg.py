@@ -48,6 +48,7 @@ from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.decoders.heads import check_decode_args
 from genrec_spec.recsys.errors import DecodeOptionError
+from genrec_spec.recsys.inference import inference
 from genrec_spec.recsys.types import Recommendations, RecommendStats
 
 MODES = ("auto", "graph", "exact")
@@ -216,7 +217,7 @@ def graph_walk(
     return beam, beam_scores, {"graph_steps": taken, "items_scored_per_user": scored}
 
 
-@torch.no_grad()
+@inference
 def decode(
     model,  # SemanticIdRecommender with long-ID heads
     values: Tensor,  # [M] int64 item indices of B histories, oldest first

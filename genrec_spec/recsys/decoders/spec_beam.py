@@ -85,6 +85,7 @@ from genrec_spec.recsys.drafters import (
     draft_member,
 )
 from genrec_spec.recsys.errors import DecodeOptionError
+from genrec_spec.recsys.inference import inference
 from genrec_spec.recsys.item_index import use_index
 from genrec_spec.recsys.scoring import (
     NodeSet,
@@ -251,7 +252,7 @@ def same_top_k(
     return (close & found).all(dim=1)
 
 
-@torch.no_grad()
+@inference
 def decode(
     model,  # SemanticIdRecommender
     values: Tensor,  # [M] int64 history item indices, oldest first within a row
