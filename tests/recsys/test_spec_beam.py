@@ -95,6 +95,7 @@ def test_spec_beam_equals_beam(
                 draft=draft,
                 lookahead=lookahead,
                 engine=engine,
+                plain_from="never",  # speculative in every step (12 users x 45 beams)
             )
             assert same_top_k(want, got).all(), (k, width, draft, lookahead)
             assert got.stats.target_passes == passes[levels]
@@ -128,6 +129,7 @@ def test_post_history_draft_equals_beam(
                 draft_width=draft_width,
                 lookahead=lookahead,
                 engine=engine,
+                plain_from="never",  # speculative in every step (12 users x 45 beams)
             )
             assert same_top_k(want, got).all(), (k, width, draft_width, lookahead)
             assert 2 <= got.stats.target_passes <= model.num_levels
@@ -179,7 +181,8 @@ def test_forced_codes_cost_nothing(monkeypatch, random_recommender, uneven_histo
             ("frontier", "none", "nezha", "items"), beam.ENGINES
         ):
             got = spec_beam.decode(model, values, offsets, k=k, trie=trie, beam_width=width,
-                                   draft=draft, lookahead=0, engine=engine)  # fmt: skip
+                                   draft=draft, lookahead=0, engine=engine,
+                                   plain_from="never")  # fmt: skip
             assert same_top_k(want, got).all(), (k, width, draft, engine)
 
 
@@ -264,6 +267,28 @@ def test_bad_options_raise(random_recommender, uneven_histories):
     for bad in (-1, 1.5, "2"):
         with pytest.raises(DecodeOptionError, match="lookahead must be an integer >= 0"):
             spec_beam.decode(model, values, offsets, k=3, trie=trie, lookahead=bad)
+    for bad in (0, True, 2.5, "sometimes"):
+        with pytest.raises(DecodeOptionError, match='plain_from must be "auto", "never" or a'):
+            spec_beam.decode(model, values, offsets, k=3, trie=trie, plain_from=bad)
+
+
+@pytest.mark.parametrize("engine", beam.ENGINES)
+def test_wide_steps_decode_as_beam(engine, random_recommender, uneven_histories):
+    """From `plain_from` beams a step (batch x width) the decode is `beam`'s, passes and all (no
+    draft); below it, speculative. "auto" is PLAIN_FROM_CPU beams on a CPU."""
+    model = _random_model(random_recommender, 3, (5, 4, 3), 80)
+    trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+    values, offsets = uneven_histories(model, users=6, seed=2)  # 6 rows x 10 beams: 60
+    want = beam.decode(model, values, offsets, k=5, trie=trie, beam_width=10, engine=engine)
+    for plain_from, plain in ((60, True), (61, False), ("never", False), ("auto", False)):
+        got = spec_beam.decode(model, values, offsets, k=5, trie=trie, beam_width=10,
+                               draft="frontier", engine=engine, plain_from=plain_from)  # fmt: skip
+        assert same_top_k(want, got).all()
+        assert (got.stats.draft_nodes is None) == plain, plain_from
+        assert (got.stats.target_passes == want.stats.target_passes) == plain, plain_from
+    assert spec_beam.runs_plain("auto", spec_beam.PLAIN_FROM_CPU, torch.device("cpu"))
+    assert not spec_beam.runs_plain("auto", spec_beam.PLAIN_FROM_CPU - 1, torch.device("cpu"))
+    assert not spec_beam.runs_plain("auto", 10**6, torch.device("cuda"))  # no device needed
 
 
 @pytest.fixture(scope="session")
@@ -305,7 +330,8 @@ def test_spec_beam_equals_beam_on_trained_ml100k(ml100k_model, ml100k_dir):
             want = beam.decode(model, part.values, part.offsets, k=k, trie=trie, beam_width=width)
             for engine in beam.ENGINES:
                 got = spec_beam.decode(model, part.values, part.offsets, k=k, trie=trie,
-                                       beam_width=width, draft=draft, engine=engine)  # fmt: skip
+                                       beam_width=width, draft=draft, engine=engine,
+                                       plain_from="never")  # fmt: skip
                 assert same_top_k(want, got).all()
                 assert got.stats.target_passes < want.stats.target_passes
 

@@ -1,7 +1,8 @@
 """Lossless speculative beam search over Semantic IDs: `beam`'s exact top-K in fewer passes.
 
     decode(model, values, offsets, *, k, trie, beam_width=None, draft="auto", draft_items=None,
-           lookahead=None, draft_width=None, item_search="auto", engine="native") -> Recommendations
+           lookahead=None, draft_width=None, item_search="auto", engine="native",
+           plain_from="auto") -> Recommendations
 
 Trie-constrained beam search needs, at level l, the target's log-probs of level l at each of the
 W beams (prefixes of length l). Which prefixes those are is known only after level l - 1 was
@@ -46,8 +47,11 @@ What it saves is sequential passes; what it pays is the drafted nodes and the dr
 On a CPU a tree node costs real compute (its feed-forward, attention and the tied levels' item
 windows) and a pass little more than its nodes, so the gain is largest at batch 1 and with wide
 beams, and in large batches the drafted nodes can cost more than the saved passes; it pays most
-where a pass's fixed cost dominates a node's (an accelerator). `genrec-spec bench recsys`
-measures it, with the exact floor no exact decoder can beat (docs/results).
+where a pass's fixed cost dominates a node's (an accelerator). In a wide step (many rows times
+many beams) some row misses the draft at every level, so the follow-ups save no pass at all:
+from `plain_from` beams a step (batch x width; by default `PLAIN_FROM_CPU` on a CPU) the decode
+runs as `beam`. `genrec-spec bench recsys` measures it, with the exact floor no exact decoder
+can beat (docs/results).
 
 Stats (`RecommendStats`): target_passes, nodes_scored (real tree nodes over all passes),
 draft_nodes (prefixes drafted), draft_hit_rate (needed prefixes that some draft proposed),
@@ -76,6 +80,7 @@ from genrec_spec.recsys.decoders.beam import (
     finish,
     start_beams,
 )
+from genrec_spec.recsys.decoders.beam import decode as plain_beam
 from genrec_spec.recsys.decoders.dense import check_item_objective
 from genrec_spec.recsys.decoders.nezha import draft_head_of
 from genrec_spec.recsys.drafters import (
@@ -116,6 +121,32 @@ class SpecBeamConfig:
     # missing prefixes; 1: their children; L - 2: all the decode can still need). None: 0 with
     # a draft made after the history pass (follow-ups for its misses only), else 1.
     lookahead: int | None = None
+    # Beams a step (batch x width) from which a decode runs as `beam` (the same lists): in wide
+    # steps some row misses the draft at every level, so the follow-ups save no pass while the
+    # drafted nodes cost. "auto": PLAIN_FROM_CPU beams on a CPU, never on another device (on a
+    # GPU the measured crossover did not follow the batch); a number: that many on any
+    # device; "never".
+    plain_from: int | str = "auto"
+
+
+# Measured on a 2-core AMD EPYC (docs/results/recsys-speed.md, "spec_beam in batches"): drafting
+# lost from 8-16 rows at W=20 and W=100, from 4-8 at W=50 and W=200.
+PLAIN_FROM_CPU = 512
+
+
+def runs_plain(plain_from: int | str, beams: int, device: torch.device) -> bool:
+    """Whether a decode of `beams` beams a step (batch x width) on `device` runs as `beam`;
+    raises on a bad `plain_from`."""
+    if plain_from == "auto":
+        return device.type == "cpu" and beams >= PLAIN_FROM_CPU
+    if plain_from == "never":
+        return False
+    if isinstance(plain_from, bool) or not isinstance(plain_from, int) or plain_from < 1:
+        raise DecodeOptionError(
+            f'plain_from must be "auto", "never" or a number of beams >= 1, got {plain_from!r}',
+            'leave it unset ("auto"), or pass e.g. plain_from=1024',
+        )
+    return beams >= plain_from
 
 
 def resolve_draft(model, draft: str) -> str:
@@ -269,6 +300,8 @@ def decode(
     # "native": this module's search, a level at a time; "core": the engine's beam_search with
     # these drafts as its drafter (`recsys.drafters`), the same lists
     engine: str = "native",
+    # beams a step (batch x width) from which it decodes as `beam` (SpecBeamConfig.plain_from)
+    plain_from: int | str = SpecBeamConfig.plain_from,
     times: HistoryTimes | None = None,  # a time-aware model's (`models.recsys.times`)
 ) -> Recommendations:
     start_time = time.perf_counter()
@@ -282,6 +315,10 @@ def decode(
     if draft_items is not None:
         check_candidates(model, draft_items, batch)
         draft_codes = model.item_codes[draft_items]
+    if runs_plain(plain_from, batch * width, values.device):
+        return plain_beam(
+            model, values, offsets, k=k, trie=trie, beam_width=width, engine=engine, times=times
+        )
     if engine == "core":
         target, catalogue = core_target(model)
         drafter = RecommenderDrafter(
