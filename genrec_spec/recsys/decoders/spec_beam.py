@@ -130,7 +130,7 @@ class SpecBeamConfig:
 
 
 # Measured on a 2-core AMD EPYC (docs/results/recsys-speed.md, "spec_beam in batches"): drafting
-# lost from 8-16 rows at W=20 and W=100, from 4-8 at W=50 and W=200.
+# lost from 16 rows at W=20 and W=100, from 8 at W=50, and broke even at 4 at W=200.
 PLAIN_FROM_CPU = 512
 
 
