@@ -78,6 +78,10 @@ class TreePlan:
         return self.visible.shape[1]
 
     @cached_property
+    def root_visible(self) -> torch.Tensor:  # [B, S] bool: the real root keys of each row
+        return torch.arange(self.root_size, device=self.root_lens.device) < self.root_lens[:, None]
+
+    @cached_property
     def depths(self) -> torch.Tensor:  # [B, M] int64: each query's ancestors (position past root)
         return self.visible.sum(dim=-1) - 1
 

@@ -79,6 +79,28 @@ def own_bias(tables: BiasTables | None) -> Tensor | None:
     return position[0] if time is None else position[0] + time[0]
 
 
+def tree_biases(
+    tables: list[BiasTables | None], distance: Tensor | None, gap: Tensor | None = None
+) -> list[tuple[Tensor, Tensor] | None]:
+    """Every block's biases of a tree pass, each block's (`relative_bias` of the nodes' pairs
+    with the history keys [B, 1, 1, S], `own_bias`), from its tables (None for blocks without):
+    the blocks' tables are stacked and read in one lookup a kind, where a lookup a block made a
+    tree pass of a deep model tens of small calls. ``distance`` and ``gap`` [B, 1, S] as
+    `relative_bias` takes them."""
+    if tables[0] is None:
+        return [None] * len(tables)
+    position = torch.stack([table[0] for table in tables])  # [layers, R]
+    history = position[:, distance.clamp(0, position.shape[1] - 1)]  # [layers, B, 1, S]
+    own = position[:, 0]  # [layers]
+    if tables[0][1] is not None:
+        if gap is None:  # the model checks its inputs' times; this guards callers
+            raise ValueError("a time bias needs the pairs' time buckets")
+        time = torch.stack([table[1] for table in tables])  # [layers, 129]
+        history = history + time[:, gap]
+        own = own + time[:, 0]
+    return list(zip(history.unsqueeze(-3).unbind(0), own.unbind(0), strict=True))
+
+
 def tree_distance(root_lens: Tensor, root_size: int) -> Tensor:  # [B] -> [B, 1, S]
     """Each tree node's distance to each of its row's S history keys: nodes sit at the position
     of the item they spell, root_lens (a pass builds it once for all its layers)."""
@@ -109,14 +131,12 @@ class SoftmaxRule:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, is_causal=causal)
 
     def tree(
-        self, q, k_root, v_root, root_lens, k_tree, v_tree, plan, tables=None, distance=None,
-        gap=None,
+        self, q, k_root, v_root, root_lens, k_tree, v_tree, plan, biases=None
     ) -> Tensor:  # fmt: skip
         """Tree nodes ([B, H, M, Dh]) over a row's history keys and values ([B, H, S, Dh],
         root_lens [B] real) and the tree's own ([B, H, N, Dh]), with the pass's ``TreePlan``;
-        ``tables`` the block's relative bias tables (`Attend`), ``distance`` and ``gap`` ([B, 1,
-        S] each, built once a pass) each node's distance and time bucket to each history key."""
-        _no_bias(tables)
+        ``biases`` the block's (`tree_biases`: over the history keys, and over its own)."""
+        _no_bias(biases)
         return tree_attention(
             q, k_root, v_root, root_lens, k_tree, v_tree, plan.parents,
             backend=self.backend, plan=plan,
@@ -149,17 +169,16 @@ class PointwiseRule:
         return pointwise_attention(q, k, v, visible, self.norm, causal, bias)
 
     def tree(
-        self, q, k_root, v_root, root_lens, k_tree, v_tree, plan, tables=None, distance=None,
-        gap=None,
+        self, q, k_root, v_root, root_lens, k_tree, v_tree, plan, biases=None
     ) -> Tensor:  # fmt: skip
         """As ``SoftmaxRule.tree``; reads only the plan's visibility. Every node sits at its
-        row's position root_lens (the next item's), so ``distance`` is root_lens - j to history
-        key j (`tree_distance`) and its distance to its ancestors 0; it asks for its row's
-        query time (``gap``), as its ancestors do."""
+        row's position root_lens (the next item's), so its distance to history key j is
+        root_lens - j (`tree_distance`) and to its ancestors 0; it asks for its row's query
+        time, as its ancestors do (the distances and buckets of `tree_biases`)."""
+        history, own = biases or (None, None)
         return pointwise_tree_attention(
-            q, k_root, v_root, root_lens, k_tree, v_tree, plan, self.norm,
-            relative_bias(tables, distance, gap), own_bias(tables),
-        )  # fmt: skip
+            q, k_root, v_root, k_tree, v_tree, plan, self.norm, history, own
+        )
 
     def layout(self, layout: TrainLayout, dtype: torch.dtype) -> Attend:
         """Attention under a training layout's visibility, read from its structure
@@ -212,7 +231,7 @@ def pointwise_attention(
     if causal:
         weights = weights.tril()
     if visible is not None:
-        weights = weights.masked_fill(~visible, 0.0)
+        weights = torch.where(visible, weights, 0.0)
     return (weights @ v) / norm
 
 
@@ -220,10 +239,9 @@ def pointwise_tree_attention(
     q: Tensor,  # [B, H, M, Dh] the last M tree nodes' queries
     k_root: Tensor,  # [B, H, S, Dh] the history's keys (finite in the padding)
     v_root: Tensor,  # [B, H, S, Dh]
-    root_lens: Tensor,  # [B] real history keys per row
     k_tree: Tensor,  # [B, H, N, Dh]
     v_tree: Tensor,  # [B, H, N, Dh]
-    plan: TreePlan,  # the tree's (``kernels.prepare_tree``): which nodes each query sees
+    plan: TreePlan,  # the tree's (``kernels.prepare_tree``): which keys each query sees
     norm: float,
     history_bias: Tensor | None = None,  # [B, 1, M or 1, S] added to q . k of the history keys
     tree_bias: Tensor | None = None,  # one number added to q . k of the tree's own keys
@@ -232,9 +250,8 @@ def pointwise_tree_attention(
     tree-attention op's visibility, ``kernels.tree_attention``), as two sums. A node sees
     itself and at most a few ancestors: over a tree of more than ``GATHER_MIN_NODES`` nodes
     their keys are gathered (``pointwise_ancestor_attention``), below it all N are masked."""
-    seen = torch.arange(k_root.shape[2], device=q.device) < root_lens[:, None]  # [B, S]
     history = pointwise_attention(
-        q, k_root, v_root, seen[:, None, None, :], norm, bias=history_bias
+        q, k_root, v_root, plan.root_visible[:, None, None, :], norm, bias=history_bias
     )
     if k_tree.shape[2] > GATHER_MIN_NODES:
         own = pointwise_ancestor_attention(q, k_tree, v_tree, *plan.ancestor_rows, norm, tree_bias)

@@ -62,6 +62,10 @@ class Block(nn.Module):
         )
         self.drop = nn.Dropout(config.dropout)
 
+    def bias_tables(self) -> None:
+        """A transformer block has no relative bias (`HstuBlock.bias_tables`)."""
+        return None
+
     def forward(self, x: Tensor, attend, keep: Tensor | None = None) -> Tensor:
         """x: [B, N, D] -> [B, N, D]. With `keep` ([B, N'] token indices) -> [B, N', D]: only
         those tokens' outputs, their queries attending over every token's keys and values (a
@@ -96,13 +100,17 @@ class HstuBlock(nn.Module):
         if config.time_bias:
             self.time_bias = nn.Parameter(torch.randn(NUM_TIME_BUCKETS + 1) * 0.02)
 
+    def bias_tables(self) -> tuple[Tensor, Tensor | None] | None:
+        """The relative bias tables (`attention.BiasTables`: position, time or None), None
+        without a bias."""
+        return None if self.relative_bias is None else (self.relative_bias, self.time_bias)
+
     def forward(self, x: Tensor, attend, keep: Tensor | None = None) -> Tensor:
         """As `Block.forward`."""
         u, v, q, k = F.silu(self.uvqk(self.norm1(x))).chunk(4, dim=-1)  # [B, N, D] each
         q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))
         x, q, u = _kept(keep, x, q, u)
-        tables = None if self.relative_bias is None else (self.relative_bias, self.time_bias)
-        out = attend(q, k, v, tables)  # [B, H, N', Dh]
+        out = attend(q, k, v, self.bias_tables())  # [B, H, N', Dh]
         out = out.transpose(1, 2).flatten(2)  # [B, N', D]
         return x + self.drop(self.proj(self.norm2(out) * u))
 

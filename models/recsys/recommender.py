@@ -44,6 +44,7 @@ from genrec_spec.models.recsys.attention import (
     PointwiseRule,
     SoftmaxRule,
     relative_bias,
+    tree_biases,
     tree_distance,
 )
 from genrec_spec.models.recsys.blocks import Block, HistoryState, HstuBlock
@@ -368,6 +369,8 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
             gaps = time_gaps(query_times, key_times)  # [B, T, T]
             # A row's last token and its tree nodes ask for the row's query time.
             query_gaps = time_gaps(times.query[:, None], key_times)  # [B, 1, T]
+        # the tree nodes' biases in every block, looked up once (the blocks' `table`s)
+        node_biases = tree_biases(self._bias_tables(), below, query_gaps) if nodes else None
 
         def attend(q: Tensor, k: Tensor, v: Tensor, table: Tensor | None) -> Tensor:
             k_hist, v_hist = k[:, :, :tokens], v[:, :, :tokens]  # k, v: [B, H, T + N, Dh]
@@ -390,7 +393,7 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
                 return out
             tree = self.attention_rule.tree(
                 q[:, :, first:], k_hist, v_hist, lengths, k[:, :, tokens:], v[:, :, tokens:], plan,
-                table, below, query_gaps,
+                node_biases[len(keys) - 1],  # this block's: it appended its keys above
             )  # fmt: skip
             return torch.cat([out, tree], dim=2)
 
@@ -520,12 +523,14 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
         below = (  # [B, 1, S] for the blocks' relative position bias
             tree_distance(state.lengths, state.keys.shape[3]) if self.config.relative_bias else None
         )
+        # every block's biases, looked up once (each block hands `attend` its tables)
+        biases = tree_biases(self._bias_tables(), below, state.query_gaps)
         for layer, block in enumerate(self.blocks):
 
             def attend(q, k, v, table, layer: int = layer) -> Tensor:
                 return self.attention_rule.tree(
-                    q, state.keys[layer], state.values[layer], state.lengths, k, v, plan, table,
-                    below, state.query_gaps,
+                    q, state.keys[layer], state.values[layer], state.lengths, k, v, plan,
+                    biases[layer],
                 )  # fmt: skip
 
             x = block(x, attend)
@@ -536,6 +541,10 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
         return self._next_level_log_probs(
             self.norm(x[:, wanted]), levels[:, wanted], prefixes, state.hidden
         )
+
+    def _bias_tables(self) -> list:
+        """Each block's relative bias tables (`attention.BiasTables`), None without."""
+        return [block.bias_tables() for block in self.blocks]
 
     def _tree_plan(self, parents: Tensor, lengths: Tensor, root_size: int):
         """The tree-attention plan of a forward, checked and masked once for all layers. The

@@ -427,12 +427,31 @@ def test_pointwise_attention_is_hstus_masked_sum():
     lengths = torch.tensor([4, 2])
     k_root, v_root = torch.randn(2, 3, 4, 4, generator=g), torch.randn(2, 3, 4, 4, generator=g)
     plan = prepare_tree(parents, lengths, 4)
-    got = pointwise_tree_attention(q, k_root, v_root, lengths, k, v, plan, 7.0)
+    got = pointwise_tree_attention(q, k_root, v_root, k, v, plan, 7.0)
     keys, values = torch.cat([k_root, k], 2), torch.cat([v_root, v], 2)
     history = (torch.arange(4) < lengths[:, None])[:, None, None, :].expand(2, 1, 5, 4)
     visible = ancestor_mask(parents)  # [B, N, N] itself and its ancestors
     mask = torch.cat([history, visible[:, None]], 3)  # [B, 1, N, 4 + N]
     torch.testing.assert_close(got, pointwise_attention(q, keys, values, mask, 7.0))
+
+
+def test_tree_biases_are_each_blocks_own():
+    """A tree pass looks up every block's biases at once: each block's pair is what
+    `relative_bias` and `own_bias` give from its own tables, with and without a time table."""
+    g = torch.Generator().manual_seed(2)
+    distance = torch.randint(-2, 9, (3, 1, 6), generator=g)  # past both ends of the table
+    gap = torch.randint(0, 5, (3, 1, 6), generator=g)
+    for timed in (False, True):
+        tables = [
+            (torch.randn(7, generator=g), torch.randn(5, generator=g) if timed else None)
+            for _ in range(4)
+        ]
+        for table, (history, own) in zip(
+            tables, attention.tree_biases(tables, distance, gap), strict=True
+        ):
+            assert torch.equal(history, relative_bias(table, distance, gap))
+            assert torch.equal(own, attention.own_bias(table))
+    assert attention.tree_biases([None, None], distance) == [None, None]
 
 
 @pytest.mark.parametrize("queries", [None, 9])
@@ -453,7 +472,7 @@ def test_pointwise_tree_attention_gathers_what_the_mask_shows(queries, monkeypat
     lengths, bias = torch.tensor([6, 0, 3]), torch.tensor(0.3)
     plan = prepare_tree(parents, lengths, 6, queries=queries)
     history = torch.randn(3, 1, m, 6, generator=g)
-    args = (q, k_root, v_root, lengths, k, v, plan, 7.0, history, bias)
+    args = (q, k_root, v_root, k, v, plan, 7.0, history, bias)
     masked = pointwise_tree_attention(*args)
     monkeypatch.setattr(attention, "GATHER_MIN_NODES", n - 1)
     torch.testing.assert_close(pointwise_tree_attention(*args), masked)
