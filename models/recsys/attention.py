@@ -51,6 +51,37 @@ BiasTables = tuple[Tensor, Tensor | None]
 Attend = Callable[[Tensor, Tensor, Tensor, BiasTables | None], Tensor]
 
 
+def bias_pairs(
+    tables: BiasTables | None, distance: Tensor | None, gap: Tensor | None = None
+) -> Tensor | None:
+    """Each (query, key) pair's entry in a block's combined bias table (`pair_bias`): its
+    distance (query position minus key position, [..., M, K] int64) clamped into the position
+    table, times the time table's size plus its time bucket (gap: ``times.time_gaps``) where
+    there is a time table. Every block's tables have the same sizes, so a pass computes this
+    once for all its blocks (from any block's tables). None without tables."""
+    if tables is None:
+        return None
+    position, time = tables
+    index = distance.clamp(0, len(position) - 1)
+    if time is None:
+        return index
+    if gap is None:  # the model checks its inputs' times; this guards callers
+        raise ValueError("a time bias needs the pairs' time buckets")
+    return index * len(time) + gap
+
+
+def pair_bias(tables: BiasTables | None, pairs: Tensor | None) -> Tensor | None:
+    """The bias of each pair (`bias_pairs`) as [..., 1, M, K] (one for every head):
+    position[distance], plus time[gap] with a time table, read from one table of every
+    (distance, bucket) sum with ``index_select`` (a clamp and two indexed reads a block cost
+    several times more over a history's [T, T] pairs)."""
+    if tables is None:
+        return None
+    position, time = tables
+    table = position if time is None else (position[:, None] + time).flatten()  # [R (x G)]
+    return table.index_select(0, pairs.flatten()).view(pairs.shape).unsqueeze(-3)
+
+
 def relative_bias(
     tables: BiasTables | None, distance: Tensor | None, gap: Tensor | None = None
 ) -> Tensor | None:
@@ -58,16 +89,8 @@ def relative_bias(
     position[distance] with the distance (query position minus key position, [..., M, K] int64)
     clamped into the table, plus time[gap] with a time table (gap: the pairs' time buckets,
     ``times.time_gaps``). None without tables (blocks without a bias: their passes need not
-    compute the distances)."""
-    if tables is None:
-        return None
-    position, time = tables
-    bias = position[distance.clamp(0, len(position) - 1)]
-    if time is not None:
-        if gap is None:  # the model checks its inputs' times; this guards callers
-            raise ValueError("a time bias needs the pairs' time buckets")
-        bias = bias + time[gap]
-    return bias.unsqueeze(-3)
+    compute the distances). A pass of many blocks computes `bias_pairs` once instead."""
+    return pair_bias(tables, bias_pairs(tables, distance, gap))
 
 
 def own_bias(tables: BiasTables | None) -> Tensor | None:
@@ -203,12 +226,16 @@ class PointwiseRule:
             code_query = query.gather(1, anchor_of[:, :, 0].clamp(min=0))  # [B, P * C]
             gaps = (time_gaps(query, key), time_gaps(code_query, key))
 
+        pairs = []  # the two parts' `bias_pairs`, made with the first block's tables
+
         def attend(q: Tensor, k: Tensor, v: Tensor, tables: BiasTables | None) -> Tensor:
             biases = None
             if tables is not None:
-                history, codes = (
-                    relative_bias(tables, d, g) for d, g in zip(distances, gaps, strict=True)
-                )
+                if not pairs:
+                    pairs.extend(
+                        bias_pairs(tables, d, g) for d, g in zip(distances, gaps, strict=True)
+                    )
+                history, codes = (pair_bias(tables, p) for p in pairs)
                 biases = (history, codes, own_bias(tables))
             return pointwise_layout_attention(q, k, v, seen, chain, self.norm, biases)
 

@@ -43,6 +43,8 @@ from genrec_spec.kernels import prepare_tree
 from genrec_spec.models.recsys.attention import (
     PointwiseRule,
     SoftmaxRule,
+    bias_pairs,
+    pair_bias,
     relative_bias,
     tree_biases,
     tree_distance,
@@ -369,8 +371,12 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
             gaps = time_gaps(query_times, key_times)  # [B, T, T]
             # A row's last token and its tree nodes ask for the row's query time.
             query_gaps = time_gaps(times.query[:, None], key_times)  # [B, 1, T]
-        # the tree nodes' biases in every block, looked up once (the blocks' `table`s)
-        node_biases = tree_biases(self._bias_tables(), below, query_gaps) if nodes else None
+        # The pairs' entries in the blocks' bias tables, computed once for every block, and the
+        # tree nodes' biases in every block, looked up once (the blocks' `table`s).
+        tables = self._bias_tables()
+        pairs_every = bias_pairs(tables[0], every, gaps)
+        pairs_last = bias_pairs(tables[0], last, query_gaps)
+        node_biases = tree_biases(tables, below, query_gaps) if nodes else None
 
         def attend(q: Tensor, k: Tensor, v: Tensor, table: Tensor | None) -> Tensor:
             k_hist, v_hist = k[:, :, :tokens], v[:, :, :tokens]  # k, v: [B, H, T + N, Dh]
@@ -381,13 +387,13 @@ class SemanticIdRecommender(CodeLevels, TrainingForward, nn.Module):
                 # Rows are right-padded, so plain causal attention is exact for every real token.
                 out = self.attention_rule.dense(
                     q[:, :, :first], k_hist, v_hist, causal=True,
-                    bias=relative_bias(table, every, gaps),
+                    bias=pair_bias(table, pairs_every),
                 )  # fmt: skip
             else:  # each row's last token alone, seeing all of its row's tokens
                 real = time < lengths[:, None]  # [B, T]
                 out = self.attention_rule.dense(
                     q[:, :, :first], k_hist, v_hist, real[:, None, None, :],
-                    bias=relative_bias(table, last, query_gaps),
+                    bias=pair_bias(table, pairs_last),
                 )  # fmt: skip
             if not nodes:
                 return out
