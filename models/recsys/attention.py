@@ -107,8 +107,8 @@ def tree_biases(
 ) -> list[tuple[Tensor, Tensor] | None]:
     """Every block's biases of a tree pass, each block's (`relative_bias` of the nodes' pairs
     with the history keys [B, 1, 1, S], `own_bias`), from its tables (None for blocks without):
-    the blocks' tables are stacked and read in one lookup a kind, where a lookup a block made a
-    tree pass of a deep model tens of small calls. ``distance`` and ``gap`` [B, 1, S] as
+    the blocks' tables are stacked and read once a kind (looked up block by block, a tree pass
+    of a deep model made tens of small calls). ``distance`` and ``gap`` [B, 1, S] as
     `relative_bias` takes them."""
     if tables[0] is None:
         return [None] * len(tables)
