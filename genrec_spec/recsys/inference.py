@@ -3,11 +3,13 @@
     @inference
     def decode(model, values, offsets, *, k, trie, ...) -> Recommendations: ...
 
-Inference mode skips autograd's bookkeeping that ``no_grad`` still does (version counters,
-view tracking): a decode makes far fewer aten calls and takes less CPU time
-(docs/results/recsys-speed.md). Its tensors cannot be saved for backward nor changed in place
-outside inference mode, so what the function returns is handed back as ordinary tensors (a
-[B, K] copy), which a caller may use anywhere; caches built on the way are ordinary tensors too
+Inference mode skips autograd's bookkeeping that ``no_grad`` still does (its dispatch, version
+counters, view tracking): the calls are the same, each costs less, and a batch-1 decode is
+thousands of small calls (docs/results/recsys-speed.md). Its tensors cannot be saved for
+backward nor changed in place outside inference mode, so what the function returns to a caller
+outside inference mode is handed back as ordinary tensors (a [B, K] copy), which it may use
+anywhere; a caller already in inference mode (``evaluate``, ``recommend``, one decoder calling
+another) takes them as they are. Caches built on the way are ordinary tensors
 (``models.derived``).
 """
 
@@ -24,10 +26,12 @@ from genrec_spec.recsys.types import Recommendations
 
 def inference(function):
     """``function`` run in inference mode, its tensors (a Tensor or Recommendations) returned
-    as ordinary ones."""
+    as ordinary ones to a caller outside it."""
 
     @functools.wraps(function)
     def run(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            return function(*args, **kwargs)
         with torch.inference_mode():
             out = function(*args, **kwargs)
         return _ordinary(out)
@@ -38,5 +42,4 @@ def inference(function):
 def _ordinary(out: Tensor | Recommendations) -> Tensor | Recommendations:
     if isinstance(out, Recommendations):
         return replace(out, items=_ordinary(out.items), scores=_ordinary(out.scores))
-    # (in a caller's own inference mode the copy is an inference tensor, as its callers expect)
     return out.clone() if out.is_inference() else out

@@ -311,14 +311,13 @@ def decode(
     check_trie(model, trie)
     check_engine(engine)
     batch = offsets.numel() - 1
-    draft_codes = None
     if draft_items is not None:
         check_candidates(model, draft_items, batch)
-        draft_codes = model.item_codes[draft_items]
     if runs_plain(plain_from, batch * width, values.device):
         return plain_beam(
             model, values, offsets, k=k, trie=trie, beam_width=width, engine=engine, times=times
         )
+    draft_codes = None if draft_items is None else model.item_codes[draft_items]
     if engine == "core":
         target, catalogue = core_target(model)
         drafter = RecommenderDrafter(
