@@ -178,7 +178,10 @@ def beam_search(
             ended = _select(beams, values, options, eos_t, keep, step, max_new_tokens, config)
             search.advance(beams)
             search.row_steps += open_rows.sum()
-            if not _unfinished(beams, ended, step + 1, max_new_tokens, config):
+            # Nothing finished before a step where a candidate can end: no row can stop yet
+            if ended is not False and not _unfinished(
+                beams, ended, step + 1, max_new_tokens, config
+            ):
                 break
     search.check_finite()
     if drafter is not None and record is not None:
@@ -629,18 +632,23 @@ def _output(beams: _Beams, k: int, search: _Passes, wall_time_s: float) -> BeamO
     columns = torch.arange(beams.done_sequences.shape[2], device=lengths.device)
     mask = columns < lengths[:, None]
     offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    # The counters summed on the device, read in one transfer
+    counts = torch.stack(
+        [lengths.sum(), search.row_steps, search.nodes, search.needed, search.hits]
+    )
+    generated, row_steps, nodes, needed, hits = counts.tolist()
     stats = DecodeStats(
         target_forwards=search.passes,
         speculative_forwards=search.speculative,
-        generated_tokens=int(lengths.sum()),
-        row_steps=int(search.row_steps),
+        generated_tokens=generated,
+        row_steps=row_steps,
         drafted_per_position=(),
         accepted_per_position=(),
         wall_time_s=wall_time_s,
-        nodes_scored=int(search.nodes),
+        nodes_scored=nodes,
         draft_nodes=search.drafted,
-        needed_nodes=int(search.needed),
-        draft_hits=int(search.hits),
+        needed_nodes=needed,
+        draft_hits=hits,
     )
     values = beams.done_sequences[:, :k].flatten(0, 1)[mask]
     return BeamOutput(values=values, offsets=offsets, scores=beams.done_scores[:, :k], stats=stats)
