@@ -3,7 +3,7 @@
 CPU fast paths are chosen by measurement, and the measurements are cached under a key of what
 they depend on (`machine_key`); every benchmark prints `describe()` so numbers taken on
 different machines are never compared blindly. A bottom module like `genrec_spec.errors`: it
-imports nothing of the project, so every layer may use it.
+imports nothing of the project but `genrec_spec.memory` (another), so every layer may use it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import statistics
 import time
 from collections.abc import Callable, Hashable
 from pathlib import Path
+
+from genrec_spec.memory import kept
 
 # The CPU features our kernels' speed turns on (the vector width, bfloat16 and int8 dot
 # products, AMX tiles), in the names /proc/cpuinfo gives them.
@@ -60,13 +62,14 @@ def cpu_flags() -> tuple[str, ...]:
 
 
 def describe() -> str:
-    """One line for a benchmark's header: CPU model and flags, cores, torch threads, torch."""
+    """One line for a benchmark's header: CPU model and flags, cores, torch threads, torch, and
+    whether freed memory is kept (`genrec_spec.memory`)."""
     import torch
 
     return (
         f"{cpu_model()} ({' '.join(cpu_flags()) or 'no SIMD flags reported'}), "
         f"{os.cpu_count()} cores, {torch.get_num_threads()} torch thread(s), torch "
-        f"{torch.__version__}"
+        f"{torch.__version__}{', freed memory kept' if kept() else ''}"
     )
 
 

@@ -31,6 +31,7 @@ import torch
 
 from genrec_spec.jobs.batch_chunks import BatchConfig, Chunk, ChunkDecoder, model_hash
 from genrec_spec.jobs.errors import BatchInputError, RayAddressError
+from genrec_spec.memory import keep_freed_memory
 from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.checkpoint import load_checkpoint
 from genrec_spec.recsys.types import Recommendations, RecommendStats
@@ -84,6 +85,7 @@ class RayChunkDecoder:
         self, ckpt: str, expected_hash: str, decoder: str, k: int, options: dict, threads: int
     ) -> None:
         torch.set_num_threads(threads)
+        keep_freed_memory()  # a worker process decodes batch after batch, as the local job's
         if model_hash(Path(ckpt)) != expected_hash:
             raise BatchInputError(
                 f"the checkpoint at {ckpt} on this Ray node is not the driver's (hash "

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
+from genrec_spec.memory import keep_freed_memory
 from genrec_spec.serve.config import API_KEY_ENV, ServeConfig, is_loopback
 from genrec_spec.serve.handlers import add_exception_handlers
 from genrec_spec.serve.middleware import BodyLimit, time_requests
@@ -86,6 +87,7 @@ def run_service(
     import uvicorn
 
     torch.set_num_threads(config.threads)
+    keep_freed_memory()  # a serving process decodes batch after batch (genrec_spec.memory)
     retriever = Retriever.load(ckpt, data_dir, config.max_k, config.history_cache_mb << 20)
     if config.api_key is None and not is_loopback(config.host):
         print(
