@@ -11,10 +11,10 @@ that can exceed the arithmetic's (measured: docs/results/recsys-speed.md, "Freed
 heap, and what is freed stays there for the next call.
 
 The cost is that the process keeps its peak: after a large batch its resident memory does not
-shrink. So every `genrec-spec` command but `prepare` (which streams catalogues larger than
-memory) calls it once at its start, as does a serving process, while importing the library
-changes nothing: a program that decodes with genrec_spec calls it itself. A bottom module like `genrec_spec.machine`: it imports nothing of
-the project.
+shrink. So every `genrec-spec` command but `prepare` and `bench scale` (which hold catalogues
+of up to 10^7 items in a machine's memory) calls it once at its start, as does a serving
+process, while importing the library changes nothing: a program that decodes with genrec_spec
+calls it itself. A bottom module like `genrec_spec.machine`: it imports nothing of the project.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def test_freed_memory_is_reused_in_main_and_worker_threads():
     assert kept["main"] < pages // 50 and kept["thread"] < pages // 50
 
 
-def test_commands_keep_freed_memory_but_prepare():
+def test_commands_keep_freed_memory_but_prepare_and_bench_scale():
     script = (
         "import sys; from genrec_spec import cli, memory\n"
         "try:\n    cli.main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
@@ -84,4 +84,5 @@ def test_commands_keep_freed_memory_but_prepare():
     evaluate = ("evaluate", "--ckpt", "/nonexistent", "--data", "/nonexistent")
     assert kept_after(*evaluate) == "True"
     assert kept_after("prepare", "--dataset", "nonexistent", "--out", "/nonexistent") == "False"
+    assert kept_after("bench", "scale", "--sizes", "10", "--data-root", "/proc/none") == "False"
     assert kept_after(*evaluate, environ={RETURN_FREED_MEMORY: "1"}) == "False"
