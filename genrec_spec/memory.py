@@ -33,7 +33,7 @@ INT_MAX = 2**31 - 1  # mallopt takes an int: the largest trim threshold it can b
 @functools.cache
 def keep_freed_memory() -> bool:
     """Make malloc keep freed memory for reuse, once per process (module docstring); whether it
-    took effect (False where the C library is not glibc, which has no `mallopt`)."""
+    took effect (False where the C library has no `mallopt`: not glibc)."""
     path = ctypes.util.find_library("c")
     libc = ctypes.CDLL(path) if path else None
     mallopt = getattr(libc, "mallopt", None)

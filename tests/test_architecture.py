@@ -1,8 +1,8 @@
 """The layout's rules, read from the source: dependencies flow one way and nothing forms a cycle.
 
     cli -> serve, jobs, bench -> recsys, llm -> core -> models -> kernels
-    data_pipelines imports no decoding; errors, cache, memory and machine import nothing (but
-    machine, memory: every part may use them)
+    data_pipelines imports no decoding; errors, cache, memory and machine import nothing of the
+    project but machine -> memory (every part may use them)
 
 Every import counts, the ones inside functions too (a function-local import is how a cycle or an
 upward dependency hides), as do `from x import y` where `y` is a module.
