@@ -50,7 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--shards", type=int, default=c.shards, help="output files")
     parser.add_argument("--batch-size", type=int, default=c.batch_size, help="users per call")
-    parser.add_argument("--threads", type=int, default=c.threads, help="torch CPU threads")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=c.threads,
+        help="torch CPU threads (default: every core; one per Ray actor)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -110,7 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "per user)",
     )
     parser.add_argument("--seed", type=int, default=c.seed, help="draws the --users subset")
-    parser.add_argument("--threads", type=int, default=c.threads, help="torch CPU threads")
+    parser.add_argument(
+        "--threads", type=int, default=c.threads, help="torch CPU threads (default: every core)"
+    )
     add_option_argument(
         parser, "decoder option, given to every listed decoder that takes it (repeatable)"
     )

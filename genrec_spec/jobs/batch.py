@@ -147,7 +147,7 @@ def select_users(data, users: str | Path) -> Histories:
 
 def check_config(config: BatchConfig, options: dict) -> None:
     for name in ("k", "shards", "batch_size", "actors", "ray_cpus", "threads"):
-        if getattr(config, name) < 1:
+        if getattr(config, name) is not None and getattr(config, name) < 1:
             flag = "--" + name.replace("_", "-")
             raise BatchInputError(
                 f"{flag} must be >= 1, got {getattr(config, name)}", f"pass {flag} 1 or more"
@@ -186,7 +186,8 @@ def run_batch(
     check_config(config, options)
     if config.engine == "ray":
         check_ray_address(config.ray_address, config.ray_timeout_s)
-    torch.set_num_threads(config.threads)
+    if config.threads is not None:  # else torch's default: every core
+        torch.set_num_threads(config.threads)
     model, data = load_model_and_data(ckpt, data_dir)
     if config.k > model.num_items:
         raise BatchInputError(

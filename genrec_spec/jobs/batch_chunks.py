@@ -43,7 +43,9 @@ class BatchConfig:
     actors: int = 2  # Ray actors, each holding one model copy and using one CPU
     ray_cpus: int = 2  # CPUs of the Ray started here (ignored with ray_address)
     ray_timeout_s: float = 5.0  # how long a --ray-address may take to answer a connect
-    threads: int = 1  # torch CPU threads per process (driver or actor)
+    # torch CPU threads per process; None: every core for the local engine (a batch uses them
+    # all), one per Ray actor (the actors share the cores)
+    threads: int | None = None
     progress: bool = True  # tqdm bar on stderr
 
 

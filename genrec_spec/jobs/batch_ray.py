@@ -170,7 +170,7 @@ def run_ray(
                 "decoder": config.decoder,
                 "k": config.k,
                 "options": options,
-                "threads": config.threads,
+                "threads": config.threads or 1,  # the actors share the cores
             },
             batch_size=1,
             batch_format="numpy",

@@ -53,7 +53,7 @@ class EvaluateConfig:
     users: int = 0  # a fixed random subset of this many users; 0 = all
     batch_size: int = 64  # users per decoder call
     seed: int = 0  # draws the user subset
-    threads: int = 1  # torch CPU threads (one is fastest for small models on 2 cores)
+    threads: int | None = None  # torch CPU threads; None: every core (batches use them all)
     exclude_history: bool = False  # leave the history items the model reads out of the lists
 
 
@@ -151,11 +151,12 @@ def evaluate_checkpoint(
 ) -> tuple[str, dict]:  # (a header line naming what was evaluated, the report)
     """Every decoder of `config` on the same users of a checkpoint's split: the report holds
     ckpt, split, users, options, exclude_history and results (decoder -> `evaluate`'s metrics)."""
-    if config.threads < 1:
+    if config.threads is not None and config.threads < 1:
         raise RecommendInputError(
             f"--threads must be >= 1, got {config.threads}", "pass --threads 1 or more"
         )
-    torch.set_num_threads(config.threads)
+    if config.threads is not None:  # else torch's default: every core
+        torch.set_num_threads(config.threads)
     decoders = {name: get_decoder(name) for name in config.decoders}
     check_options(decoders, options)
     model, data = load_model_and_data(ckpt, data_dir)
