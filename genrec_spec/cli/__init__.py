@@ -61,11 +61,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("genrec_spec.cli.demo", "the main job on the embedded default (ML-100K)"),
 }
 
-# The commands that give freed memory back to the system: the data pipeline and `bench scale`
-# hold catalogues of up to 10^7 items in the machine's memory (a group's subcommand parser writes
-# its name to `command` too). Every other keeps it for reuse (`genrec_spec.memory`) unless this
-# environment variable is set (a process sharing its machine, or a measurement of both).
-RETURNS_FREED_MEMORY = ("prepare", "scale")
+# A command keeps freed memory for reuse (`genrec_spec.memory`) unless its module sets
+# `KEEPS_FREED_MEMORY = False` (those holding catalogues of up to 10^7 items in the machine's
+# memory) or this environment variable is set (a process sharing its machine, or a measurement
+# of both).
 RETURN_FREED_MEMORY = "GENREC_SPEC_RETURN_FREED_MEMORY"
 
 # Errors that mean "the input was wrong": printed as one line, exit code 2. Anything else is a bug
@@ -89,7 +88,8 @@ def add_subcommands(
                 add_subcommands(cmd, module.COMMANDS, argv[argv.index(name) + 1 :])
             else:
                 module.add_arguments(cmd)
-                cmd.set_defaults(_run=module.run, _prog=cmd.prog)
+                keeps = getattr(module, "KEEPS_FREED_MEMORY", True)
+                cmd.set_defaults(_run=module.run, _prog=cmd.prog, _keeps_freed_memory=keeps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_subcommands(parser, COMMANDS, argv)
     args = parser.parse_args(argv)
-    if args.command not in RETURNS_FREED_MEMORY and not os.environ.get(RETURN_FREED_MEMORY):
+    if args._keeps_freed_memory and not os.environ.get(RETURN_FREED_MEMORY):
         keep_freed_memory()
     # A plain `kill` (SIGTERM) unwinds like Ctrl-C, so a command's temporary outputs are removed
     # (Python takes signals in its main thread only; a server may install its own handler).

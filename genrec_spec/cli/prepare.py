@@ -17,6 +17,9 @@ from pathlib import Path
 from genrec_spec.cli.args import config_from_args
 from genrec_spec.data_pipelines.prepare import PrepareConfig, format_summary, prepare
 
+# It streams catalogues larger than memory: what it frees goes back to the system (cli's rule)
+KEEPS_FREED_MEMORY = False
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = PrepareConfig()
