@@ -178,10 +178,7 @@ def beam_search(
             ended = _select(beams, values, options, eos_t, keep, step, max_new_tokens, config)
             search.advance(beams)
             search.row_steps += open_rows.sum()
-            # Nothing finished before a step where a candidate can end: no row can stop yet
-            if ended is not False and not _unfinished(
-                beams, ended, step + 1, max_new_tokens, config
-            ):
+            if not _unfinished(beams, ended, step + 1, max_new_tokens, config):
                 break
     search.check_finite()
     if drafter is not None and record is not None:
@@ -615,7 +612,10 @@ def _finish(
 def _unfinished(
     beams: _Beams, all_ended: Tensor | bool, generated: int, max_new_tokens: int, config: BeamConfig
 ) -> bool:
-    """transformers' ``_check_early_stop_heuristic`` and stopping rule, after a step."""
+    """transformers' ``_check_early_stop_heuristic`` and stopping rule, after a step
+    (``all_ended`` False: no candidate could end in it)."""
+    if all_ended is False:  # nothing has finished yet, so no row can stop: no host read
+        return True
     never = config.early_stopping == "never" and config.length_penalty > 0.0
     best_length = max_new_tokens if never else generated
     best_possible = beams.scores[:, :1] / (best_length**config.length_penalty)
