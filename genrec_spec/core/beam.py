@@ -84,6 +84,9 @@ class BeamOutput(Generation):
     sequence (generated tokens, eos included) is ragged row b * K + k."""
 
     scores: Tensor  # [B, K] float32, the length-penalised scores
+    # [B, K] each result's constraint state at its end: under a catalogue its trie leaf, whose
+    # item is ``constraint.trie.items(states)``
+    states: Tensor
 
     def tolist(self) -> list[list[list[int]]]:  # [B][K] token lists
         flat, k = super().tolist(), self.scores.shape[1]
@@ -113,10 +116,12 @@ class _Beams:
     nodes: Tensor  # [B, W] tree node of each beam's last token; -1: not scored yet
     parents: Tensor  # [B, W] tree node of the token before it (-1: the root itself)
     last: Tensor  # [B, W] each beam's last token
+    states: Tensor  # [B, W] each beam's constraint state after it (a catalogue's: trie node)
     origin: Tensor  # [B, W] the beam it extends (its place among the beams a step before)
     done_scores: Tensor  # [B, W] finished hypotheses' penalised scores
     done_sequences: Tensor  # [B, W, T]
     done_lengths: Tensor  # [B, W]
+    done_states: Tensor  # [B, W]
     done: Tensor  # [B, W] bool, slot holds a finished hypothesis
     improvable: Tensor  # [B, 1] bool, a running beam may still beat the finished ones
 
@@ -166,17 +171,20 @@ def beam_search(
         else:
             search = _TreeSearch(*args, drafter, max_new_tokens)
             drafter.begin(tokens, lengths)
-        beams = _start(tokens, lengths, config.num_beams, max_new_tokens)
+        start = constraint.start(len(tokens), device) if constraint is not None else None
+        beams = _start(tokens, lengths, config.num_beams, max_new_tokens, start)
         eos_t = torch.tensor(eos, dtype=torch.long, device=device)
         for step in range(max_new_tokens):
             open_rows = beams.improvable[:, 0]  # [B]
             if config.early_stopping is True:  # a row with W finished hypotheses is done
                 open_rows = open_rows & ~beams.done.all(1)
             alive = open_rows[:, None] & (beams.scores > float("-inf"))  # [B, W]
-            values, options = search.candidates(beams, open_rows, alive, step)  # [B, W, C]
+            # [B, W, C] each: the beams' best next tokens, their log-probs and states
+            values, options, after = search.candidates(beams, open_rows, alive, step)
             values = values.masked_fill(~alive[..., None], float("-inf"))
-            ended = _select(beams, values, options, eos_t, keep, step, max_new_tokens, config)
-            search.advance(beams)
+            ended = _select(
+                beams, values, options, after, eos_t, keep, step, max_new_tokens, config
+            )
             search.row_steps += open_rows.sum()
             if not _unfinished(beams, ended, step + 1, max_new_tokens, config):
                 break
@@ -220,9 +228,14 @@ def check_beam_counts(num_beams: int, num_return_sequences: int) -> None:
         )
 
 
-def _start(tokens: Tensor, lengths: Tensor, w: int, max_new_tokens: int) -> _Beams:
-    """W copies of each row's root, all but the first unreachable (as transformers starts)."""
+def _start(
+    tokens: Tensor, lengths: Tensor, w: int, max_new_tokens: int, start: Tensor | None
+) -> _Beams:
+    """W copies of each row's root, all but the first unreachable (as transformers starts);
+    start [B]: the rows' constraint states (None: no constraint, all 0)."""
     batch, on = tokens.shape[0], tokens.device
+    if start is None:
+        start = torch.zeros(batch, dtype=torch.long, device=on)
     scores = torch.zeros(batch, w, device=on)
     scores[:, 1:] = UNREACHABLE
     root = tokens.gather(1, (lengths - 1)[:, None]).expand(batch, w)
@@ -233,10 +246,12 @@ def _start(tokens: Tensor, lengths: Tensor, w: int, max_new_tokens: int) -> _Bea
         nodes=torch.full((batch, w), -1, dtype=torch.long, device=on),
         parents=torch.full((batch, w), -1, dtype=torch.long, device=on),
         last=root.clone(),
+        states=start[:, None].expand(batch, w),
         origin=torch.zeros(batch, w, dtype=torch.long, device=on),
         done_scores=torch.full((batch, w), UNREACHABLE, device=on),
         done_sequences=empty.clone(),
         done_lengths=torch.zeros(batch, w, dtype=torch.long, device=on),
+        done_states=torch.full((batch, w), -1, dtype=torch.long, device=on),
         done=torch.zeros(batch, w, dtype=torch.bool, device=on),
         improvable=torch.ones(batch, 1, dtype=torch.bool, device=on),
     )
@@ -284,64 +299,64 @@ class _Passes:
         rows: Tensor,  # [Q] their rows
         states: Tensor,  # [Q] their constraint states
         paths: Callable[[], list[list[int]]],  # their generated tokens (a hook reads them)
-    ) -> tuple[Tensor, Tensor]:  # [Q, C' <= C] log-probs (-inf pads), [Q, C'] their tokens
-        """The nodes' best next tokens under the constraint."""
-        scores, choices = self._log_probs(logits, at, rows, states, paths)
+    ) -> tuple[Tensor, Tensor, Tensor]:  # [Q, C' <= C] each: log-probs (-inf pads), tokens, states
+        """The nodes' best next tokens under the constraint, and the state each leads to."""
+        scores, choices, after = self._log_probs(logits, at, rows, states, paths)
         if scores.shape[1] > self.width:  # keep the best C (a search reads no more)
             best = scores.topk(self.width, dim=-1)
             index = best.indices
             scores, choices = best.values, index if choices is None else choices.gather(1, index)
+            after = None if after is None else after.gather(1, index)
         elif choices is None:  # every token fits: kept as they are, in token order
             choices = torch.arange(scores.shape[1], device=scores.device).expand_as(scores)
+        if after is None:  # the constraint's own step (none: every state stays 0)
+            after = states[:, None].expand_as(choices)
+            if self.constraint is not None:
+                after = self.constraint.advance(after, choices)
         self.nan |= torch.isnan(scores).any()  # a NaN logit makes its row's log-probs NaN
-        return scores, choices
+        return scores, choices, after
 
     def _log_probs(
         self, logits: Tensor, at: Tensor | None, rows: Tensor, states: Tensor, paths
-    ) -> tuple[Tensor, Tensor | None]:  # [Q, C] log-probs, [Q, C] their tokens (None: 0..V-1)
-        """``_best``'s log-probabilities, all of them; a catalogue reads only each node's
-        children."""
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """``_best``'s log-probabilities [Q, C], all of them, their tokens (None: 0..V-1) and
+        states (None: not known yet); a catalogue reads only each node's children, and their
+        nodes."""
         if isinstance(self.constraint, Catalogue):
             return catalogue_log_probs(
                 logits, self.constraint.trie, states, self.config.renormalize, self.normalized, at
             )
         logits = logits if at is None else logits[at]
         if self.constraint is None:
-            return log_probs(logits, None, self.config.renormalize, self.normalized), None
+            return log_probs(logits, None, self.config.renormalize, self.normalized), None, None
 
         def sequences() -> list[list[int]]:  # each node's prompt and generated tokens
             where = rows.tolist()
             return [self.prompts[r] + path for r, path in zip(where, paths(), strict=True)]
 
         allowed = self.constraint.allowed(states, rows, sequences)
-        return log_probs(logits, allowed, self.config.renormalize, self.normalized), None
+        return log_probs(logits, allowed, self.config.renormalize, self.normalized), None, None
 
 
 class _PlainSearch(_Passes):
     """Plain beam search: a pass scores the live beams' new nodes, each beam's in a fixed slot
     (beam w's node is the w-th of the step's W; the first step's, the W copies of the root, is
     one), so no node is ever looked up: the candidates go from the pass's outputs straight to
-    the selection, and each beam carries its node's constraint state. A step whose live nodes
-    are all known forced ones needs no pass: they wait for the next, which carries them as their
-    children's ancestors."""
+    the selection. A step whose live nodes are all known forced ones needs no pass: they wait
+    for the next, which carries them as their children's ancestors."""
 
     def __init__(self, target: Target, cache, tokens, lengths, config, constraint, width):
         super().__init__(target, cache, tokens, lengths, config, constraint, width)
-        batch, on = tokens.shape[0], tokens.device
-        start = torch.zeros(batch, dtype=torch.long, device=on)
-        if constraint is not None:
-            start = constraint.start(batch, on)
-        self.states = start[:, None].expand(batch, config.num_beams)  # [B, W] beams' nodes'
         self.size = 0  # nodes in the target's pending tree
         self.waiting: list[tuple[Tensor, Tensor, Tensor]] = []  # steps' unscored nodes (below)
 
     def candidates(
         self, beams: _Beams, open_rows: Tensor, alive: Tensor, step: int
-    ) -> tuple[Tensor, Tensor]:  # open_rows [B], alive [B, W] bool -> [B, W, C] each
+    ) -> tuple[Tensor, Tensor, Tensor]:  # open_rows [B], alive [B, W] bool -> [B, W, C] each
         """The beams' new nodes' best next tokens, from a pass where a live one needs it."""
         n = 1 if step == 0 else beams.last.shape[1]  # the first step's beams share the root
         tokens, parents = beams.last[:, :n], beams.parents[:, :n]  # [B, n] each
-        states, live = self.states[:, :n], alive[:, :n]
+        states, live = beams.states[:, :n], alive[:, :n]
         waited = sum(part[0].shape[1] for part in self.waiting)
         slots = torch.arange(beams.last.shape[1], device=tokens.device).clamp(max=n - 1)
         beams.nodes = (self.size + waited + slots).expand_as(beams.last)  # [B, W]
@@ -349,23 +364,26 @@ class _PlainSearch(_Passes):
         need = live if forced is None else live & (forced < 0)
         self.waiting.append((tokens, parents, live))
         if bool(need.any()):
-            values, options = self._pass(need, states, beams.sequences[:, :n, :step])
+            values, options, after = self._pass(need, states, beams.sequences[:, :n, :step])
         else:
             values = torch.full((*tokens.shape, 1), float("-inf"), device=tokens.device)
             options = torch.zeros_like(values, dtype=torch.long)
+            after = torch.full_like(options, -1)
         if forced is not None:  # a forced node's one candidate, at log-prob 0
             known = live & (forced >= 0)
             values[..., 0].masked_fill_(known, 0.0)
-            first = options[..., 0]
-            first.copy_(torch.where(known, forced.to(options.dtype), first))
-        return values.expand(*beams.last.shape, -1), options.expand(*beams.last.shape, -1)
+            options[..., 0] = torch.where(known, forced.to(options.dtype), options[..., 0])
+            child = self.constraint.trie.forced_child(states)
+            after[..., 0] = torch.where(known, child, after[..., 0])
+        shape = (*beams.last.shape, -1)
+        return values.expand(shape), options.expand(shape), after.expand(shape)
 
     def _pass(
         self,
         need: Tensor,  # [B, n] bool the step's nodes whose candidates are read
         states: Tensor,  # [B, n] their constraint states
         sequences: Tensor,  # [B, n, T] their generated tokens
-    ) -> tuple[Tensor, Tensor]:  # [B, n, C] each: -inf (token 0) where not needed
+    ) -> tuple[Tensor, Tensor, Tensor]:  # [B, n, C] each: -inf (token 0, state -1) not needed
         """One target pass over the waiting nodes and the step's (the last n of it)."""
         if len(self.waiting) == 1:  # the step's nodes alone
             (tokens, parents, live), needed = self.waiting[0], need
@@ -385,20 +403,15 @@ class _PlainSearch(_Passes):
         def paths() -> list[list[int]]:
             return sequences[rows, beam].tolist()
 
-        scores, choices = self._best(logits.flatten(0, 1), at, rows, states[rows, beam], paths)
-        shape = (*need.shape, scores.shape[1])
+        best = self._best(logits.flatten(0, 1), at, rows, states[rows, beam], paths)
+        shape = (*need.shape, best[0].shape[1])
         if at is None:  # every node of the pass, in order
-            return scores.view(shape), choices.reshape(shape)
-        values = scores.new_full(shape, float("-inf"))
-        options = choices.new_zeros(shape)
-        values[rows, beam], options[rows, beam] = scores, choices
-        return values, options
-
-    def advance(self, beams: _Beams) -> None:
-        """After a step: the states of the beams' new nodes (not scored yet)."""
-        if self.constraint is not None:
-            above = self.states.gather(1, beams.origin)  # [B, W]
-            self.states = self.constraint.advance(above, beams.last)
+            return tuple(part.reshape(shape) for part in best)
+        read = [best[0].new_full(shape, float("-inf")), best[1].new_zeros(shape)]
+        read.append(best[2].new_full(shape, -1))
+        for table, part in zip(read, best, strict=True):
+            table[rows, beam] = part
+        return tuple(read)
 
 
 class _TreeSearch(_Passes):
@@ -422,16 +435,17 @@ class _TreeSearch(_Passes):
 
     def candidates(
         self, beams: _Beams, open_rows: Tensor, alive: Tensor, step: int
-    ) -> tuple[Tensor, Tensor]:  # open_rows [B], alive [B, W] bool -> [B, W, C] each
+    ) -> tuple[Tensor, Tensor, Tensor]:  # open_rows [B], alive [B, W] bool -> [B, W, C] each
         """The beams' nodes' stored candidates, after a pass where a live one has none."""
+        if step:  # (the first step's beams are the roots, none scored yet)
+            self.find_nodes(beams)
         self.score_beams(beams, open_rows, alive)
-        if step:  # (the first step's beams are the roots)
+        if step:
             self.count_hits(beams, alive)
         return self.tree.candidates(beams.nodes)
 
-    def advance(self, beams: _Beams) -> None:
-        """After a step: point every beam at its scored (or planned) node, where it has one
-        (-1: none yet)."""
+    def find_nodes(self, beams: _Beams) -> None:
+        """Point every beam at its scored (or planned) node, where it has one (-1: none yet)."""
         rows = torch.arange(beams.last.shape[0], device=beams.last.device)[:, None]
         found = self.tree.child(
             rows.expand_as(beams.last).flatten(), beams.parents.flatten(), beams.last.flatten()
@@ -447,13 +461,14 @@ class _TreeSearch(_Passes):
             return
         tree = self.tree
         rows, parents, tokens = need.nonzero()[:, 0], beams.parents[need], beams.last[need]
+        states = beams.states[need]
         # Copies of a beam (scored UNREACHABLE) share its nodes; a live one is rare (the first
         # step's, and beams from them where a catalogue is narrower than 2W)
         copies = bool((beams.scores[alive] <= UNREACHABLE / 2).any())
         if copies:  # the beams that share a node plan it once
             once, copy_of = _distinct(tree.key(rows, parents, tokens))
-            rows, parents, tokens = rows[once], parents[once], tokens[once]
-        nodes = tree.add(rows, parents, tokens)
+            rows, parents, tokens, states = rows[once], parents[once], tokens[once], states[once]
+        nodes = tree.add(rows, parents, tokens, states)
         beams.nodes[need] = nodes[copy_of] if copies else nodes
         if self.forced_free and self._know_forced(rows, nodes) == len(rows):
             return  # no new node needs the target: they wait for a pass
@@ -490,11 +505,13 @@ class _TreeSearch(_Passes):
 
     def _know_forced(self, rows: Tensor, nodes: Tensor) -> int:  # [Q] planned nodes each
         """Store the candidates of the planned nodes whose token is forced; how many were."""
-        forced = self.constraint.trie.forced(self.tree.states[rows, nodes])  # [Q] -1: a choice
+        states = self.tree.states[rows, nodes]
+        forced = self.constraint.trie.forced(states)  # [Q] -1: a choice
         known = forced >= 0
         count = int(known.sum())
         if count:
-            self.tree.know(rows[known], nodes[known], forced[known])
+            after = self.constraint.trie.forced_child(states[known])
+            self.tree.know(rows[known], nodes[known], forced[known], after)
         return count
 
     def _pass(self) -> None:
@@ -537,6 +554,7 @@ def _select(
     beams: _Beams,
     values: Tensor,  # [B, W, C] each beam's best next-token log-probs (-inf: none)
     options: Tensor,  # [B, W, C] their tokens (int32)
+    after: Tensor,  # [B, W, C] the constraint states they lead to
     eos: Tensor,  # [E] eos token ids
     keep: int,  # candidates kept a step (2W with one eos token)
     step: int,  # tokens generated before this step
@@ -549,23 +567,25 @@ def _select(
     flat = (beams.scores[:, :, None] + values).flatten(1)  # [B, W * C]
     if not len(eos) and step + 1 < max_new_tokens:  # no candidate can end: the best W run on
         scores, index = flat.topk(w, dim=1)  # [B, W]
-        _run_on(beams, scores, index // c, options.flatten(1).gather(1, index).long(), step)
+        token, state = options.flatten(1).gather(1, index).long(), after.flatten(1).gather(1, index)
+        _run_on(beams, scores, index // c, token, state, step)
         return False
     keep = min(keep, w * c)  # a vocabulary smaller than 2W holds fewer
     scores, index = flat.topk(keep, dim=1)  # [B, 2W]
     origin = index // c
-    token = options.flatten(1).gather(1, index).long()
+    token, state = options.flatten(1).gather(1, index).long(), after.flatten(1).gather(1, index)
     hits = torch.isin(token, eos) | (step + 1 >= max_new_tokens)
     # Finished: those of the top W that ended, if they beat the worst finished hypothesis.
     ended = hits & (torch.arange(keep, device=hits.device) < w)
     if bool(ended.any()):  # most steps of an LLM's search: the finished ones stay as they are
         sequences = beams.sequences.gather(1, origin[..., None].expand(-1, -1, max_new_tokens))
         sequences[:, :, step] = token
-        _finish(beams, scores, sequences, ended, step, config)
+        _finish(beams, scores, sequences, state, ended, step, config)
     # Running: the best W that did not end.
     running = scores + hits.float() * UNREACHABLE
     pick = running.topk(w, dim=1).indices
-    _run_on(beams, running.gather(1, pick), origin.gather(1, pick), token.gather(1, pick), step)
+    kept = (part.gather(1, pick) for part in (running, origin, token, state))
+    _run_on(beams, *kept, step)
     return hits.all()
 
 
@@ -574,10 +594,11 @@ def _run_on(
     scores: Tensor,  # [B, W] the running beams' new scores
     origin: Tensor,  # [B, W] the beam each extends
     last: Tensor,  # [B, W] the token it adds
+    states: Tensor,  # [B, W] the constraint state after it
     step: int,
 ) -> None:
     """The running beams, one token longer."""
-    beams.scores, beams.origin, beams.last = scores, origin, last
+    beams.scores, beams.origin, beams.last, beams.states = scores, origin, last, states
     beams.sequences = beams.sequences.gather(1, origin[..., None].expand_as(beams.sequences))
     beams.sequences[:, :, step] = last
     beams.parents = beams.nodes.gather(1, origin)
@@ -587,6 +608,7 @@ def _finish(
     beams: _Beams,
     scores: Tensor,  # [B, 2W] the step's best candidates' summed log-probs
     sequences: Tensor,  # [B, 2W, T] their tokens
+    states: Tensor,  # [B, 2W] their constraint states
     ended: Tensor,  # [B, 2W] bool those of the top W that ended
     step: int,
     config: BeamConfig,
@@ -606,6 +628,7 @@ def _finish(
         1, best[..., None].expand(-1, -1, sequences.shape[2])
     )
     beams.done_lengths = torch.cat([beams.done_lengths, lengths], 1).gather(1, best)
+    beams.done_states = torch.cat([beams.done_states, states], 1).gather(1, best)
     beams.done = torch.cat([beams.done, ended], 1).gather(1, best)
 
 
@@ -651,4 +674,10 @@ def _output(beams: _Beams, k: int, search: _Passes, wall_time_s: float) -> BeamO
         draft_hits=hits,
     )
     values = beams.done_sequences[:, :k].flatten(0, 1)[mask]
-    return BeamOutput(values=values, offsets=offsets, scores=beams.done_scores[:, :k], stats=stats)
+    return BeamOutput(
+        values=values,
+        offsets=offsets,
+        stats=stats,
+        scores=beams.done_scores[:, :k],
+        states=beams.done_states[:, :k],
+    )

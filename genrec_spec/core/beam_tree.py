@@ -53,12 +53,14 @@ class BeamTree:
     # (rows, parents, tokens, nodes) of each `add` since the keys were last sorted
     unsorted: list = field(init=False, default_factory=list)
     # Each stored node's candidates (log-probs, tokens: int32, a vocabulary fits at half the
-    # bytes), a run of C' <= C per node in the flat tables below, in any order (-inf pads).
+    # bytes, and the constraint state each token leads to), a run of C' <= C per node in the
+    # flat tables below, in any order (-inf pads).
     # Runs are as wide as their pass needs: a wide search's nodes mostly have few children, and
     # B x capacity x C tables of the widest (MBs of fresh pages a decode) cost it more than
     # its selection.
     stored_values: Tensor = field(init=False)  # [S] float32
     stored_tokens: Tensor = field(init=False)  # [S] int32
+    stored_states: Tensor = field(init=False)  # [S] int64
     used: int = 0  # slots of the stored tables in use
     first: Tensor = field(init=False)  # [B, capacity] each node's first slot there
     count: Tensor = field(init=False)  # [B, capacity] its slots (0: not scored yet)
@@ -84,6 +86,7 @@ class BeamTree:
         self.key_nodes = torch.zeros(0, dtype=torch.long, device=on)
         self.stored_values = torch.empty(self.batch * self.width, device=on)
         self.stored_tokens = torch.empty(self.batch * self.width, dtype=torch.int32, device=on)
+        self.stored_states = torch.empty(self.batch * self.width, dtype=torch.long, device=on)
         self.first = torch.zeros(slots, dtype=torch.long, device=on)
         self.count = torch.zeros(slots, dtype=torch.long, device=on)
         self.known = torch.zeros(slots, dtype=torch.bool, device=on)
@@ -208,34 +211,37 @@ class BeamTree:
             out.append(path[::-1])
         return out
 
-    def store(self, rows: Tensor, nodes: Tensor, values: Tensor, tokens: Tensor) -> None:
-        """Keep Q nodes' best candidates: rows, nodes [Q], values, tokens [Q, C' <= C] (in any
-        order, -inf padding a node with fewer)."""
+    def store(
+        self, rows: Tensor, nodes: Tensor, values: Tensor, tokens: Tensor, states: Tensor
+    ) -> None:
+        """Keep Q nodes' best candidates: rows, nodes [Q], values, tokens and the states they
+        lead to [Q, C' <= C] (in any order, -inf padding a node with fewer)."""
         q, width = values.shape
         end = self.used + q * width
         if end > len(self.stored_values):  # doubling, as the node tables
             extra = max(end, 2 * len(self.stored_values)) - len(self.stored_values)
-            self.stored_values = torch.cat(
-                [self.stored_values, self.stored_values.new_empty(extra)]
-            )
-            self.stored_tokens = torch.cat(
-                [self.stored_tokens, self.stored_tokens.new_empty(extra)]
+            self.stored_values, self.stored_tokens, self.stored_states = (
+                torch.cat([table, table.new_empty(extra)])
+                for table in (self.stored_values, self.stored_tokens, self.stored_states)
             )
         self.stored_values[self.used : end] = values.flatten()
         self.stored_tokens[self.used : end] = tokens.flatten()
+        self.stored_states[self.used : end] = states.flatten()
         self.first[rows, nodes] = self.used + torch.arange(0, q * width, width, device=self.device)
         self.count[rows, nodes] = width
         self.used = end
 
-    def know(self, rows: Tensor, nodes: Tensor, tokens: Tensor) -> None:
-        """Planned nodes [Q] whose one candidate is ``tokens`` [Q] at log-prob 0 (forced)."""
-        self.store(rows, nodes, torch.zeros(len(rows), 1, device=self.device), tokens[:, None])
+    def know(self, rows: Tensor, nodes: Tensor, tokens: Tensor, states: Tensor) -> None:
+        """Planned nodes [Q] whose one candidate is ``tokens`` [Q] at log-prob 0 (forced),
+        leading to ``states`` [Q]."""
+        zero = torch.zeros(len(rows), 1, device=self.device)
+        self.store(rows, nodes, zero, tokens[:, None], states[:, None])
         self.known[rows, nodes] = True
 
-    def candidates(self, nodes: Tensor) -> tuple[Tensor, Tensor]:  # [B, W] -> 2 x [B, W, C']
-        """The stored candidates (log-probs, tokens: int32) of each beam's node (a node of -1
-        reads the root's), C' the most any of them has; -inf (token 0) pads, and a node not
-        scored has none."""
+    def candidates(self, nodes: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # [B, W] -> [B, W, C']
+        """The stored candidates (log-probs, tokens: int32, the states they lead to) of each
+        beam's node (a node of -1 reads the root's), C' the most any of them has; -inf (token 0,
+        state -1) pads, and a node not scored has none."""
         index = (
             nodes.clamp_min(0)
             + torch.arange(self.batch, device=self.device)[:, None] * self.first.shape[1]
@@ -248,11 +254,16 @@ class BeamTree:
         first = first.clamp(max=len(self.stored_values) - width)
         values = self.stored_values.unfold(0, width, 1).index_select(0, first)
         tokens = self.stored_tokens.unfold(0, width, 1).index_select(0, first)
-        values, tokens = values.view(*nodes.shape, width), tokens.view(*nodes.shape, width)
+        states = self.stored_states.unfold(0, width, 1).index_select(0, first)
+        values, tokens, states = (t.view(*nodes.shape, width) for t in (values, tokens, states))
         if bool((count == width).all()):  # (the nodes of one pass have runs of one width)
-            return values, tokens
+            return values, tokens, states
         missing = torch.arange(width, device=self.device) >= count[..., None]  # [B, W, C']
-        return values.masked_fill(missing, float("-inf")), tokens.masked_fill(missing, 0)
+        return (
+            values.masked_fill(missing, float("-inf")),
+            tokens.masked_fill(missing, 0),
+            states.masked_fill(missing, -1),
+        )
 
 
 def rank_within_rows(rows: Tensor, batch: int) -> Tensor:  # [Q] ascending -> [Q]

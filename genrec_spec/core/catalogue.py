@@ -36,6 +36,7 @@ class TokenTrie:
     # [nodes] int64: the one token a node with exactly one child allows; -1 elsewhere (a
     # search asks it of every step's beams: one read, not the CSR arithmetic)
     forced_tokens: Tensor
+    forced_children: Tensor  # [nodes] int64: the node that one token leads to; -1 elsewhere
     num_items: int  # distinct sequences (items with identical sequences count once)
     longest: int  # tokens in the longest sequence (end token included)
     shortest: int  # tokens in the shortest
@@ -85,7 +86,7 @@ class TokenTrie:
         leaf_items = torch.full((len(children),), -1, dtype=torch.long)
         leaf_items[torch.tensor(list(leaf))] = torch.tensor(list(leaf.values()))
         first = offsets[:-1].clamp(max=len(tokens) - 1)  # a leaf's lies past the last edge
-        forced = torch.where(counts == 1, tokens[first], -1)
+        forced = counts == 1
         return cls(
             vocab_size=vocab_size,
             child_offsets=offsets,
@@ -93,7 +94,8 @@ class TokenTrie:
             child_nodes=nodes,
             edge_keys=parents * vocab_size + tokens,
             leaf_items=leaf_items,
-            forced_tokens=forced,
+            forced_tokens=torch.where(forced, tokens[first], -1),
+            forced_children=torch.where(forced, nodes[first], -1),
             num_items=len(leaf),
             longest=longest,
             shortest=shortest,
@@ -140,6 +142,10 @@ class TokenTrie:
     def forced(self, nodes: Tensor) -> Tensor:  # [...] -> [...] int64
         """The one token a node allows, where it has exactly one child; -1 elsewhere."""
         return torch.where(nodes >= 0, self.forced_tokens[nodes.clamp_min(0)], -1)
+
+    def forced_child(self, nodes: Tensor) -> Tensor:  # [...] -> [...] int64
+        """The node that token leads to, where a node has exactly one child; -1 elsewhere."""
+        return torch.where(nodes >= 0, self.forced_children[nodes.clamp_min(0)], -1)
 
     def to(self, device: torch.device | str) -> TokenTrie:
         """The trie with its tables on `device`."""

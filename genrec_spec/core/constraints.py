@@ -181,20 +181,24 @@ def catalogue_log_probs(
     renormalize: bool = False,
     normalized: bool = False,
     at: Tensor | None = None,  # [Q] each state's row of the logits (None: row q, N = Q)
-) -> tuple[Tensor, Tensor]:  # values [Q, C] float32 (-inf pads), tokens [Q, C]
+) -> tuple[Tensor, Tensor, Tensor]:  # values [Q, C] float32 (-inf pads), tokens, nodes [Q, C]
     """``log_probs`` under a catalogue, for each node's children only (C the most children of
     any of the nodes): the same values at the allowed tokens, without a [Q, V] mask, so a
-    search reads C candidates per node instead of V."""
-    tokens, exists = trie.children_of(states)  # [Q, C] each
+    search reads C candidates per node instead of V. Also each child's node (-1 pads): the
+    state a search carries along a chosen token without stepping down the trie again."""
+    edges, exists = trie.child_edges(states)  # [Q, C] each
+    missing = ~exists
+    tokens = trie.child_tokens[edges].masked_fill(missing, 0)
+    children = trie.child_nodes[edges].masked_fill(missing, -1)
     if not (normalized or renormalize):  # the full vocabulary's log-probs, then the children's
         logits = torch.log_softmax((logits if at is None else logits[at]).float(), dim=-1)
         at = None
     # the children's logits alone, read in place: no [Q, V] copy of the nodes' rows
     picked = logits.gather(1, tokens) if at is None else logits[at[:, None], tokens]
-    values = picked.float().masked_fill(~exists, float("-inf"))
+    values = picked.float().masked_fill(missing, float("-inf"))
     if renormalize:
-        values = torch.log_softmax(values, dim=-1).masked_fill(~exists, float("-inf"))
-    return values, tokens
+        values = torch.log_softmax(values, dim=-1).masked_fill(missing, float("-inf"))
+    return values, tokens, children
 
 
 class ConstrainedTrees:

@@ -153,6 +153,7 @@ class TitleRecommender:
             drafter=drafter,
             record=self.record,
         )
-        # A finished beam (title tokens + eos) is its item: the first of items sharing a title.
-        items = self.catalogue.items_of(out.values, out.offsets).view(out.scores.shape)
+        # A finished beam (title tokens + eos) ends at its item's trie leaf: the first of items
+        # sharing a title.
+        items = self.catalogue.trie.items(out.states)
         return TitleRecommendations(items=items, scores=out.scores, stats=out.stats)

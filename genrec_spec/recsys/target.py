@@ -7,7 +7,7 @@ tokens, so the core's ``beam_search`` (and its drafters) decode it.
     out = beam_search(target, tokens, prompt_lengths=lengths, max_new_tokens=model.num_levels,
                       constraint=catalogue,
                       config=BeamConfig(num_beams=W, num_return_sequences=K, length_penalty=0))
-    items = catalogue.items_of(out.values, out.offsets).view(out.scores.shape)  # [B, K]
+    items = catalogue.trie.items(out.states)  # [B, K]: each result's trie leaf names it
 
 Vocabularies: a prompt is a start token, then the history's item indices (oldest first), so an
 empty history is a prompt too; generated tokens are codes in one code vocabulary of L blocks
@@ -332,7 +332,7 @@ def core_beam(
         drafter=drafter,
     )
     return Recommendations(
-        items=catalogue.items_of(out.values, out.offsets).view(out.scores.shape),
+        items=catalogue.trie.items(out.states),
         scores=out.scores,
         stats=RecommendStats(
             target_passes=out.stats.target_forwards,

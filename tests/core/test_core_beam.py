@@ -177,6 +177,14 @@ def test_an_exhaustive_beam_is_the_brute_force_top_k(tiny, renormalize):
         scored.sort(key=lambda x: -x[0])
         assert out.tolist()[b] == [s for _, s in scored[:6]]
         assert torch.allclose(out.scores[b], torch.tensor([s for s, _ in scored[:6]]), atol=1e-4)
+    assert_states_are_the_leaves(catalogue, out)
+
+
+def assert_states_are_the_leaves(catalogue, out):
+    """Each result's carried state is the trie leaf its tokens walk to (its item)."""
+    walked = catalogue.items_of(out.values, out.offsets).view(out.scores.shape)
+    assert bool((walked >= 0).all())
+    assert torch.equal(catalogue.trie.items(out.states), walked)
 
 
 def _prefix_state(catalogue, prefix):
@@ -202,6 +210,8 @@ def test_speculative_beam_equals_plain_beam_in_fewer_passes(tiny, depth, fanout,
         drafter = CatalogueDrafter(catalogue, depth=depth, fanout=fanout, items=items)
         spec = beam_search(target, PROMPTS, drafter=drafter, **kwargs)
         assert spec.tolist() == plain.tolist() and torch.equal(spec.scores, plain.scores)
+        assert_states_are_the_leaves(catalogue, plain)
+        assert_states_are_the_leaves(catalogue, spec)
         assert spec.stats.target_forwards <= plain.stats.target_forwards
         assert spec.stats.draft_nodes > 0
     deep = beam_search(
@@ -419,23 +429,31 @@ def test_the_beam_tree_reads_back_what_it_stored():
     assert nodes.tolist() == [0, 1, 0]
     assert tree.child(rows, parents, tokens).tolist() == [0, 1, 0]
     row0 = torch.zeros(2, dtype=torch.long)
+    values = torch.tensor([[-0.5, -1.0], [-0.25, -2.0]])
     tree.store(
-        row0, nodes[:2], torch.tensor([[-0.5, -1.0], [-0.25, -2.0]]), torch.tensor([[4, 5], [6, 7]])
+        row0, nodes[:2], values, torch.tensor([[4, 5], [6, 7]]), torch.tensor([[9, 10], [11, 12]])
     )
-    tree.know(torch.tensor([1]), torch.tensor([0]), torch.tensor([8]))  # a forced token: log-prob 0
-    # [B, W=2, C'=2] candidates (the most any node has), short rows padded with -inf and token
-    # 0; node -1 reads the root
-    values, tokens = tree.candidates(torch.tensor([[1, 0], [0, -1]]))
+    # a forced token: log-prob 0
+    tree.know(torch.tensor([1]), torch.tensor([0]), torch.tensor([8]), torch.tensor([13]))
+    # [B, W=2, C'=2] candidates (the most any node has), short rows padded with -inf, token 0
+    # and state -1; node -1 reads the root
+    values, tokens, states = tree.candidates(torch.tensor([[1, 0], [0, -1]]))
     inf = float("-inf")
     assert values.tolist() == [[[-0.25, -2.0], [-0.5, -1.0]], [[0.0, inf]] * 2]
     assert tokens.tolist() == [[[6, 7], [4, 5]], [[8, 0]] * 2]
+    assert states.tolist() == [[[11, 12], [9, 10]], [[13, -1]] * 2]
     # past the first tables' room, earlier nodes read back the same; a node not scored has none
     many = torch.arange(3)
     tree.add(torch.ones(3, dtype=torch.long), many - 1, many + 1)
     tree.store(
-        torch.ones(3, dtype=torch.long), many + 1, -torch.rand(3, 3), many[:, None].repeat(1, 3)
+        torch.ones(3, dtype=torch.long),
+        many + 1,
+        -torch.rand(3, 3),
+        many[:, None].repeat(1, 3),
+        many[:, None].repeat(1, 3) + 20,
     )
-    values, tokens = tree.candidates(torch.tensor([[1, 1], [0, 3]]))
+    values, tokens, states = tree.candidates(torch.tensor([[1, 1], [0, 3]]))
     assert values[0, :, :2].tolist() == [[-0.25, -2.0]] * 2 and values[0, :, 2].isinf().all()
     assert tokens[1].tolist() == [[8, 0, 0], [2, 2, 2]]
+    assert states[1].tolist() == [[13, -1, -1], [22, 22, 22]]
     assert tree.candidates(torch.tensor([[2, 2], [0, 0]]))[0][0].isinf().all()

@@ -196,7 +196,7 @@ def test_catalogue_log_probs_are_log_probs_at_the_childrens_tokens(setup, renorm
     states = torch.arange(-1, trie.num_nodes)  # every node, a leaf and a node outside it
     logits = torch.randn(len(states), VOCAB, generator=torch.Generator().manual_seed(0))
     dense = log_probs(logits, trie.allowed(states), renormalize, normalized)  # [Q, V]
-    values, tokens = catalogue_log_probs(logits, trie, states, renormalize, normalized)
+    values, tokens, children = catalogue_log_probs(logits, trie, states, renormalize, normalized)
     _, exists = trie.children_of(states)
     assert values.shape[1] == trie.widest
     assert torch.equal(exists.sum(1), trie.allowed(states).sum(1))
@@ -206,3 +206,7 @@ def test_catalogue_log_probs_are_log_probs_at_the_childrens_tokens(setup, renorm
     torch.testing.assert_close(values[exists], want, rtol=0, atol=0 if not renormalize else 1e-6)
     assert bool((values[~exists] == float("-inf")).all())
     assert torch.equal(tokens[exists].sort().values, dense.isfinite().nonzero()[:, 1].sort().values)
+    # Each child's node is the trie's step from its parent along its token; -1 pads.
+    parents = states[:, None].expand_as(tokens)
+    assert torch.equal(children[exists], trie.step(parents[exists], tokens[exists]))
+    assert bool((children[~exists] == -1).all())
