@@ -182,6 +182,7 @@ def beam_search(
             # [B, W, C] each: the beams' best next tokens, their log-probs and states
             values, options, after = search.candidates(beams, open_rows, alive, step)
             values = values.masked_fill(~alive[..., None], float("-inf"))
+            search.nan |= values.isnan().any()  # a NaN logit makes its node's log-probs NaN
             ended = _select(
                 beams, values, options, after, eos_t, keep, step, max_new_tokens, config
             )
@@ -279,13 +280,13 @@ class _Passes:
         # Live beams' nodes whose scores came from the target, and those a drafter proposed
         self.needed = torch.zeros((), dtype=torch.long, device=on)
         self.hits = torch.zeros((), dtype=torch.long, device=on)
-        self.nan = torch.zeros((), dtype=torch.bool, device=on)  # a pass had NaN logits
+        self.nan = torch.zeros((), dtype=torch.bool, device=on)  # a live beam read NaN
         # (nodes planned for the beams, nodes drafted) of each pass that had a drafter
         self.drafted_passes: list[tuple[int, int]] = []
 
     def check_finite(self) -> None:
-        """Refuse the search's output if a pass had NaN logits (checked once, at the end: a
-        check per pass would make a GPU wait on every pass)."""
+        """Refuse the search's output if a live beam read NaN log-probs, which NaN logits give
+        (checked once, at the end: a check per step would make a GPU wait on every step)."""
         if bool(self.nan):
             raise DecodeInputError(
                 "the target's logits contain NaN",
@@ -313,7 +314,6 @@ class _Passes:
             after = states[:, None].expand_as(choices)
             if self.constraint is not None:
                 after = self.constraint.advance(after, choices)
-        self.nan |= torch.isnan(scores).any()  # a NaN logit makes its row's log-probs NaN
         return scores, choices, after
 
     def _log_probs(
@@ -365,53 +365,59 @@ class _PlainSearch(_Passes):
         self.waiting.append((tokens, parents, live))
         if bool(need.any()):
             values, options, after = self._pass(need, states, beams.sequences[:, :n, :step])
-        else:
+            if forced is not None:  # a forced node's one candidate (its first) costs 0
+                values[..., 0].masked_fill_(forced >= 0, 0.0)
+        elif forced is not None:  # every live node is a forced one: the same, without a pass
+            values = torch.zeros(*forced.shape, 1, device=forced.device)
+            options = forced.clamp_min(0)[..., None]
+            after = self.constraint.trie.forced_child(states)[..., None]
+        else:  # no live node: no candidates
             values = torch.full((*tokens.shape, 1), float("-inf"), device=tokens.device)
             options = torch.zeros_like(values, dtype=torch.long)
             after = torch.full_like(options, -1)
-        if forced is not None:  # a forced node's one candidate, at log-prob 0
-            known = live & (forced >= 0)
-            values[..., 0].masked_fill_(known, 0.0)
-            options[..., 0] = torch.where(known, forced.to(options.dtype), options[..., 0])
-            child = self.constraint.trie.forced_child(states)
-            after[..., 0] = torch.where(known, child, after[..., 0])
         shape = (*beams.last.shape, -1)
         return values.expand(shape), options.expand(shape), after.expand(shape)
 
     def _pass(
         self,
-        need: Tensor,  # [B, n] bool the step's nodes whose candidates are read
+        need: Tensor,  # [B, n] bool the step's nodes whose outputs the target must give
         states: Tensor,  # [B, n] their constraint states
         sequences: Tensor,  # [B, n, T] their generated tokens
-    ) -> tuple[Tensor, Tensor, Tensor]:  # [B, n, C] each: -inf (token 0, state -1) not needed
-        """One target pass over the waiting nodes and the step's (the last n of it)."""
+    ) -> tuple[Tensor, Tensor, Tensor]:  # [B, n, C] each: -inf (token 0, state -1) not read
+        """One target pass over the waiting nodes and the step's (the last n of it), and the
+        step nodes' candidates. Under a catalogue every step node is read, needed or not (a
+        node's children cost a gather, and one read in order costs less than picking some):
+        the caller sets or masks the values of the others."""
+        batch, n = need.shape
         if len(self.waiting) == 1:  # the step's nodes alone
             (tokens, parents, live), needed = self.waiting[0], need
         else:
             tokens, parents, live = (torch.cat(part, 1) for part in zip(*self.waiting, strict=True))
             needed = torch.zeros_like(live)
-            needed[:, -need.shape[1] :] = need
+            needed[:, -n:] = need
         self.waiting = []
         logits = self.target.grow_tree(self.cache, tokens, parents, needed)  # [B, M, V]
         self.size += tokens.shape[1]
         self.passes += 1
         self.nodes += live.sum()
-        rows, slots = needed.nonzero(as_tuple=True)  # [Q] the nodes read
-        at = None if len(rows) == needed.numel() else rows * needed.shape[1] + slots
-        beam = slots - (needed.shape[1] - need.shape[1])  # [Q] each one's slot in the step
+        m = tokens.shape[1]
+        read = torch.ones_like(need) if isinstance(self.constraint, Catalogue) else need
+        rows, beam = read.nonzero(as_tuple=True)  # [Q] the nodes read, each one's slot
+        # [Q] each one's row of the logits (None: every node of the pass, in order)
+        at = None if m == n and len(rows) == read.numel() else rows * m + m - n + beam
 
         def paths() -> list[list[int]]:
             return sequences[rows, beam].tolist()
 
         best = self._best(logits.flatten(0, 1), at, rows, states[rows, beam], paths)
-        shape = (*need.shape, best[0].shape[1])
-        if at is None:  # every node of the pass, in order
+        shape = (batch, n, best[0].shape[1])
+        if len(rows) == read.numel():  # every step node, in order
             return tuple(part.reshape(shape) for part in best)
-        read = [best[0].new_full(shape, float("-inf")), best[1].new_zeros(shape)]
-        read.append(best[2].new_full(shape, -1))
-        for table, part in zip(read, best, strict=True):
+        values, options = best[0].new_full(shape, float("-inf")), best[1].new_zeros(shape)
+        after = best[2].new_full(shape, -1)
+        for table, part in zip((values, options, after), best, strict=True):
             table[rows, beam] = part
-        return tuple(read)
+        return values, options, after
 
 
 class _TreeSearch(_Passes):
