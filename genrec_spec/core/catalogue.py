@@ -9,7 +9,9 @@ a drafter proposes for free.
 Layout (CSR, children sorted by token): node 0 is the root (the empty sequence); node n's children
 are the edges ``child_offsets[n] .. child_offsets[n + 1]``, edge e carrying ``child_tokens[e]``
 to node ``child_nodes[e]``. ``edge_keys[e] = parent * V + token`` is sorted, so a (node, token)
-step is one ``searchsorted`` for a whole batch.
+step is one ``searchsorted`` for a whole batch. The tables a search reads by node have one entry
+more, the last, which node -1 (no node: a prefix that left the catalogue, or an empty beam)
+reads as torch reads index -1: no children, nothing forced, so no lookup needs a mask.
 """
 
 from __future__ import annotations
@@ -28,15 +30,16 @@ class TokenTrie:
     """The trie of a catalogue's token sequences (module docstring for the layout)."""
 
     vocab_size: int  # V
-    child_offsets: Tensor  # [nodes + 1] int64
+    child_offsets: Tensor  # [nodes + 1] int64 (node -1 reads the end: past every edge)
+    child_counts: Tensor  # [nodes + 1] int64 each node's children (node -1: none)
     child_tokens: Tensor  # [edges] int64
     child_nodes: Tensor  # [edges] int64
     edge_keys: Tensor  # [edges] int64, parent * V + token, ascending
     leaf_items: Tensor  # [nodes] int64: the item a finished sequence is; -1 elsewhere
-    # [nodes] int64: the one token a node with exactly one child allows; -1 elsewhere (a
+    # [nodes + 1] int64: the one token a node with exactly one child allows; -1 elsewhere (a
     # search asks it of every step's beams: one read, not the CSR arithmetic)
     forced_tokens: Tensor
-    forced_children: Tensor  # [nodes] int64: the node that one token leads to; -1 elsewhere
+    forced_children: Tensor  # [nodes + 1] int64: the node that token leads to; -1 elsewhere
     num_items: int  # distinct sequences (items with identical sequences count once)
     longest: int  # tokens in the longest sequence (end token included)
     shortest: int  # tokens in the shortest
@@ -87,15 +90,17 @@ class TokenTrie:
         leaf_items[torch.tensor(list(leaf))] = torch.tensor(list(leaf.values()))
         first = offsets[:-1].clamp(max=len(tokens) - 1)  # a leaf's lies past the last edge
         forced = counts == 1
+        none = torch.full((1,), -1, dtype=torch.long)  # what node -1 reads (module docstring)
         return cls(
             vocab_size=vocab_size,
             child_offsets=offsets,
+            child_counts=torch.cat([counts, torch.zeros_like(none)]),
             child_tokens=tokens,
             child_nodes=nodes,
             edge_keys=parents * vocab_size + tokens,
             leaf_items=leaf_items,
-            forced_tokens=torch.where(forced, tokens[first], -1),
-            forced_children=torch.where(forced, nodes[first], -1),
+            forced_tokens=torch.cat([torch.where(forced, tokens[first], -1), none]),
+            forced_children=torch.cat([torch.where(forced, nodes[first], -1), none]),
             num_items=len(leaf),
             longest=longest,
             shortest=shortest,
@@ -123,9 +128,7 @@ class TokenTrie:
     def child_edges(self, nodes: Tensor) -> tuple[Tensor, Tensor]:  # [Q] -> 2 x [Q, C]
         """``children_of``'s edges (a child's token and node are ``child_tokens[e]`` and
         ``child_nodes[e]``), any edge in the slots that hold none, and which slots hold one."""
-        safe = nodes.clamp_min(0)
-        first = self.child_offsets[safe]  # [Q] each node's first edge
-        counts = torch.where(nodes >= 0, self.child_offsets[safe + 1] - first, 0)  # [Q]
+        first, counts = self.child_offsets[nodes], self.child_counts[nodes]  # [Q] each
         most = max(1, int(counts.max())) if len(nodes) else 1
         slots = torch.arange(most, device=nodes.device)
         exists = slots < counts[:, None]  # [Q, C]
@@ -141,11 +144,11 @@ class TokenTrie:
 
     def forced(self, nodes: Tensor) -> Tensor:  # [...] -> [...] int64
         """The one token a node allows, where it has exactly one child; -1 elsewhere."""
-        return torch.where(nodes >= 0, self.forced_tokens[nodes.clamp_min(0)], -1)
+        return self.forced_tokens[nodes]
 
     def forced_child(self, nodes: Tensor) -> Tensor:  # [...] -> [...] int64
         """The node that token leads to, where a node has exactly one child; -1 elsewhere."""
-        return torch.where(nodes >= 0, self.forced_children[nodes.clamp_min(0)], -1)
+        return self.forced_children[nodes]
 
     def to(self, device: torch.device | str) -> TokenTrie:
         """The trie with its tables on `device`."""

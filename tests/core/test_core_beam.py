@@ -361,7 +361,11 @@ def test_the_trie_steps_and_lists_children():
     for token in [4, 6, 7]:
         node = trie.step(node, torch.tensor([token]))
     assert int(trie.forced(node)) == EOS
-    assert int(trie.items(trie.step(node, torch.tensor([EOS])))) == 1
+    leaf = trie.step(node, torch.tensor([EOS]))
+    assert int(trie.items(leaf)) == 1 and torch.equal(trie.forced_child(node), leaf)
+    # a choice, a leaf (nothing to force) and no node (-1) force nothing
+    nothing = torch.stack([torch.tensor(0), leaf[0], torch.tensor(-1)])
+    assert trie.forced(nothing).tolist() == trie.forced_child(nothing).tolist() == [-1] * 3
     tokens, exists = trie.children_of(torch.tensor([0, int(after_4[0]), -1]))
     assert tokens[exists].tolist() == [4, 8, 5, 6] and exists.sum(1).tolist() == [2, 2, 0]
     assert catalogue.items_below[[0, int(after_4[0])]].tolist() == [3, 2]
