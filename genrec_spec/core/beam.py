@@ -41,6 +41,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -264,7 +265,7 @@ class _Passes:
 
     def __init__(self, target: Target, cache, tokens, lengths, config, constraint, width):
         self.target, self.cache = target, cache
-        self.prompts = [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist(), strict=True)]
+        self.prompt_tokens, self.prompt_lengths = tokens, lengths  # [B, T], [B]
         self.config, self.constraint = config, constraint
         self.width = width  # C: the best next tokens a node keeps
         self.normalized = getattr(target, "outputs_log_probs", False)  # read as they are
@@ -283,6 +284,12 @@ class _Passes:
         self.nan = torch.zeros((), dtype=torch.bool, device=on)  # a live beam read NaN
         # (nodes planned for the beams, nodes drafted) of each pass that had a drafter
         self.drafted_passes: list[tuple[int, int]] = []
+
+    @cached_property
+    def prompts(self) -> list[list[int]]:
+        """The rows' prompts on the host, for a hook constraint (read once, when one asks)."""
+        tokens, lengths = self.prompt_tokens.tolist(), self.prompt_lengths.tolist()
+        return [row[:n] for row, n in zip(tokens, lengths, strict=True)]
 
     def check_finite(self) -> None:
         """Refuse the search's output if a live beam read NaN log-probs, which NaN logits give
@@ -348,23 +355,32 @@ class _PlainSearch(_Passes):
     def __init__(self, target: Target, cache, tokens, lengths, config, constraint, width):
         super().__init__(target, cache, tokens, lengths, config, constraint, width)
         self.size = 0  # nodes in the target's pending tree
+        self.slots = torch.arange(config.num_beams, device=tokens.device)  # [W]
         self.waiting: list[tuple[Tensor, Tensor, Tensor]] = []  # steps' unscored nodes (below)
 
     def candidates(
         self, beams: _Beams, open_rows: Tensor, alive: Tensor, step: int
     ) -> tuple[Tensor, Tensor, Tensor]:  # open_rows [B], alive [B, W] bool -> [B, W, C] each
         """The beams' new nodes' best next tokens, from a pass where a live one needs it."""
-        n = 1 if step == 0 else beams.last.shape[1]  # the first step's beams share the root
-        tokens, parents = beams.last[:, :n], beams.parents[:, :n]  # [B, n] each
-        states, live = beams.states[:, :n], alive[:, :n]
-        waited = sum(part[0].shape[1] for part in self.waiting)
-        slots = torch.arange(beams.last.shape[1], device=tokens.device).clamp(max=n - 1)
-        beams.nodes = (self.size + waited + slots).expand_as(beams.last)  # [B, W]
+        width = beams.last.shape[1]
+        step_nodes = beams.last, beams.parents, beams.states, alive  # [B, W] each
+        if step == 0:  # the first step's beams are copies of the root: one node
+            step_nodes = tuple(part[:, :1] for part in step_nodes)
+        tokens, parents, states, live = step_nodes  # [B, n] each
+        first = self.size + sum(part[0].shape[1] for part in self.waiting)  # the step's 1st node
+        if step == 0:
+            beams.nodes = torch.full_like(beams.last, first)  # [B, W]
+        else:  # beam w's node is the step's w-th
+            beams.nodes = (self.slots + first).expand_as(beams.last)
         forced = self.constraint.trie.forced(states) if self.forced_free else None  # [B, n]
         need = live if forced is None else live & (forced < 0)
         self.waiting.append((tokens, parents, live))
         if bool(need.any()):
-            values, options, after = self._pass(need, states, beams.sequences[:, :n, :step])
+
+            def sequences() -> Tensor:  # [B, n, step] the step nodes' generated tokens
+                return beams.sequences[:, : tokens.shape[1], :step]
+
+            values, options, after = self._pass(need, states, sequences)
             if forced is not None:  # a forced node's one candidate (its first) costs 0
                 values[..., 0].masked_fill_(forced >= 0, 0.0)
         elif forced is not None:  # every live node is a forced one: the same, without a pass
@@ -375,14 +391,15 @@ class _PlainSearch(_Passes):
             values = torch.full((*tokens.shape, 1), float("-inf"), device=tokens.device)
             options = torch.zeros_like(values, dtype=torch.long)
             after = torch.full_like(options, -1)
-        shape = (*beams.last.shape, -1)
-        return values.expand(shape), options.expand(shape), after.expand(shape)
+        if tokens.shape[1] < width:  # the root's candidates, read by each of its copies
+            return tuple(part.expand(-1, width, -1) for part in (values, options, after))
+        return values, options, after
 
     def _pass(
         self,
         need: Tensor,  # [B, n] bool the step's nodes whose outputs the target must give
         states: Tensor,  # [B, n] their constraint states
-        sequences: Tensor,  # [B, n, T] their generated tokens
+        sequences: Callable[[], Tensor],  # [B, n, T] their generated tokens (a hook reads them)
     ) -> tuple[Tensor, Tensor, Tensor]:  # [B, n, C] each: -inf (token 0, state -1) not read
         """One target pass over the waiting nodes and the step's (the last n of it), and the
         step nodes' candidates. Under a catalogue every step node is read, needed or not (a
@@ -407,7 +424,7 @@ class _PlainSearch(_Passes):
         at = None if m == n and len(rows) == read.numel() else rows * m + m - n + beam
 
         def paths() -> list[list[int]]:
-            return sequences[rows, beam].tolist()
+            return sequences()[rows, beam].tolist()
 
         best = self._best(logits.flatten(0, 1), at, rows, states[rows, beam], paths)
         shape = (batch, n, best[0].shape[1])
