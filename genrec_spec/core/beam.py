@@ -307,9 +307,12 @@ class _Passes:
         rows: Tensor,  # [Q] their rows
         states: Tensor,  # [Q] their constraint states
         paths: Callable[[], list[list[int]]],  # their generated tokens (a hook reads them)
+        free: Tensor | None = None,  # [Q] bool forced nodes, whose one candidate costs 0
     ) -> tuple[Tensor, Tensor, Tensor]:  # [Q, C' <= C] each: log-probs (-inf pads), tokens, states
         """The nodes' best next tokens under the constraint, and the state each leads to."""
         scores, choices, after = self._log_probs(logits, at, rows, states, paths)
+        if free is not None:  # (a catalogue's: a forced node's one child is its first)
+            scores[:, 0].masked_fill_(free, 0.0)
         if scores.shape[1] > self.width:  # keep the best C (a search reads no more)
             best = scores.topk(self.width, dim=-1)
             index = best.indices
@@ -380,9 +383,8 @@ class _PlainSearch(_Passes):
             def sequences() -> Tensor:  # [B, n, step] the step nodes' generated tokens
                 return beams.sequences[:, : tokens.shape[1], :step]
 
-            values, options, after = self._pass(need, states, sequences)
-            if forced is not None:  # a forced node's one candidate (its first) costs 0
-                values[..., 0].masked_fill_(forced >= 0, 0.0)
+            free = None if forced is None else forced >= 0  # [B, n] forced: a read costs 0
+            values, options, after = self._pass(need, states, sequences, free)
         elif forced is not None:  # every live node is a forced one: the same, without a pass
             values = torch.zeros(*forced.shape, 1, device=forced.device)
             options = forced.clamp_min(0)[..., None]
@@ -400,11 +402,12 @@ class _PlainSearch(_Passes):
         need: Tensor,  # [B, n] bool the step's nodes whose outputs the target must give
         states: Tensor,  # [B, n] their constraint states
         sequences: Callable[[], Tensor],  # [B, n, T] their generated tokens (a hook reads them)
+        free: Tensor | None,  # [B, n] bool the forced nodes (their one candidate costs 0)
     ) -> tuple[Tensor, Tensor, Tensor]:  # [B, n, C] each: -inf (token 0, state -1) not read
         """One target pass over the waiting nodes and the step's (the last n of it), and the
         step nodes' candidates. Under a catalogue every step node is read, needed or not (a
         node's children cost a gather, and one read in order costs less than picking some):
-        the caller sets or masks the values of the others."""
+        a forced one's candidate gets its 0 here, a dead beam's is masked by the caller."""
         batch, n = need.shape
         if len(self.waiting) == 1:  # the step's nodes alone
             (tokens, parents, live), needed = self.waiting[0], need
@@ -426,7 +429,8 @@ class _PlainSearch(_Passes):
         def paths() -> list[list[int]]:
             return sequences()[rows, beam].tolist()
 
-        best = self._best(logits.flatten(0, 1), at, rows, states[rows, beam], paths)
+        free = None if free is None else free[rows, beam]
+        best = self._best(logits.flatten(0, 1), at, rows, states[rows, beam], paths, free)
         shape = (batch, n, best[0].shape[1])
         if len(rows) == read.numel():  # every step node, in order
             return tuple(part.reshape(shape) for part in best)

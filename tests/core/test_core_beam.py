@@ -2,6 +2,8 @@
 through HFTarget and the native Llama), equal to brute force where the beam is exhaustive, never
 outside the catalogue, and speculative beam search equal to plain beam search in fewer passes."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -161,6 +163,13 @@ def test_an_exhaustive_beam_is_the_brute_force_top_k(tiny, renormalize):
         eos_token_id=EOS,
         constraint=catalogue,
     )
+    assert_best_items(out, lm, catalogue, sequences, renormalize, length_penalty=0.7)
+
+
+def assert_best_items(out, lm, catalogue, sequences, renormalize, length_penalty):
+    """``out`` holds, per prompt, the best items by sum of log-probs / length ** length_penalty,
+    found by scoring every item."""
+    k = out.scores.shape[1]
     for b, prompt in enumerate(PROMPTS):
         scored = []
         for seq in sequences:
@@ -173,11 +182,49 @@ def test_an_exhaustive_beam_is_the_brute_force_top_k(tiny, renormalize):
                     allowed = catalogue.allowed(*_prefix_state(catalogue, full[:i]))[0]
                     lp = torch.log_softmax(logits[i].masked_fill(~allowed, float("-inf")), -1)
                 total += float(lp[token])
-            scored.append((total / len(full) ** 0.7, full))
+            scored.append((total / len(full) ** length_penalty, full))
         scored.sort(key=lambda x: -x[0])
-        assert out.tolist()[b] == [s for _, s in scored[:6]]
-        assert torch.allclose(out.scores[b], torch.tensor([s for s, _ in scored[:6]]), atol=1e-4)
+        assert out.tolist()[b] == [s for _, s in scored[:k]]
+        assert torch.allclose(out.scores[b], torch.tensor([s for s, _ in scored[:k]]), atol=1e-4)
     assert_states_are_the_leaves(catalogue, out)
+
+
+class LogProbsOfNeeded(CallableTarget):
+    """Log-probs as outputs, for the nodes a grow needs only: the others' are left at -inf (the
+    contract lets a target skip them), and a forced token is declared free, as the recommender
+    does."""
+
+    outputs_log_probs = True
+    forced_tokens_free = True
+
+    def grow_tree(self, cache, tokens, parents, needed=None):
+        out = torch.log_softmax(super().grow_tree(cache, tokens, parents, needed), -1)
+        return out if needed is None else out.masked_fill(~needed[..., None], float("-inf"))
+
+
+def test_forced_tokens_cost_nothing_beside_wider_nodes(tiny):
+    """A forced token costs 0 without the target, also in a step whose other nodes have more
+    children than a node keeps (2W), on a target that leaves unneeded outputs at -inf: W = 2
+    beams over a catalogue whose only choices are the first token and the third after [4, 5]
+    find the best items, as the speculative search does."""
+    lm = tiny.HashLM(VOCAB, seed=7, scale=1.5)
+    sequences = [[4, 5, x] for x in range(4, 40)] + [[6, 7, 8]]
+    catalogue = Catalogue.of(sequences, VOCAB, eos_token_id=EOS)
+    target = LogProbsOfNeeded(lm, VOCAB)
+    config = BeamConfig(num_beams=2, num_return_sequences=2, length_penalty=0.0)
+    kwargs = dict(config=config, max_new_tokens=4, eos_token_id=EOS, constraint=catalogue)
+    plain = beam_search(target, PROMPTS, **kwargs)
+    spec = beam_search(target, PROMPTS, drafter=CatalogueDrafter(catalogue), **kwargs)
+    for b, prompt in enumerate(PROMPTS):  # each item: its first and third tokens' log-probs
+        first = torch.log_softmax(lm(torch.tensor([prompt]))[0, -1], -1)
+        scored = [(float(first[6]), [6, 7, 8, EOS])]
+        third = torch.log_softmax(lm(torch.tensor([[*prompt, 4, 5]]))[0, -1], -1)
+        scored += [(float(first[4] + third[x]), [4, 5, x, EOS]) for x in range(4, 40)]
+        scored.sort(key=lambda x: -x[0])
+        for out in (plain, spec):
+            assert out.tolist()[b] == [s for _, s in scored[:2]]
+            torch.testing.assert_close(out.scores[b], torch.tensor([s for s, _ in scored[:2]]))
+    assert [6, 7, 8, EOS] in [s for row in plain.tolist() for s in row]  # the forced path won
 
 
 def assert_states_are_the_leaves(catalogue, out):
@@ -197,19 +244,30 @@ def _prefix_state(catalogue, prefix):
 @pytest.mark.parametrize(
     ("depth", "fanout", "items"), [(1, 1, 1), (8, 1, 1), (3, 3, 2), (8, 40, 1)]
 )
-def test_speculative_beam_equals_plain_beam_in_fewer_passes(tiny, depth, fanout, items):
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_speculative_beam_equals_plain_beam_in_fewer_passes(
+    tiny, depth, fanout, items, renormalize
+):
     """On a cache-free target (each node's logits independent of the pass) the outputs are
-    identical; drafts that miss (fanout > 1) cost nodes, never a different answer."""
+    identical; drafts that miss (fanout > 1) cost nodes, never a different answer. Renormalised,
+    a forced token costs 0 without the target, which the two searches know in their own ways;
+    the catalogue's widest node has more children than a node keeps (2W), so a search that
+    looked for a forced node's candidate among the kept ones would lose it."""
     lm = tiny.HashLM(VOCAB, seed=5, scale=1.5)
     sequences = random_catalogue(80, seed=6)
     catalogue = Catalogue.of(sequences, VOCAB, eos_token_id=EOS)
     target = CallableTarget(lm, VOCAB)
-    for config in SETTINGS:
+    assert catalogue.trie.widest > 2 * max(config.num_beams for config in SETTINGS)
+    for config in (replace(config, renormalize=renormalize) for config in SETTINGS):
         kwargs = dict(config=config, max_new_tokens=6, eos_token_id=EOS, constraint=catalogue)
         plain = beam_search(target, PROMPTS, **kwargs)
         drafter = CatalogueDrafter(catalogue, depth=depth, fanout=fanout, items=items)
         spec = beam_search(target, PROMPTS, drafter=drafter, **kwargs)
-        assert spec.tolist() == plain.tolist() and torch.equal(spec.scores, plain.scores)
+        assert spec.tolist() == plain.tolist()
+        # (renormalised over a node's children, scored in passes of other shapes: rounding)
+        torch.testing.assert_close(
+            spec.scores, plain.scores, rtol=0, atol=0 if not renormalize else 1e-6
+        )
         assert_states_are_the_leaves(catalogue, plain)
         assert_states_are_the_leaves(catalogue, spec)
         assert spec.stats.target_forwards <= plain.stats.target_forwards

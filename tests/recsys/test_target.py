@@ -36,7 +36,7 @@ def core_beam(model, users, k: int, width: int, drafter: bool = False):
 
 
 @pytest.mark.parametrize("levels", ["untied", "tied"])
-@pytest.mark.parametrize(("k", "width"), [(3, 3), (5, 8)])
+@pytest.mark.parametrize(("k", "width"), [(1, 1), (2, 2), (3, 3), (5, 8)])
 def test_core_beam_search_equals_the_recommenders_beam(
     tiny_model, with_objective, levels, k, width
 ):
