@@ -177,14 +177,25 @@ class RecommenderTarget:
                 scored &= ~unread | lineage
                 wanted |= scored & unread  # fed and scored, but still written as -inf
             fed = context_to_score(scored, wanted, lineage)
-            # The model's tree: each row's context, then its new nodes, each part in tree order
-            # (parents first) and padded to the row with the most, so the new nodes of every row
-            # sit in the last slots, the only ones whose outputs the model computes.
-            context_order, context_real = in_order(fed & ~wanted)  # [B, C] each
-            new_order, new_real = in_order(wanted)  # [B, W'] each
-            order = torch.cat([context_order, new_order], 1)
-            real = torch.cat([context_real, new_real], 1)
-            codes, levels, parents = self._layout(tree, depth, fed, order, real)
+            if bool(fed[:, 1:].all()) and bool(wanted[:, n - m :].all()):
+                # every node but the roots (node 0 of each row) is fed and every new one is
+                # wanted: the model's tree is the pending tree itself (new nodes last), as the
+                # native engine's first levels are
+                new_order = torch.arange(n - m, n, device=self.device).expand(batch, m)
+                new_real = wanted[:, n - m :]
+                levels = depth[:, 1:] - 1
+                codes = tree.tokens[:, 1:] - self.offsets[levels]
+                parents = tree.parents[:, 1:] - 1  # (a root's children: -1, below the history)
+            else:
+                # The model's tree: each row's context, then its new nodes, each part in tree
+                # order (parents first) and padded to the row with the most, so the new nodes
+                # of every row sit in the last slots, the only ones whose outputs the model
+                # computes.
+                context_order, context_real = in_order(fed & ~wanted)  # [B, C] each
+                new_order, new_real = in_order(wanted)  # [B, W'] each
+                order = torch.cat([context_order, new_order], 1)
+                real = torch.cat([context_real, new_real], 1)
+                codes, levels, parents = self._layout(tree, depth, fed, order, real)
             last = new_order.shape[1]
         elif first:  # the history pass alone (a plain search's first grow: the roots)
             codes = levels = parents = tree.tokens.new_zeros(batch, 0)
