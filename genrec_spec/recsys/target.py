@@ -158,6 +158,12 @@ class RecommenderTarget:
         the nodes not needed."""
         tree, model = cache.tree, self.model
         batch, n = tree.tokens.shape
+        if n == 1:  # the roots alone (a plain search's first grow): the history pass
+            cache.state = model.encode_history(cache.values, cache.offsets, cache.times)
+            level0 = cache.state.level0_log_probs  # [B, V0]
+            out = _output_buffer(cache, (batch, 1, self.vocab_size))  # [B, 1, V]
+            out[:, 0, : level0.shape[1]] = level0
+            return out
         # [B, N] each node's depth: a code token's value says its level (codes are offset per
         # level); roots (and padding, no beam's) are 0
         depth = torch.where(tree.parents >= 0, tree.tokens // self.block + 1, 0)
@@ -197,7 +203,7 @@ class RecommenderTarget:
                 real = torch.cat([context_real, new_real], 1)
                 codes, levels, parents = self._layout(tree, depth, fed, order, real)
             last = new_order.shape[1]
-        elif first:  # the history pass alone (a plain search's first grow: the roots)
+        elif first:  # the history pass alone (nothing to score below the roots)
             codes = levels = parents = tree.tokens.new_zeros(batch, 0)
             last = 0
         if first:  # the history pass, with the code nodes planned below the roots
