@@ -371,10 +371,9 @@ class _PlainSearch(_Passes):
             step_nodes = tuple(part[:, :1] for part in step_nodes)
         tokens, parents, states, live = step_nodes  # [B, n] each
         first = self.size + sum(part[0].shape[1] for part in self.waiting)  # the step's 1st node
-        if step == 0:
-            beams.nodes = torch.full_like(beams.last, first)  # [B, W]
-        else:  # beam w's node is the step's w-th
-            beams.nodes = (self.slots + first).expand_as(beams.last)
+        # [B, W] beam w's node is the step's w-th (the root copies' its only one)
+        nodes = self.slots + first if step else torch.full_like(beams.last, first)
+        beams.nodes = nodes.expand_as(beams.last)
         forced = self.constraint.trie.forced(states) if self.forced_free else None  # [B, n]
         need = live if forced is None else live & (forced < 0)
         self.waiting.append((tokens, parents, live))
@@ -592,15 +591,16 @@ def _select(
     ``_get_running_beams_for_next_iteration`` and ``_update_finished_beams``), in place."""
     batch, w, c = values.shape
     flat = (beams.scores[:, :, None] + values).flatten(1)  # [B, W * C]
-    if not len(eos) and step + 1 < max_new_tokens:  # no candidate can end: the best W run on
-        scores, index = flat.topk(w, dim=1)  # [B, W]
-        token, state = options.flatten(1).gather(1, index).long(), after.flatten(1).gather(1, index)
-        _run_on(beams, scores, index // c, token, state, step)
-        return False
-    keep = min(keep, w * c)  # a vocabulary smaller than 2W holds fewer
-    scores, index = flat.topk(keep, dim=1)  # [B, 2W]
+    endless = not len(eos) and step + 1 < max_new_tokens  # no candidate can end this step
+    # the best W run on where none can end; else the best 2W (a vocabulary smaller than 2W
+    # holds fewer)
+    keep = w if endless else min(keep, w * c)
+    scores, index = flat.topk(keep, dim=1)  # [B, keep]
     origin = index // c
     token, state = options.flatten(1).gather(1, index).long(), after.flatten(1).gather(1, index)
+    if endless:
+        _run_on(beams, scores, origin, token, state, step)
+        return False
     hits = torch.isin(token, eos) | (step + 1 >= max_new_tokens)
     # Finished: those of the top W that ended, if they beat the worst finished hypothesis.
     ended = hits & (torch.arange(keep, device=hits.device) < w)

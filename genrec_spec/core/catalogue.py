@@ -119,11 +119,14 @@ class TokenTrie:
         edge = edge.clamp(max=len(self.edge_keys) - 1)
         return torch.where(self.edge_keys[edge] == keys, self.child_nodes[edge], -1)
 
-    def children_of(self, nodes: Tensor) -> tuple[Tensor, Tensor]:  # [Q] -> 2 x [Q, C]
+    def children_of(self, nodes: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # [Q] -> 3 x [Q, C]
         """Each node's child tokens in token order, C the most any of them has (at least 1),
-        and which of the C slots hold one (-1 nodes have none)."""
+        the nodes they lead to (-1 pads) and which of the C slots hold one (-1 nodes have
+        none)."""
         edges, exists = self.child_edges(nodes)
-        return self.child_tokens[edges].masked_fill(~exists, 0), exists
+        missing = ~exists
+        tokens = self.child_tokens[edges].masked_fill(missing, 0)
+        return tokens, self.child_nodes[edges].masked_fill(missing, -1), exists
 
     def child_edges(self, nodes: Tensor) -> tuple[Tensor, Tensor]:  # [Q] -> 2 x [Q, C]
         """``children_of``'s edges (a child's token and node are ``child_tokens[e]`` and
@@ -136,7 +139,7 @@ class TokenTrie:
 
     def allowed(self, nodes: Tensor) -> Tensor:  # [Q] -> [Q, V] bool
         """The tokens each node lets through (its children's); none for -1."""
-        tokens, exists = self.children_of(nodes)  # [Q, C] each
+        tokens, _, exists = self.children_of(nodes)  # [Q, C] each
         at, slot = exists.nonzero(as_tuple=True)
         mask = torch.zeros(len(nodes), self.vocab_size, dtype=torch.bool, device=nodes.device)
         mask[at, tokens[at, slot]] = True

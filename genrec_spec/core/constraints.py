@@ -186,10 +186,8 @@ def catalogue_log_probs(
     any of the nodes): the same values at the allowed tokens, without a [Q, V] mask, so a
     search reads C candidates per node instead of V. Also each child's node (-1 pads): the
     state a search carries along a chosen token without stepping down the trie again."""
-    edges, exists = trie.child_edges(states)  # [Q, C] each
+    tokens, children, exists = trie.children_of(states)  # [Q, C] each
     missing = ~exists
-    tokens = trie.child_tokens[edges].masked_fill(missing, 0)
-    children = trie.child_nodes[edges].masked_fill(missing, -1)
     if not (normalized or renormalize):  # the full vocabulary's log-probs, then the children's
         logits = torch.log_softmax((logits if at is None else logits[at]).float(), dim=-1)
         at = None

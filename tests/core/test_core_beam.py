@@ -424,7 +424,7 @@ def test_the_trie_steps_and_lists_children():
     # a choice, a leaf (nothing to force) and no node (-1) force nothing
     nothing = torch.stack([torch.tensor(0), leaf[0], torch.tensor(-1)])
     assert trie.forced(nothing).tolist() == trie.forced_child(nothing).tolist() == [-1] * 3
-    tokens, exists = trie.children_of(torch.tensor([0, int(after_4[0]), -1]))
+    tokens, _, exists = trie.children_of(torch.tensor([0, int(after_4[0]), -1]))
     assert tokens[exists].tolist() == [4, 8, 5, 6] and exists.sum(1).tolist() == [2, 2, 0]
     assert catalogue.items_below[[0, int(after_4[0])]].tolist() == [3, 2]
     assert bool((catalogue.items_below[trie.leaf_items >= 0] == 1).all())

@@ -197,7 +197,7 @@ def test_catalogue_log_probs_are_log_probs_at_the_childrens_tokens(setup, renorm
     logits = torch.randn(len(states), VOCAB, generator=torch.Generator().manual_seed(0))
     dense = log_probs(logits, trie.allowed(states), renormalize, normalized)  # [Q, V]
     values, tokens, children = catalogue_log_probs(logits, trie, states, renormalize, normalized)
-    _, exists = trie.children_of(states)
+    _, _, exists = trie.children_of(states)
     assert values.shape[1] == trie.widest
     assert torch.equal(exists.sum(1), trie.allowed(states).sum(1))
     # Each child's value is the dense rule's at its token (renormalised over fewer columns:
