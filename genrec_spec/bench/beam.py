@@ -225,7 +225,7 @@ def runners(
         return run
 
     def hf(batch):
-        ids, mask = left_padded(batch, work.eos)
+        ids, mask = (t.to(hf_model.device) for t in left_padded(batch, work.eos))
         width = ids.shape[1]
         with torch.inference_mode():
             out = hf_model.generate(
