@@ -112,13 +112,16 @@ def time_in_turns(
     after: Callable[[Hashable], object] = lambda key: None,
 ) -> dict[Hashable, float]:  # key -> median seconds of its call
     """Time every call `repeats` times, the calls taking turns within each round so that a slow
-    spell of a shared machine lands on each alike; a first round warms up (first-use
+    spell of a shared machine lands on each alike, the order rotating every round (a call
+    may leave the caches warm or cold for the next); a first round warms up (first-use
     allocations and choices) and is not counted. `after(key)` runs untimed after each call."""
     samples: dict[Hashable, list[float]] = {key: [] for key in calls}
+    keys = list(calls)
     for round_ in range(repeats + 1):
-        for key, call in calls.items():
+        shift = round_ % len(keys)
+        for key in keys[shift:] + keys[:shift]:
             start = time.perf_counter()
-            call()
+            calls[key]()
             if round_:
                 samples[key].append(time.perf_counter() - start)
             after(key)

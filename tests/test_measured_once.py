@@ -1,5 +1,6 @@
-"""The two helpers every timed choice rests on: `machine.time_in_turns` (the calls take turns,
-a warm-up round is not counted, `after` runs untimed after each call) and
+"""The two helpers every timed choice rests on: `machine.time_in_turns` (the calls take turns
+in an order rotating every round, a warm-up round is not counted, `after` runs untimed after
+each call) and
 `atomic.json_made_once` (a record made once, read back, made again when unreadable or
 rejected)."""
 
@@ -12,12 +13,13 @@ from genrec_spec.machine import time_in_turns
 def test_time_in_turns_alternates_and_skips_the_warm_up():
     order = []
     seconds = time_in_turns(
-        {"a": lambda: order.append("a"), "b": lambda: order.append("b")},
-        repeats=2,
+        {key: (lambda key=key: order.append(key)) for key in "abc"},
+        repeats=3,
         after=lambda key: order.append(f"after {key}"),
     )
-    assert order == ["a", "after a", "b", "after b"] * 3  # warm-up, then 2 timed rounds
-    assert set(seconds) == {"a", "b"} and all(s >= 0 for s in seconds.values())
+    rounds = ["abc", "bca", "cab", "abc"]  # warm-up, then 3 timed rounds, each one turned
+    assert order == [step for r in rounds for key in r for step in (key, f"after {key}")]
+    assert set(seconds) == set("abc") and all(s >= 0 for s in seconds.values())
 
 
 def test_json_made_once(tmp_path):

@@ -1,6 +1,7 @@
 """The one decoding loop: propose a tree -> score it in one target forward -> accept a path ->
 commit the KV cache -> repeat. Plain autoregressive decoding is the same loop with the
-root-only tree.
+root-only tree. Where the target scores the prompt's last token in its prefill
+(``scores_prefill``), the first step is that root-only tree with the prefill's logits: no pass.
 
 Every row of the batch moves at its own pace (its own accepted length, prompt length, end of
 sequence); finished rows stay in the batch, frozen, until all rows are done. The loop reads
@@ -138,7 +139,9 @@ def generate(
     check_catalogue(constraint, [] if eos is None else eos.tolist(), max_new_tokens)
     started = time.perf_counter()
     with torch.inference_mode():
-        state = _prefill(target, tokens, lengths, max_new_tokens, proposer, sampling, generator)
+        state, scored = _prefill(
+            target, tokens, lengths, max_new_tokens, proposer, sampling, generator
+        )
         cache, batch = state.cache, tokens.shape[0]
         k_max = proposer.k if proposer is not None else 0
         control = SpeculationController(
@@ -149,10 +152,13 @@ def generate(
         longest = int(lengths.max())  # host-side bound on state.lengths.max()
         allowed = None if constraint is None else ConstrainedTrees(constraint, batch, device)
         while True:
-            # Never draft past the target's context or past the last token still wanted.
-            budget = min(control.budget(), target.max_length - longest, max_new_tokens - 1)
-            tree = proposer.propose(state, budget) if budget > 0 else root_only(state.roots)
-            logits = target.score_tree(cache, tree)  # [B, N, V]
+            if scored is not None:  # the prefill scored the roots: the first step needs no pass
+                budget, tree, logits = 0, root_only(state.roots), scored
+            else:
+                # Never draft past the target's context or past the last token still wanted.
+                budget = min(control.budget(), target.max_length - longest, max_new_tokens - 1)
+                tree = proposer.propose(state, budget) if budget > 0 else root_only(state.roots)
+                logits = target.score_tree(cache, tree)  # [B, N, V]
             if allowed is not None:
                 logits = allowed.mask(tree, logits, state.tokens, state.lengths)
             accepted = rule(tree, logits, sampling, generator)
@@ -161,7 +167,9 @@ def generate(
             all_done, widest, observed = _read_step(tree, logits, accepted, counts, done, active)
             if allowed is not None:
                 allowed.advance(accepted.tokens[:, :widest], counts)
-            target.commit(cache, accepted.path[:, :widest], counts)
+            if scored is None:  # (the prefill cached the roots already)
+                target.commit(cache, accepted.path[:, :widest], counts)
+            scored = None
             _advance(state, tree, logits, accepted, counts, done, widest, budget > 0)
             longest += widest
             forwards, speculative = forwards + 1, speculative + (budget > 0)
@@ -193,12 +201,20 @@ def _prefill(
     proposer: Proposer | None,
     sampling: SamplingParams,
     generator: torch.Generator | None,
-) -> DecodeState:
+) -> tuple[DecodeState, Tensor | None]:
     """The target's prefill of the prompts and the decode state around its cache; the
-    proposer's ``begin`` has seen it (first: a proposer may size its draft cost by the batch)."""
+    proposer's ``begin`` has seen it (first: a proposer may size its draft cost by the batch).
+    Also the prompts' last tokens' logits [B, 1, V] where the target scores them in its prefill
+    (``scores_prefill``) and no proposer reads the prompt's hidden states (they describe the
+    tokens a pass scored, which the prefill's would not), else None."""
     batch, width = tokens.shape
     hidden_layers = getattr(proposer, "hidden_layers", ())
-    cache = prefill_checked(target, tokens, lengths, width + max_new_tokens, hidden_layers)
+    capacity = width + max_new_tokens
+    scored = None
+    if getattr(target, "scores_prefill", False) and not hidden_layers:
+        cache, scored = prefill_checked(target, tokens, lengths, capacity, scored=True)
+    else:
+        cache = prefill_checked(target, tokens, lengths, capacity, hidden_layers)
     state = DecodeState(
         tokens=torch.cat([tokens, tokens.new_zeros(batch, max_new_tokens)], dim=1),
         lengths=lengths,
@@ -212,7 +228,7 @@ def _prefill(
     )
     if proposer is not None:
         proposer.begin(state)
-    return state
+    return state, scored
 
 
 def prefill_checked(
@@ -221,16 +237,21 @@ def prefill_checked(
     lengths: Tensor,  # [B]
     capacity: int,
     hidden_layers: Sequence[int] = (),
-):  # the target's cache handle
-    """``target.prefill``, the prompts' token ids checked against its vocabulary first, or, for
-    a target that learns its vocabulary at prefill (a CallableTarget), right after."""
+    scored: bool = False,
+):  # the target's cache handle, and with scored its prefill_scored logits [B, 1, V]
+    """``target.prefill`` (``prefill_scored`` when scored), the prompts' token ids checked
+    against its vocabulary first, or, for a target that learns its vocabulary at prefill (a
+    CallableTarget), right after."""
     vocab_known = target.vocab_size is not None
     if vocab_known:
         _check_vocab(target, tokens)
-    cache = target.prefill(tokens, lengths, capacity, hidden_layers)
+    if scored:
+        out = target.prefill_scored(tokens, lengths, capacity)
+    else:
+        out = target.prefill(tokens, lengths, capacity, hidden_layers)
     if not vocab_known:
         _check_vocab(target, tokens)
-    return cache
+    return out
 
 
 def _read_step(

@@ -6,6 +6,14 @@ A target is used through a per-call cache handle (its decoding state):
     logits = target.score_tree(cache, tree)    # [B, N, V]; the root is the first uncached token
     target.commit(cache, nodes, counts)        # keep nodes[b, :counts[b]] of the scored tree
 
+A target whose ``scores_prefill`` is true also offers
+
+    cache, logits = target.prefill_scored(tokens, lengths, capacity)  # [B, 1, V]
+
+which caches every prompt token and returns each row's last token's logits: the first decoding
+step's scores without a pass of their own (transformers' prefill does the same). The loop takes
+its first token from them where no drafter needs the prompt's hidden states.
+
 Beam search keeps every scored beam prefix instead of one path, so it grows one tree per row
 pass by pass, each pass scoring only its new nodes:
 
@@ -192,7 +200,11 @@ class HFTarget:
         self.max_length = max_length or int(getattr(config, "max_position_embeddings", 1 << 20))
         sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ())
         self.sliding_window = getattr(config, "sliding_window", None) if sliding else None
-        self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        parameters = inspect.signature(model.forward).parameters
+        self.keeps_logits = "logits_to_keep" in parameters
+        # Newer transformers name the KV cache argument and output `cache` (past_key_values is
+        # deprecated there); older ones know only past_key_values
+        self.cache_name = "cache" if "cache" in parameters else "past_key_values"
 
     def _forward(
         self,
@@ -200,7 +212,9 @@ class HFTarget:
         tokens: Tensor,  # [B, Q]
         positions: Tensor,  # [B, Q]
         mask: Tensor,  # [B, Q, S + Q] bool (True = attend) over the S cached slots and the Q new
-        logits: bool = True,  # False (prefill): skip the LM head where the model allows it
+        # False (prefill): skip the LM head where the model allows it; a [K] tensor of the Q
+        # positions: their logits alone, [B, K, V], where it allows (else all: [B, Q, V])
+        logits: bool | Tensor = True,
         cached: Tensor | None = None,  # [B, S] the cached slots' positions; None: slot_valid's
     ) -> Tensor | None:  # logits [B, Q, V]
         dtype = self.model.dtype
@@ -219,49 +233,71 @@ class HFTarget:
                 "full_attention": attention_mask,
                 "sliding_attention": additive(mask & near),
             }
-        # transformers' causal LMs take logits_to_keep (1: the last position's only), which
-        # spares a prefill the LM head over every prompt token (Gemma-3's 262k-vocabulary
-        # head costs more than its 18 layers).
-        keep = {} if logits or not self.keeps_logits else {"logits_to_keep": 1}
+        # transformers' causal LMs take logits_to_keep (1: the last position's only; a tensor:
+        # those positions'), which spares a prefill the LM head over every prompt token
+        # (Gemma-3's 262k-vocabulary head costs more than its 18 layers).
+        keep = {}
+        if self.keeps_logits and logits is not True:
+            keep = {"logits_to_keep": 1 if logits is False else logits}
         out = self.model(
             input_ids=tokens,
             position_ids=positions,
             attention_mask=attention_mask,
-            past_key_values=cache.past,
             use_cache=True,
             output_hidden_states=bool(cache.hidden_layers),
+            **{self.cache_name: cache.past},
             **keep,
         )
-        cache.past = out.past_key_values
+        cache.past = out[self.cache_name]
         cache.hidden = {layer: out.hidden_states[layer] for layer in cache.hidden_layers}
-        return out.logits if logits else None
+        return None if logits is False else out.logits
 
     def prefill(
         self, tokens: Tensor, lengths: Tensor, capacity: int, hidden_layers: Sequence[int] = ()
     ) -> HFCache:
+        return self._prefill(tokens[:, :-1], lengths - 1, hidden_layers)[0]
+
+    scores_prefill = True
+
+    def prefill_scored(
+        self, tokens: Tensor, lengths: Tensor, capacity: int
+    ) -> tuple[HFCache, Tensor]:
+        return self._prefill(tokens, lengths, (), scored=True)
+
+    def _prefill(
+        self,
+        prompt: Tensor,  # [B, W] right-padded, the tokens to cache
+        lengths: Tensor,  # [B] real tokens of each row among them
+        hidden_layers: Sequence[int],
+        scored: bool = False,
+    ) -> tuple[HFCache, Tensor | None]:  # and with scored each row's last token's logits [B, 1, V]
         from transformers import DynamicCache
 
-        batch = tokens.shape[0]
-        device = tokens.device
+        (batch, width), device = prompt.shape, prompt.device
         cache = HFCache(
             past=DynamicCache(),
             slot_valid=torch.zeros(batch, 0, dtype=torch.bool, device=device),
-            root_position=lengths - 1,
-            pending=tokens.new_zeros(batch, 0),
+            root_position=lengths,
+            pending=prompt.new_zeros(batch, 0),
             pending_valid=torch.zeros(batch, 0, dtype=torch.bool, device=device),
             hidden_layers=tuple(hidden_layers),
         )
-        width = tokens.shape[1] - 1
-        if width > 0:
-            prompt = tokens[:, :width]
-            real = torch.arange(width, device=device) < (lengths - 1)[:, None]
-            causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-            # Padding queries attend to themselves only, so no softmax row is empty.
-            mask = (causal & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)
-            positions = torch.arange(width, device=device).expand(batch, width)
-            self._forward(cache, prompt, positions, mask, logits=False)
-            cache.slot_valid = real
-        return cache
+        if width == 0:
+            return cache, None
+        real = torch.arange(width, device=device) < lengths[:, None]
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        # Padding queries attend to themselves only, so no softmax row is empty.
+        mask = (causal & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)
+        positions = torch.arange(width, device=device).expand(batch, width)
+        # The rows' last positions, each once (a host read where the model keeps some logits).
+        last = lengths - 1
+        kept = last.unique() if scored and self.keeps_logits else scored
+        logits = self._forward(cache, prompt, positions, mask, logits=kept)
+        cache.slot_valid = real
+        if not scored:
+            return cache, None
+        column = torch.searchsorted(kept, last) if self.keeps_logits else last
+        return cache, logits.gather(1, column.view(-1, 1, 1).expand(-1, 1, logits.shape[2]))
 
     def score_tree(self, cache: HFCache, tree: DraftTree) -> Tensor:
         if cache.scored:  # a second pass before commit (a drafter growing its tree level by
@@ -380,7 +416,32 @@ class NativeTarget:
     def prefill(
         self, tokens: Tensor, lengths: Tensor, capacity: int, hidden_layers: Sequence[int] = ()
     ) -> NativeCache:
-        batch, width = tokens.shape[0], tokens.shape[1] - 1
+        width = tokens.shape[1] - 1
+        cache = self._new_cache(tokens.shape[0], width, capacity, hidden_layers)
+        if width > 0:  # the prompt's logits are never read: no LM head
+            cache.hidden = self.model.encode(
+                tokens[:, :width], cache.kv, hidden_layers=cache.hidden_layers
+            )
+            self._commit_prompt(cache, lengths - 1)
+        return cache
+
+    @property
+    def scores_prefill(self) -> bool:
+        # The Llama does; its wrappers (an early exit) only serve as drafts.
+        return hasattr(self.model, "encode_last")
+
+    def prefill_scored(
+        self, tokens: Tensor, lengths: Tensor, capacity: int
+    ) -> tuple[NativeCache, Tensor]:
+        cache = self._new_cache(tokens.shape[0], tokens.shape[1], capacity, ())
+        logits = self.model.encode_last(tokens, cache.kv, lengths)  # [B, 1, V]
+        self._commit_prompt(cache, lengths)
+        return cache, logits
+
+    def _new_cache(
+        self, batch: int, width: int, capacity: int, hidden_layers: Sequence[int]
+    ) -> NativeCache:
+        """An empty cache with room for a prompt of width tokens and a decode of capacity."""
         # Room for the committed tokens plus a modest tree; _forward grows it for bigger trees.
         size = min(capacity + 64, self.max_length)
         cache = NativeCache(
@@ -388,15 +449,13 @@ class NativeTarget:
             length_bound=width,
             hidden_layers=tuple(hidden_layers),
         )
-        if width > 0:  # the prompt's logits are never read: no LM head
-            cache.kv.reserve(width, self.max_length)
-            cache.hidden = self.model.encode(
-                tokens[:, :width], cache.kv, hidden_layers=cache.hidden_layers
-            )
-            cache.kv.commit(
-                torch.arange(width, device=tokens.device).expand(batch, width), lengths - 1
-            )
+        cache.kv.reserve(width, self.max_length)
         return cache
+
+    def _commit_prompt(self, cache: NativeCache, lengths: Tensor) -> None:
+        """Keep the first lengths[b] of the pending prompt tokens of each row."""
+        batch, width = lengths.shape[0], cache.length_bound
+        cache.kv.commit(torch.arange(width, device=lengths.device).expand(batch, width), lengths)
 
     def score_tree(self, cache: NativeCache, tree: DraftTree) -> Tensor:
         return self._forward(cache, tree.tokens, tree.parents)

@@ -113,7 +113,9 @@ class Acceptance:
 class DecodeStats:
     """Counters of one generate() call. A row-step is one active row in one target forward."""
 
-    target_forwards: int  # tree-scoring forwards of the target (prefill not counted)
+    # Forwards of the target that scored next tokens: its tree passes, and a prefill that
+    # scored the prompts' last tokens (``scores_prefill``); a prefill that did not is not counted
+    target_forwards: int
     speculative_forwards: int  # of those, forwards that scored a proposer's tree
     generated_tokens: int  # tokens returned over all rows
     row_steps: int  # active (row, forward) pairs

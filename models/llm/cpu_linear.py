@@ -49,13 +49,13 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # rows timed; a product takes the next 
 STREAM_BYTES = 32 << 20  # weights per timed product: more than a CPU's caches hold
 MAX_COPIES = 64  # of a small weight: a model with tinier matrices keeps them in cache anyway
 PACK_ROWS_HINT = 8  # the row count oneDNN lays the packed weights out for
-REPEATS = 3  # timed rounds per path (medians), after one round of warm-up
+REPEATS = 7  # timed rounds per path (medians), after one round of warm-up
 # Another path must beat F.linear by this share to be chosen. Timed alone, paths within a few
 # percent are a tie, and a tie can go either way inside a model's pass, where the products
 # share the caches with everything else: SmolLM2's gate and up products, oneDNN's by a hair
 # alone, ran its one-row decoding steps slower than F.linear did (docs/results/llm.md).
 MARGIN = 0.05
-VERSION = 2  # part of the machine key: bump when a path's code, or the rule, changes a choice
+VERSION = 3  # part of the machine key: bump when a path's code, or the rule, changes a choice
 _PACKED = DerivedCache()  # weight -> its oneDNN-packed copy
 _CHOSEN: dict[tuple, str] = {}  # (threads, shape, rows) -> path, see `linear`
 

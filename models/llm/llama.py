@@ -284,9 +284,12 @@ class Llama(nn.Module):
         """
         self._check_forward(tokens, cache, parents, hidden_layers)
         x, hidden = self._trunk(tokens, cache, parents, hidden_layers, grow)
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        logits = linear(x, weight).float()
+        logits = self._head(x)
         return (logits, hidden) if hidden_layers else logits
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:  # normed [B, N, dim] -> logits [B, N, V] fp32
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return linear(x, weight).float()
 
     @torch.no_grad()
     def encode(
@@ -301,6 +304,21 @@ class Llama(nn.Module):
         (SmolLM2: 49,152 x 576 per token)."""
         self._check_forward(tokens, cache, None, hidden_layers)
         return self._trunk(tokens, cache, None, hidden_layers)[1]
+
+    @torch.no_grad()
+    def encode_last(
+        self,
+        tokens: torch.Tensor,  # [B, N] int64, right-padded prompts
+        cache: StaticKVCache,
+        lengths: torch.Tensor,  # [B] real tokens per row
+    ) -> torch.Tensor:  # logits [B, 1, V] fp32 of each row's token lengths - 1
+        """``encode``, then the LM head on each row's last real token alone: the scores of the
+        first generated token come out of the prompt's own pass, as in transformers' prefill,
+        instead of costing a pass of their own."""
+        self._check_forward(tokens, cache, None, ())
+        x = self._trunk(tokens, cache, None, ())[0]
+        last = (lengths - 1).view(-1, 1, 1).expand(-1, 1, x.shape[2])
+        return self._head(x.gather(1, last))
 
     def _trunk(
         self, tokens, cache, parents, hidden_layers: tuple[int, ...], grow: bool = False

@@ -101,7 +101,8 @@ def test_benchmark_on_tiny_models(tiny_pair):
 
 def test_no_controller_drafts_full_depth(tiny_pair):
     """--pass-cost none: every step of every row drafts the proposer's full depth (the draft
-    method always has k tokens to offer), and greedy output stays plain decoding's."""
+    method always has k tokens to offer) but the first, whose token the prefill scored, and
+    greedy output stays plain decoding's."""
     native, _ = tiny_pair
     prompts = [[5, 9, 2, 33, 7, 5, 9, 2, 8], [4, 60], [12, 3, 3, 40, 22, 3]]
     settings = BenchLLMConfig(
@@ -110,7 +111,8 @@ def test_no_controller_drafts_full_depth(tiny_pair):
     runners = make_runners(native, None, settings, eos=None)
     tallies = time_methods(runners, [prompts[:2], prompts[2:]], SamplingParams(0.0), settings)
     (draft,), (plain,) = tallies["draft"], tallies["none"]
-    assert draft.drafted == [draft.row_steps] * 3 and draft.row_steps < plain.row_steps
+    assert draft.drafted == [draft.row_steps - len(prompts)] * 3
+    assert draft.row_steps < plain.row_steps
     assert draft.outputs == plain.outputs
 
 

@@ -67,7 +67,8 @@ def test_smollm2_speculative_greedy_equals_plain(smollm2, name):
             controller=ControllerConfig(adaptive=False),
         )
         check_against_plain(model, prompts, plain, out.tolist())
-    assert out.stats.speculative_forwards == out.stats.target_forwards
+    # Every forward drafts but the prefill, which scores the first token
+    assert out.stats.speculative_forwards == out.stats.target_forwards - 1
     assert out.stats.mean_accepted_length > 1.0  # drafts were accepted on real text
 
 

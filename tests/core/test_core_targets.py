@@ -7,6 +7,7 @@ import torch
 from genrec_spec import CallableTarget, DraftTree, HFTarget, NativeTarget
 from genrec_spec.core import controller
 from genrec_spec.core.controller import cached_pass_cost, measure_pass_cost
+from genrec_spec.core.tree import root_only
 from genrec_spec.core.types import DecodeInputError
 from genrec_spec.models.llm.llama import Llama, LlamaConfig
 
@@ -128,6 +129,27 @@ def test_tree_scores_match_cache_free_callable(tiny, name):
             t.score_tree(c, second) for t, c in zip((target, reference), caches, strict=True)
         )
         assert torch.allclose(got, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["hf", "native"])
+def test_a_scored_prefill_gives_the_roots_logits_and_caches_them(tiny, name):
+    """prefill_scored on right-padded prompts of three lengths: each row's last token's logits,
+    as the cache-free callable gives them, and every prompt token cached, so a tree under the
+    next token (its root) scores as the callable scores the prompt plus that token's tree."""
+    target, fn = models(tiny)[name]
+    reference = CallableTarget(fn)
+    assert target.scores_prefill
+    with torch.inference_mode():
+        cache, logits = target.prefill_scored(PROMPTS, LENGTHS, 16)
+        ref_cache = reference.prefill(PROMPTS, LENGTHS, 16)
+        roots = root_only(PROMPTS.gather(1, LENGTHS[:, None] - 1)[:, 0])
+        want = reference.score_tree(ref_cache, roots)
+        assert logits.shape == (3, 1, VOCAB) and torch.allclose(logits, want, atol=1e-4)
+        # The roots join the reference's cache as a commit would; TREE hangs under new roots.
+        reference.commit(ref_cache, torch.zeros(3, 1, dtype=torch.long), torch.ones(3).long())
+        got, want = target.score_tree(cache, TREE), reference.score_tree(ref_cache, TREE)
+        assert torch.allclose(got[:, :5], want[:, :5], atol=1e-4)
+        assert torch.allclose(got[[0, 2]], want[[0, 2]], atol=1e-4)  # row 1's node 5 pads
 
 
 @pytest.mark.parametrize("name", ["hf", "native", "callable"])

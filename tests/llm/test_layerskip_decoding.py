@@ -64,15 +64,17 @@ def test_shared_cache_drafts_as_an_own_cache(trained_layerskip, draft):
 
 def test_greedy_tree_takes_the_draft_top_w(trained_layerskip, draft):
     """Under greedy decoding a root of width 3 gets the draft's 3 most likely tokens, all valid
-    (the one-hot greedy distribution alone would leave one)."""
+    (the one-hot greedy distribution alone would leave one). The first tree hangs under the
+    first generated token (the prefill scored it)."""
     model, prompts = trained_layerskip.model, trained_layerskip.greedy_prompts
     proposer = LayerSkipProposer(draft, k=2, width=3)
     trees = []
     original = proposer.propose
     proposer.propose = lambda state, budget: trees.append(original(state, budget)) or trees[-1]
-    generate(model, prompts, max_new_tokens=4, proposer=proposer, controller=FIXED)
+    out = generate(model, prompts, max_new_tokens=4, proposer=proposer, controller=FIXED)
     for b, prompt in enumerate(prompts):
-        logits = draft(torch.tensor([prompt]), model.new_cache(1, len(prompt)))[0, -1]  # [V]
+        seen = prompt + out.tolist()[b][:1]
+        logits = draft(torch.tensor([seen]), model.new_cache(1, len(seen)))[0, -1]  # [V]
         assert trees[0].tokens[b, 1:4].tolist() == logits.topk(3).indices.tolist()
     assert trees[0].valid[:, :4].all()
 

@@ -4,6 +4,7 @@ transformers, and a tree pass equal to running each branch alone."""
 import pytest
 import torch
 
+from genrec_spec.core.targets import HFTarget
 from genrec_spec.models.llm.llama import Llama
 from genrec_spec.models.llm.smollm2 import smollm2_hf_dir
 
@@ -70,9 +71,10 @@ def test_logits_and_hidden_states_match_transformers(smollm2, hf_smollm2, prompt
 def hf_greedy(hf, prompt: list[int], steps: int) -> list[int]:
     """transformers' model decoding one row greedily with its own KV cache."""
     ids, past, out = torch.tensor([prompt]), None, []
+    name = HFTarget(hf).cache_name  # the KV cache argument's name in this transformers
     for _ in range(steps):
-        result = hf(ids, past_key_values=past, use_cache=True)
-        past, ids = result.past_key_values, result.logits[:, -1:].argmax(-1)
+        result = hf(ids, use_cache=True, **{name: past})
+        past, ids = result[name], result.logits[:, -1:].argmax(-1)
         out.append(int(ids))
     return out
 
