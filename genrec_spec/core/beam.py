@@ -158,7 +158,7 @@ def beam_search(
     _check_config(config, constraint, eos, max_new_tokens)
     started = time.perf_counter()
     with torch.inference_mode():
-        cache = prefill_checked(target, tokens, lengths, tokens.shape[1] + max_new_tokens)
+        cache, _ = prefill_checked(target, tokens, lengths, tokens.shape[1] + max_new_tokens)
         # transformers keeps 2W candidates a step (more with several eos tokens), so a node
         # needs no more than its best 2W next tokens, nor more than a catalogue allows.
         keep = max(2, 1 + len(eos)) * config.num_beams

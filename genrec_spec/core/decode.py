@@ -209,12 +209,10 @@ def _prefill(
     tokens a pass scored, which the prefill's would not), else None."""
     batch, width = tokens.shape
     hidden_layers = getattr(proposer, "hidden_layers", ())
-    capacity = width + max_new_tokens
-    scored = None
-    if getattr(target, "scores_prefill", False) and not hidden_layers:
-        cache, scored = prefill_checked(target, tokens, lengths, capacity, scored=True)
-    else:
-        cache = prefill_checked(target, tokens, lengths, capacity, hidden_layers)
+    scores = getattr(target, "scores_prefill", False) and not hidden_layers
+    cache, scored = prefill_checked(
+        target, tokens, lengths, width + max_new_tokens, hidden_layers, scores
+    )
     state = DecodeState(
         tokens=torch.cat([tokens, tokens.new_zeros(batch, max_new_tokens)], dim=1),
         lengths=lengths,
@@ -238,7 +236,7 @@ def prefill_checked(
     capacity: int,
     hidden_layers: Sequence[int] = (),
     scored: bool = False,
-):  # the target's cache handle, and with scored its prefill_scored logits [B, 1, V]
+) -> tuple[object, Tensor | None]:  # the target's cache handle; prefill_scored's logits or None
     """``target.prefill`` (``prefill_scored`` when scored), the prompts' token ids checked
     against its vocabulary first, or, for a target that learns its vocabulary at prefill (a
     CallableTarget), right after."""
@@ -246,12 +244,12 @@ def prefill_checked(
     if vocab_known:
         _check_vocab(target, tokens)
     if scored:
-        out = target.prefill_scored(tokens, lengths, capacity)
+        cache, logits = target.prefill_scored(tokens, lengths, capacity)
     else:
-        out = target.prefill(tokens, lengths, capacity, hidden_layers)
+        cache, logits = target.prefill(tokens, lengths, capacity, hidden_layers), None
     if not vocab_known:
         _check_vocab(target, tokens)
-    return out
+    return cache, logits
 
 
 def _read_step(

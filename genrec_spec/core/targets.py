@@ -289,14 +289,19 @@ class HFTarget:
         # Padding queries attend to themselves only, so no softmax row is empty.
         mask = (causal & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)
         positions = torch.arange(width, device=device).expand(batch, width)
-        # The rows' last positions, each once (a host read where the model keeps some logits).
-        last = lengths - 1
-        kept = last.unique() if scored and self.keeps_logits else scored
-        logits = self._forward(cache, prompt, positions, mask, logits=kept)
-        cache.slot_valid = real
         if not scored:
+            self._forward(cache, prompt, positions, mask, logits=False)
+            cache.slot_valid = real
             return cache, None
-        column = torch.searchsorted(kept, last) if self.keeps_logits else last
+        # The logits of the rows' last positions, each position once where the model keeps
+        # some (a host read), else of all
+        last = lengths - 1
+        kept = last.unique() if self.keeps_logits else None
+        logits = self._forward(
+            cache, prompt, positions, mask, logits=True if kept is None else kept
+        )
+        cache.slot_valid = real
+        column = last if kept is None else torch.searchsorted(kept, last)
         return cache, logits.gather(1, column.view(-1, 1, 1).expand(-1, 1, logits.shape[2]))
 
     def score_tree(self, cache: HFCache, tree: DraftTree) -> Tensor:
