@@ -16,8 +16,10 @@ Selection is transformers' beam search, step for step: each step keeps the top 2
 run on, and those of the top W that ended (an eos token, or max_new_tokens) enter the W finished
 hypotheses with score / length ** length_penalty; early stopping and the "can a running beam
 still win" heuristic follow ``early_stopping`` as there. The first step starts from W copies of
-the root, all but one scored -1e9. So the outputs equal ``generate(num_beams=W,
-num_return_sequences=K, length_penalty=..., early_stopping=...)`` (with
+the root, all but one scored -1e9; a target that scores its prefill (``scores_prefill``) gives
+the root's log-probs with the prompt's K/V, as transformers' prefill does, so the first step
+needs no pass of its own (the prefill counts as its pass). So the outputs equal
+``generate(num_beams=W, num_return_sequences=K, length_penalty=..., early_stopping=...)`` (with
 ``prefix_allowed_tokens_fn`` for a constraint) up to float ties. A finished row stops asking for
 passes; it rides along until every row is done.
 
@@ -158,7 +160,11 @@ def beam_search(
     _check_config(config, constraint, eos, max_new_tokens)
     started = time.perf_counter()
     with torch.inference_mode():
-        cache, _ = prefill_checked(target, tokens, lengths, tokens.shape[1] + max_new_tokens)
+        # A target that scores its prefill gives the roots' log-probs with it: the first step
+        # needs no pass of its own
+        scored = getattr(target, "scores_prefill", False)
+        capacity = tokens.shape[1] + max_new_tokens
+        cache, roots = prefill_checked(target, tokens, lengths, capacity, scored=scored)
         # transformers keeps 2W candidates a step (more with several eos tokens), so a node
         # needs no more than its best 2W next tokens, nor more than a catalogue allows.
         keep = max(2, 1 + len(eos)) * config.num_beams
@@ -166,7 +172,7 @@ def beam_search(
         width = min(keep, target.vocab_size, allows)
         if drafter is not None and record is not None and not record.drafts():
             drafter = None  # drafting did not pay in the record's searches: a plain search
-        args = (target, cache, tokens, lengths, config, constraint, width)
+        args = (target, cache, roots, tokens, lengths, config, constraint, width)
         if drafter is None:
             search: _PlainSearch | _TreeSearch = _PlainSearch(*args)
         else:
@@ -263,8 +269,11 @@ class _Passes:
     """What plain and speculative search share: the target's passes, their counts, and the rule
     that turns a pass's outputs into each scored node's best candidates."""
 
-    def __init__(self, target: Target, cache, tokens, lengths, config, constraint, width):
+    def __init__(self, target: Target, cache, roots, tokens, lengths, config, constraint, width):
         self.target, self.cache = target, cache
+        # [B, 1, V] the roots' outputs where the prefill gave them (None: a pass scores the
+        # roots, the prompts' last tokens, which the prefill then left uncached)
+        self.roots = roots
         self.prompt_tokens, self.prompt_lengths = tokens, lengths  # [B, T], [B]
         self.config, self.constraint = config, constraint
         self.width = width  # C: the best next tokens a node keeps
@@ -273,7 +282,8 @@ class _Passes:
         # allowed tokens (by the rule, or by the target's own outputs): known without a pass.
         free = config.renormalize or getattr(target, "forced_tokens_free", False)
         self.forced_free = isinstance(constraint, Catalogue) and free
-        self.passes = self.speculative = self.drafted = self.saved = 0
+        self.speculative = self.drafted = self.saved = 0
+        self.passes = int(roots is not None)  # a prefill that scored the roots is their pass
         # Summed on the device and read once, at the end (a read per step makes a GPU wait)
         on = tokens.device
         self.nodes = torch.zeros((), dtype=torch.long, device=on)  # real nodes scored
@@ -355,8 +365,8 @@ class _PlainSearch(_Passes):
     the selection. A step whose live nodes are all known forced ones needs no pass: they wait
     for the next, which carries them as their children's ancestors."""
 
-    def __init__(self, target: Target, cache, tokens, lengths, config, constraint, width):
-        super().__init__(target, cache, tokens, lengths, config, constraint, width)
+    def __init__(self, target: Target, cache, roots, tokens, lengths, config, constraint, width):
+        super().__init__(target, cache, roots, tokens, lengths, config, constraint, width)
         self.size = 0  # nodes in the target's pending tree
         self.slots = torch.arange(config.num_beams, device=tokens.device)  # [W]
         self.waiting: list[tuple[Tensor, Tensor, Tensor]] = []  # steps' unscored nodes (below)
@@ -370,19 +380,28 @@ class _PlainSearch(_Passes):
         if step == 0:  # the first step's beams are copies of the root: one node
             step_nodes = tuple(part[:, :1] for part in step_nodes)
         tokens, parents, states, live = step_nodes  # [B, n] each
+        forced = self.constraint.trie.forced(states) if self.forced_free else None  # [B, n]
+        need = live if forced is None else live & (forced < 0)
+        free = None if forced is None else forced >= 0  # [B, n] forced: a read costs 0
+
+        def sequences() -> Tensor:  # [B, n, step] the step nodes' generated tokens
+            return beams.sequences[:, : tokens.shape[1], :step]
+
+        if self.roots is not None:  # the first step, its roots scored by the prefill, which
+            # cached them: their children hang under the cached prompt (parent -1)
+            beams.nodes = torch.full_like(beams.last, -1)
+            self.nodes += live.sum()
+            values, options, after = self._read(
+                self.roots, torch.ones_like(live), states, sequences, free
+            )
+            self.roots = None
+            return tuple(part.expand(-1, width, -1) for part in (values, options, after))
         first = self.size + sum(part[0].shape[1] for part in self.waiting)  # the step's 1st node
         # [B, W] beam w's node is the step's w-th (the root copies' its only one)
         nodes = self.slots + first if step else torch.full_like(beams.last, first)
         beams.nodes = nodes.expand_as(beams.last)
-        forced = self.constraint.trie.forced(states) if self.forced_free else None  # [B, n]
-        need = live if forced is None else live & (forced < 0)
         self.waiting.append((tokens, parents, live))
         if bool(need.any()):
-
-            def sequences() -> Tensor:  # [B, n, step] the step nodes' generated tokens
-                return beams.sequences[:, : tokens.shape[1], :step]
-
-            free = None if forced is None else forced >= 0  # [B, n] forced: a read costs 0
             values, options, after = self._pass(need, states, sequences, free)
         elif forced is not None:  # every live node is a forced one: the same, without a pass
             values = torch.zeros(*forced.shape, 1, device=forced.device)
@@ -407,7 +426,7 @@ class _PlainSearch(_Passes):
         step nodes' candidates. Under a catalogue every step node is read, needed or not (a
         node's children cost a gather, and one read in order costs less than picking some):
         a forced one's candidate gets its 0 here, a dead beam's is masked by the caller."""
-        batch, n = need.shape
+        n = need.shape[1]
         if len(self.waiting) == 1:  # the step's nodes alone
             (tokens, parents, live), needed = self.waiting[0], need
         else:
@@ -419,8 +438,19 @@ class _PlainSearch(_Passes):
         self.size += tokens.shape[1]
         self.passes += 1
         self.nodes += live.sum()
-        m = tokens.shape[1]
         read = torch.ones_like(need) if isinstance(self.constraint, Catalogue) else need
+        return self._read(logits, read, states, sequences, free)
+
+    def _read(
+        self,
+        logits: Tensor,  # [B, M, V] a pass's outputs, the step's nodes the last n of them
+        read: Tensor,  # [B, n] bool the step's nodes to read
+        states: Tensor,  # [B, n] their constraint states
+        sequences: Callable[[], Tensor],  # [B, n, T] their generated tokens (a hook reads them)
+        free: Tensor | None,  # [B, n] bool the forced nodes (their one candidate costs 0)
+    ) -> tuple[Tensor, Tensor, Tensor]:  # [B, n, C] each: -inf (token 0, state -1) not read
+        """The read step nodes' candidates from a pass's outputs."""
+        (batch, n), m = read.shape, logits.shape[1]
         rows, beam = read.nonzero(as_tuple=True)  # [Q] the nodes read, each one's slot
         # [Q] each one's row of the logits (None: every node of the pass, in order)
         at = None if m == n and len(rows) == read.numel() else rows * m + m - n + beam
@@ -445,9 +475,19 @@ class _TreeSearch(_Passes):
     nodes below the beams to each."""
 
     def __init__(
-        self, target: Target, cache, tokens, lengths, config, constraint, width, drafter, steps
+        self,
+        target: Target,
+        cache,
+        roots,
+        tokens,
+        lengths,
+        config,
+        constraint,
+        width,
+        drafter,
+        steps,
     ):
-        super().__init__(target, cache, tokens, lengths, config, constraint, width)
+        super().__init__(target, cache, roots, tokens, lengths, config, constraint, width)
         self.drafter = drafter
         # Keys pack tokens below this: generated ones, and the roots' (prompt tokens, which a
         # recommender draws from its items, not its codes).
@@ -458,11 +498,34 @@ class _TreeSearch(_Passes):
         self.tree = BeamTree(
             tokens.shape[0], width, tokens_below, capacity, tokens.device, constraint
         )
+        # Tree nodes before the target's first grown one: the roots, where the prefill scored
+        # (and cached) them, stored here as one closed pass
+        self.cached = 0
+        if roots is not None:
+            self._store_roots(tokens, lengths)
+
+    def _store_roots(self, tokens: Tensor, lengths: Tensor) -> None:  # [B, T], [B]
+        """Plan the roots as the tree's first pass and store their candidates from the
+        prefill's outputs."""
+        tree, batch = self.tree, tokens.shape[0]
+        rows = torch.arange(batch, device=tokens.device)
+        last = tokens.gather(1, (lengths - 1)[:, None])[:, 0]  # [B] the prompts' last tokens
+        nodes = tree.add(rows, torch.full_like(rows, -1), last)
+        tree.plan()
+        states = tree.states[rows, nodes]
+        free = self.constraint.trie.forced(states) >= 0 if self.forced_free else None
+        best = self._best(self.roots[:, 0], None, rows, states, lambda: [[]] * batch, free)
+        tree.store(rows, nodes, *best)
+        self.cached, self.roots = 1, None
+        self.nodes += batch
 
     def candidates(
         self, beams: _Beams, open_rows: Tensor, alive: Tensor, step: int
     ) -> tuple[Tensor, Tensor, Tensor]:  # open_rows [B], alive [B, W] bool -> [B, W, C] each
         """The beams' nodes' stored candidates, after a pass where a live one has none."""
+        if step == 0 and self.cached:  # the roots, stored from the prefill
+            beams.nodes = torch.zeros_like(beams.last)
+            return self.tree.candidates(beams.nodes)
         if step:  # (the first step's beams are the roots, none scored yet)
             self.find_nodes(beams)
         self.score_beams(beams, open_rows, alive)
@@ -545,6 +608,8 @@ class _TreeSearch(_Passes):
         tree = self.tree
         tokens, parents, real = tree.plan()
         needed = real & ~tree.known[:, tree.size - tokens.shape[1] : tree.size]  # [B, M]
+        # The target numbers its grown nodes from its first, a cached root being parent -1
+        parents = (parents - self.cached).clamp_min(-1)
         logits = self.target.grow_tree(self.cache, tokens, parents, needed)
         rows, slots = needed.nonzero(as_tuple=True)  # [Q] the nodes to store
         self.passes += 1

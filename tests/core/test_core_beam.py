@@ -300,6 +300,43 @@ def test_speculative_beam_on_the_native_llama(native_model):
     assert spec.stats.target_forwards < plain.stats.target_forwards
 
 
+class Unscored(HFTarget):
+    """transformers' model with the root scored by a pass of its own (the prefill caches all
+    but the prompts' last tokens), counting the passes that grow the tree."""
+
+    scores_prefill = False
+    grows = 0
+
+    def grow_tree(self, *args, **kwargs):
+        self.grows += 1
+        return super().grow_tree(*args, **kwargs)
+
+
+@pytest.mark.parametrize("drafted", [False, True])
+def test_the_roots_from_the_prefill_spare_a_pass(hf_model, drafted):
+    """Where the prefill scores the prompts' last tokens, the first step reads them: the same
+    beams and scores in one grow fewer, the prefill counted as the roots' pass."""
+    catalogue = Catalogue.of(random_catalogue(80, seed=7), VOCAB, eos_token_id=EOS)
+    drafter = CatalogueDrafter(catalogue, 8, 4) if drafted else None
+    kwargs = dict(
+        config=BeamConfig(num_beams=5, num_return_sequences=5),
+        max_new_tokens=6,
+        eos_token_id=EOS,
+        constraint=catalogue,
+        drafter=drafter,
+    )
+    unscored, scored = Unscored(hf_model), Unscored(hf_model)
+    scored.scores_prefill = True
+    before = beam_search(unscored, PROMPTS, **kwargs)
+    after = beam_search(scored, PROMPTS, **kwargs)
+    assert after.tolist() == before.tolist()
+    assert torch.allclose(after.scores, before.scores, atol=1e-5)
+    assert after.stats.target_forwards == scored.grows + 1
+    assert before.stats.target_forwards == unscored.grows
+    if not drafted:  # a plain search's passes are its steps either way
+        assert scored.grows == unscored.grows - 1
+
+
 class CopyingLM:
     """A causal toy LM that continues what followed the latest earlier occurrence of its last
     token (a strong induction head, margin 20 nats over a seeded random bigram table), and
@@ -348,9 +385,13 @@ def test_prompt_lookup_drafts_leave_beam_search_unchanged_in_fewer_passes(tiny):
 
 
 def test_prompt_lookup_beam_drafts_on_the_native_llama(native_model):
-    """The drafted chains go through the native Llama's tree passes and K/V: same beams."""
-    kwargs = dict(config=BeamConfig(num_beams=4, num_return_sequences=3), max_new_tokens=8)
-    prompts = [[5, 9, 2, 5, 9, 2, 5], [4, 7, 4, 7], [12, 30, 3, 20, 22]]
+    """The drafted chains go through the native Llama's tree passes and K/V: same beams. Each
+    prompt holds every token, so every beam's last token occurred before: drafts every step
+    (few a pass: the tiny Llama's cache holds 128 positions, prompt and tree)."""
+    config = BeamConfig(num_beams=4, num_return_sequences=3, draft_nodes=8)
+    kwargs = dict(config=config, max_new_tokens=8)
+    every = list(range(VOCAB))
+    prompts = [every + [5, 9, 2, 5, 9, 2, 5], every[::-1] + [4, 7, 4, 7], every + [12, 30, 3]]
     plain = beam_search(native_model, prompts, eos_token_id=EOS, **kwargs)
     spec = beam_search(
         native_model, prompts, eos_token_id=EOS, drafter=PromptLookupDrafter(), **kwargs
