@@ -102,8 +102,9 @@ class BeamDrafter(Protocol):
         ...
 
     def draft(self, tree: BeamTree, rows: Tensor, nodes: Tensor, budget: int, cache) -> None:
-        """Plan at most ``budget`` nodes per row with ``tree.add`` below the frontier (the
-        tree derives each node's constraint state, ``tree.states``): rows,
+        """Plan at most ``budget`` nodes per row with ``tree.add`` below the frontier, none
+        deeper than ``tree.max_depth`` (the tree derives each node's constraint state,
+        ``tree.states``): rows,
         nodes [F] the live beams' nodes, once each, rows grouped ascending and each row's best
         beam first; ``cache`` is the target's (``Target.prefill``'s), for drafts that read
         the target's own state of the prompts (a recommender's encoded histories)."""
@@ -496,7 +497,7 @@ class _TreeSearch(_Passes):
         # the start; drafted nodes grow the tree past it.
         capacity = min(1 + config.num_beams * steps, MAX_NODES)
         self.tree = BeamTree(
-            tokens.shape[0], width, tokens_below, capacity, tokens.device, constraint
+            tokens.shape[0], width, tokens_below, capacity, tokens.device, constraint, steps
         )
         # Tree nodes before the target's first grown one: the roots, where the prefill scored
         # (and cached) them, stored here as one closed pass

@@ -42,6 +42,10 @@ class BeamTree:
     capacity: int = 1
     device: torch.device | str = "cpu"  # the target's: every table lives beside its outputs
     constraint: Constraint | None = None  # the search's: each node's state under it
+    # The deepest node a beam reaches (the search's max_new_tokens; the root is depth 0): a
+    # drafter plans nothing below it, whose outputs no beam reads and whose positions may lie
+    # past the target's context (a catalogue's or the recommender's drafts end above it)
+    max_depth: int = MAX_NODES
     size: int = 0  # nodes per row in closed passes (real and padding)
     pending: Tensor = field(init=False)  # [B] nodes planned per row for the next pass
     parents: Tensor = field(init=False)  # [B, capacity] -1 for roots and padding

@@ -76,6 +76,8 @@ class PromptLookupDrafter:
         paths = tree.paths(where, nodes.tolist())
         texts = [self.prompts[r] + path for r, path in zip(where, paths, strict=True)]
         lengths = torch.tensor([len(t) for t in texts], device=tree.device)  # [F]
+        # [F] how many tokens each chain may add before it would pass the deepest beam
+        room = tree.max_depth - torch.tensor([len(p) for p in paths], device=tree.device)
         widest = int(lengths.max())
         padded = torch.tensor([t + [0] * (widest - len(t)) for t in texts], device=tree.device)
         at = continuation_starts(padded, lengths, self.max_ngram, self.min_ngram)  # [F]
@@ -86,14 +88,15 @@ class PromptLookupDrafter:
         )  # [B]
         at = torch.where(unmatched[rows] > 0, -1, at)
         left = torch.full((tree.batch,), budget, device=tree.device)
-        for _ in range(self.depth):
-            kept = (at >= 0) & (at < lengths)  # a token follows
-            rows, nodes, at, padded, lengths = (
+        for level in range(self.depth):
+            kept = (at >= 0) & (at < lengths) & (level < room)  # a token follows, in reach
+            rows, nodes, at, padded, lengths, room = (
                 rows[kept],
                 nodes[kept],
                 at[kept],
                 padded[kept],
                 lengths[kept],
+                room[kept],
             )
             if not len(rows):
                 return

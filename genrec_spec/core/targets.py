@@ -410,7 +410,11 @@ class NativeTarget:
     ) -> Tensor:
         # tokens [B, N], parents [B, N] or None (a chain) -> logits [B, N, V]
         pending = cache.kv.pending[1] if grow and cache.kv.pending is not None else 0
-        cache.kv.reserve(cache.length_bound + pending + tokens.shape[1], self.max_length)
+        needed = cache.length_bound + pending + tokens.shape[1]
+        # A grown tree (beam search) keeps every node the search scored, so its slots may
+        # outnumber max_length, while beam search keeps its nodes' positions within it; a tree
+        # scored in one pass stays within max_length slots, which bounds its positions too.
+        cache.kv.reserve(needed, 2 * needed if grow else self.max_length)
         # Only the Llama itself grows trees; its wrappers (early exit, the 4-bit draft) score
         # ordinary passes and take no such argument.
         growing = {"grow": True} if grow else {}

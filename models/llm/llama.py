@@ -73,7 +73,9 @@ def begin_tree_pass(
     )
     cache.begin_pass(n, grow)  # raises before any layer runs if a row has no room for n tokens
     cache.pending_parents = parents
-    positions = cache.lengths[:, None] + plan.depths  # [B, N] < cache.max_len <= max_seq_len
+    # [B, N] < max_seq_len: the cache's slots bound a one-pass tree's positions (it holds at
+    # most max_seq_len), beam search a grown tree's (its slots may hold more)
+    positions = cache.lengths[:, None] + plan.depths
     cos, sin = rope
     return plan, cos[positions][:, :, None], sin[positions][:, :, None]
 

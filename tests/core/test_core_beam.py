@@ -386,16 +386,37 @@ def test_prompt_lookup_drafts_leave_beam_search_unchanged_in_fewer_passes(tiny):
 
 def test_prompt_lookup_beam_drafts_on_the_native_llama(native_model):
     """The drafted chains go through the native Llama's tree passes and K/V: same beams. Each
-    prompt holds every token, so every beam's last token occurred before: drafts every step
-    (few a pass: the tiny Llama's cache holds 128 positions, prompt and tree)."""
-    config = BeamConfig(num_beams=4, num_return_sequences=3, draft_nodes=8)
-    kwargs = dict(config=config, max_new_tokens=8)
+    prompt holds every token, so every beam's last token occurred before: drafts every step."""
+    kwargs = dict(config=BeamConfig(num_beams=4, num_return_sequences=3), max_new_tokens=8)
     every = list(range(VOCAB))
     prompts = [every + [5, 9, 2, 5, 9, 2, 5], every[::-1] + [4, 7, 4, 7], every + [12, 30, 3]]
     plain = beam_search(native_model, prompts, eos_token_id=EOS, **kwargs)
     spec = beam_search(
         native_model, prompts, eos_token_id=EOS, drafter=PromptLookupDrafter(), **kwargs
     )
+    assert spec.tolist() == plain.tolist()
+    assert torch.allclose(spec.scores, plain.scores, atol=1e-5)
+    assert spec.stats.draft_nodes > 0
+
+
+def test_a_native_beam_tree_may_hold_more_nodes_than_positions(hf_model, native_model):
+    """The tiny Llama has 128 positions; a search of W=12 beams over 14 tokens keeps 12 x 14
+    nodes besides the prompts in its tree. Their positions stay within the model's, so it runs,
+    and equals transformers' beam search."""
+    config = BeamConfig(num_beams=12, num_return_sequences=3)
+    ours = beam_search(native_model, PROMPTS, config=config, max_new_tokens=14)
+    assert_same_as_hf(ours, hf_beam(hf_model, PROMPTS, config, 14))
+
+
+def test_prompt_lookup_drafts_nothing_past_the_last_step(native_model):
+    """Prompts that fill the tiny Llama's 128 positions with the tokens to be generated: the
+    beams' chains continue past the last step, where no beam goes and no position is left, so
+    the drafter stops there (a draft below it would read past the model's positions)."""
+    pattern = [5, 9, 2, 33, 7, 1, 12, 30]
+    prompts = [(pattern * 16)[:120], (pattern[::-1] * 16)[:118]]
+    kwargs = dict(config=BeamConfig(num_beams=2, num_return_sequences=2), max_new_tokens=8)
+    plain = beam_search(native_model, prompts, **kwargs)
+    spec = beam_search(native_model, prompts, drafter=PromptLookupDrafter(depth=6), **kwargs)
     assert spec.tolist() == plain.tolist()
     assert torch.allclose(spec.scores, plain.scores, atol=1e-5)
     assert spec.stats.draft_nodes > 0
