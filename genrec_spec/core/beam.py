@@ -311,6 +311,17 @@ class _Passes:
                 "check the model's weights and dtype (fp16 overflow is a common cause)",
             )
 
+    def root_candidates(self, states: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # [B] -> [B, C']
+        """The roots' best next tokens (``_best``; states: their constraint states) from the
+        prefill's outputs, which it then lets go; each row's root counts as a node scored."""
+        batch = len(states)
+        rows = torch.arange(batch, device=states.device)
+        free = self.constraint.trie.forced(states) >= 0 if self.forced_free else None
+        best = self._best(self.roots[:, 0], None, rows, states, lambda: [[]] * batch, free)
+        self.roots = None
+        self.nodes += batch
+        return best
+
     def _best(
         self,
         logits: Tensor,  # [N, V] the pass's nodes'
@@ -381,28 +392,25 @@ class _PlainSearch(_Passes):
         if step == 0:  # the first step's beams are copies of the root: one node
             step_nodes = tuple(part[:, :1] for part in step_nodes)
         tokens, parents, states, live = step_nodes  # [B, n] each
-        forced = self.constraint.trie.forced(states) if self.forced_free else None  # [B, n]
-        need = live if forced is None else live & (forced < 0)
-        free = None if forced is None else forced >= 0  # [B, n] forced: a read costs 0
-
-        def sequences() -> Tensor:  # [B, n, step] the step nodes' generated tokens
-            return beams.sequences[:, : tokens.shape[1], :step]
-
-        if self.roots is not None:  # the first step, its roots scored by the prefill, which
-            # cached them: their children hang under the cached prompt (parent -1)
+        if self.roots is not None:  # the roots, scored and cached by the prefill: the step's
+            # children hang under the cached prompt (parent -1)
             beams.nodes = torch.full_like(beams.last, -1)
-            self.nodes += live.sum()
-            values, options, after = self._read(
-                self.roots, torch.ones_like(live), states, sequences, free
+            return tuple(
+                part[:, None].expand(-1, width, -1) for part in self.root_candidates(states[:, 0])
             )
-            self.roots = None
-            return tuple(part.expand(-1, width, -1) for part in (values, options, after))
         first = self.size + sum(part[0].shape[1] for part in self.waiting)  # the step's 1st node
         # [B, W] beam w's node is the step's w-th (the root copies' its only one)
         nodes = self.slots + first if step else torch.full_like(beams.last, first)
         beams.nodes = nodes.expand_as(beams.last)
+        forced = self.constraint.trie.forced(states) if self.forced_free else None  # [B, n]
+        need = live if forced is None else live & (forced < 0)
         self.waiting.append((tokens, parents, live))
         if bool(need.any()):
+
+            def sequences() -> Tensor:  # [B, n, step] the step nodes' generated tokens
+                return beams.sequences[:, : tokens.shape[1], :step]
+
+            free = None if forced is None else forced >= 0  # [B, n] forced: a read costs 0
             values, options, after = self._pass(need, states, sequences, free)
         elif forced is not None:  # every live node is a forced one: the same, without a pass
             values = torch.zeros(*forced.shape, 1, device=forced.device)
@@ -427,7 +435,7 @@ class _PlainSearch(_Passes):
         step nodes' candidates. Under a catalogue every step node is read, needed or not (a
         node's children cost a gather, and one read in order costs less than picking some):
         a forced one's candidate gets its 0 here, a dead beam's is masked by the caller."""
-        n = need.shape[1]
+        batch, n = need.shape
         if len(self.waiting) == 1:  # the step's nodes alone
             (tokens, parents, live), needed = self.waiting[0], need
         else:
@@ -439,19 +447,8 @@ class _PlainSearch(_Passes):
         self.size += tokens.shape[1]
         self.passes += 1
         self.nodes += live.sum()
+        m = tokens.shape[1]
         read = torch.ones_like(need) if isinstance(self.constraint, Catalogue) else need
-        return self._read(logits, read, states, sequences, free)
-
-    def _read(
-        self,
-        logits: Tensor,  # [B, M, V] a pass's outputs, the step's nodes the last n of them
-        read: Tensor,  # [B, n] bool the step's nodes to read
-        states: Tensor,  # [B, n] their constraint states
-        sequences: Callable[[], Tensor],  # [B, n, T] their generated tokens (a hook reads them)
-        free: Tensor | None,  # [B, n] bool the forced nodes (their one candidate costs 0)
-    ) -> tuple[Tensor, Tensor, Tensor]:  # [B, n, C] each: -inf (token 0, state -1) not read
-        """The read step nodes' candidates from a pass's outputs."""
-        (batch, n), m = read.shape, logits.shape[1]
         rows, beam = read.nonzero(as_tuple=True)  # [Q] the nodes read, each one's slot
         # [Q] each one's row of the logits (None: every node of the pass, in order)
         at = None if m == n and len(rows) == read.numel() else rows * m + m - n + beam
@@ -508,17 +505,12 @@ class _TreeSearch(_Passes):
     def _store_roots(self, tokens: Tensor, lengths: Tensor) -> None:  # [B, T], [B]
         """Plan the roots as the tree's first pass and store their candidates from the
         prefill's outputs."""
-        tree, batch = self.tree, tokens.shape[0]
-        rows = torch.arange(batch, device=tokens.device)
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
         last = tokens.gather(1, (lengths - 1)[:, None])[:, 0]  # [B] the prompts' last tokens
-        nodes = tree.add(rows, torch.full_like(rows, -1), last)
-        tree.plan()
-        states = tree.states[rows, nodes]
-        free = self.constraint.trie.forced(states) >= 0 if self.forced_free else None
-        best = self._best(self.roots[:, 0], None, rows, states, lambda: [[]] * batch, free)
-        tree.store(rows, nodes, *best)
-        self.cached, self.roots = 1, None
-        self.nodes += batch
+        nodes = self.tree.add(rows, torch.full_like(rows, -1), last)
+        self.tree.plan()
+        self.tree.store(rows, nodes, *self.root_candidates(self.tree.states[rows, nodes]))
+        self.cached = 1
 
     def candidates(
         self, beams: _Beams, open_rows: Tensor, alive: Tensor, step: int
