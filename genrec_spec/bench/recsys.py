@@ -42,8 +42,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # rpg's graph walk forced (its default walks only catalogues of 10^5 items and more)
     "rpg-graph": ("rpg", {"mode": "graph"}),
     # spec_beam with its other drafts (its default, "auto", drafts "items" on models with the
-    # item objective): the whole first code level scored with the history; the NEZHA head's beam
+    # item objective): the whole first code level scored with the history; the parallel heads'
+    # most probable prefixes; the NEZHA head's beam
     "spec-frontier": ("spec_beam", {"draft": "frontier"}),
+    "spec-heads": ("spec_beam", {"draft": "heads"}),
     "spec-nezha": ("spec_beam", {"draft": "nezha"}),
     # spec_beam's default draft as the drafter of the engine's beam_search (the same lists)
     "spec-core": ("spec_beam", {"engine": "core"}),

@@ -1,6 +1,6 @@
-"""The recommender's drafts (``spec_beam``'s "items", "nezha", "frontier" and the prefixes of
-given items), for both engines: as trie node sets (the native decoder's), and as the core's
-``BeamDrafter`` (``spec_beam`` on the core).
+"""The recommender's drafts (``spec_beam``'s "items", "heads", "nezha", "frontier" and the
+prefixes of given items), for both engines: as trie node sets (the native decoder's), and as
+the core's ``BeamDrafter`` (``spec_beam`` on the core).
 
     drafter = RecommenderDrafter(target, catalogue, trie, width=W, kind="items", ...)
     out = beam_search(target, histories, constraint=catalogue, drafter=drafter, ...)
@@ -9,7 +9,7 @@ The core drafter makes the drafts where the native decoder makes them. The targe
 grow is the history pass (``RecommenderTarget``), so what can be drafted before the histories
 are read (the frontier, given items) is planned below the roots and scored in that pass. A
 drafter receives the target's cache: at the next pass (the level-0 beams') it reads the
-encoded histories there and plans the drafts made from them ("items", "nezha"), the native
+encoded histories there and plans the drafts made from them ("items", "heads", "nezha"), the native
 decoder's first follow-up. Prefixes whose next code is free (``forced_codes_free``) are not
 drafted; their ancestors are planned as parents (the engine knows a forced node's candidates
 without the target). Every pass after the history's also drafts the beams' descendants
@@ -36,6 +36,7 @@ from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.recsys.decoders.beam import Beams, extend, start_beams
 from genrec_spec.recsys.decoders.dense import item_log_probs
+from genrec_spec.recsys.decoders.heads import item_scores
 from genrec_spec.recsys.decoders.nezha import head_beams
 from genrec_spec.recsys.item_index import top_items, use_index
 from genrec_spec.recsys.scoring import NodeSet, TrieIndex, item_prefixes, prefix_nodes
@@ -94,25 +95,65 @@ def item_draft(
     tends to keep. The mass comes from the exact [B, D] x [D, I] product, or, through the item
     index, from the `DRAFT_ITEMS_PER_PREFIX` x `width` items of highest logit (the rest of the
     catalogue counted as no mass): what is drafted changes, never the decode's result."""
-    index = TrieIndex.of(trie)
-    deeper = item_prefixes(trie, model.item_codes)[:, 1:]  # [I, L-2] their longer prefixes
-    if use_index(model, item_search):
-        count = DRAFT_ITEMS_PER_PREFIX * width
-        found = top_items(model, state.hidden, count)  # [B, R]
-        probs = (found.scores - found.scores[:, :1]).exp().nan_to_num(0.0)  # [B, R]; pads: 0
-        nodes = deeper[found.items.clamp(min=0)].flatten(1)  # [B, R (L-2)] item-major
-        spread = probs[:, :, None].expand(-1, -1, deeper.shape[1]).flatten(1)  # the same order
-        found_nodes, column = torch.unique(nodes, return_inverse=True)
-    else:
-        probs = item_log_probs(model, state).exp()  # [B, I]
-        found_nodes, column = _DEEPER.get(  # [1, (L-2) I] columns, length-major
-            trie,
-            (trie.edge_keys, model.item_codes),
-            lambda: torch.unique(deeper.T.reshape(1, -1), return_inverse=True),
+    if not use_index(model, item_search):
+        return _most_probable_prefixes(
+            model, trie, beams, item_log_probs(model, state).exp(), width
         )
-        spread = probs.repeat(1, deeper.shape[1])  # [B, (L-2) I] the same order
-    # The mass of each prefix found (columns: the distinct prefixes, ascending), per row.
-    mass = probs.new_zeros(probs.shape[0], len(found_nodes))
+    deeper = item_prefixes(trie, model.item_codes)[:, 1:]  # [I, L-2] their longer prefixes
+    found = top_items(model, state.hidden, DRAFT_ITEMS_PER_PREFIX * width)  # [B, R]
+    probs = (found.scores - found.scores[:, :1]).exp().nan_to_num(0.0)  # [B, R]; pads: 0
+    nodes = deeper[found.items.clamp(min=0)].flatten(1)  # [B, R (L-2)] item-major
+    spread = probs[:, :, None].expand(-1, -1, deeper.shape[1]).flatten(1)  # the same order
+    found_nodes, column = torch.unique(nodes, return_inverse=True)
+    return _top_mass(trie, beams, found_nodes, column, spread, width)
+
+
+def heads_draft(
+    model,  # SemanticIdRecommender with parallel level heads
+    state,  # HistoryState of B users
+    beams: Beams,  # [B, W] the exact level-0 beams
+    trie: PrefixTrie,
+    width: int,  # prefixes drafted per prefix length
+) -> NodeSet:  # the level-0 beams and the most probable deeper prefixes
+    """The "heads" draft: the "items" draft's prefixes of most mass, the mass from the parallel
+    level heads' item distribution (`heads.item_scores`: the product of an item's per-level
+    probabilities, every level predicted from the history state at once). The heads predict
+    each level without the codes above it, so where a model's deeper levels hang on the earlier
+    ones their guesses miss more than the item objective's; they need no item objective."""
+    return _most_probable_prefixes(model, trie, beams, item_scores(model, state).exp(), width)
+
+
+def _most_probable_prefixes(
+    model,  # SemanticIdRecommender
+    trie: PrefixTrie,
+    beams: Beams,  # [B, W] the exact level-0 beams
+    probs: Tensor,  # [B, I] a probability of every catalogue item
+    width: int,  # prefixes drafted per prefix length
+) -> NodeSet:
+    """The level-0 beams and, at every prefix length 2..L-1, the `width` prefixes holding the
+    most of `probs`."""
+    deeper = item_prefixes(trie, model.item_codes)[:, 1:]  # [I, L-2] their longer prefixes
+    found_nodes, column = _DEEPER.get(  # [1, (L-2) I] columns, length-major
+        trie,
+        (trie.edge_keys, model.item_codes),
+        lambda: torch.unique(deeper.T.reshape(1, -1), return_inverse=True),
+    )
+    spread = probs.repeat(1, deeper.shape[1])  # [B, (L-2) I] the same order
+    return _top_mass(trie, beams, found_nodes, column, spread, width)
+
+
+def _top_mass(
+    trie: PrefixTrie,
+    beams: Beams,  # [B, W] the exact level-0 beams
+    found_nodes: Tensor,  # [U] the distinct prefixes some item's mass falls under, ascending
+    column: Tensor,  # [1 or B, S] the prefix (its column in found_nodes) of each spread entry
+    spread: Tensor,  # [B, S] the mass of each (item, prefix length), a row each
+    width: int,
+) -> NodeSet:
+    """The level-0 beams and, at every prefix length 2..L-1, the `width` found prefixes of each
+    row with the most mass (and any)."""
+    index = TrieIndex.of(trie)
+    mass = spread.new_zeros(spread.shape[0], len(found_nodes))  # [B, U] per row
     mass.scatter_add_(1, column.expand_as(spread), spread)
     length = index.level[found_nodes] + 1  # [U] each prefix's length
     picked = [beams.nodes]
@@ -125,7 +166,7 @@ def item_draft(
 
 # Drafts made after the history pass: name -> (model, state, level-0 beams, trie, width) -> the
 # prefixes drafted (a `NodeSet`).
-AFTER_HISTORY = {"nezha": head_draft, "items": item_draft}
+AFTER_HISTORY = {"nezha": head_draft, "items": item_draft, "heads": heads_draft}
 
 
 def after_history_draft(
@@ -134,7 +175,7 @@ def after_history_draft(
     beams: Beams,  # [B, W] the exact level-0 beams
     trie: PrefixTrie,
     kind: str,  # one of AFTER_HISTORY
-    width: int,  # "items": prefixes per length; "nezha": the draft head's beam width
+    width: int,  # "items", "heads": prefixes per length; "nezha": the draft head's beam width
     item_search: str,  # "items": "exact", "index" or "auto"
 ) -> NodeSet:
     """The draft of `kind` made from the encoded histories (both engines')."""
@@ -151,8 +192,8 @@ class RecommenderDrafter:
     catalogue: Catalogue  # the target's (core token trie)
     trie: PrefixTrie  # the model's items (recsys trie), what the drafts are made over
     width: int  # W, the search's beams: the "items" and "nezha" drafts start from the top W
-    kind: str  # "items", "nezha", "frontier" or "none" (resolved: `spec_beam.resolve_draft`)
-    draft_width: int  # "items": prefixes per length; "nezha": the draft head's beam width
+    kind: str  # "items", "heads", "nezha", "frontier" or "none" (`spec_beam.resolve_draft`)
+    draft_width: int  # "items", "heads": prefixes per length; "nezha": the draft head's width
     item_search: str  # "items": "exact", "index" or "auto"
     lookahead: int  # descendant levels of the beams every pass after the history's drafts
     draft_codes: Tensor | None = None  # [B, R, L] codes of items whose prefixes are drafted

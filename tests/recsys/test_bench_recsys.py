@@ -46,7 +46,14 @@ def test_bench_recsys_quick(block_model, tmp_path, capsys, device):
     assert settings["users"] == 4 and settings["batch_sizes"] == [3]
     assert rows["beam"]["speedup"] == 1.0 and rows["beam"]["same_as_beam"] == 1.0
     assert rows["beam"]["passes"] == model.num_levels
-    for name in ("spec_beam", "spec-frontier", "spec-nezha", "beam-core", "spec-core"):
+    for name in (
+        "spec_beam",
+        "spec-frontier",
+        "spec-heads",
+        "spec-nezha",
+        "beam-core",
+        "spec-core",
+    ):
         assert rows[name]["same_as_beam"] == 1.0  # lossless: beam's exact top-K
     for name in ("heads", "rpg", "rpg-graph", "nezha", "dense"):
         assert rows[name]["passes"] == 1

@@ -103,12 +103,15 @@ def test_spec_beam_equals_beam(
 
 
 @pytest.mark.parametrize(("seed", "sizes", "items"), MODELS)
-@pytest.mark.parametrize(("draft", "item_levels"), [("nezha", "none"), ("items", "residual")])
+@pytest.mark.parametrize(
+    ("draft", "item_levels"), [("nezha", "none"), ("items", "residual"), ("heads", "none")]
+)
 @pytest.mark.parametrize("engine", beam.ENGINES)
 def test_post_history_draft_equals_beam(
     seed, sizes, items, draft, item_levels, engine, random_recommender, uneven_histories
 ):
-    """A draft made after the history pass (the NEZHA head's beam, the item objective's mass)
+    """A draft made after the history pass (the NEZHA head's beam, the item objective's or the
+    parallel heads' mass)
     only decides what is scored early: the list stays beam's whether the draft holds every needed
     prefix (wide) or few (width 1: follow-ups), and every needed prefix is scored by the last
     level's pass at the latest, on either engine."""
@@ -178,7 +181,7 @@ def test_forced_codes_cost_nothing(monkeypatch, random_recommender, uneven_histo
     assert min(out.stats.target_passes for out in one_user) < model.num_levels  # a level skipped
     for (k, width), want in zip(settings, fast, strict=True):
         for draft, engine in itertools.product(
-            ("frontier", "none", "nezha", "items"), beam.ENGINES
+            ("frontier", "none", "nezha", "items", "heads"), beam.ENGINES
         ):
             got = spec_beam.decode(model, values, offsets, k=k, trie=trie, beam_width=width,
                                    draft=draft, lookahead=0, engine=engine,
@@ -219,7 +222,7 @@ def test_core_drafts_under_inference_mode(random_recommender, uneven_histories):
     want = beam.decode(model, values, offsets, k=10, trie=trie, beam_width=12)
     given = torch.cat([want.items[:, :3], want.items[:, :3].flip(0)], 1)  # hits and misses
     with torch.inference_mode():
-        for draft in ("items", "nezha"):
+        for draft in ("items", "heads", "nezha"):
             got = spec_beam.decode(model, values, offsets, k=10, trie=trie, beam_width=12,
                                    draft=draft, draft_items=given, engine="core")  # fmt: skip
             assert same_top_k(want, got).all(), draft
@@ -245,8 +248,8 @@ def test_bad_options_raise(random_recommender, uneven_histories):
     model = _random_model(random_recommender, 0, (5, 4), 60)
     trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
     values, offsets = uneven_histories(model, users=2, seed=0)
-    with pytest.raises(DecodeOptionError, match="valid drafts: auto, frontier, items, nezha, none"):
-        spec_beam.decode(model, values, offsets, k=3, trie=trie, draft="heads")
+    with pytest.raises(DecodeOptionError, match="valid drafts: auto, frontier, items, heads, nez"):
+        spec_beam.decode(model, values, offsets, k=3, trie=trie, draft="best")
     config = replace(model.config, item_objective=None)
     no_items = SemanticIdRecommender(config, model.item_codes, model.codebook_sizes).eval()
     with pytest.raises(DecodeOptionError, match="the items draft needs a model trained with"):
@@ -264,6 +267,9 @@ def test_bad_options_raise(random_recommender, uneven_histories):
     model.draft_head = None
     with pytest.raises(DecodeOptionError, match="need the model's draft head"):
         spec_beam.decode(model, values, offsets, k=3, trie=trie, draft="nezha")
+    model.parallel_heads = None
+    with pytest.raises(DecodeOptionError, match="the heads draft needs the model's parallel"):
+        spec_beam.decode(model, values, offsets, k=3, trie=trie, draft="heads")
     for bad in (-1, 1.5, "2"):
         with pytest.raises(DecodeOptionError, match="lookahead must be an integer >= 0"):
             spec_beam.decode(model, values, offsets, k=3, trie=trie, lookahead=bad)

@@ -211,7 +211,14 @@ def test_bench_recsys_times_a_time_aware_model(timed_model, tiny_data_dir, tmp_p
     argv = ["--ckpt", str(tmp_path / "ckpt"), "--quick", "--k", "3", "--beam-width", "4"]
     assert bench_cli.run(parser.parse_args([*argv, "--json", str(tmp_path / "b.json")])) == 0
     rows = {row["decoder"]: row for row in json.loads((tmp_path / "b.json").read_text())["rows"]}
-    for name in ("spec_beam", "spec-frontier", "spec-nezha", "beam-core", "spec-core"):
+    for name in (
+        "spec_beam",
+        "spec-frontier",
+        "spec-heads",
+        "spec-nezha",
+        "beam-core",
+        "spec-core",
+    ):
         assert rows[name]["same_as_beam"] == 1.0
 
 

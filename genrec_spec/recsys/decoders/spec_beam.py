@@ -16,7 +16,9 @@ selected, so `beam` pays one sequential target pass per level. Here:
    probability (one [B, D] x [D, I] product: on a model whose code levels are tied to that
    objective a prefix's beam score is close to the log of that mass; from
    `ItemIndexConfig.min_items` items on, or with `item_search="index"`, the prefixes of the
-   items the approximate item index finds instead, `recsys.item_index`); `"nezha"` runs the
+   items the approximate item index finds instead, `recsys.item_index`); `"heads"` the same
+   from the parallel level heads' item distribution (every level predicted from the history
+   at once; no item objective needed, the whole catalogue scored); `"nezha"` runs the
    model's NEZHA draft head's trie-constrained beam (width `draft_width`, default 2 W) from the
    exact level-0 beams down to prefixes of length L - 1. `"none"` drafts nothing. `"auto"`
    (default): "items" on a model with the item objective, else "frontier".
@@ -102,18 +104,19 @@ from genrec_spec.recsys.scoring import (
 from genrec_spec.recsys.target import core_beam, core_target
 from genrec_spec.recsys.types import Recommendations, RecommendStats
 
-DRAFTS = ("auto", "frontier", "items", "nezha", "none")
+DRAFTS = ("auto", "frontier", "items", "heads", "nezha", "none")
 
 
 @dataclass(frozen=True)
 class SpecBeamConfig:
     """Defaults of the `spec_beam` options."""
 
-    # What is drafted: "frontier" (pass 1 scores it with the history), "items" or "nezha" (after
-    # the history pass, they ride on the first follow-up), "none", or "auto": "items" when the
-    # model has the item objective, else "frontier".
+    # What is drafted: "frontier" (pass 1 scores it with the history), "items", "heads" or
+    # "nezha" (after the history pass, they ride on the first follow-up), "none", or "auto":
+    # "items" when the model has the item objective, else "frontier".
     draft: str = "auto"
-    draft_width: int | None = None  # "items": prefixes per length; "nezha": beam width; None: 2 W
+    # "items", "heads": prefixes per length; "nezha": beam width; None: 2 W
+    draft_width: int | None = None
     # "items" through the item index (`item_index.use_index`: "exact", "index", or "auto": the
     # index from `ItemIndexConfig.min_items` items on)
     item_search: str = "auto"
@@ -161,6 +164,11 @@ def resolve_draft(model, draft: str) -> str:
         draft = "items" if model.item_objective is not None else "frontier"
     if draft == "nezha":
         draft_head_of(model)
+    if draft == "heads" and model.parallel_heads is None:
+        raise DecodeOptionError(
+            "the heads draft needs the model's parallel level heads",
+            'train with model.parallel_heads = true or use draft "items", "nezha" or "frontier"',
+        )
     if draft == "items":
         check_item_objective(model, "the items draft")
     return draft
@@ -295,7 +303,7 @@ def decode(
     draft: str = SpecBeamConfig.draft,
     draft_items: Tensor | None = None,  # [B, R] int64 items whose prefixes pass 1 also scores
     lookahead: int | None = SpecBeamConfig.lookahead,  # descendant levels per follow-up
-    draft_width: int | None = SpecBeamConfig.draft_width,  # "items" / "nezha" draft's width
+    draft_width: int | None = SpecBeamConfig.draft_width,  # "items"/"heads"/"nezha" width
     item_search: str = SpecBeamConfig.item_search,  # "items" draft: "exact", "index" or "auto"
     # "native": this module's search, a level at a time; "core": the engine's beam_search with
     # these drafts as its drafter (`recsys.drafters`), the same lists
