@@ -289,9 +289,6 @@ class _Passes:
         on = tokens.device
         self.nodes = torch.zeros((), dtype=torch.long, device=on)  # real nodes scored
         self.row_steps = torch.zeros((), dtype=torch.long, device=on)
-        # Live beams' nodes whose scores came from the target, and those a drafter proposed
-        self.needed = torch.zeros((), dtype=torch.long, device=on)
-        self.hits = torch.zeros((), dtype=torch.long, device=on)
         self.nan = torch.zeros((), dtype=torch.bool, device=on)  # a live beam read NaN
         # (nodes planned for the beams, nodes drafted) of each pass that had a drafter
         self.drafted_passes: list[tuple[int, int]] = []
@@ -310,6 +307,12 @@ class _Passes:
                 "the target's logits contain NaN",
                 "check the model's weights and dtype (fp16 overflow is a common cause)",
             )
+
+    def hit_counts(self) -> tuple[Tensor, Tensor]:
+        """The live beams' nodes whose scores came from the target, and those of them a
+        drafter proposed: none without a drafter."""
+        none = self.nodes.new_zeros(())
+        return none, none
 
     def root_candidates(self, states: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # [B] -> [B, C']
         """The roots' best next tokens (``_best``; states: their constraint states) from the
@@ -496,6 +499,9 @@ class _TreeSearch(_Passes):
         self.tree = BeamTree(
             tokens.shape[0], width, tokens_below, capacity, tokens.device, constraint, steps
         )
+        # (the beams' nodes, alive) [B, W] of every step after the first: its hits, counted
+        # at the end (`hit_counts`)
+        self.read: list[tuple[Tensor, Tensor]] = []
         # Tree nodes before the target's first grown one: the roots, where the prefill scored
         # (and cached) them, stored here as one closed pass
         self.cached = 0
@@ -521,9 +527,9 @@ class _TreeSearch(_Passes):
             return self.tree.candidates(beams.nodes)
         if step:  # (the first step's beams are the roots, none scored yet)
             self.find_nodes(beams)
-        self.score_beams(beams, open_rows, alive)
-        if step:
-            self.count_hits(beams, alive)
+        self.score_beams(beams, open_rows, alive, first=step == 0)
+        if step:  # the hits are counted once, at the end (the nodes' flags are final)
+            self.read.append((beams.nodes, alive))
         return self.tree.candidates(beams.nodes)
 
     def find_nodes(self, beams: _Beams) -> None:
@@ -534,40 +540,52 @@ class _TreeSearch(_Passes):
         )
         beams.nodes = found.view(beams.last.shape)
 
-    def score_beams(self, beams: _Beams, open_rows: Tensor, alive: Tensor) -> None:
+    def score_beams(self, beams: _Beams, open_rows: Tensor, alive: Tensor, first: bool) -> None:
         """One pass when an open row has a live beam (alive [B, W]) whose node is not scored:
-        those nodes, and the drafter's nodes below every live beam of the open rows."""
+        those nodes, and the drafter's nodes below every live beam of the open rows. The
+        ``first`` step's beams are W copies of each row's root (all but one scored
+        UNREACHABLE): one node a row."""
         need = alive & (beams.nodes < 0)
+        if first:
+            need = need[:, :1]
         if not bool(need.any()):
             self.saved += self._scored_by_drafts(beams, alive)
             return
         tree = self.tree
-        rows, parents, tokens = need.nonzero()[:, 0], beams.parents[need], beams.last[need]
-        states = beams.states[need]
-        # Copies of a beam (scored UNREACHABLE) share its nodes; a live one is rare (the first
-        # step's, and beams from them where a catalogue is narrower than 2W)
-        copies = bool((beams.scores[alive] <= UNREACHABLE / 2).any())
+        at = need.nonzero(as_tuple=True)  # the beams with a new node: rows, places
+        rows, parents, tokens = at[0], beams.parents[at], beams.last[at]
+        states = beams.states[at]
+        # Copies of a beam (scored UNREACHABLE) share its nodes; after the first step a live
+        # one is rare (beams from the root's copies where a catalogue is narrower than 2W)
+        copies = not first and bool((beams.scores[alive] <= UNREACHABLE / 2).any())
         if copies:  # the beams that share a node plan it once
             once, copy_of = _distinct(tree.key(rows, parents, tokens))
             rows, parents, tokens, states = rows[once], parents[once], tokens[once], states[once]
+        mark = len(tree.added)
         nodes = tree.add(rows, parents, tokens, states)
-        beams.nodes[need] = nodes[copy_of] if copies else nodes
-        if self.forced_free and self._know_forced(rows, nodes) == len(rows):
+        beams.nodes[at] = nodes[copy_of] if copies else nodes
+        if first:  # every copy of the root at its node
+            beams.nodes = beams.nodes[:, :1].expand_as(beams.nodes).contiguous()
+        if self.forced_free and bool((self.constraint.trie.forced(states) >= 0).all()):
+            self._know_forced(rows, nodes)
             return  # no new node needs the target: they wait for a pass
         if self.drafter is not None:
             budget = max(1, self.config.draft_nodes // int(open_rows.sum()))
-            rows_live, nodes_live = alive.nonzero()[:, 0], beams.nodes[alive]
+            if first:  # the frontier: each row's root
+                rows_live, nodes_live = rows, nodes
+            else:
+                rows_live, nodes_live = alive.nonzero()[:, 0], beams.nodes[alive]
             if copies:  # the frontier lists a shared node once
                 once, _ = _distinct(rows_live * MAX_NODES + nodes_live)
                 rows_live, nodes_live = rows_live[once], nodes_live[once]
-            before = tree.pending.clone()
+            beams_added = len(tree.added)
             self.drafter.draft(tree, rows_live, nodes_live, budget, self.cache)
-            drafted = tree.planned(before)
+            drafted = tree.added_since(beams_added)
             tree.drafted[drafted] = True
             self.drafted += len(drafted[0])
-            self.drafted_passes.append((int(before.sum()), len(drafted[0])))
-            if self.forced_free:  # a drafted forced node is known too: exactly 0, as a beam's
-                self._know_forced(*drafted)
+            self.drafted_passes.append((tree.count_added(beams_added), len(drafted[0])))
+        if self.forced_free:  # the new forced nodes, the beams' and drafted: exactly 0, known
+            self._know_forced(*tree.added_since(mark))
         self.speculative += self.drafter is not None
         self._pass()
 
@@ -577,24 +595,24 @@ class _TreeSearch(_Passes):
         needs no pass)."""
         return bool((alive & ~self.tree.known.gather(1, beams.nodes.clamp_min(0))).any())
 
-    def count_hits(self, beams: _Beams, alive: Tensor) -> None:  # alive [B, W] bool
-        """Count the live beams' nodes whose scores came from the target, and those of them a
-        drafter proposed (a forced node's are known, not read)."""
-        nodes = beams.nodes.clamp_min(0)
+    def hit_counts(self) -> tuple[Tensor, Tensor]:
+        """The live beams' nodes whose scores came from the target, over the search, and those
+        of them a drafter proposed (a forced node's are known, not read)."""
+        if not self.read:
+            return super().hit_counts()
+        nodes, alive = (torch.cat(part, 1) for part in zip(*self.read, strict=True))
+        nodes = nodes.clamp_min(0)
         needed = alive & ~self.tree.known.gather(1, nodes)
-        self.needed += needed.sum()
-        self.hits += (needed & self.tree.drafted.gather(1, nodes)).sum()
+        return needed.sum(), (needed & self.tree.drafted.gather(1, nodes)).sum()
 
-    def _know_forced(self, rows: Tensor, nodes: Tensor) -> int:  # [Q] planned nodes each
-        """Store the candidates of the planned nodes whose token is forced; how many were."""
+    def _know_forced(self, rows: Tensor, nodes: Tensor) -> None:  # [Q] planned nodes each
+        """Store the candidates of the planned nodes whose token is forced."""
         states = self.tree.states[rows, nodes]
         forced = self.constraint.trie.forced(states)  # [Q] -1: a choice
-        known = forced >= 0
-        count = int(known.sum())
-        if count:
-            after = self.constraint.trie.forced_child(states[known])
-            self.tree.know(rows[known], nodes[known], forced[known], after)
-        return count
+        at = (forced >= 0).nonzero()[:, 0]
+        if len(at):
+            after = self.constraint.trie.forced_child(states[at])
+            self.tree.know(rows[at], nodes[at], forced[at], after)
 
     def _pass(self) -> None:
         """Score the planned nodes and store their best candidates."""
@@ -659,7 +677,8 @@ def _select(
     if endless:
         _run_on(beams, scores, origin, token, state, step)
         return False
-    hits = torch.isin(token, eos) | (step + 1 >= max_new_tokens)
+    # (a comparison with each eos token: isin costs ten times more on a step's few candidates)
+    hits = (token[..., None] == eos).any(-1) | (step + 1 >= max_new_tokens)
     # Finished: those of the top W that ended, if they beat the worst finished hypothesis.
     ended = hits & (torch.arange(keep, device=hits.device) < w)
     if bool(ended.any()):  # most steps of an LLM's search: the finished ones stay as they are
@@ -741,9 +760,7 @@ def _output(beams: _Beams, k: int, search: _Passes, wall_time_s: float) -> BeamO
     mask = columns < lengths[:, None]
     offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
     # The counters summed on the device, read in one transfer
-    counts = torch.stack(
-        [lengths.sum(), search.row_steps, search.nodes, search.needed, search.hits]
-    )
+    counts = torch.stack([lengths.sum(), search.row_steps, search.nodes, *search.hit_counts()])
     generated, row_steps, nodes, needed, hits = counts.tolist()
     stats = DecodeStats(
         target_forwards=search.passes,

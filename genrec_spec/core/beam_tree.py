@@ -56,6 +56,8 @@ class BeamTree:
     key_nodes: Tensor = field(init=False)  # [R] the node each key names
     # (rows, parents, tokens, nodes) of each `add` since the keys were last sorted
     unsorted: list = field(init=False, default_factory=list)
+    # (rows, nodes) of each `add` since the last pass was planned, in order (`added_since`)
+    added: list = field(init=False, default_factory=list)
     # Each stored node's candidates (log-probs, tokens: int32, a vocabulary fits at half the
     # bytes, and the constraint state each token leads to), a run of C' <= C per node in the
     # flat tables below, in any order (-inf pads).
@@ -98,7 +100,9 @@ class BeamTree:
 
     def key(self, rows: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:  # [Q] each -> [Q]
         """The int64 naming each (row, parent node, token): rows ascend with it."""
-        return (rows * MAX_NODES + parents + 1) * self.vocab_size + tokens
+        # (rows * MAX_NODES + parents + 1) * V + tokens, in three ops
+        vocab = self.vocab_size
+        return torch.add(tokens + vocab, parents, alpha=vocab).add_(rows, alpha=MAX_NODES * vocab)
 
     def child(self, rows: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:  # [Q] -> [Q]
         """The node each (row, parent node, token) leads to; -1 where none is scored or
@@ -140,12 +144,13 @@ class BeamTree:
         self.parents[rows, nodes], self.tokens[rows, nodes] = parents, tokens
         self.states[rows, nodes] = states
         self.unsorted.append((rows, parents, tokens, nodes))
+        self.added.append((rows, nodes))
         return nodes
 
     def numbers(self, rows: Tensor) -> Tensor:  # [Q] grouped ascending -> [Q]
         """The numbers ``add`` gives new nodes of these rows, in order (a caller planning a
         node and its children in one ``add`` names the parents by them)."""
-        return self.size + self.pending[rows] + rank_within_rows(rows, self.batch)
+        return self.size + self.pending[rows] + rank_within_rows(rows)
 
     def _states(self, rows: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:  # [Q] each
         """The constraint state after each (parent node, token), in one batched step; a root
@@ -166,14 +171,21 @@ class BeamTree:
         self.keys, self.key_nodes = keys[order], torch.cat([self.key_nodes, nodes])[order]
         self.unsorted = []
 
-    def planned(self, since: Tensor) -> tuple[Tensor, Tensor]:  # [B] -> [P] each
-        """The rows and numbers of the nodes planned for the next pass after the first
-        ``since[b]`` of each row (e.g. a copy of ``pending`` taken earlier), rows ascending."""
-        slots = torch.arange(int(self.pending.max()), device=self.device)
-        rows, at = ((slots >= since[:, None]) & (slots < self.pending[:, None])).nonzero(
-            as_tuple=True
-        )
-        return rows, self.size + at
+    def added_since(self, mark: int) -> tuple[Tensor, Tensor]:  # -> [P] each
+        """The rows and numbers of the nodes planned for the next pass by its ``add``s after
+        the first ``mark`` (``len(tree.added)`` taken before them), in the order added."""
+        parts = self.added[mark:]
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            none = torch.zeros(0, dtype=torch.long, device=self.device)
+            return none, none
+        rows, nodes = zip(*parts, strict=True)
+        return torch.cat(rows), torch.cat(nodes)
+
+    def count_added(self, mark: int) -> int:
+        """Nodes planned for the next pass by its first ``mark`` ``add``s."""
+        return sum(len(rows) for rows, _ in self.added[:mark])
 
     def plan(self) -> tuple[Tensor, Tensor, Tensor]:
         """Close the planned pass: every row padded to M nodes. Returns tokens, parents [B, M]
@@ -182,6 +194,7 @@ class BeamTree:
         window = slice(self.size, self.size + m)
         real = torch.arange(m, device=self.device) < self.pending[:, None]  # [B, M]
         self.size, self.pending = self.size + m, torch.zeros_like(self.pending)
+        self.added = []
         return self.tokens[:, window].contiguous(), self.parents[:, window].contiguous(), real
 
     def _reserve(self, needed: int) -> None:
@@ -270,8 +283,7 @@ class BeamTree:
         )
 
 
-def rank_within_rows(rows: Tensor, batch: int) -> Tensor:  # [Q] ascending -> [Q]
-    """Each element's position among the elements of its row (rows grouped ascending)."""
-    counts = torch.bincount(rows, minlength=batch)
-    starts = counts.cumsum(0) - counts
-    return torch.arange(len(rows), device=rows.device) - starts[rows]
+def rank_within_rows(rows: Tensor) -> Tensor:  # [Q] ascending -> [Q]
+    """Each element's position among the elements of its row (rows grouped ascending): its
+    index less that of its row's first, which one search of the sorted rows finds."""
+    return torch.arange(len(rows), device=rows.device) - torch.searchsorted(rows, rows)

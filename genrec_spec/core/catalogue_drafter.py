@@ -51,7 +51,7 @@ class CatalogueDrafter:
             tokens = trie.child_tokens[edges]
             nodes = tree.child(rows, parents, tokens)  # [F'] -1: not planned yet
             new = (nodes < 0).nonzero()[:, 0]
-            take = new[rank_within_rows(rows[new], tree.batch) < left[rows[new]]]
+            take = new[rank_within_rows(rows[new]) < left[rows[new]]]
             # (the children's catalogue states come with them: the tree need not step to them)
             states = trie.child_nodes[edges[take]]
             nodes[take] = tree.add(rows[take], parents[take], tokens[take], states)

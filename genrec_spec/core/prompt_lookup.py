@@ -103,7 +103,7 @@ class PromptLookupDrafter:
             tokens = padded.gather(1, at[:, None])[:, 0]  # [F'] each beam's next drafted token
             child = tree.child(rows, nodes, tokens)  # -1: not planned yet
             new = (child < 0).nonzero()[:, 0]
-            take = new[rank_within_rows(rows[new], tree.batch) < left[rows[new]]]
+            take = new[rank_within_rows(rows[new]) < left[rows[new]]]
             rows_t, nodes_t, tokens_t = rows[take], nodes[take], tokens[take]
             child[take] = tree.add(rows_t, nodes_t, tokens_t)
             left -= torch.bincount(rows[take], minlength=tree.batch)

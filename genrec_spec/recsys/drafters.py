@@ -211,14 +211,14 @@ class RecommenderDrafter:
             if self.kind == "frontier" or self.draft_codes is not None:
                 member = draft_member(self.trie, TrieIndex.of(self.trie), tree.batch, self.kind,
                                       self.draft_codes)  # fmt: skip
-                self._plan(tree, self._closed(member, tree.batch, budget))
+                self._plan(tree, self._closed(member, budget))
             return
         if not self.after_history_made and self.kind in AFTER_HISTORY:
             self.after_history_made = True
             busy = torch.unique(rows)  # [b] the rows still searching, ascending
             state = cache.state if len(busy) == tree.batch else cache.state.rows(busy)
             member = self._after_history(state)
-            member = self._closed(member, len(busy), budget)
+            member = self._closed(member, budget)
             self._plan(tree, TrieIndex.of(self.trie).node_set(busy[member.rows], member.nodes))
         if self.lookahead:
             fanout = self.catalogue.trie.widest
@@ -233,12 +233,12 @@ class RecommenderDrafter:
         return after_history_draft(self.target.model, state, beams, trie, self.kind,
                                    self.draft_width, self.item_search)  # fmt: skip
 
-    def _closed(self, member: NodeSet, batch: int, budget: int) -> NodeSet:
+    def _closed(self, member: NodeSet, budget: int) -> NodeSet:
         """The members whose next code is not free, and their ancestors; past the budget a row
         keeps its shallowest (ancestors first)."""
         index = TrieIndex.of(self.trie)
         member = index.with_ancestors(index.scored(member, index.to_score(self.target.model)))
-        return member.where(rank_within_rows(member.rows, batch) < budget)
+        return member.where(rank_within_rows(member.rows) < budget)
 
     def _plan(self, tree: BeamTree, member: NodeSet) -> None:
         """Plan the members (closed under ancestors) below the roots in one ``add``, each as

@@ -208,7 +208,7 @@ def prefix_tree(index: TrieIndex, member: NodeSet, batch: int) -> PrefixTree:
         return PrefixTree(none, none, none, none, members=member, slots=none.flatten())
     member = index.with_ancestors(member)
     rows, nodes = member.rows, member.nodes  # row-major, ascending node ids: parents first
-    slots = rank_within_rows(rows, batch)  # [K] each member's tree index
+    slots = rank_within_rows(rows)  # [K] each member's tree index
     width = int(slots.max()) + 1
 
     def table(values: Tensor, pad: int) -> Tensor:  # [K] -> [B, N]
