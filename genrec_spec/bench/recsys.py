@@ -58,9 +58,14 @@ ROWS = tuple(
 )
 
 
+def decoder_of(row: str) -> str:
+    """The registered decoder a benchmark row runs (a variant's, else the row's own name)."""
+    return VARIANTS.get(row, (row,))[0]
+
+
 def decoders_of(model) -> tuple[str, ...]:
     """Every benchmark row the checkpoint can run (the model has what its decoder needs)."""
-    return tuple(n for n in ROWS if runs_on(model, VARIANTS.get(n, (n,))[0]))
+    return tuple(n for n in ROWS if runs_on(model, decoder_of(n)))
 
 
 @dataclass(frozen=True)
