@@ -226,10 +226,16 @@ class RecommenderDrafter:
             below.draft(tree, rows, nodes, budget, cache)
 
     def _after_history(self, state) -> NodeSet:  # of state's rows
-        """The draft made from the encoded histories (the "items" or "nezha" draft), from the
-        exact level-0 beams."""
+        """The draft made from the encoded histories ("items", "heads", "nezha"). The NEZHA
+        head's beam starts from the exact level-0 beams; the other drafts would only add them,
+        and here they are the frontier, planned already: none is given."""
         trie, level0 = self.trie, state.level0_log_probs[:, None]  # [b, 1, V0]
-        beams = extend(start_beams(level0.shape[0], trie), level0, trie, 0, self.width)
+        beams = start_beams(level0.shape[0], trie)
+        if self.kind == "nezha":
+            beams = extend(beams, level0, trie, 0, self.width)
+        else:  # [b, 0] each: no beams
+            none = beams.nodes[:, :0]
+            beams = Beams(code=none, nodes=none, scores=beams.scores[:, :0], origin=none)
         return after_history_draft(self.target.model, state, beams, trie, self.kind,
                                    self.draft_width, self.item_search)  # fmt: skip
 
