@@ -9,7 +9,7 @@ import torch
 
 from genrec_spec import CallableTarget, HFTarget
 from genrec_spec.core.beam import BeamConfig, _distinct, beam_search
-from genrec_spec.core.beam_tree import BeamTree
+from genrec_spec.core.beam_tree import BeamTree, rank_within_rows
 from genrec_spec.core.catalogue_drafter import CatalogueDrafter
 from genrec_spec.core.constraints import AllowedTokens, Catalogue
 from genrec_spec.core.prompt_lookup import PromptLookupDrafter, continuation_starts
@@ -581,3 +581,30 @@ def test_the_beam_tree_reads_back_what_it_stored():
     assert tokens[1].tolist() == [[8, 0, 0], [2, 2, 2]]
     assert states[1].tolist() == [[13, -1, -1], [22, 22, 22]]
     assert tree.candidates(torch.tensor([[2, 2], [0, 0]]))[0][0].isinf().all()
+
+
+def test_the_beam_tree_names_what_each_add_planned():
+    """``added_since`` gives the nodes of a pass's later ``add``s in the order added (what a
+    drafter planned after the beams' nodes), ``count_added`` the earlier ones; a closed pass
+    starts the log afresh."""
+    tree = BeamTree(batch=3, width=2, vocab_size=VOCAB, capacity=2)
+    beams = tree.add(torch.tensor([0, 2]), torch.tensor([-1, -1]), torch.tensor([1, 1]))
+    mark = len(tree.added)
+    drafted = tree.add(torch.tensor([0, 0, 2]), torch.tensor([0, 0, 0]), torch.tensor([2, 3, 2]))
+    more = tree.add(torch.tensor([1]), torch.tensor([-1]), torch.tensor([4]))
+    assert beams.tolist() == [0, 0] and drafted.tolist() == [1, 2, 1] and more.tolist() == [0]
+    rows, nodes = tree.added_since(mark)
+    assert rows.tolist() == [0, 0, 2, 1] and nodes.tolist() == [1, 2, 1, 0]
+    assert [part.tolist() for part in tree.added_since(0)] == [
+        [0, 2, 0, 0, 2, 1],
+        [0, 0, 1, 2, 1, 0],
+    ]
+    assert tree.count_added(mark) == 2 and tree.count_added(len(tree.added)) == 6
+    tree.plan()
+    assert [len(part) for part in tree.added_since(0)] == [0, 0]
+
+
+def test_rank_within_rows_counts_from_each_rows_first():
+    rows = torch.tensor([0, 0, 0, 2, 2, 5, 7, 7, 7, 7])
+    assert rank_within_rows(rows).tolist() == [0, 1, 2, 0, 1, 0, 0, 1, 2, 3]
+    assert rank_within_rows(rows[:0]).tolist() == []
