@@ -3,10 +3,10 @@
 In one process and one run, on the same users of the held-out split and the same checkpoint,
 it times every decoder (``beam``, ``spec_beam`` with its default draft, ``spec-frontier``,
 ``spec-heads`` and ``spec-nezha`` with its frontier, parallel-heads and NEZHA-head drafts,
-``heads``, ``rpg`` (exact below 10^5
-items), ``rpg-graph`` walking its item graph at any size, ``nezha``, and ``dense`` where the
-checkpoint has the item objective) with the same K and the same beam width (given to every
-decoder that has one: beam, spec_beam, nezha; by default beam's own, max(K, 20)).
+``heads``, ``rpg`` (exact below 10^5 items), ``rpg-graph`` walking its item graph at any size,
+``nezha``, and ``dense`` where the checkpoint has the item objective) with the same K and the
+same beam width (given to every decoder that has one: beam, spec_beam, nezha; by default
+beam's own, max(K, 20)).
 
 Columns:
   p50 / p99      latency per request at batch 1 (one user per call), milliseconds
