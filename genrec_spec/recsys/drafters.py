@@ -105,7 +105,9 @@ def item_draft(
     nodes = deeper[found.items.clamp(min=0)].flatten(1)  # [B, R (L-2)] item-major
     spread = probs[:, :, None].expand(-1, -1, deeper.shape[1]).flatten(1)  # the same order
     found_nodes, column = torch.unique(nodes, return_inverse=True)
-    return _top_mass(trie, beams, found_nodes, column, spread, width)
+    # The mass of each prefix found (columns: the distinct prefixes, ascending), per row
+    mass = probs.new_zeros(probs.shape[0], len(found_nodes)).scatter_add_(1, column, spread)
+    return _top_mass(trie, beams, found_nodes, mass, width)
 
 
 def heads_draft(
@@ -138,23 +140,24 @@ def _most_probable_prefixes(
         (trie.edge_keys, model.item_codes),
         lambda: torch.unique(deeper.T.reshape(1, -1), return_inverse=True),
     )
-    spread = probs.repeat(1, deeper.shape[1])  # [B, (L-2) I] the same order
-    return _top_mass(trie, beams, found_nodes, column, spread, width)
+    # The mass of each prefix found, per row, a prefix length at a time: no [B, (L-2) I] copy
+    # of the probabilities (a large catalogue's batch would not fit)
+    mass = probs.new_zeros(probs.shape[0], len(found_nodes))  # [B, U]
+    for columns in column.view(deeper.shape[1], -1):  # [I] each item's prefix of one length
+        mass.scatter_add_(1, columns.expand_as(probs), probs)
+    return _top_mass(trie, beams, found_nodes, mass, width)
 
 
 def _top_mass(
     trie: PrefixTrie,
     beams: Beams,  # [B, W] the exact level-0 beams
     found_nodes: Tensor,  # [U] the distinct prefixes some item's mass falls under, ascending
-    column: Tensor,  # [1 or B, S] the prefix (its column in found_nodes) of each spread entry
-    spread: Tensor,  # [B, S] the mass of each (item, prefix length), a row each
+    mass: Tensor,  # [B, U] each row's mass under each of them
     width: int,
 ) -> NodeSet:
     """The level-0 beams and, at every prefix length 2..L-1, the `width` found prefixes of each
     row with the most mass (and any)."""
     index = TrieIndex.of(trie)
-    mass = spread.new_zeros(spread.shape[0], len(found_nodes))  # [B, U] per row
-    mass.scatter_add_(1, column.expand_as(spread), spread)
     length = index.level[found_nodes] + 1  # [U] each prefix's length
     picked = [beams.nodes]
     for depth in range(2, trie.levels):
