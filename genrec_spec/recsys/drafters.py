@@ -143,7 +143,7 @@ def _most_probable_prefixes(
     # The mass of each prefix found, per row, a prefix length at a time: no [B, (L-2) I] copy
     # of the probabilities (a large catalogue's batch would not fit)
     mass = probs.new_zeros(probs.shape[0], len(found_nodes))  # [B, U]
-    for columns in column.view(deeper.shape[1], -1):  # [I] each item's prefix of one length
+    for columns in column.view(*deeper.T.shape):  # [I] each item's prefix of one length
         mass.scatter_add_(1, columns.expand_as(probs), probs)
     return _top_mass(trie, beams, found_nodes, mass, width)
 

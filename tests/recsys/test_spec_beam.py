@@ -144,6 +144,23 @@ def test_post_history_draft_equals_beam(
                 assert got.stats.draft_hit_rate > 0.0
 
 
+@pytest.mark.parametrize("engine", beam.ENGINES)
+def test_a_first_level_that_names_every_item(engine, random_recommender, uneven_histories):
+    """One code level whose codes name every item (the collision level holds one code): on a
+    model whose forced codes are free no prefix needs a score past the history pass, and every
+    draft (the exact ones have no deeper prefix to weigh) gives beam's lists in that pass."""
+    model = _random_model(random_recommender, 0, (6,), 5, "residual")
+    assert model.num_levels == 2 and model.codebook_sizes[-1] == 1 and model.forced_codes_free
+    trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+    values, offsets = uneven_histories(model, users=4, seed=0)
+    want = beam.decode(model, values, offsets, k=3, trie=trie, beam_width=4)
+    for draft in ("items", "heads", "nezha", "frontier", "none"):
+        got = spec_beam.decode(model, values, offsets, k=3, trie=trie, beam_width=4, draft=draft,
+                               engine=engine, plain_from="never")  # fmt: skip
+        assert same_top_k(want, got).all(), draft
+        assert got.stats.target_passes == 1
+
+
 def test_forced_codes_cost_nothing(monkeypatch, random_recommender, uneven_histories):
     """Levels normalised over a prefix's children (tied levels) give a prefix's only child
     log-prob exactly 0: beam scores only the beams with a choice (skipping a level where none

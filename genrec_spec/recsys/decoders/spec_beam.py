@@ -372,7 +372,10 @@ def decode(
             passes, nodes_scored = passes + 1, nodes_scored + tree.real_nodes
             slot = scored.lookup(beams.nodes)
         # A beam with one child gives it log-prob 0 (`forced_codes_free`), scored or not.
-        step = scored.log_probs[rows, slot.clamp(min=0)].masked_fill(~need[..., None], 0.0)
+        if scored.log_probs.shape[1]:
+            step = scored.log_probs[rows, slot.clamp(min=0)].masked_fill(~need[..., None], 0.0)
+        else:  # nothing scored yet, so no beam needs a score: every next code is forced
+            step = beams.scores.new_zeros(*beams.nodes.shape, trie.codebook_sizes[level])
         beams = extend(beams, step, trie, level, width)
     items, scores = finish(beams, trie, k)
     needed = torch.cat(needed_nodes, dim=1)  # the draft's hits, counted once at the end
