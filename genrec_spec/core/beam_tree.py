@@ -235,8 +235,10 @@ class BeamTree:
         lead to [Q, C' <= C] (in any order, -inf padding a node with fewer)."""
         q, width = values.shape
         end = self.used + q * width
-        if end > len(self.stored_values):  # doubling, as the node tables
-            extra = max(end, 2 * len(self.stored_values)) - len(self.stored_values)
+        # C slots to spare past the last run: `candidates` reads C' <= C slots from any run's
+        # first, the last run's too
+        if end + self.width > len(self.stored_values):  # doubling, as the node tables
+            extra = max(end + self.width, 2 * len(self.stored_values)) - len(self.stored_values)
             self.stored_values, self.stored_tokens, self.stored_states = (
                 torch.cat([table, table.new_empty(extra)])
                 for table in (self.stored_values, self.stored_tokens, self.stored_states)
@@ -267,8 +269,7 @@ class BeamTree:
         count = self.count.view(-1)[index]  # [B, W]
         width = max(1, int(count.max()))
         # Every run of `width` slots as a row of a strided view, so a run is one row's copy (a
-        # node with a shorter run reads past it, into slots masked below).
-        first = first.clamp(max=len(self.stored_values) - width)
+        # node with a shorter run reads past it, into slots masked below: `store` keeps C spare)
         values = self.stored_values.unfold(0, width, 1).index_select(0, first)
         tokens = self.stored_tokens.unfold(0, width, 1).index_select(0, first)
         states = self.stored_states.unfold(0, width, 1).index_select(0, first)

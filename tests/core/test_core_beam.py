@@ -583,6 +583,24 @@ def test_the_beam_tree_reads_back_what_it_stored():
     assert tree.candidates(torch.tensor([[2, 2], [0, 0]]))[0][0].isinf().all()
 
 
+def test_a_short_run_at_the_end_of_the_store_reads_back():
+    """A node's run shorter than another's, stored last (a forced token's, as a step plans it),
+    reads back its own slots however full the tables are (the candidates read C' slots from
+    every run's first, C' the widest run's)."""
+    zeros = torch.zeros(2, dtype=torch.long)
+    for runs in range(1, 7):  # the tables filled to several depths before the short runs
+        tree = BeamTree(batch=1, width=3, vocab_size=VOCAB, capacity=8)
+        nodes = tree.add(zeros[:1].repeat(3), torch.tensor([-1, 0, 0]), torch.tensor([1, 2, 3]))
+        wide = -torch.rand(runs, 3)
+        again = torch.zeros(runs, dtype=torch.long)  # the root's run, stored again and again
+        tree.store(again, again, wide, torch.ones(runs, 3, dtype=torch.long), torch.ones_like(wide))
+        tree.know(zeros, nodes[1:], torch.tensor([5, 6]), torch.tensor([7, 8]))
+        values, tokens, states = tree.candidates(nodes[None])  # [1, 3, 3] each
+        assert values[0, 0].tolist() == wide[-1].tolist()
+        assert values[0, 1:].tolist() == [[0.0, float("-inf"), float("-inf")]] * 2
+        assert tokens[0, 1:, 0].tolist() == [5, 6] and states[0, 1:, 0].tolist() == [7, 8]
+
+
 def test_the_beam_tree_names_what_each_add_planned():
     """``added_since`` gives the nodes of a pass's later ``add``s in the order added (what a
     drafter planned after the beams' nodes), ``count_added`` the earlier ones; a closed pass
