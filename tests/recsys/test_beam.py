@@ -152,6 +152,20 @@ def test_extend_equals_the_dense_grid_step(model, width):
         assert torch.equal(beams.code[real], trie.child_codes[beams.nodes[real] - 1])
 
 
+def test_extend_reads_no_code_past_the_levels_codebook():
+    """More beams than prefixes leaves empty ones, whose child slots lie at the root's (level 0's
+    codes); a level's log-probs may be exactly as wide as its own codebook (`search` builds
+    them so where no beam has a choice), which those codes must not index."""
+    trie = PrefixTrie.from_codes(torch.tensor([[1, 0], [2, 0], [4, 0]]), (5, 1))
+    level0 = torch.tensor([[[-9.0, -1.0, -2.0, -9.0, -3.0]]]).repeat(2, 1, 1)  # [B, 1, 5]
+    beams = beam.extend(beam.start_beams(2, trie), level0, trie, 0, 6)
+    assert beams.nodes.shape == (2, 5) and (beams.nodes[:, 3:] == -1).all()
+    beams = beam.extend(beams, torch.zeros(2, 5, 1), trie, 1, 6)  # forced: log-prob 0
+    assert beams.scores[0, :3].tolist() == [-1.0, -2.0, -3.0]
+    assert trie.leaf_items[beams.nodes[:, :3] - trie.level_starts[-2]].tolist() == [[0, 1, 2]] * 2
+    assert (beams.nodes[:, 3:] == -1).all()
+
+
 def test_item_trie_is_built_once_per_code_table(model):
     trie = beam.item_trie(model)
     assert beam.item_trie(model) is trie  # reused: per-request callers do not rebuild it

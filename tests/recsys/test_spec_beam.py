@@ -144,19 +144,24 @@ def test_post_history_draft_equals_beam(
                 assert got.stats.draft_hit_rate > 0.0
 
 
+@pytest.mark.parametrize("width", [4, 8])
 @pytest.mark.parametrize("engine", beam.ENGINES)
-def test_a_first_level_that_names_every_item(engine, random_recommender, uneven_histories):
+def test_a_first_level_that_names_every_item(width, engine, random_recommender, uneven_histories):
     """One code level whose codes name every item (the collision level holds one code): on a
     model whose forced codes are free no prefix needs a score past the history pass, and every
-    draft (the exact ones have no deeper prefix to weigh) gives beam's lists in that pass."""
+    draft (the exact ones have no deeper prefix to weigh) gives beam's lists in that pass, with
+    more beams than items (8 > 5) too."""
     model = _random_model(random_recommender, 0, (6,), 5, "residual")
     assert model.num_levels == 2 and model.codebook_sizes[-1] == 1 and model.forced_codes_free
     trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
     values, offsets = uneven_histories(model, users=4, seed=0)
-    want = beam.decode(model, values, offsets, k=3, trie=trie, beam_width=4)
+    want = beam.decode(model, values, offsets, k=3, trie=trie, beam_width=width)
+    assert bool((want.items >= 0).all())
+    core = beam.decode(model, values, offsets, k=3, trie=trie, beam_width=width, engine="core")
+    assert same_top_k(want, core).all()
     for draft in ("items", "heads", "nezha", "frontier", "none"):
-        got = spec_beam.decode(model, values, offsets, k=3, trie=trie, beam_width=4, draft=draft,
-                               engine=engine, plain_from="never")  # fmt: skip
+        got = spec_beam.decode(model, values, offsets, k=3, trie=trie, beam_width=width,
+                               draft=draft, engine=engine, plain_from="never")  # fmt: skip
         assert same_top_k(want, got).all(), draft
         assert got.stats.target_passes == 1
 
