@@ -21,7 +21,11 @@ the root's log-probs with the prompt's K/V, as transformers' prefill does, so th
 needs no pass of its own (the prefill counts as its pass). So the outputs equal
 ``generate(num_beams=W, num_return_sequences=K, length_penalty=..., early_stopping=...)`` (with
 ``prefix_allowed_tokens_fn`` for a constraint) up to float ties. A finished row stops asking for
-passes; it rides along until every row is done.
+passes; it rides along until every row is done. Where fewer than K real hypotheses finish (a
+catalogue narrower than the beam, with early stopping) the rest are continuations of the root's
+copies, scored about -1e9 / length ** length_penalty as transformers' are; which copies those
+are is a float tie (float32 steps by 64 at 1e9, so their log-probs do not count), so they may
+differ between plain and speculative search, and from transformers'.
 
 Speculative beam search: a ``drafter`` adds nodes below the beams to every pass (the
 catalogue's forced continuations: ``core.catalogue_drafter.CatalogueDrafter``; what followed
