@@ -5,6 +5,8 @@ miss (follow-up passes); then a model trained on real ML-100K."""
 from __future__ import annotations
 
 import itertools
+import math
+import random
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -205,7 +207,8 @@ def test_forced_codes_cost_nothing(monkeypatch, random_recommender, uneven_histo
         for draft, engine in itertools.product(
             ("frontier", "none", "nezha", "items", "heads"), beam.ENGINES
         ):
-            got = spec_beam.decode(model, values, offsets, k=k, trie=trie, beam_width=width,
+            got = spec_beam.decode(
+            model, values, offsets, k=k, trie=trie, beam_width=width,
                                    draft=draft, lookahead=0, engine=engine,
                                    plain_from="never")  # fmt: skip
             assert same_top_k(want, got).all(), (k, width, draft, engine)
@@ -248,6 +251,45 @@ def test_core_drafts_under_inference_mode(random_recommender, uneven_histories):
             got = spec_beam.decode(model, values, offsets, k=10, trie=trie, beam_width=12,
                                    draft=draft, draft_items=given, engine="core")  # fmt: skip
             assert same_top_k(want, got).all(), draft
+
+
+@pytest.mark.parametrize("seed", [1, 2, 14, 23, 57, 91])
+def test_random_catalogues_and_options(seed, random_recommender, uneven_histories):
+    """Catalogues, models and options drawn at random (1-3 code levels of 2-9 codes, up to
+    three items a code tuple, beams from 1 to more than the catalogue's items): `beam` on both
+    engines and every draft of `spec_beam` on both engines give `beam`'s lists. Among the seeds,
+    one-level catalogues whose level 0 skips code 0 with more beams than items (`extend`), and a
+    frontier draft whose forced nodes' candidates were stored last (the core's candidate
+    store), each wrong before its fix."""
+    r = random.Random(seed)
+    sizes = tuple(r.randint(2, 9) for _ in range(r.randint(1, 3)))
+    items = r.randint(2, max(3, min(300, math.prod(sizes) * r.choice([1, 2, 3]))))
+    item_levels = r.choice(["none", "level0", "all", "cosine", "residual"])
+    model = _random_model(random_recommender, seed, sizes, items, item_levels)
+    trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
+    values, offsets = uneven_histories(model, users=r.randint(1, 6), seed=seed)
+    width = r.choice([1, 2, 3, 5, 8, 13, 20, 40, 64])
+    k = min(r.randint(1, width), model.num_items)
+    want = beam.decode(model, values, offsets, k=k, trie=trie, beam_width=width)
+    core = beam.decode(model, values, offsets, k=k, trie=trie, beam_width=width, engine="core")
+    assert same_top_k(want, core).all()
+    for draft, engine in itertools.product(
+        ("frontier", "none", "nezha", "items", "heads"), beam.ENGINES
+    ):
+        options = dict(lookahead=r.choice([None, 0, 1, 2]), draft_width=r.choice([None, 1, 7]))
+        got = spec_beam.decode(
+            model,
+            values,
+            offsets,
+            k=k,
+            trie=trie,
+            beam_width=width,
+            draft=draft,
+            engine=engine,
+            plain_from="never",
+            **options,
+        )
+        assert same_top_k(want, got).all(), (draft, engine, options)
 
 
 def test_same_top_k_rejects_different_lists():
