@@ -270,26 +270,16 @@ def test_random_catalogues_and_options(seed, random_recommender, uneven_historie
     values, offsets = uneven_histories(model, users=r.randint(1, 6), seed=seed)
     width = r.choice([1, 2, 3, 5, 8, 13, 20, 40, 64])
     k = min(r.randint(1, width), model.num_items)
-    want = beam.decode(model, values, offsets, k=k, trie=trie, beam_width=width)
-    core = beam.decode(model, values, offsets, k=k, trie=trie, beam_width=width, engine="core")
-    assert same_top_k(want, core).all()
+    asked = dict(k=k, trie=trie, beam_width=width)
+    want = beam.decode(model, values, offsets, **asked)
+    assert same_top_k(want, beam.decode(model, values, offsets, engine="core", **asked)).all()
     for draft, engine in itertools.product(
         ("frontier", "none", "nezha", "items", "heads"), beam.ENGINES
     ):
         options = dict(lookahead=r.choice([None, 0, 1, 2]), draft_width=r.choice([None, 1, 7]))
-        got = spec_beam.decode(
-            model,
-            values,
-            offsets,
-            k=k,
-            trie=trie,
-            beam_width=width,
-            draft=draft,
-            engine=engine,
-            plain_from="never",
-            **options,
-        )
-        assert same_top_k(want, got).all(), (draft, engine, options)
+        options |= dict(draft=draft, engine=engine, plain_from="never")
+        got = spec_beam.decode(model, values, offsets, **asked, **options)
+        assert same_top_k(want, got).all(), options
 
 
 def test_same_top_k_rejects_different_lists():
