@@ -2,6 +2,7 @@
 through HFTarget and the native Llama), equal to brute force where the beam is exhaustive, never
 outside the catalogue, and speculative beam search equal to plain beam search in fewer passes."""
 
+import random
 from dataclasses import replace
 
 import pytest
@@ -282,6 +283,78 @@ def test_speculative_beam_equals_plain_beam_in_fewer_passes(
         drafter=CatalogueDrafter(catalogue, depth=8, fanout=40),
     )
     assert deep.stats.target_forwards < plain.stats.target_forwards
+
+
+def _real(out, b: int) -> list[list[int]]:
+    """Row b's results that are hypotheses, not continuations of the root's copies (scored
+    about -1e9 / length ** penalty: a float tie, ``core/beam.py``)."""
+    pairs = zip(out.tolist()[b], out.scores[b].tolist(), strict=True)
+    return [seq for seq, score in pairs if score > -1e7]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_catalogues_and_settings(tiny, seed):
+    """Drawn at random: a catalogue of 1-60 items, W, K, the length penalty, early stopping, the
+    scoring rule, the draft budget and both drafters' depths: speculative beam search returns
+    plain beam search's hypotheses (a cache-free target: the same scores), every one an item."""
+    r = random.Random(seed)
+    catalogue = Catalogue.of(random_catalogue(r.randint(1, 60), seed), VOCAB, eos_token_id=EOS)
+    config = BeamConfig(
+        num_beams=(w := r.randint(1, 12)),
+        num_return_sequences=r.randint(1, min(w, catalogue.trie.num_items)),
+        length_penalty=r.choice([0.0, 0.5, 1.0, 2.0]),
+        early_stopping=r.choice([True, False, "never"]),
+        renormalize=r.random() < 0.5,
+        draft_nodes=r.choice([1, 4, 32, 200]),
+    )
+    target = CallableTarget(tiny.HashLM(VOCAB, seed=seed, scale=r.choice([0.5, 1.5, 3.0])), VOCAB)
+    prompts = [[r.randint(4, VOCAB - 1) for _ in range(r.randint(1, 7))] for _ in range(3)]
+    kwargs = dict(config=config, max_new_tokens=catalogue.trie.longest + r.randint(0, 2),
+                  eos_token_id=EOS, constraint=catalogue)  # fmt: skip
+    plain = beam_search(target, prompts, **kwargs)
+    drafters = [
+        CatalogueDrafter(catalogue, depth=r.randint(1, 8), fanout=r.randint(1, 5), items=2),
+        PromptLookupDrafter(depth=r.randint(1, 6)),
+    ]
+    for drafter in drafters:
+        spec = beam_search(target, prompts, drafter=drafter, **kwargs)
+        for b in range(len(prompts)):
+            assert _real(spec, b) == _real(plain, b), (type(drafter).__name__, b)
+        real = plain.scores > -1e7
+        assert torch.equal(spec.states[real], plain.states[real])
+        torch.testing.assert_close(spec.scores[real], plain.scores[real], rtol=0, atol=1e-6)
+    walked = catalogue.items_of(plain.values, plain.offsets).view(plain.scores.shape)
+    assert bool((walked[real] >= 0).all())
+
+
+# every early_stopping, catalogues narrower than 2W among them (seeds 2, 10, 26)
+@pytest.mark.parametrize("seed", [2, 4, 10, 13, 26, 37])
+def test_random_settings_under_the_hook_equal_transformers(tiny, seed):
+    """A random tiny Llama, catalogue and settings: ours through the transformers hook (which
+    allows the end token after an item's end, as transformers' must) gives transformers'
+    `generate` lists, early stopping and narrow catalogues included."""
+    r = random.Random(seed)
+    model = tiny.hf_llama(VOCAB, seed=100 + seed, scale=r.choice([1.5, 2.5, 4.0]))
+    sequences = random_catalogue(r.randint(2, 30), seed)
+    prompts = [[r.randint(4, VOCAB - 1) for _ in range(r.randint(1, 8))] for _ in range(2)]
+    config = BeamConfig(
+        num_beams=(w := r.randint(2, 8)),
+        num_return_sequences=r.randint(1, min(w, len(sequences))),
+        length_penalty=r.choice([0.0, 1.0, 2.0]),
+        early_stopping=r.choice([True, False, "never"]),
+    )
+    max_new = max(map(len, sequences)) + 1 + r.randint(0, 2)
+    by_width = trie_allowed_fn(sequences)
+    hook = AllowedTokens(lambda row, ids: by_width(len(prompts[row]))(row, ids), VOCAB)
+    ours = beam_search(HFTarget(model), prompts, config=config, max_new_tokens=max_new,
+                       eos_token_id=EOS, constraint=hook)  # fmt: skip
+    rows, scores = hf_beam(model, prompts, config, max_new, trie_allowed_fn(sequences))
+    for b, (mine, theirs) in enumerate(zip(ours.tolist(), rows, strict=True)):
+        for k, (seq, ref) in enumerate(zip(mine, theirs, strict=True)):
+            if scores[b, k] > -1e7:  # (the root copies' continuations tie)
+                assert ref[: len(seq)] == seq and all(t == EOS for t in ref[len(seq) :])
+    real = scores > -1e7
+    torch.testing.assert_close(ours.scores[real], scores[real], rtol=0, atol=1e-4)
 
 
 def test_speculative_beam_on_the_native_llama(native_model):
