@@ -167,7 +167,7 @@ def beam_search(
         if eos_token_id is None
         else torch.as_tensor(eos_token_id, device="cpu").flatten().tolist()
     )
-    _check_config(config, constraint, eos, max_new_tokens)
+    _check_config(config, constraint, eos, max_new_tokens, getattr(target, "vocab_size", None))
     started = time.perf_counter()
     with torch.inference_mode():
         # A target that scores its prefill gives the roots' log-probs with it: the first step
@@ -213,7 +213,11 @@ def beam_search(
 
 
 def _check_config(
-    config: BeamConfig, constraint: Constraint | None, eos: list[int], max_new_tokens: int
+    config: BeamConfig,
+    constraint: Constraint | None,
+    eos: list[int],
+    max_new_tokens: int,
+    vocab_size: int | None,  # the target's
 ) -> None:
     k = config.num_return_sequences
     check_beam_counts(config.num_beams, k)
@@ -221,7 +225,7 @@ def _check_config(
         raise DecodeInputError(
             f"early_stopping = {config.early_stopping!r}", 'pass True, False or "never"'
         )
-    check_catalogue(constraint, eos, max_new_tokens)
+    check_catalogue(constraint, eos, max_new_tokens, vocab_size)
     if isinstance(constraint, Catalogue) and k > constraint.trie.num_items:
         raise DecodeInputError(
             f"num_return_sequences = {k} is larger than the catalogue "

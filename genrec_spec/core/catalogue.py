@@ -40,10 +40,13 @@ class TokenTrie:
     # search asks it of every step's beams: one read, not the CSR arithmetic)
     forced_tokens: Tensor
     forced_children: Tensor  # [nodes + 1] int64: the node that token leads to; -1 elsewhere
+    # [V] bool: the tokens some item has before its end (an end token must not be one)
+    inner_tokens: Tensor
     num_items: int  # distinct sequences (items with identical sequences count once)
     longest: int  # tokens in the longest sequence (end token included)
     shortest: int  # tokens in the shortest
     widest: int  # the most children a node has (allowed tokens after any prefix)
+    largest_token: int  # a target's vocabulary must hold it
 
     @classmethod
     def from_sequences(
@@ -66,7 +69,7 @@ class TokenTrie:
             tokens = list(sequence)
             if eos_token_id is not None and (not tokens or tokens[-1] != eos_token_id):
                 tokens.append(eos_token_id)
-            _check_tokens(item, tokens, vocab_size)
+            _check_tokens(item, tokens, vocab_size, eos_token_id)
             longest, shortest = max(longest, len(tokens)), min(shortest, len(tokens))
             node = 0
             for token in tokens:
@@ -91,6 +94,8 @@ class TokenTrie:
         first = offsets[:-1].clamp(max=len(tokens) - 1)  # a leaf's lies past the last edge
         forced = counts == 1
         none = torch.full((1,), -1, dtype=torch.long)  # what node -1 reads (module docstring)
+        inner = torch.zeros(vocab_size, dtype=torch.bool)
+        inner[tokens[counts[nodes] > 0]] = True  # the tokens of edges into non-leaf nodes
         return cls(
             vocab_size=vocab_size,
             child_offsets=offsets,
@@ -101,10 +106,12 @@ class TokenTrie:
             leaf_items=leaf_items,
             forced_tokens=torch.cat([torch.where(forced, tokens[first], -1), none]),
             forced_children=torch.cat([torch.where(forced, nodes[first], -1), none]),
+            inner_tokens=inner,
             num_items=len(leaf),
             longest=longest,
             shortest=shortest,
             widest=int(counts.max()),
+            largest_token=int(tokens.max()),
         )
 
     @property
@@ -164,11 +171,17 @@ class TokenTrie:
         return torch.where(nodes >= 0, self.leaf_items[nodes.clamp_min(0)], -1)
 
 
-def _check_tokens(item: int, tokens: list[int], vocab_size: int) -> None:
+def _check_tokens(item: int, tokens: list[int], vocab_size: int, eos: int | None) -> None:
     if not tokens:
         raise DecodeInputError(
             f"catalogue item {item} has an empty token sequence",
             "give every item at least one token (or pass eos_token_id)",
+        )
+    if eos is not None and eos in tokens[:-1]:
+        raise DecodeInputError(
+            f"catalogue item {item} has the end token {eos} before its end: a search would "
+            "stop there, on no item",
+            "drop the end token from inside the item's sequence (only its last token may be it)",
         )
     bad = [t for t in tokens if not 0 <= t < vocab_size]
     if bad:

@@ -128,18 +128,38 @@ def _items_below(trie: TokenTrie) -> Tensor:  # [nodes] int64
     return below
 
 
-def check_catalogue(constraint: Constraint | None, eos: list[int], max_new_tokens: int) -> None:
-    """A catalogue needs the end token (an item is finished there), or items of one length that
-    max_new_tokens ends (Semantic IDs), and room for its longest sequence: otherwise a row could
-    stop or run on outside the catalogue."""
+def check_catalogue(
+    constraint: Constraint | None,
+    eos: list[int],
+    max_new_tokens: int,
+    vocab_size: int | None,  # the target's (None: not known before its prefill)
+) -> None:
+    """A catalogue needs the end token (an item is finished there) and no item with an end token
+    inside it, or items of one length that max_new_tokens ends (Semantic IDs); room for its
+    longest sequence; and tokens the target has: otherwise a row could stop or run on outside
+    the catalogue, or read past the target's outputs."""
     if not isinstance(constraint, Catalogue):
         return
-    longest = constraint.trie.longest
-    if not eos and not constraint.trie.shortest == longest == max_new_tokens:
+    trie = constraint.trie
+    if vocab_size is not None and trie.largest_token >= vocab_size:
+        raise DecodeInputError(
+            f"the catalogue holds token {trie.largest_token}, outside the target's vocabulary "
+            f"of {vocab_size}",
+            "build the catalogue with the target's own tokenizer and vocabulary size",
+        )
+    inside = [e for e in eos if 0 <= e < trie.vocab_size and bool(trie.inner_tokens[e])]
+    if inside:
+        raise DecodeInputError(
+            f"end token {inside[0]} stands inside a catalogue item: a search would stop there, "
+            "on no item",
+            "drop end tokens from inside the items' sequences (only an item's last token)",
+        )
+    longest = trie.longest
+    if not eos and not trie.shortest == longest == max_new_tokens:
         raise DecodeInputError(
             "a catalogue constraint needs eos_token_id (an item is finished at its end token) "
             f"unless its items all have max_new_tokens tokens (they have "
-            f"{constraint.trie.shortest}..{longest}; max_new_tokens = {max_new_tokens})",
+            f"{trie.shortest}..{longest}; max_new_tokens = {max_new_tokens})",
             "pass the token every catalogue sequence ends with as eos_token_id",
         )
     if max_new_tokens < longest:

@@ -136,7 +136,8 @@ def generate(
     _check_limits(target, lengths, max_new_tokens)
     rule = acceptance or (GreedyMatch() if sampling.greedy else RejectionSampling())
     eos = None if eos_token_id is None else torch.as_tensor(eos_token_id, device=device).flatten()
-    check_catalogue(constraint, [] if eos is None else eos.tolist(), max_new_tokens)
+    eos_ids = [] if eos is None else eos.tolist()
+    check_catalogue(constraint, eos_ids, max_new_tokens, getattr(target, "vocab_size", None))
     started = time.perf_counter()
     with torch.inference_mode():
         state, scored = _prefill(

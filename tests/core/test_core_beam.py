@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from genrec_spec import CallableTarget, HFTarget
+from genrec_spec import CallableTarget, HFTarget, generate
 from genrec_spec.core.beam import BeamConfig, _distinct, beam_search
 from genrec_spec.core.beam_tree import BeamTree, rank_within_rows
 from genrec_spec.core.catalogue_drafter import CatalogueDrafter
@@ -514,6 +514,10 @@ def test_continuation_starts_after_the_latest_longest_match():
         (dict(config=BeamConfig(num_beams=9, num_return_sequences=9)), "larger than the catalogue"),
         (dict(eos_token_id=None), "needs eos_token_id"),
         (dict(max_new_tokens=2), "shorter than the catalogue's longest"),
+        # a catalogue of another vocabulary (a wider tokenizer's)
+        (dict(constraint=Catalogue.of([[4, 50]], 64, eos_token_id=EOS)), "holds token 50"),
+        # items that hold the search's end token inside (built without eos_token_id)
+        (dict(constraint=Catalogue.of([[4, EOS, 5, EOS], [6, EOS]], VOCAB)), "inside a catalogue"),
     ],
 )
 def test_bad_beam_input_is_refused(native_model, change, message):
@@ -535,6 +539,17 @@ def test_bad_beam_input_is_refused(native_model, change, message):
 def test_bad_catalogues_are_refused(sequences, message):
     with pytest.raises(DecodeInputError, match=message):
         Catalogue.of(sequences, VOCAB)
+    with pytest.raises(DecodeInputError, match="end token 3 before its end"):
+        Catalogue.of([[4, 5], [6, EOS, 7]], VOCAB, eos_token_id=EOS)
+
+
+def test_greedy_refuses_a_catalogue_the_target_cannot_decode(native_model):
+    kwargs = dict(max_new_tokens=6, eos_token_id=EOS)
+    with pytest.raises(DecodeInputError, match="outside the target's vocabulary of 40"):
+        generate(native_model, PROMPTS, constraint=Catalogue.of([[4, 50]], 64, EOS), **kwargs)
+    inside = Catalogue.of([[4, EOS, 5, EOS], [6, EOS]], VOCAB)
+    with pytest.raises(DecodeInputError, match="inside a catalogue item"):
+        generate(native_model, PROMPTS, constraint=inside, **kwargs)
 
 
 def test_a_hook_that_allows_nothing_is_refused(native_model):
