@@ -126,17 +126,17 @@ def extend(
     e leads to node e + 1)."""
     batch, beams_in = beams.nodes.shape
     vocab, most = trie.codebook_sizes[level], trie.max_children[level]
-    # An empty beam (node -1, score -inf) reads the root's child slots, none of them its own
+    # An empty beam (node -1, score -inf) reads the root's child slots: its candidates stay -inf.
     safe = beams.nodes.clamp(min=0)  # [B, W]
     first = trie.child_offsets[safe].long()  # [B, W] int64 (the trie stores int32)
     edge = first[..., None] + torch.arange(most, device=safe.device)  # [B, W, C]
     exists = edge < trie.child_offsets[safe + 1][..., None]  # [B, W, C]
-    exists &= (beams.nodes >= 0)[..., None]
     edge = edge.clamp(max=len(trie.child_codes) - 1)
-    # A slot that is no child reads code 0: the code of the edge it reads (a level-0 code for
-    # an empty beam) may lie past this level's codebook, which log_probs may be no wider than
-    code = trie.child_codes[edge].long().masked_fill_(~exists, 0)  # [B, W, C]
-    candidates = beams.scores[..., None] + log_probs.gather(2, code)
+    code = trie.child_codes[edge].long()  # [B, W, C]
+    # (the root's level-0 codes an empty beam reads, like a slot past a beam's children, may lie
+    # past this level's codebook, which log_probs may be no wider than: read clamped, -inf anyway)
+    picked = log_probs.gather(2, code.clamp(max=log_probs.shape[2] - 1))
+    candidates = beams.scores[..., None] + picked
     candidates = candidates.masked_fill(~exists, float("-inf")).flatten(1)  # [B, W * C]
     keep = min(width, candidates.shape[1])
     ranked = torch.sort(candidates, dim=1, descending=True, stable=True)
