@@ -207,8 +207,7 @@ def test_forced_codes_cost_nothing(monkeypatch, random_recommender, uneven_histo
         for draft, engine in itertools.product(
             ("frontier", "none", "nezha", "items", "heads"), beam.ENGINES
         ):
-            got = spec_beam.decode(
-            model, values, offsets, k=k, trie=trie, beam_width=width,
+            got = spec_beam.decode(model, values, offsets, k=k, trie=trie, beam_width=width,
                                    draft=draft, lookahead=0, engine=engine,
                                    plain_from="never")  # fmt: skip
             assert same_top_k(want, got).all(), (k, width, draft, engine)
