@@ -24,10 +24,13 @@ needs no pass of its own (the prefill counts as its pass). So the outputs equal
 passes; it rides along until every row is done. Where fewer than K real hypotheses finish (a
 catalogue narrower than the beam, with early stopping) the rest are continuations of the root's
 copies, scored about -1e9 / length ** length_penalty as transformers' are; which copies those
-are is a float tie (float32 steps by 64 at 1e9, so their log-probs do not count), so they may
-differ between plain and speculative search, and from transformers'; with ``early_stopping=True``
-they count toward a row's W finished hypotheses, so where they differ a row may stop at another
-step and its real results differ too (a search of 1,500 random settings met one such row).
+are is a float tie (float32 steps by 64 at 1e9, so their log-probs do not count). Equal scores
+are kept in place order (beam, then the node's candidate order: a catalogue's children in token
+order), as a stable sort keeps them and the recommender's native ``beam`` does, so plain and
+speculative search keep the same copies; transformers' ``topk`` orders ties its own way, so its
+copies may differ from ours, and with ``early_stopping=True``, where they count toward a row's W
+finished hypotheses, such a row may stop at another step than transformers' and return other
+real results.
 One more difference from transformers' ``prefix_allowed_tokens_fn`` (which must allow some token
 after an item's end, typically eos again): a catalogue allows nothing there. Where fewer than W
 candidates did not end, an ended one runs on at -1e9 as there, and dies here where
@@ -354,9 +357,12 @@ class _Passes:
         if free is not None:  # (a catalogue's: a forced node's one child is its first)
             scores[:, 0].masked_fill_(free, 0.0)
         if scores.shape[1] > self.width:  # keep the best C (a search reads no more)
-            best = scores.topk(self.width, dim=-1)
-            index = best.indices
-            scores, choices = best.values, index if choices is None else choices.gather(1, index)
+            # A catalogue's nodes are as wide as the widest of the call, which differs between
+            # plain and speculative search: ties kept in place order (`_top`). A vocabulary's
+            # rows are V wide in both, where ``topk`` orders ties alike and costs less.
+            top = _top if choices is not None else torch.topk
+            scores, index = top(scores, self.width)
+            choices = index if choices is None else choices.gather(1, index)
             after = None if after is None else after.gather(1, index)
         elif choices is None:  # every token fits: kept as they are, in token order
             choices = torch.arange(scores.shape[1], device=scores.device).expand_as(scores)
@@ -686,7 +692,7 @@ def _select(
     # the best W run on where none can end; else the best 2W (a vocabulary smaller than 2W
     # holds fewer)
     keep = w if endless else min(keep, w * c)
-    scores, index = flat.topk(keep, dim=1)  # [B, keep]
+    scores, index = _top(flat, keep)  # [B, keep]
     origin = index // c
     token, state = options.flatten(1).gather(1, index).long(), after.flatten(1).gather(1, index)
     if endless:
@@ -702,10 +708,36 @@ def _select(
         _finish(beams, scores, sequences, state, ended, step, config)
     # Running: the best W that did not end.
     running = scores + hits.float() * UNREACHABLE
-    pick = running.topk(w, dim=1).indices
+    # (ties in place order, as `_top` keeps them: a stable sort, cheap on 2W scores)
+    pick = running.sort(dim=1, descending=True, stable=True).indices[:, :w]
     kept = (part.gather(1, pick) for part in (running, origin, token, state))
     _run_on(beams, *kept, step)
-    return hits.all()
+    # (-inf: no candidate, as many as the step's layout pads, so they count for neither)
+    return (hits | (scores == float("-inf"))).all()
+
+
+def _top(scores: Tensor, keep: int) -> tuple[Tensor, Tensor]:  # [R, N] -> [R, keep] each
+    """Each row's best ``keep`` scores, best first, and their places, equal scores in place
+    order: a stable descending sort's first ``keep``, at a ``topk``'s cost where no two kept
+    scores tie. ``topk`` orders ties as its algorithm meets them, which depends on the row's
+    length; a step's candidates are laid out C to a beam, C the widest node's, which differs
+    between plain and speculative search (and ties are common: the root's copies, scored about
+    UNREACHABLE, tie in float32). In place order both searches keep the same candidates."""
+    values, places = scores.topk(keep, dim=1)
+    edge = values[:, -1:]  # [R, 1] the worst kept
+    at_edge = scores == edge  # [R, N]
+    # (-inf is no candidate: which of those a step keeps changes no result)
+    real = values > float("-inf")
+    ties = ((values[:, 1:] == values[:, :-1]) & real[:, 1:]).any()
+    ties |= ((at_edge.sum(1) > 1) & real[:, -1]).any()
+    if not bool(ties & ~values.isnan().any()):  # (NaN, refused after the search, ties nothing)
+        return values, places
+    above = scores > edge
+    kept = above | (at_edge & (at_edge.cumsum(1) <= keep - above.sum(1, keepdim=True)))
+    places = kept.nonzero()[:, 1].view(len(scores), keep)  # each row's, in place order
+    values = scores.gather(1, places)
+    order = values.sort(dim=1, descending=True, stable=True).indices
+    return values.gather(1, order), places.gather(1, order)
 
 
 def _run_on(
@@ -740,7 +772,8 @@ def _finish(
     penalised += (~beams.improvable).float() * UNREACHABLE
     penalised += (~ended) * UNREACHABLE
     merged = torch.cat([beams.done_scores, penalised], dim=1)
-    best = merged.topk(w, dim=1).indices
+    # (ties in place order: the earlier finished first, then as `_top` ordered the step's)
+    best = merged.sort(dim=1, descending=True, stable=True).indices[:, :w]
     lengths = torch.full_like(ended, step + 1, dtype=torch.long)
     beams.done_scores = merged.gather(1, best)
     beams.done_sequences = torch.cat([beams.done_sequences, sequences], 1).gather(
