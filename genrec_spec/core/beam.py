@@ -24,13 +24,16 @@ needs no pass of its own (the prefill counts as its pass). So the outputs equal
 passes; it rides along until every row is done. Where fewer than K real hypotheses finish (a
 catalogue narrower than the beam, with early stopping) the rest are continuations of the root's
 copies, scored about -1e9 / length ** length_penalty as transformers' are; which copies those
-are is a float tie (float32 steps by 64 at 1e9, so their log-probs do not count). Equal scores
-are kept in place order (beam, then the node's candidate order: a catalogue's children in token
-order), as a stable sort keeps them and the recommender's native ``beam`` does, so plain and
-speculative search keep the same copies; transformers' ``topk`` orders ties its own way, so its
-copies may differ from ours, and with ``early_stopping=True``, where they count toward a row's W
-finished hypotheses, such a row may stop at another step than transformers' and return other
-real results.
+are is a float tie (float32 steps by 64 at 1e9, so their log-probs do not count). A step's 2W
+are kept with equal scores in place order (beam, then the node's candidate order: a catalogue's
+children in token order), as a stable sort keeps them and the recommender's native ``beam``
+does: the W x C table they come from is as wide as the step's widest node, which differs
+between plain and speculative search, and ``topk`` orders ties by where it meets them. The
+running W and the finished W are then picked from tables as wide as transformers' (2W and
+W + 2W) by ``topk``, as there. So plain and speculative search keep the same copies; from
+transformers' W x V table the 2W may be other copies, and with ``early_stopping=True``, where
+they count toward a row's W finished hypotheses, such a row may stop at another step than
+transformers' and return other real results.
 One more difference from transformers' ``prefix_allowed_tokens_fn`` (which must allow some token
 after an item's end, typically eos again): a catalogue allows nothing there. Where fewer than W
 candidates did not end, an ended one runs on at -1e9 as there, and dies here where
@@ -689,10 +692,14 @@ def _select(
     batch, w, c = values.shape
     flat = (beams.scores[:, :, None] + values).flatten(1)  # [B, W * C]
     endless = not len(eos) and step + 1 < max_new_tokens  # no candidate can end this step
-    # the best W run on where none can end; else the best 2W (a vocabulary smaller than 2W
-    # holds fewer)
-    keep = w if endless else min(keep, w * c)
+    # the best W run on where none can end; else the best 2W, as transformers keeps from its
+    # W x V (so where the step's nodes have fewer candidates, -inf pads make up the 2W, and
+    # the tables below are as wide as transformers' whatever C is)
+    keep = w if endless else keep
+    if flat.shape[1] < keep:
+        flat = torch.nn.functional.pad(flat, (0, keep - flat.shape[1]), value=float("-inf"))
     scores, index = _top(flat, keep)  # [B, keep]
+    index = index.clamp(max=w * c - 1)  # (a pad reads the last candidate: its score is -inf)
     origin = index // c
     token, state = options.flatten(1).gather(1, index).long(), after.flatten(1).gather(1, index)
     if endless:
@@ -708,8 +715,8 @@ def _select(
         _finish(beams, scores, sequences, state, ended, step, config)
     # Running: the best W that did not end.
     running = scores + hits.float() * UNREACHABLE
-    # (ties in place order, as `_top` keeps them: a stable sort, cheap on 2W scores)
-    pick = running.sort(dim=1, descending=True, stable=True).indices[:, :w]
+    # (transformers' topk on the same 2W scores: equal ties break alike)
+    pick = running.topk(w, dim=1).indices
     kept = (part.gather(1, pick) for part in (running, origin, token, state))
     _run_on(beams, *kept, step)
     # (-inf: no candidate, as many as the step's layout pads, so they count for neither)
@@ -772,8 +779,8 @@ def _finish(
     penalised += (~beams.improvable).float() * UNREACHABLE
     penalised += (~ended) * UNREACHABLE
     merged = torch.cat([beams.done_scores, penalised], dim=1)
-    # (ties in place order: the earlier finished first, then as `_top` ordered the step's)
-    best = merged.sort(dim=1, descending=True, stable=True).indices[:, :w]
+    # (transformers' topk on the same W + 2W scores: equal ties break alike)
+    best = merged.topk(w, dim=1).indices
     lengths = torch.full_like(ended, step + 1, dtype=torch.long)
     beams.done_scores = merged.gather(1, best)
     beams.done_sequences = torch.cat([beams.done_sequences, sequences], 1).gather(
