@@ -696,10 +696,12 @@ def _select(
     # W x V (so where the step's nodes have fewer candidates, -inf pads make up the 2W, and
     # the tables below are as wide as transformers' whatever C is)
     keep = w if endless else keep
-    if flat.shape[1] < keep:
+    padded = flat.shape[1] < keep
+    if padded:
         flat = torch.nn.functional.pad(flat, (0, keep - flat.shape[1]), value=float("-inf"))
     scores, index = _top(flat, keep)  # [B, keep]
-    index = index.clamp(max=w * c - 1)  # (a pad reads the last candidate: its score is -inf)
+    if padded:  # a pad reads the last candidate (its score stays -inf)
+        index = index.clamp(max=w * c - 1)
     origin = index // c
     token, state = options.flatten(1).gather(1, index).long(), after.flatten(1).gather(1, index)
     if endless:
@@ -732,14 +734,16 @@ def _top(scores: Tensor, keep: int) -> tuple[Tensor, Tensor]:  # [R, N] -> [R, k
     UNREACHABLE, tie in float32). In place order both searches keep the same candidates."""
     values, places = scores.topk(keep, dim=1)
     edge = values[:, -1:]  # [R, 1] the worst kept
-    at_edge = scores == edge  # [R, N]
-    # (-inf is no candidate: which of those a step keeps changes no result)
-    real = values > float("-inf")
-    ties = ((values[:, 1:] == values[:, :-1]) & real[:, 1:]).any()
-    ties |= ((at_edge.sum(1) > 1) & real[:, -1]).any()
-    if not bool(ties & ~values.isnan().any()):  # (NaN, refused after the search, ties nothing)
+    # Equal neighbours among the kept (sorted; -inf pairs, no candidates, differ by NaN), or
+    # more scores at the edge than kept there (unless the edge is -inf: which of those a step
+    # keeps changes no result)
+    ties = (values.diff(dim=1) == 0).any()
+    ties |= (((scores >= edge).sum(1, keepdim=True) > keep) & (edge > float("-inf"))).any()
+    if not bool(ties):
         return values, places
-    above = scores > edge
+    scores = scores.nan_to_num(nan=float("-inf"))  # (NaN, refused after the search, ties none)
+    edge = scores.topk(keep, dim=1).values[:, -1:]
+    above, at_edge = scores > edge, scores == edge
     kept = above | (at_edge & (at_edge.cumsum(1) <= keep - above.sum(1, keepdim=True)))
     places = kept.nonzero()[:, 1].view(len(scores), keep)  # each row's, in place order
     values = scores.gather(1, places)
