@@ -1,7 +1,10 @@
 """Constrained generate(): sampling under a catalogue is exactly the constrained distribution
 (chi-square / total variation against enumeration of every item), plain, with a chain of the
-catalogue's forced tokens and with a draft model's sampled trees; greedy equals a naive loop over
+catalogue's forced tokens, with a draft model's sampled trees and, on random catalogues, with
+prompt lookup, the n-gram trie and Lookahead; greedy equals a naive loop over
 the allowed tokens; no output ever leaves the catalogue."""
+
+import random
 
 import pytest
 import torch
@@ -9,7 +12,13 @@ import torch
 from genrec_spec import CallableTarget, ControllerConfig, SamplingParams, generate
 from genrec_spec.core.constraints import AllowedTokens, Catalogue, catalogue_log_probs, log_probs
 from genrec_spec.core.sampling import probabilities
-from genrec_spec.llm.proposers import CatalogueProposer, DraftModelProposer
+from genrec_spec.llm.proposers import (
+    CatalogueProposer,
+    DraftModelProposer,
+    LookaheadProposer,
+    PromptLookup,
+    TrieProposer,
+)
 
 VOCAB, EOS = 8, 0
 PROMPTS = [[1, 2, 3, 1, 2], [5, 4]]
@@ -38,12 +47,12 @@ def setup(tiny):
     return target, draft, Catalogue.of(ITEMS, VOCAB, eos_token_id=EOS)
 
 
-def item_probabilities(lm, catalogue, prompt, sampling) -> torch.Tensor:  # [items] float64
-    """P(item) under constrained sampling: the product of each token's probability after the
-    logits are masked to the catalogue's allowed tokens at its prefix."""
+def item_probabilities(lm, catalogue, prompt, sampling, items=ITEMS, eos=EOS) -> torch.Tensor:
+    """P(item) under constrained sampling ([items] float64): the product of each token's
+    probability after the logits are masked to the catalogue's allowed tokens at its prefix."""
     out = []
-    for item in ITEMS:
-        full = [*item, EOS]
+    for item in items:
+        full = [*item, eos]
         logits = lm(torch.tensor([prompt + full]))[0, len(prompt) - 1 : -1]  # [L, V]
         state, p = torch.zeros(1, dtype=torch.long), 1.0
         for i, token in enumerate(full):
@@ -55,11 +64,12 @@ def item_probabilities(lm, catalogue, prompt, sampling) -> torch.Tensor:  # [ite
     return torch.tensor(out, dtype=torch.float64)
 
 
-def item_counts(rows: list[list[int]]) -> torch.Tensor:
-    index = {(*item, EOS): i for i, item in enumerate(ITEMS)}
-    counts = torch.zeros(len(ITEMS), dtype=torch.float64)
+def item_counts(rows: list[list[int]], items=ITEMS, eos=EOS) -> torch.Tensor:
+    index = {(*item, eos): i for i, item in enumerate(items)}
+    counts = torch.zeros(len(items), dtype=torch.float64)
     for row in rows:
-        counts[index[tuple(row)]] += 1  # a KeyError is an output outside the catalogue
+        assert tuple(row) in index, f"{row} is no catalogue item"
+        counts[index[tuple(row)]] += 1
     return counts
 
 
@@ -103,6 +113,65 @@ def test_constrained_sampling_is_exact(tiny, setup, case):
         assert tiny.total_variation(counts, probs) < 3 * tiny.tv_noise(probs, rows)
     if case == "forced-chain-topk":  # the chain is accepted at depth >= 2 (5 -> 6 -> 7)
         assert out.stats.accepted_per_position[1] > 0
+
+
+# Draws of a search of 500 (docs/results/beam.md) that drew the drafters CASES lacks, with drafts
+# accepted at depth 2: Lookahead (43), the n-gram trie (64), prompt lookup (199)
+@pytest.mark.parametrize("seed", [43, 64, 199])
+def test_random_catalogues_sample_exactly(tiny, seed):
+    """Drawn at random: a vocabulary of 5-12 tokens, its end token, 2-16 items sharing prefixes,
+    the target, its drafter and the sampling settings: the items sampled under the catalogue
+    follow the enumerated constrained distribution."""
+    r = random.Random(seed)
+    vocab = r.randint(5, 12)
+    eos = r.randrange(vocab)
+    others = [t for t in range(vocab) if t != eos]
+    items = set()
+    for _ in range(r.randint(2, 16)):
+        items.add((r.choice(others[:3]), *[r.choice(others) for _ in range(r.randint(0, 4))]))
+    items = sorted(items)
+    catalogue = Catalogue.of([list(item) for item in items], vocab, eos_token_id=eos)
+    target = tiny.HashLM(vocab, seed=seed, scale=r.choice([0.7, 1.5, 2.5]))
+    draft = tiny.HashLM(vocab, seed=seed + 1, like=target, noise=r.choice([0.3, 1.0, 2.0]))
+    proposers = {
+        "none": lambda: None,
+        "catalogue": lambda: CatalogueProposer(catalogue, k=r.randint(1, 6)),
+        "draft-chain": lambda: DraftModelProposer(CallableTarget(draft), k=r.randint(1, 5)),
+        "draft-tree": lambda: DraftModelProposer(
+            CallableTarget(draft), k=r.randint(1, 4), width=r.randint(2, 4)
+        ),
+        "lookup": lambda: PromptLookup(k=r.randint(1, 5)),
+        "trie": lambda: TrieProposer(k=r.randint(1, 5)),
+        "lookahead": lambda: LookaheadProposer(
+            window=r.randint(2, 4), ngram=r.randint(2, 3), verify=r.randint(1, 4)
+        ),
+    }
+    proposer = proposers[r.choice(list(proposers))]()
+    sampling = SamplingParams(
+        r.choice([0.6, 1.0, 1.4]),
+        top_k=r.choice([0, 0, 2, 4]),
+        top_p=r.choice([1.0, 1.0, 0.9, 0.7]),
+    )
+    prompts = [[r.choice(others) for _ in range(r.randint(1, 6))] for _ in range(2)]
+    rows = 3000
+    out = generate(
+        CallableTarget(target),
+        [p for p in prompts for _ in range(rows)],
+        proposer=proposer,
+        sampling=sampling,
+        max_new_tokens=catalogue.trie.longest + r.randint(0, 2),
+        eos_token_id=eos,
+        generator=torch.Generator().manual_seed(seed),
+        controller=r.choice([None, FIXED]),
+        constraint=catalogue,
+    )
+    assert out.stats.accepted_per_position[1] > 0
+    generated = out.tolist()
+    for i, prompt in enumerate(prompts):
+        counts = item_counts(generated[i * rows : (i + 1) * rows], items, eos)
+        probs = item_probabilities(target, catalogue, prompt, sampling, items, eos)
+        assert tiny.chi_square_p(counts, probs) > 1e-3
+        assert tiny.total_variation(counts, probs) < 3 * tiny.tv_noise(probs, rows)
 
 
 def test_constrained_greedy_equals_a_naive_loop(setup):
