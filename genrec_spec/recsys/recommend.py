@@ -201,7 +201,16 @@ def decode_excluding(
     )
     excluded = torch.zeros(len(drop_offsets) - 1, model.num_items, dtype=torch.bool, device=device)
     excluded[rows, drop_values] = True  # [B, I]
-    fetch = max(fetch_size(k, int(n), model.num_items) for n in excluded.sum(1).tolist())
+    most = int(excluded.sum(1).max()) if len(excluded) else 0
+    fetch = fetch_size(k, most, model.num_items)
+    width = options.get("beam_width")
+    if most and width is not None and width < fetch:  # (the decoder's would name k = fetch)
+        raise RecommendInputError(
+            f"beam_width {width} is below the {fetch} items the decoder must find to keep k = "
+            f"{k} after leaving out up to {most} excluded items (exclude_seen leaves out the "
+            "history's)",
+            f"pass beam_width >= {fetch}, leave it unset, or exclude fewer items",
+        )
     out = decode(model, values, offsets, k=fetch, **options)
     items, scores = drop_excluded(out.items, out.scores, excluded, k)
     return Recommendations(items=items, scores=scores, stats=replace(out.stats, fetched=fetch))

@@ -32,7 +32,7 @@ class RecommendRequest(BaseModel):
         max_length=256,
         description="a user id of the data: recommend from everything the data holds of them",
     )
-    history: list[str | int] | None = Field(
+    history: list[str | StrictInt] | None = Field(
         None,
         max_length=10_000,
         description="raw item ids (items.parquet item_id), oldest first; [] = a new user",

@@ -42,3 +42,6 @@ def test_exclude_bad_input(tiny_model):
         recommend(model, [[1], [2]], k=3, exclude=[[1]])
     with pytest.raises(RecommendInputError, match="unknown item indices"):
         recommend(model, [[1], [2]], k=3, exclude=[[1], [99]])
+    # (k = 3 fits a width of 4; the 3 + 4 items to find with 3 left out do not)
+    with pytest.raises(RecommendInputError, match="beam_width 4 is below the 7 items"):
+        recommend(model, [[1], [2]], k=3, exclude=[[1, 2, 3], []], beam_width=4)

@@ -154,6 +154,7 @@ BAD_BODIES = [
     ({"user_id": 7}, 422, "user_id"),
     ({"history": "i1,i2"}, 422, "history"),
     ({"history": [["i1"]]}, 422, "history"),
+    ({"history": [True, "i1"]}, 422, "history"),  # not item 1
     ({"user_id": "u1", "decoder": "greedy"}, 422, "decoder"),
     ({"user_id": "u1", "k": 0}, 422, "greater than or equal to 1"),
     ({"user_id": "u1", "k": 41}, 400, "at most 40"),
@@ -165,6 +166,8 @@ BAD_BODIES = [
     ({"user_id": "u1", "options": {"width": 3}}, 400, "takes no option(s) ['width']"),
     ({"user_id": "u1", "options": {"beam_width": "wide"}}, 400, "takes int or null"),
     ({"user_id": "u1", "options": {"beam_width": 3}}, 400, "must be >= k"),
+    # k = 10 fits the width, the history the list leaves out does not
+    ({"user_id": "u1", "exclude_seen": True, "options": {"beam_width": 10}}, 400, "leaving out"),
     ({"user_id": "u1", "options": {"beam_width": 10**9}}, 400, "must lie in 0..40"),
     ({"user_id": "u1", "decoder": "rpg", "options": {"mode": "fast"}}, 400, "mode"),
     ({"user_id": "u1", "options": {"beam_width": {"a": 1}}}, 422, "options"),
