@@ -63,7 +63,11 @@ from genrec_spec.jobs.batch_store import open_store
 from genrec_spec.jobs.errors import BatchInputError
 from genrec_spec.recsys.checkpoint import load_model_and_data
 from genrec_spec.recsys.data import Histories
-from genrec_spec.recsys.decoders.registry import check_options, get_decoder
+from genrec_spec.recsys.decoders.registry import (
+    check_option_values,
+    check_options,
+    get_decoder,
+)
 from genrec_spec.recsys.types import Recommendations
 
 # Decoder stats that add up over chunks (the rest, e.g. rates, are per call).
@@ -168,6 +172,15 @@ def check_config(config: BatchConfig, options: dict) -> None:
         ) from None
 
 
+def check_decoder(decoder: ChunkDecoder, histories: Histories, name: str, options: dict) -> None:
+    """The options' values, then the first user decoded, before anything is written: a value the
+    decoder refuses (a width below k, a float for a count, a word it does not know) fails here
+    and leaves no output folder."""
+    check_option_values(name, decoder.decode, options)
+    first = histories.select(torch.tensor([0]))
+    decoder(first.values, first.offsets, first.history_times())
+
+
 # --- the job -----------------------------------------------------------------------------------
 
 
@@ -195,6 +208,8 @@ def run_batch(
             f"ask for at most {model.num_items} items",
         )
     histories = select_users(data, users)
+    decoder = ChunkDecoder(model, config.decoder, config.k, options)
+    check_decoder(decoder, histories, config.decoder, options)
     hashes = {"model_hash": model_hash(Path(ckpt)), "data_hash": data.data_hash}
     job = hashes | {
         "users_hash": hashlib.sha256("\n".join(histories.user_ids).encode()).hexdigest()[:16],
@@ -214,7 +229,7 @@ def run_batch(
         if config.engine == "ray":
             results = run_ray(Path(ckpt), hashes["model_hash"], pending, config, options)
         else:
-            results = run_local(ChunkDecoder(model, config.decoder, config.k, options), pending)
+            results = run_local(decoder, pending)
         bar = tqdm(
             total=sum(shard_users),
             initial=done_before,

@@ -37,7 +37,12 @@ from torch import Tensor
 from genrec_spec.recsys.checkpoint import load_model_and_data
 from genrec_spec.recsys.data import sample_users
 from genrec_spec.recsys.decoders.beam import item_trie
-from genrec_spec.recsys.decoders.registry import check_options, get_decoder, options_for
+from genrec_spec.recsys.decoders.registry import (
+    check_option_values,
+    check_options,
+    get_decoder,
+    options_for,
+)
 from genrec_spec.recsys.errors import RecommendInputError
 from genrec_spec.recsys.metrics import DEFAULT_KS, ranking_metrics, ranks_from_topk
 from genrec_spec.recsys.recommend import decode_excluding
@@ -159,6 +164,8 @@ def evaluate_checkpoint(
         torch.set_num_threads(config.threads)
     decoders = {name: get_decoder(name) for name in config.decoders}
     check_options(decoders, options)
+    for name, decode in decoders.items():
+        check_option_values(name, decode, options)
     model, data = load_model_and_data(ckpt, data_dir)
     split = getattr(data, config.split)
     histories = split.select(sample_users(len(split), config.users, config.seed))

@@ -52,7 +52,7 @@ from torch import Tensor
 
 from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.decoders.beam import item_trie
-from genrec_spec.recsys.decoders.registry import get_decoder
+from genrec_spec.recsys.decoders.registry import check_option_values, get_decoder
 from genrec_spec.recsys.errors import RecommendInputError
 from genrec_spec.recsys.history_cache import CachedRecommender, HistoryCache
 from genrec_spec.recsys.inference import inference
@@ -162,6 +162,7 @@ def recommend(
             f"decoder {decoder!r} takes no option(s) {unknown}; its options: {valid}",
             "drop the option or correct its name",
         )
+    check_option_values(decoder, decode, options)
     device = model.item_codes.device
     values, offsets = as_values_offsets(histories, model.num_items, device)
     if options.get("trie") is None:

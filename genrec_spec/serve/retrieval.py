@@ -22,7 +22,6 @@ their history, skips (most of) the history pass (`recsys.history_cache`).
 from __future__ import annotations
 
 import time
-import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,14 +31,17 @@ import torch
 from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.checkpoint import load_model_and_data
 from genrec_spec.recsys.decoders.beam import item_trie
-from genrec_spec.recsys.decoders.registry import DECODERS, decoder_options, get_decoder
+from genrec_spec.recsys.decoders.registry import (
+    DECODERS,
+    check_option,
+    get_decoder,
+    plain_options,
+)
 from genrec_spec.recsys.history_cache import HistoryCache
 from genrec_spec.recsys.recommend import fetch_size, recommend
 from genrec_spec.recsys.recommend_user import user_times
 from genrec_spec.serve.errors import ServeInputError
 from genrec_spec.serve.schemas import RecommendRequest
-
-JSON_TYPES = (bool, int, float, str, type(None))
 
 
 @dataclass(frozen=True)
@@ -61,42 +63,6 @@ class Query:
     time: int | None = None  # the time the list is for (a time-aware model's)
 
 
-def servable_options(decode) -> dict[str, tuple[type, ...]]:
-    """A decoder's options that JSON can carry (plain bool/int/float/str/None values), with the
-    types each accepts; tensor-valued options are not offered over HTTP."""
-    hints = typing.get_type_hints(decode)
-    servable = {}
-    for name in decoder_options(decode):
-        allowed = typing.get_args(hints[name]) or (hints[name],)
-        if all(t in JSON_TYPES for t in allowed):
-            servable[name] = allowed
-    return servable
-
-
-def check_option(
-    decoder: str, name: str, value: object, allowed: tuple[type, ...], limit: int
-) -> None:
-    """A JSON option value must have a type the decoder takes; integers must lie in 0..limit
-    (the catalogue size: no decoder option counts more than the items, and a huge one would
-    only tie up the model worker)."""
-    if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= limit:
-        raise ServeInputError(
-            f"option {name!r} of decoder {decoder!r} must lie in 0..{limit}, got {value}",
-            f"give a value from 0 to {limit} (the catalogue size)",
-        )
-    # bool is an int to Python; an int may stand for a float.
-    if isinstance(value, bool):
-        ok = bool in allowed
-    else:
-        ok = isinstance(value, allowed) or (isinstance(value, int) and float in allowed)
-    if not ok:
-        names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
-        raise ServeInputError(
-            f"option {name!r} of decoder {decoder!r} takes {names}, got {value!r}",
-            f"send a value of type {names}",
-        )
-
-
 class Retriever:
     """A loaded recommender checkpoint, its data and the lookups requests need."""
 
@@ -111,7 +77,7 @@ class Retriever:
         self.trie = item_trie(model)
         self.item_index = {item: i for i, item in enumerate(data.item_ids)}
         self.user_row = {user: row for row, user in enumerate(data.test.user_ids)}
-        self.options = {name: servable_options(get_decoder(name)) for name in DECODERS}
+        self.options = {name: plain_options(get_decoder(name)) for name in DECODERS}
 
     @classmethod
     def load(

@@ -20,7 +20,7 @@ import torch
 
 from genrec_spec.cli import main
 from genrec_spec.jobs.batch import known_histories, run_batch
-from genrec_spec.jobs.batch_chunks import BatchConfig, plan_shards
+from genrec_spec.jobs.batch_chunks import BatchConfig, ChunkDecoder, plan_shards
 from genrec_spec.jobs.batch_ray import check_ray_address
 from genrec_spec.jobs.batch_store import MANIFEST, open_store, shard_file
 from genrec_spec.jobs.errors import BatchOutputError, RayAddressError
@@ -109,16 +109,26 @@ def test_users_file_subset_in_file_order_and_rerun_is_a_no_op(tiny_checkpoint, t
 
 
 def test_a_run_failing_before_any_shard_leaves_a_folder_that_takes_new_arguments(
-    tiny_checkpoint, tmp_path, capsys
+    tiny_checkpoint, tmp_path, monkeypatch
 ):
     out = tmp_path / "out"
     args = ["batch", "--ckpt", str(tiny_checkpoint), "--users", "all", "--out", str(out)]
     args += ["--k", "6", "--shards", "2", "--no-progress"]
-    assert main(args + ["--option", "beam_width=3"]) == 2  # the decoder refuses width < k
-    assert "beam_width 3 must be >= k = 6" in capsys.readouterr().err
+    decode, calls = ChunkDecoder.__call__, []
+
+    def failing(self, *inputs):  # the first user's check decodes; the first chunk fails
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("the worker was lost")
+        return decode(self, *inputs)
+
+    monkeypatch.setattr(ChunkDecoder, "__call__", failing)
+    with pytest.raises(RuntimeError, match="the worker was lost"):
+        main(args + ["--option", "beam_width=8"])
+    monkeypatch.undo()
     assert json.loads((out / MANIFEST).read_text())["completed"] == []
     assert not list(out.glob("*.parquet"))
-    assert main(args + ["--option", "beam_width=8"]) == 0
+    assert main(args + ["--option", "beam_width=10"]) == 0
     assert len(read_output(out)) == 24
 
 
@@ -139,6 +149,10 @@ def bad_input_cases(ckpt: Path, tmp: Path, other_data: Path) -> dict:
         "repeated users": (["--users", str(tmp / "twice.parquet")], "more than once"),
         "k too large": (["--k", "1000"], "exceeds the catalogue"),
         "zero shards": (["--shards", "0"], "--shards must be >= 1"),
+        # found by the decoder's types or the first user's decode, before any output
+        "word for a width": (["--option", "beam_width=wide"], "takes int or null, got 'wide'"),
+        "fractional width": (["--option", "beam_width=2.5"], "takes int or null, got 2.5"),
+        "width below k": (["--option", "beam_width=3"], "beam_width 3 must be >= k = 5"),
         "address without ray": (["--ray-address", "127.0.0.1:1"], "needs --engine ray"),
     }
 

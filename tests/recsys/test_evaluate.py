@@ -138,6 +138,14 @@ def test_evaluate_bad_input(tiny_ckpt, tiny_prepared, tmp_path):
         evaluate_cli.run(
             _args(evaluate_cli, ["--ckpt", str(ckpt), "--decoder", "heads", "--option", "beam=3"])
         )
+    # a value the decoder cannot take: refused before the model loads, not truncated (2.5 -> 2)
+    for value, says in (("2.5", "got 2.5"), ("wide", "got 'wide'")):
+        argv = ["--ckpt", str(ckpt), "--decoder", "beam", "--option", f"beam_width={value}"]
+        with pytest.raises(ValueError, match=f"takes int or null, {says}"):
+            evaluate_cli.run(_args(evaluate_cli, argv))
+    with pytest.raises(ValueError, match="takes a tensor, got 3"):  # NAME=VALUE cannot carry one
+        argv = ["--ckpt", str(ckpt), "--decoder", "spec_beam", "--option", "draft_items=3"]
+        evaluate_cli.run(_args(evaluate_cli, argv))
     other = tiny_prepared(tmp_path / "other", seed=1)
     with pytest.raises(ValueError, match="trained on data"):
         evaluate_cli.run(_args(evaluate_cli, ["--ckpt", str(ckpt), "--data", str(other)]))

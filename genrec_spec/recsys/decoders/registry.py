@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import typing
 from dataclasses import dataclass
 
 from genrec_spec.recsys.errors import DecodeOptionError, RecommendInputError
@@ -98,6 +99,66 @@ def decoder_options(decode) -> list[str]:
         for p in inspect.signature(decode).parameters.values()
         if p.kind == p.KEYWORD_ONLY and p.name not in ("k", "trie", "times")
     ]
+
+
+# The values a request body or a NAME=VALUE argument carries
+PLAIN_TYPES = (bool, int, float, str, type(None))
+
+
+def plain_options(decode) -> dict[str, tuple[type, ...]]:
+    """A decoder's options whose values are plain (bool, int, float, str, None: what JSON and the
+    command line carry), with the types each accepts; tensor-valued options are left out."""
+    hints = typing.get_type_hints(decode)
+    plain = {}
+    for name in decoder_options(decode):
+        allowed = typing.get_args(hints[name]) or (hints[name],)
+        if all(t in PLAIN_TYPES for t in allowed):
+            plain[name] = allowed
+    return plain
+
+
+def check_option(
+    decoder: str, name: str, value: object, allowed: tuple[type, ...], limit: int | None = None
+) -> None:
+    """A plain option value must have a type the decoder takes (an int may stand for a float,
+    never a float for an int: 2.5 beams is no width); given a limit, integers must lie in
+    0..limit (a service's guard: a huge width would only tie up its model worker)."""
+    if (
+        limit is not None
+        and isinstance(value, int)
+        and not isinstance(value, bool)
+        and not (0 <= value <= limit)
+    ):
+        raise DecodeOptionError(
+            f"option {name!r} of decoder {decoder!r} must lie in 0..{limit}, got {value}",
+            f"give a value from 0 to {limit}",
+        )
+    # bool is an int to Python; an int may stand for a float.
+    if isinstance(value, bool):
+        ok = bool in allowed
+    else:
+        ok = isinstance(value, allowed) or (isinstance(value, int) and float in allowed)
+    if not ok:
+        names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+        raise DecodeOptionError(
+            f"option {name!r} of decoder {decoder!r} takes {names}, got {value!r}",
+            f"give a value of type {names}",
+        )
+
+
+def check_option_values(name: str, decode, options: dict) -> None:
+    """The values of the `options` that decoder `name` (`decode`) takes, before it runs: each
+    plain one of a type it takes (`check_option`), and none plain where it takes a tensor (a
+    command line's NAME=VALUE cannot carry one)."""
+    plain = plain_options(decode)
+    for option, value in options_for(decode, options).items():
+        if option in plain:
+            check_option(name, option, value, plain[option])
+        elif isinstance(value, PLAIN_TYPES):
+            raise DecodeOptionError(
+                f"option {option!r} of decoder {name!r} takes a tensor, got {value!r}",
+                f"pass it from Python: recommend(..., {option}=...)",
+            )
 
 
 def options_for(decode, options: dict) -> dict:
