@@ -57,6 +57,7 @@ nodes are all such needs no pass; they wait, planned, for the pass that scores t
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -229,6 +230,12 @@ def _check_config(
 ) -> None:
     k = config.num_return_sequences
     check_beam_counts(config.num_beams, k)
+    if not math.isfinite(config.length_penalty):  # (NaN scores every hypothesis alike)
+        raise DecodeInputError(
+            f"length_penalty = {config.length_penalty}",
+            "pass a finite length penalty (1.0, transformers' default; 0 ranks by summed "
+            "log-probs)",
+        )
     if config.early_stopping not in (True, False, "never"):
         raise DecodeInputError(
             f"early_stopping = {config.early_stopping!r}", 'pass True, False or "never"'

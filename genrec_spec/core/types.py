@@ -10,6 +10,7 @@ Terms used across the core (as in vLLM's rejection sampler):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,9 +38,9 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
+        if not 0.0 <= self.temperature < math.inf:  # (inf would sample uniformly: no model)
             raise DecodeInputError(
-                f"temperature must be >= 0, got {self.temperature}",
+                f"temperature must be finite and >= 0, got {self.temperature}",
                 "pass temperature=0 for greedy decoding or a positive value for sampling",
             )
         if self.top_k < 0:

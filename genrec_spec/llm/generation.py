@@ -54,6 +54,10 @@ def generate_texts(prompts: list[str], config: GenerationConfig) -> dict:
 
     if config.batch_size < 1:
         raise DecodeInputError(f"--batch-size {config.batch_size}", "use --batch-size >= 1")
+    if config.k is not None and config.k < 1:
+        raise DecodeInputError(
+            f"--k {config.k}", "use --k >= 1 (a draft depth), or leave it out for the default"
+        )
     sampling = SamplingParams(config.temperature, config.top_k, config.top_p)
     methods.check_method(config.model, config.method)
     methods.check_tree_options((config.method,), *_tree(config))

@@ -137,14 +137,36 @@ def stdlib_prompts(config: PromptConfig = PromptConfig()) -> tuple[str, ...]:
 
 def read_prompt_file(path: Path) -> list[str]:
     """One prompt per non-empty line, or ``.jsonl`` lines ``{"prompt": ...}``."""
+    form = 'one prompt per line (.jsonl: one {"prompt": "..."} object per line)'
     if not path.is_file():
-        raise FileNotFoundError(f"prompts file {path} does not exist")
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise PromptError(f"prompts file {path} {what}", f"pass a UTF-8 text file of {form}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise PromptError(f"{path} is not UTF-8 text ({exc})", f"pass {form}") from None
+    numbered = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if path.suffix == ".jsonl":
-        lines = [json.loads(line)["prompt"] for line in lines]
+        lines = [_jsonl_prompt(path, number, line) for number, line in numbered]
+    else:
+        lines = [line for _, line in numbered]
     if not lines:
         raise PromptError(f"{path} holds no prompt", "put one prompt per line")
     return lines
+
+
+def _jsonl_prompt(path: Path, number: int, line: str) -> str:
+    """The prompt of line `number` of a .jsonl file."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        record = exc
+    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+        raise PromptError(
+            f'{path}, line {number}, is not an object with a string "prompt": {line[:80]!r}',
+            'write each line as {"prompt": "..."}, or use a .txt file of one prompt per line',
+        )
+    return record["prompt"]
 
 
 def in_bench_split(text: str, config: PromptConfig = PromptConfig()) -> bool:

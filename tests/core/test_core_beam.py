@@ -507,6 +507,8 @@ def test_continuation_starts_after_the_latest_longest_match():
         (dict(config=BeamConfig(num_beams=2, num_return_sequences=3)), "larger than num_beams"),
         (dict(config=BeamConfig(num_beams=0)), "must both be >= 1"),
         (dict(config=BeamConfig(early_stopping="sometimes")), "early_stopping"),
+        # (NaN scored every hypothesis -1e9 and returned one)
+        (dict(config=BeamConfig(length_penalty=float("nan"))), "length_penalty = nan"),
         (dict(config=BeamConfig(num_beams=9, num_return_sequences=9)), "larger than the catalogue"),
         (dict(eos_token_id=None), "needs eos_token_id"),
         (dict(max_new_tokens=2), "shorter than the catalogue's longest"),

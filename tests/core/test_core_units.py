@@ -21,6 +21,7 @@ from genrec_spec.core.tree import (
     topology,
     widths_to_choices,
 )
+from genrec_spec.core.types import DecodeInputError
 
 # Two rows: row 0 is root -> {1 -> {3, 4}, 2}; row 1 a chain 0 -> 1 -> 2 -> 3 plus a padding
 # leaf 4 under the root.
@@ -76,6 +77,17 @@ def test_probabilities_filters():
             assert set(order[:size].tolist()) == set(kept[row].nonzero().flatten().tolist())
     cooled = probabilities(logits, SamplingParams(0.5))
     assert torch.allclose(cooled, (logits / 0.5).softmax(-1))
+    # a temperature that leaves no model (inf: uniform) or no number, and filters that keep nothing
+    for bad, says in (
+        (dict(temperature=float("inf")), "finite and >= 0"),
+        (dict(temperature=float("nan")), "finite and >= 0"),
+        (dict(temperature=-1.0), "finite and >= 0"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=float("nan")), "top_p"),
+    ):
+        with pytest.raises(DecodeInputError, match=says):
+            SamplingParams(**bad)
 
 
 def test_sample_without_replacement_conditionals(tiny):

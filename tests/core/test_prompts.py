@@ -92,11 +92,20 @@ def test_prompt_files_and_chat_template(tmp_path):
     if PromptConfig().fortunes_dir.is_dir():  # fortunes are chat prompts with an instruction
         (fortune,) = load_prompts("fortunes", n=1, tokenizer=tokenizer)
         assert PromptConfig().chat_instruction in fortune and "<|im_start|>user" in fortune
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(PromptError, match="does not exist"):
         load_prompts(tmp_path / "absent.txt")
+    with pytest.raises(PromptError, match="is a folder"):
+        load_prompts(tmp_path)
     (tmp_path / "empty.txt").write_text("\n")
     with pytest.raises(PromptError, match="no prompt"):
         load_prompts(tmp_path / "empty.txt")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    with pytest.raises(PromptError, match="is not UTF-8 text"):
+        load_prompts(tmp_path / "latin1.txt")
+    for bad in ('{"prompt": 1}', '{"text": "a"}', '{"prompt": "a"', '["a"]'):
+        (tmp_path / "bad.jsonl").write_text('{"prompt": "fine"}\n\n' + bad + "\n")
+        with pytest.raises(PromptError, match="line 3, is not an object with a string .prompt"):
+            load_prompts(tmp_path / "bad.jsonl")
 
 
 def test_stdlib_prompts_are_whole_function_heads():
