@@ -11,11 +11,12 @@ so all K results are items (zero-shot; ``genrec_spec.llm.title_recommender``).
 Ids are the raw ids of the prepared data (``items.parquet`` item_id, ``user_id`` of the splits),
 in and out. ``--user`` reads every interaction of that user the data holds (the test split's
 history plus its held-out item), oldest first; ``--history`` takes item ids as given, oldest
-first. An unknown id is an error that names it. An empty history (``--history ""``) is the
-cold-start case: the model then recommends from its start-of-history state alone (the same list
-for every new user). A history longer than the model's context keeps its most recent items, and
-the output says so (``truncated``). ``--exclude-seen`` leaves the history's items out of the
-list (what `serve`'s ``exclude_seen`` does). Decoder options go through ``--option NAME=VALUE``.
+first (comma-separated, or a JSON list where ids hold commas, as MovieLens titles do). An
+unknown id is an error that names it. An empty history (``--history ""``) is the cold-start
+case: the model then recommends from its start-of-history state alone (the same list for every
+new user). A history longer than the model's context keeps its most recent items, and the output
+says so (``truncated``). ``--exclude-seen`` leaves the history's items out of the list (what
+`serve`'s ``exclude_seen`` does). Decoder options go through ``--option NAME=VALUE``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_checkpoint_arguments(parser, llm=True)
     who = parser.add_mutually_exclusive_group(required=True)
     who.add_argument("--user", help="a user id of the data: recommend from all they did")
-    who.add_argument("--history", help='item ids, comma-separated, oldest first ("" = none)')
+    who.add_argument(
+        "--history",
+        help="item ids, oldest first: comma-separated, or a JSON list where ids hold commas "
+        '(MovieLens titles: \'["American President, The (1995)"]\'); "" = none',
+    )
     parser.add_argument(
         "--history-times",
         help="timestamps (seconds) of the --history items, comma-separated: what a time-aware "
@@ -56,9 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from genrec_spec.recsys.recommend_user import recommend_for
 
-    history = None
-    if args.history is not None:
-        history = [x.strip() for x in args.history.split(",") if x.strip()]
+    history = None if args.history is None else _history(args.history)
     if args.llm:
         return _run_llm(args, history)
     answer = recommend_for(
@@ -88,6 +91,19 @@ def run(args: argparse.Namespace) -> int:
         text = f"  {entry['text']}" if "text" in entry else ""
         print(f"{entry['rank']:>3}  {entry['item_id']:<12} {entry['score']:>9.4f}{text}")
     return 0
+
+
+def _history(text: str) -> list[str]:
+    """--history as item ids: a JSON list (ids with commas, such as titles), or comma-separated."""
+    if not text.lstrip().startswith("["):
+        return [x.strip() for x in text.split(",") if x.strip()]
+    try:
+        ids = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"--history is not a JSON list ({exc}): pass '[\"id\", ...]'") from None
+    if not isinstance(ids, list) or not all(isinstance(i, str | int) for i in ids):
+        raise SystemExit(f"--history {text[:80]!r}: a JSON list of item ids (strings) is needed")
+    return [str(i) for i in ids]
 
 
 def _times(text: str | None) -> list[int] | None:

@@ -172,6 +172,10 @@ def test_recommend_command(tiny_ckpt, capsys):
     argv = ["--ckpt", str(ckpt), "--history", raw, "--k", "4", "--decoder", "nezha", "--json"]
     recommend_cli.run(_args(recommend_cli, argv))
     assert json.loads(capsys.readouterr().out)["items"] == answer["items"]
+    # ... and as a JSON list, the form for ids holding commas (MovieLens titles)
+    argv[argv.index(raw)] = json.dumps([data.item_ids[i] for i in history])
+    recommend_cli.run(_args(recommend_cli, argv))
+    assert json.loads(capsys.readouterr().out)["items"] == answer["items"]
     # --exclude-seen leaves the history's items out (without it the list holds some).
     seen = {data.item_ids[i] for i in history}
     argv = ["--ckpt", str(ckpt), "--user", user, "--k", "20", "--decoder", "nezha", "--json"]
@@ -195,5 +199,8 @@ def test_recommend_bad_ids(tiny_ckpt):
         recommend_cli.run(_args(recommend_cli, ["--ckpt", str(ckpt), "--user", "nobody"]))
     with pytest.raises(ValueError, match="unknown item id.*zz9"):
         recommend_cli.run(_args(recommend_cli, ["--ckpt", str(ckpt), "--history", "i1,zz9"]))
+    for bad in ('["i1", ', '[{"i": 1}]'):  # a list that is not JSON, or not of ids
+        with pytest.raises(SystemExit, match="JSON list"):
+            recommend_cli.run(_args(recommend_cli, ["--ckpt", str(ckpt), "--history", bad]))
     with pytest.raises(SystemExit):  # --user and --history are exclusive
         _args(recommend_cli, ["--ckpt", str(ckpt), "--user", "u1", "--history", "i1"])
