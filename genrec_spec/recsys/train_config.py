@@ -92,10 +92,24 @@ class TrainConfig:
                 "train.freeze_backbone needs train.init_from",
                 "set train.init_from to a trained checkpoint whose backbone the heads train on",
             )
-        if min(self.batch_size, self.epochs, self.branches_per_row, self.eval_batch_size) < 1:
+        if not (self.lr > 0 and self.grad_clip > 0):
+            raise TrainConfigError(
+                f"train.lr {self.lr} and grad_clip {self.grad_clip} must be > 0",
+                "use a positive learning rate (e.g. 0.004) and gradient norm bound (e.g. 1.0)",
+            )
+        counts = ("weight_decay", "warmup_steps", "max_minutes", "valid_users", "patience")
+        negative = [f"{n} {getattr(self, n)}" for n in (*counts, "threads") if getattr(self, n) < 0]
+        if negative:
+            raise TrainConfigError(
+                f"train {', '.join(negative)} must be >= 0",
+                "use 0 or more (TrainConfig says what 0 means for each)",
+            )
+        sizes = (self.batch_size, self.epochs, self.branches_per_row, self.eval_batch_size)
+        if min(*sizes, self.eval_chunk) < 1:
             raise TrainConfigError(
                 f"train.batch_size {self.batch_size}, epochs {self.epochs}, branches_per_row "
-                f"{self.branches_per_row} and eval_batch_size {self.eval_batch_size} must be >= 1",
+                f"{self.branches_per_row}, eval_batch_size {self.eval_batch_size} and eval_chunk "
+                f"{self.eval_chunk} must be >= 1",
                 "use values of 1 or more",
             )
 

@@ -13,6 +13,8 @@ keys).
 
 from __future__ import annotations
 
+import math
+import typing
 from dataclasses import dataclass, fields
 
 from genrec_spec.errors import GenrecError
@@ -136,6 +138,16 @@ class RecommenderConfig:
     detach_heads: bool = True  # the heads learn from a detached history state (no backbone grad)
 
     def __post_init__(self) -> None:
+        sizes = ("dim", "layers", "heads", "ffn_mult", "max_len", "head_branches")
+        small = [f"{name} {getattr(self, name)}" for name in sizes if getattr(self, name) < 1]
+        if small:
+            raise ConfigError(
+                f"model {', '.join(small)}: sizes must be >= 1", "use sizes of 1 or more"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(
+                f"model.dropout {self.dropout} must lie in [0, 1)", "use 0 (off) to 0.5, say"
+            )
         if self.block not in BLOCK_KINDS:
             raise ConfigError(
                 f"unknown block {self.block!r}",
@@ -205,11 +217,37 @@ def config_from_dict(cls, raw: dict, where: str):
             "remove or correct the unknown keys",
         )
     values = dict(raw)
+    hints = typing.get_type_hints(cls)
     for name, value in raw.items():
         part = _PARTS.get((cls, name))
         if part is not None and value is not None and not isinstance(value, part):
             values[name] = config_from_dict(part, value, f"{where}.{name}")
+        elif part is None:
+            _check_type(f"{where}.{name}", value, hints[name])
     return cls(**values)
+
+
+def _check_type(where: str, value, hint) -> None:
+    """A plain field's value must have its type as JSON writes it: an int field a whole number
+    (not true / false), a float field a finite number, a bool field true / false, a str field a
+    string; null only where the field allows None."""
+    allowed = typing.get_args(hint) or (hint,)
+    if value is None and type(None) in allowed:
+        return
+    if isinstance(value, bool):
+        ok = bool in allowed
+    elif isinstance(value, int):
+        ok = int in allowed or float in allowed
+    elif isinstance(value, float):
+        ok = float in allowed and math.isfinite(value)
+    else:
+        ok = isinstance(value, tuple(t for t in allowed if t is not type(None)))
+    if not ok:
+        names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+        finite = " (finite)" if float in allowed else ""
+        raise ConfigError(
+            f"{where} must be {names}{finite}, got {value!r}", f"give a value of type {names}"
+        )
 
 
 # The flat fields of the configs written before the component configs, with their defaults then.

@@ -477,6 +477,27 @@ def test_bad_input_is_reported_clearly(tiny_data_dir, tmp_path):
         load_config(None, {"train": {"freeze_backbone": True}})
     with pytest.raises(ValueError, match="precision must be fp32 or bf16, got 'fp16'"):
         load_config(None, {"train": {"precision": "fp16"}})
+    # values of the wrong type or out of range: refused by name, never crashing or running
+    # (they raised a TypeError, a ZeroDivisionError or an IndexError, or trained)
+    for override, says in (
+        ({"train": {"lr": "nan"}}, r"train.lr must be float \(finite\), got 'nan'"),
+        ({"train": {"lr": float("nan")}}, "train.lr must be float"),
+        ({"train": {"batch_size": "16"}}, "train.batch_size must be int, got '16'"),
+        ({"train": {"epochs": 2.5}}, "train.epochs must be int, got 2.5"),
+        ({"model": {"layers": True}}, "model.layers must be int, got True"),
+        ({"model": {"dim": 0}}, "dim 0: sizes must be >= 1"),
+        ({"model": {"layers": -1, "max_len": 0}}, "layers -1, max_len 0: sizes must be >= 1"),
+        ({"model": {"dropout": 1.5}}, r"dropout 1.5 must lie in \[0, 1\)"),
+        ({"model": {"item_objective": {"weight": "1"}}}, "model.item_objective.weight must be"),
+        ({"train": {"lr": -1.0}}, "train.lr -1.0 and grad_clip 1.0 must be > 0"),
+        (
+            {"train": {"patience": -1, "valid_users": -5}},
+            "valid_users -5, patience -1 must be >= 0",
+        ),
+        ({"train": {"eval_chunk": 0}}, "eval_chunk 0 must be >= 1"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            load_config(None, override)
 
     with pytest.raises(DataError, match="genrec-spec prepare"):
         load_prepared(tmp_path / "nowhere")
