@@ -158,3 +158,16 @@ def test_train_cli_settings(kit):
         assert prompts_of(kit.train_job(["--kind", kind])) == "humaneval:123"
     given = kit.train_job(["--kind", "eagle", "--prompts", "pystdlib:5"])
     assert prompts_of(given) == "pystdlib:5"
+    # settings that cannot train: refused before the target loads (0 steps divided by zero;
+    # -1 threads raised in torch; 0 prompts, rows or heads trained on nothing)
+    for argv, says in (
+        (["--steps", "0"], "--steps 0 must be >= 1"),
+        (["--n", "-1", "--batch-size", "0"], "--n -1, --batch-size 0 must be >= 1"),
+        (["--threads", "-1"], "--threads -1 must be >= 1"),
+        (["--draft-vocab", "-1"], "--draft-vocab -1 must be >= 0"),
+        (["--lr", "nan"], "--lr nan"),
+        (["--lr", "0"], "--lr 0.0"),
+        (["--out", __file__], "is a file"),
+    ):
+        with pytest.raises(DrafterError, match=says):
+            kit.train_job(["--kind", "medusa", *argv])

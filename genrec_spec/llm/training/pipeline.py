@@ -9,12 +9,13 @@ drafter (``checkpoint.drafter_kind``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from genrec_spec.llm.training.checkpoint import default_folder, drafter_kind
+from genrec_spec.llm.training.checkpoint import DrafterError, default_folder, drafter_kind
 from genrec_spec.llm.training.distill import DistillConfig
 from genrec_spec.llm.training.eagle import EagleConfig
 from genrec_spec.llm.training.eagle3 import Eagle3Config
@@ -59,6 +60,29 @@ class DrafterJob:
     seed: int = SelfDistillConfig.seed  # prompt draw, batches, held-out rows
     threads: int = 1  # torch CPU threads
     cache_dir: Path | None = None  # self-distillation data cache; None: the default cache
+
+    def __post_init__(self) -> None:
+        """Counts that cannot train (0 steps divided by zero, 0 rows trained on nothing, ...),
+        rates that are no rate and an output that is a file, refused before the target loads."""
+        counts = ["n", "max_new_tokens", "batch_size", "heads", "batch_positions", "layers"]
+        counts += ["unroll", "depths", "threads"]
+        counts += [name for name in ("steps", "batch_rows") if getattr(self, name) is not None]
+        small = [
+            f"--{n.replace('_', '-')} {getattr(self, n)}" for n in counts if getattr(self, n) < 1
+        ]
+        if small:
+            raise DrafterError(f"{', '.join(small)} must be >= 1", "use 1 or more")
+        if self.draft_vocab < 0:
+            raise DrafterError(
+                f"--draft-vocab {self.draft_vocab} must be >= 0",
+                "use 0 (every token) or the number of tokens to keep",
+            )
+        if self.lr is not None and not 0.0 < self.lr < math.inf:
+            raise DrafterError(f"--lr {self.lr}", "use a positive learning rate, e.g. 0.001")
+        if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():
+            raise DrafterError(
+                f"--out {self.out} is a file", "pass a folder for the weights and manifest"
+            )
 
 
 def prompts_of(job: DrafterJob) -> str:
