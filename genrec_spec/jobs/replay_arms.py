@@ -11,7 +11,6 @@ Shape letters: E events, K list length, NB batches.
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,12 @@ from genrec_spec.jobs.errors import ReplayInputError
 from genrec_spec.jobs.replay_events import Events
 from genrec_spec.recsys.data import Histories
 from genrec_spec.recsys.decoders.beam import item_trie
-from genrec_spec.recsys.decoders.registry import decoder_options, get_decoder, parse_option
+from genrec_spec.recsys.decoders.registry import (
+    check_option_values,
+    get_decoder,
+    parse_option,
+    plain_options,
+)
 from genrec_spec.recsys.evaluate import count_invalid
 
 ARM_SYNTAX = 'decoder=NAME[,OPTION=VALUE...], e.g. "decoder=beam,beam_width=20"'
@@ -81,8 +85,7 @@ def parse_arm(text: str, ckpt: Path, flag: str = "--a") -> Arm:
     decoder = fields.pop("decoder")
     decode = get_decoder(decoder)  # an unknown name raises, listing the valid ones
     # Tensor-valued options (spec_beam's draft_items) cannot be written on a command line.
-    parameters = inspect.signature(decode).parameters
-    settable = [n for n in decoder_options(decode) if "Tensor" not in str(parameters[n].annotation)]
+    settable = list(plain_options(decode))
     unknown = [name for name in fields if name not in settable]
     if unknown:
         raise ReplayInputError(
@@ -90,6 +93,7 @@ def parse_arm(text: str, ckpt: Path, flag: str = "--a") -> Arm:
             f"use one of its options: {', '.join(settable) or 'none'}",
         )
     options = dict(parse_option(f"{name}={value}") for name, value in fields.items())
+    check_option_values(decoder, decode, options)  # (beam_width=2.5 is no width)
     return Arm(decoder, options, Path(ckpt))
 
 

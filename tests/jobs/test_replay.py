@@ -425,6 +425,9 @@ def other_data_checkpoint(tiny_checkpoint, tmp_path_factory, tiny_prepared) -> P
             {"--b": "decoder=heads,beam_width=5"},
             "takes no option 'beam_width'. Fix: use one of its options",
         ),
+        # (a word said "invalid literal for int()", 2.5 ran as width 2)
+        ({"--a": "decoder=beam,beam_width=wide"}, "takes int or null, got 'wide'"),
+        ({"--a": "decoder=beam,beam_width=12.5"}, "takes int or null, got 12.5"),
         ({"--out": "FILE/out"}, "cannot create the output folder"),
         ({"--split": None, "--log": "NOCOLUMN"}, "lacks column(s) ['timestamp']"),
         ({"--split": None, "--log": "UNKNOWN"}, "the log names 1 items the data does not know"),
