@@ -75,7 +75,12 @@ from genrec_spec.core.constraints import (
     check_catalogue,
     log_probs,
 )
-from genrec_spec.core.decode import _check_limits, pack_prompts, prefill_checked
+from genrec_spec.core.decode import (
+    _check_limits,
+    check_end_tokens,
+    pack_prompts,
+    prefill_checked,
+)
 from genrec_spec.core.draft_record import DraftRecord
 from genrec_spec.core.targets import Target, as_target
 from genrec_spec.core.types import DecodeInputError, DecodeStats, Generation
@@ -240,6 +245,7 @@ def _check_config(
         raise DecodeInputError(
             f"early_stopping = {config.early_stopping!r}", 'pass True, False or "never"'
         )
+    check_end_tokens(eos, vocab_size)
     check_catalogue(constraint, eos, max_new_tokens, vocab_size)
     if isinstance(constraint, Catalogue) and k > constraint.trie.num_items:
         raise DecodeInputError(

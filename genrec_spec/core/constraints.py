@@ -18,6 +18,7 @@ are drafts that cannot miss) and ``AllowedTokens`` (transformers' ``prefix_allow
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from numbers import Integral
 from typing import Protocol
 
 import torch
@@ -109,6 +110,13 @@ class AllowedTokens:
                     f"prefix_allowed_tokens_fn returned no token for row {row} after "
                     f"{len(sequence)} tokens: the constraint cannot be satisfied",
                     "return at least one allowed token for every prefix",
+                )
+            bad = [t for t in tokens if not (isinstance(t, Integral) and 0 <= t < self.vocab_size)]
+            if bad:
+                raise DecodeInputError(
+                    f"prefix_allowed_tokens_fn returned {bad[0]!r} for row {row}, not a token id "
+                    f"of the vocabulary of {self.vocab_size}",
+                    "return token ids from 0 to vocab_size - 1",
                 )
             mask[i, tokens] = True
         return mask.to(states.device)

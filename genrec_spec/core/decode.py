@@ -45,7 +45,22 @@ def pack_prompts(
                 f"input_ids has shape {tuple(input_ids.shape)}",
                 "pass a [B, T] tensor of token ids or a list of prompts",
             )
+        if (
+            input_ids.dtype.is_floating_point
+            or input_ids.dtype.is_complex
+            or (input_ids.dtype == torch.bool)
+        ):
+            raise DecodeInputError(
+                f"input_ids are {input_ids.dtype}, not token ids",
+                "pass an integer tensor (torch.long) of token ids",
+            )
         tokens = input_ids.long()
+        if prompt_lengths is not None and tuple(prompt_lengths.shape) != (tokens.shape[0],):
+            raise DecodeInputError(
+                f"prompt_lengths has shape {tuple(prompt_lengths.shape)} for {tokens.shape[0]} "
+                "prompts",
+                "pass one length per row of input_ids: a [B] tensor",
+            )
         lengths = (
             torch.full((tokens.shape[0],), tokens.shape[1], device=tokens.device)
             if prompt_lengths is None
@@ -93,6 +108,17 @@ def _check_limits(target: Target, lengths: Tensor, max_new_tokens: int) -> None:
         )
 
 
+def check_end_tokens(eos: list[int], vocab_size: int | None) -> None:
+    """End tokens must be token ids the target can emit (one past its vocabulary would never
+    end a row: a silent decode to max_new_tokens)."""
+    bad = [t for t in eos if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if bad:
+        raise DecodeInputError(
+            f"eos_token_id {bad[0]} is not a token of the target's vocabulary ({vocab_size})",
+            "pass the tokenizer's end token id (e.g. tokenizer.eos_token_id), or None",
+        )
+
+
 def _check_vocab(target: Target, tokens: Tensor) -> None:
     # A target may read prompts in a vocabulary of their own (the recommender: item ids).
     vocab = getattr(target, "prompt_vocab_size", None) or target.vocab_size
@@ -137,6 +163,7 @@ def generate(
     rule = acceptance or (GreedyMatch() if sampling.greedy else RejectionSampling())
     eos = None if eos_token_id is None else torch.as_tensor(eos_token_id, device=device).flatten()
     eos_ids = [] if eos is None else eos.tolist()
+    check_end_tokens(eos_ids, getattr(target, "vocab_size", None))
     check_catalogue(constraint, eos_ids, max_new_tokens, getattr(target, "vocab_size", None))
     started = time.perf_counter()
     with torch.inference_mode():

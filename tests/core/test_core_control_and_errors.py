@@ -12,6 +12,8 @@ from genrec_spec import (
     as_target,
     generate,
 )
+from genrec_spec.core.beam import beam_search
+from genrec_spec.core.constraints import AllowedTokens
 from genrec_spec.core.controller import SpeculationController
 from genrec_spec.llm.proposers import DraftModelProposer, PromptLookup
 
@@ -83,11 +85,32 @@ def target(tiny):
         ([[1, 40], [2]], "vocabulary"),
         ({"input_ids": [1, 2]}, "not a token id"),  # a tokenizer's dict, not its ids
         ([[1, 2.5], [2]], "not a token id"),
+        (torch.tensor([[1.0, 2.0]]), "not token ids"),  # (read as ids 1, 2 before)
     ],
 )
 def test_bad_prompts(target, prompts, match):
     with pytest.raises(DecodeInputError, match=match):
         generate(target, prompts, max_new_tokens=8)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        # one length per row (a length for 1 of 2 rows failed inside the target, or passed)
+        (dict(prompt_lengths=torch.tensor([2])), r"shape \(1,\) for 2 prompts"),
+        (dict(prompt_lengths=torch.tensor([[2], [1]])), r"shape \(2, 1\) for 2 prompts"),
+        # an end token the target cannot emit never ends a row (decoded to max_new_tokens)
+        (dict(eos_token_id=12), "eos_token_id 12 is not a token"),
+        (dict(eos_token_id=[3, -1]), "eos_token_id -1 is not a token"),
+        # a hook's id past the vocabulary (an IndexError before)
+        (dict(constraint=AllowedTokens(lambda row, ids: [1, 99], 12)), "returned 99"),
+    ],
+)
+def test_bad_arguments_of_generate_and_beam_search(target, change, match):
+    prompts = torch.tensor([[1, 2], [3, 0]])
+    for decode in (generate, beam_search):
+        with pytest.raises(DecodeInputError, match=match):
+            decode(target, prompts, max_new_tokens=4, **change)
 
 
 def test_bad_settings(tiny, target):
