@@ -88,7 +88,10 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def _name_list(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
+    names = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    if not names:  # (an empty table, exit 0, before)
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more decoder names")
+    return names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

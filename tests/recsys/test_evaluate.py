@@ -151,7 +151,7 @@ def test_evaluate_bad_input(tiny_ckpt, tiny_prepared, tmp_path):
         evaluate_cli.run(_args(evaluate_cli, ["--ckpt", str(ckpt), "--data", str(other)]))
     with pytest.raises(ValueError, match="targets"):
         ev.evaluate(model, data.train, heads.decode)
-    for bad in (["--k", "0"], ["--k", "a,b"], ["--option", "novalue"]):
+    for bad in (["--k", "0"], ["--k", "a,b"], ["--option", "novalue"], ["--decoder", " , "]):
         with pytest.raises(SystemExit):
             _args(evaluate_cli, ["--ckpt", str(ckpt), *bad])
 
