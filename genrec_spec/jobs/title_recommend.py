@@ -76,6 +76,10 @@ def recommend_titles_for(
     threads: int = 1,
 ) -> dict:
     """One user's (or history's) K items named by the LLM (``answer``)."""
+    if threads < 1:  # (torch raised a RuntimeError)
+        raise RecommendInputError(f"--threads must be >= 1, got {threads}", "pass 1 or more")
+    if k < 1:  # (beam search's message named num_beams)
+        raise RecommendInputError(f"--k must be >= 1, got {k}", "ask for 1 item or more")
     if (user_id is None) == (history_ids is None):
         raise RecommendInputError(
             "give exactly one of a user id or a history", "pass --user ID or --history IDS"

@@ -125,6 +125,16 @@ def test_the_cli_refuses_llm_without_data(tmp_path):
     assert run.returncode != 0 and "--llm needs --data" in run.stderr
 
 
+def test_bad_counts_are_refused_before_the_llm_loads(tiny_data_dir):
+    from genrec_spec.jobs.title_recommend import recommend_titles_for
+    from genrec_spec.recsys.errors import RecommendInputError
+
+    with pytest.raises(RecommendInputError, match="--threads must be >= 1, got 0"):
+        recommend_titles_for(tiny_data_dir, user_id="u1", threads=0)  # (torch raised)
+    with pytest.raises(RecommendInputError, match="--k must be >= 1, got 0"):
+        recommend_titles_for(tiny_data_dir, user_id="u1", k=0)
+
+
 def test_a_folder_without_titles_is_refused(tiny_data_dir):
     import pandas as pd
 
