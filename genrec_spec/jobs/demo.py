@@ -30,6 +30,7 @@ from genrec_spec.jobs.batch import run_batch
 from genrec_spec.jobs.batch_chunks import BatchConfig
 from genrec_spec.jobs.replay_arms import ReplayConfig, parse_arm
 from genrec_spec.jobs.replay_report import FILES, replay_to_folder
+from genrec_spec.recsys.errors import RecommendInputError
 from genrec_spec.recsys.train_config import load_config
 from genrec_spec.recsys.trainer import train
 
@@ -52,12 +53,18 @@ def run_demo(out: Path, k: int = 10, config: Path = CONFIG) -> dict:
     out = Path(out)
     data, ckpt = out / "data", out / "model"
     candidates, report = out / "candidates", out / "replay"
+    # Settings checked before minutes of preparing and training (k past the beams' width
+    # failed at the batch step)
+    if not 1 <= k <= BEAM_WIDTH:
+        raise RecommendInputError(
+            f"--k {k}: the demo's decoders keep {BEAM_WIDTH} beams", f"use 1 to {BEAM_WIDTH}"
+        )
+    model_config, train_config = load_config(config, {"train": {"progress": False}})
 
     step(f"prepare --dataset ml-100k --out {data} --overwrite")
     print(format_prepared(prepare("ml-100k", data, PrepareConfig(), overwrite=True), data))
 
     step(f"train --data {data} --out {ckpt} --config {config} --overwrite --no-progress")
-    model_config, train_config = load_config(config, {"train": {"progress": False}})
     manifest = train(data, ckpt, model_config, train_config, overwrite=True)
     best = manifest["best"]
     print(

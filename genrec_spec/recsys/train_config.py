@@ -66,6 +66,19 @@ class TrainConfig:
     progress: bool = True  # progress bars (the per-epoch summary line prints regardless)
 
     def __post_init__(self) -> None:
+        sizes = (self.batch_size, self.epochs, self.branches_per_row, self.eval_batch_size)
+        if min(*sizes, self.eval_chunk) < 1:
+            raise TrainConfigError(
+                f"train.batch_size {self.batch_size}, epochs {self.epochs}, branches_per_row "
+                f"{self.branches_per_row}, eval_batch_size {self.eval_batch_size} and eval_chunk "
+                f"{self.eval_chunk} must be >= 1",
+                "use values of 1 or more",
+            )
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise TrainConfigError(
+                f"train.device must be auto, cpu or cuda, got {self.device!r}",
+                'use "auto" (cuda when there is one), "cpu" or "cuda"',
+            )
         if self.window not in ("random", "last"):
             raise TrainConfigError(
                 f"train.window must be random or last, got {self.window!r}",
@@ -104,14 +117,6 @@ class TrainConfig:
                 f"train {', '.join(negative)} must be >= 0",
                 "use 0 or more (TrainConfig says what 0 means for each)",
             )
-        sizes = (self.batch_size, self.epochs, self.branches_per_row, self.eval_batch_size)
-        if min(*sizes, self.eval_chunk) < 1:
-            raise TrainConfigError(
-                f"train.batch_size {self.batch_size}, epochs {self.epochs}, branches_per_row "
-                f"{self.branches_per_row}, eval_batch_size {self.eval_batch_size} and eval_chunk "
-                f"{self.eval_chunk} must be >= 1",
-                "use values of 1 or more",
-            )
 
 
 def load_config(
@@ -125,7 +130,10 @@ def load_config(
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"config file {path} does not exist; see configs/*.json")
+            what = "is a folder" if path.is_dir() else "does not exist"
+            raise TrainConfigError(
+                f"config file {path} {what}", "pass a JSON file such as configs/ml-1m.json"
+            )
         try:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as err:

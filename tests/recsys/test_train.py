@@ -452,6 +452,15 @@ def test_flat_config_files_load_as_the_same_model(tmp_path):
         load_config(old)
 
 
+def test_the_demo_refuses_a_k_its_beams_cannot_hold_before_any_work(tmp_path):
+    from genrec_spec.jobs.demo import BEAM_WIDTH, run_demo
+
+    for k in (0, BEAM_WIDTH + 1):  # (prepare and training ran first, then the batch step failed)
+        with pytest.raises(ValueError, match=f"--k {k}: the demo's decoders keep"):
+            run_demo(tmp_path / "demo", k=k)
+    assert not (tmp_path / "demo").exists()
+
+
 def test_schedule_decays_within_the_time_budget():
     """The cosine spans the epochs that fit in max_minutes at the last epoch's speed, so a run
     cut by the budget still ends at the floor (0.1 x lr)."""
@@ -470,6 +479,8 @@ def test_bad_input_is_reported_clearly(tiny_data_dir, tmp_path):
     bad.write_text(json.dumps({"model": {"dimm": 8}}))
     with pytest.raises(ValueError, match=r"unknown keys \['dimm'\]; valid keys: \['dim'"):
         load_config(bad)
+    with pytest.raises(ValueError, match="is a folder"):
+        load_config(tmp_path)
     bad.write_text(json.dumps({"optimizer": {}}))
     with pytest.raises(ValueError, match=r"unknown sections \['optimizer'\]"):
         load_config(bad)
@@ -495,6 +506,11 @@ def test_bad_input_is_reported_clearly(tiny_data_dir, tmp_path):
             "valid_users -5, patience -1 must be >= 0",
         ),
         ({"train": {"eval_chunk": 0}}, "eval_chunk 0 must be >= 1"),
+        (
+            {"train": {"epochs": 0}},
+            "epochs 0, branches_per_row",
+        ),  # (named through valid_from before)
+        ({"train": {"device": "tpu"}}, "device must be auto, cpu or cuda, got 'tpu'"),  # (trained)
     ):
         with pytest.raises(ValueError, match=says):
             load_config(None, override)
