@@ -54,6 +54,8 @@ def generate_texts(prompts: list[str], config: GenerationConfig) -> dict:
 
     if config.batch_size < 1:
         raise DecodeInputError(f"--batch-size {config.batch_size}", "use --batch-size >= 1")
+    if not 0 <= config.seed < 2**63:  # (torch's generator raised "Overflow when unpacking")
+        raise DecodeInputError(f"--seed {config.seed}", "use a seed from 0 to 2**63 - 1")
     if config.k is not None and config.k < 1:
         raise DecodeInputError(
             f"--k {config.k}", "use --k >= 1 (a draft depth), or leave it out for the default"

@@ -98,7 +98,9 @@ class GenerateRequest(BaseModel):
         + ", ".join(METHODS),
     )
     temperature: float = Field(0.0, ge=0.0, le=10.0, description="0 = greedy")
-    seed: StrictInt = Field(0, ge=0, description="seeds the sampling (temperature > 0)")
+    seed: StrictInt = Field(
+        0, ge=0, le=2**63 - 1, description="seeds the sampling (temperature > 0)"
+    )
     chat: StrictBool = Field(False, description="wrap the prompt in the chat template")
     num_beams: StrictInt = Field(
         1,

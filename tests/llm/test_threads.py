@@ -57,3 +57,5 @@ def test_timing_a_real_step_restores_the_thread_count(kit):
 def test_generate_refuses_a_negative_count():
     with pytest.raises(DecodeInputError, match="--threads"):
         generate_texts(["def f():"], GenerationConfig(threads=-1))
+    with pytest.raises(DecodeInputError, match="use a seed from 0 to 2"):  # (torch overflowed)
+        generate_texts(["def f():"], GenerationConfig(seed=2**70))

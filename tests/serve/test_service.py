@@ -205,6 +205,9 @@ def test_malformed_oversized_and_unknown(service):
         by_title = client.post("/v1/recommend", json={"user_id": "u1", "decoder": "llm"})
         assert by_title.status_code == 404 and "--llm smollm2" in by_title.json()["detail"]
         assert client.post("/v1/generate", json={"prompt": ""}).status_code == 422
+        # a seed past torch's int64 ("Overflow when unpacking long long" from the model before)
+        huge_seed = client.post("/v1/generate", json={"prompt": "x", "seed": 2**70})
+        assert huge_seed.status_code == 422 and "seed" in huge_seed.json()["detail"]
         beams = {"prompt": "x", "num_beams": 2}
         refused = {  # beam search settings that cannot work, refused before the LLM is asked
             "deterministic": {"temperature": 0.5},
