@@ -111,15 +111,25 @@ class AllowedTokens:
                     f"{len(sequence)} tokens: the constraint cannot be satisfied",
                     "return at least one allowed token for every prefix",
                 )
-            bad = [t for t in tokens if not (isinstance(t, Integral) and 0 <= t < self.vocab_size)]
-            if bad:
+            # (checked as one tensor: a hook may allow most of a 49k vocabulary per prefix)
+            ids = torch.as_tensor(tokens, device="cpu")
+            if (
+                ids.is_floating_point()
+                or ids.dtype == torch.bool
+                or bool(((ids < 0) | (ids >= self.vocab_size)).any())
+            ):
+                bad = next(t for t in tokens if not _is_token(t, self.vocab_size))
                 raise DecodeInputError(
-                    f"prefix_allowed_tokens_fn returned {bad[0]!r} for row {row}, not a token id "
+                    f"prefix_allowed_tokens_fn returned {bad!r} for row {row}, not a token id "
                     f"of the vocabulary of {self.vocab_size}",
                     "return token ids from 0 to vocab_size - 1",
                 )
-            mask[i, tokens] = True
+            mask[i, ids] = True
         return mask.to(states.device)
+
+
+def _is_token(value, vocab_size: int) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool) and 0 <= value < vocab_size
 
 
 def _items_below(trie: TokenTrie) -> Tensor:  # [nodes] int64

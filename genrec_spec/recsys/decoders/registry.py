@@ -12,6 +12,7 @@ Every decode function has the signature of `recsys.types`; its keyword-only para
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import typing
@@ -108,13 +109,18 @@ PLAIN_TYPES = (bool, int, float, str, type(None))
 def plain_options(decode) -> dict[str, tuple[type, ...]]:
     """A decoder's options whose values are plain (bool, int, float, str, None: what JSON and the
     command line carry), with the types each accepts; tensor-valued options are left out."""
+    return dict(_plain_option_types(decode))
+
+
+@functools.cache  # (reading the type hints costs ~0.1 ms, and recommend() asks on every call)
+def _plain_option_types(decode) -> tuple[tuple[str, tuple[type, ...]], ...]:
     hints = typing.get_type_hints(decode)
-    plain = {}
+    plain = []
     for name in decoder_options(decode):
         allowed = typing.get_args(hints[name]) or (hints[name],)
         if all(t in PLAIN_TYPES for t in allowed):
-            plain[name] = allowed
-    return plain
+            plain.append((name, allowed))
+    return tuple(plain)
 
 
 def check_option(
