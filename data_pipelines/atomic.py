@@ -19,6 +19,8 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from genrec_spec.data_pipelines.errors import DataError
+
 
 @contextlib.contextmanager
 def atomic_dir(dest: Path, *, overwrite: bool = False) -> Iterator[Path]:
@@ -89,6 +91,30 @@ def check_output_dir(dest: Path, *, overwrite: bool = False) -> None:
             f"output folder {dest} already exists and is not empty. "
             "Fix: choose another --out or pass --overwrite"
         )
+
+
+def check_writable_folder(dest: Path, flag: str = "--out") -> None:
+    """Refuse a folder that cannot be made or written to (a file, a path under one, a read-only
+    or system place), naming the option that gave it: jobs that write at their end call this
+    before their slow work. A folder it had to make is removed again (the job makes it when it
+    writes)."""
+    dest = Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise DataError(f"{flag} {dest} is a file", f"pass a folder path for {flag}")
+    made = not dest.exists()
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=dest):
+            pass
+    except OSError as exc:
+        raise DataError(
+            f"cannot write to the folder {dest} ({flag}): {exc.strerror or exc}",
+            f"pass a folder path you can write to for {flag}",
+        ) from exc
+    finally:
+        if made and dest.is_dir():
+            with contextlib.suppress(OSError):
+                dest.rmdir()
 
 
 def atomic_write_bytes(dest: Path, data: bytes) -> None:

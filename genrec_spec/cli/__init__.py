@@ -9,6 +9,7 @@ no job pays for another's imports (torch, faiss, transformers).
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import signal
@@ -70,6 +71,14 @@ RETURN_FREED_MEMORY = "GENREC_SPEC_RETURN_FREED_MEMORY"
 # Errors that mean "the input was wrong": printed as one line, exit code 2. Anything else is a bug
 # and keeps its traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError)
+# File-system errors a path or place given on the command line causes, and what to do: printed
+# the same way. Other OSErrors keep their traceback.
+PATH_ERRORS = {
+    errno.ENAMETOOLONG: "use a shorter path (a name holds at most 255 bytes)",
+    errno.ENOSPC: "free space on that disk, or write elsewhere",
+    errno.EROFS: "write to a writable file system",
+    errno.EISDIR: "pass a file's path there, not a folder's",
+}
 
 
 def add_subcommands(
@@ -113,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except USER_ERRORS as exc:
         print(f"{args._prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.errno not in PATH_ERRORS:
+            raise
+        print(f"{args._prog}: error: {exc}. Fix: {PATH_ERRORS[exc.errno]}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{args._prog}: interrupted", file=sys.stderr)

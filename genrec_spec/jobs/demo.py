@@ -32,7 +32,7 @@ from genrec_spec.jobs.replay_arms import ReplayConfig, parse_arm
 from genrec_spec.jobs.replay_report import FILES, replay_to_folder
 from genrec_spec.recsys.errors import RecommendInputError
 from genrec_spec.recsys.train_config import load_config
-from genrec_spec.recsys.trainer import train
+from genrec_spec.recsys.trainer import check_device, train
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "ml-100k-demo.json"
 BEAM_WIDTH = 50  # beams of both decoders: K = 10 items out of a wider search
@@ -60,6 +60,8 @@ def run_demo(out: Path, k: int = 10, config: Path = CONFIG) -> dict:
             f"--k {k}: the demo's decoders keep {BEAM_WIDTH} beams", f"use 1 to {BEAM_WIDTH}"
         )
     model_config, train_config = load_config(config, {"train": {"progress": False}})
+    check_device(train_config)
+    check_demo_folder(out)
 
     step(f"prepare --dataset ml-100k --out {data} --overwrite")
     print(format_prepared(prepare("ml-100k", data, PrepareConfig(), overwrite=True), data))
@@ -100,6 +102,43 @@ def run_demo(out: Path, k: int = 10, config: Path = CONFIG) -> dict:
 
     print("\n" + summary(result.summary, k, report))
     return result.summary
+
+
+# What each step leaves in a demo folder: its subfolder and a file only that step writes there
+STEP_FILES = {
+    "data": "manifest.json",
+    "model": "manifest.json",
+    "candidates": "_manifest.json",
+    "replay": "metrics.json",
+}
+
+
+def check_demo_folder(out: Path) -> None:
+    """Refuse an `out` the demo must not replace: a file, or a folder holding anything but an
+    earlier demo's outputs (its four subfolders, the training's resume state, and the temporary
+    names of an interrupted write), before any step runs. The steps then replace their
+    subfolders, so what a user keeps there would be lost."""
+    if out.exists() and not out.is_dir():
+        raise RecommendInputError(f"--out {out} is a file", "pass a folder path for --out")
+    if not out.is_dir():
+        return
+    fix = "pass a new or empty folder for --out, or an earlier demo's"
+    ours = (*STEP_FILES, "model.resume.pt")
+    for entry in sorted(out.iterdir()):
+        name = entry.name
+        if name not in ours and not any(name.startswith(f".{n}") for n in ours):
+            raise RecommendInputError(
+                f"--out {out} holds {name!r}, which no demo step writes: the demo replaces its "
+                f"{', '.join(STEP_FILES)} subfolders there",
+                fix,
+            )
+        if name in STEP_FILES and not entry.is_dir():
+            raise RecommendInputError(f"{entry} is a file where the demo writes a folder", fix)
+        if name in STEP_FILES and any(entry.iterdir()) and not (entry / STEP_FILES[name]).exists():
+            raise RecommendInputError(
+                f"{entry} is not empty and holds no {STEP_FILES[name]}: not an earlier demo's",
+                fix,
+            )
 
 
 def summary(metrics: dict, k: int, report: Path) -> str:

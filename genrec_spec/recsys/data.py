@@ -140,21 +140,42 @@ class PreparedData:
         )
 
 
+def _remake_fix(path: Path) -> str:
+    """How to remake a broken data folder: with --overwrite only where prepare wrote it (its
+    manifest names the Semantic IDs); anything else (a checkpoint, a user's own folder) that
+    option would delete."""
+    try:
+        ours = "semantic_id" in json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError, TypeError):
+        ours = False
+    if ours:
+        return f"re-create it with `genrec-spec prepare --dataset ... --out {path} --overwrite`"
+    return "pass the folder `genrec-spec prepare --out` wrote, or prepare one into a new folder"
+
+
 def load_prepared(path: Path | str) -> PreparedData:
     """Read a folder written by `genrec-spec prepare`; a missing file names the fix."""
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise DataError(
+            f"data path {path} is a file, not a prepared folder",
+            "pass the folder `genrec-spec prepare --out` wrote (the one holding manifest.json)",
+        )
     if not path.is_dir():
         raise DataError(
             f"data folder {path} does not exist",
             f"make it with `genrec-spec prepare --dataset ml-1m --out {path}`",
         )
+    again = _remake_fix(path)
     for name in REQUIRED_FILES:
         if not (path / name).is_file():
             raise DataError(
-                f"data folder {path} has no {name} (incomplete or not a prepared folder)",
-                f"re-create it with `genrec-spec prepare --dataset ... --out {path} --overwrite`",
+                f"data folder {path} has no {name} (incomplete or not a prepared folder)", again
             )
-    manifest = json.loads((path / "manifest.json").read_text())
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path / 'manifest.json'} is not JSON ({exc})", again) from exc
     missing = [key for key in ("data_hash", "semantic_id") if key not in manifest]
     if missing:
         raise DataError(

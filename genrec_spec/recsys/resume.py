@@ -79,6 +79,11 @@ def resume_path(out: Path | str) -> Path:
 def check_resume_request(path: Path, *, resume: bool, overwrite: bool) -> None:
     """Refuse to start a run over a resume state nobody asked about: that would silently drop
     the epochs of an interrupted run."""
+    if path.exists() and not path.is_file():
+        raise ResumeError(
+            f"{path} is a folder where the run keeps its resume state",
+            "move it away, or pass another --out",
+        )
     if path.is_file() and not resume and not overwrite:
         raise ResumeError(
             f"{path} holds the resume state of an interrupted run with this --out",

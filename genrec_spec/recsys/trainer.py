@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from genrec_spec.data_pipelines.atomic import check_output_dir, check_writable_folder
 from genrec_spec.machine import cpu_flags, cpu_model, finish
 from genrec_spec.models.recsys.config import RecommenderConfig
 from genrec_spec.models.recsys.item_scores import item_log_likelihoods
@@ -69,10 +70,7 @@ def train(
     afresh where there is none); `overwrite` replaces an existing `out` and, without `resume`,
     starts over, discarding the resume state."""
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:  # fail before hours of training
-        raise FileExistsError(
-            f"checkpoint folder {out} exists; choose another --out or pass --overwrite"
-        )
+    check_train_output(Path(data_dir), out, overwrite=overwrite)  # before hours of training
     state_file = resume_path(out)
     check_resume_request(state_file, resume=resume, overwrite=overwrite)
     run = start_run(data_dir, model_config, config)
@@ -356,16 +354,37 @@ def _mean_over_processes(sums: dict[str, torch.Tensor], steps: int) -> dict[str,
     return {f"train_{n}": float(v) for n, v in zip(names, total, strict=True)}
 
 
+def check_train_output(data_dir: Path, out: Path, *, overwrite: bool) -> None:
+    """Refuse a checkpoint folder the run could not write, or must not replace: a file, a
+    non-empty folder without `overwrite`, the data folder or one holding it (replacing it would
+    delete the data), or one whose parent cannot hold files (the resume state and the temporary
+    names go there: found only after the first epoch otherwise)."""
+    check_output_dir(out, overwrite=overwrite)
+    target = out.resolve()
+    if target == data_dir.resolve() or target in data_dir.resolve().parents:
+        raise TrainConfigError(
+            f"--out {out} is the data folder {data_dir} or holds it: writing the checkpoint "
+            "there would replace the data",
+            "pass another --out, e.g. a folder beside the data",
+        )
+    check_writable_folder(out.absolute().parent)
+
+
+def check_device(config: TrainConfig) -> None:
+    """Refuse train.device cuda where no GPU is visible (before a job's earlier steps)."""
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise TrainConfigError(
+            "train.device is cuda but no CUDA GPU is visible", "use train.device auto or cpu"
+        )
+
+
 def _setup_processes(config: TrainConfig) -> tuple[int, int, torch.device]:
     """(rank, world size, device); starts the process group under torchrun (once: runs side by
     side, as `bench train` has them, share it)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    if config.device == "cuda" and not torch.cuda.is_available():
-        raise TrainConfigError(
-            "train.device is cuda but no CUDA GPU is visible", "use train.device auto or cpu"
-        )
+    check_device(config)
     rank, device = 0, torch.device("cpu")
     if world > 1:
         if not dist.is_initialized():

@@ -54,3 +54,19 @@ def test_a_malformed_item_table_is_refused(tiny_data_dir, damage, message):
     with pytest.raises(DataError, match=message) as caught:
         load_prepared(tiny_data_dir)
     assert "genrec-spec prepare" in str(caught.value)
+
+
+def test_a_file_or_a_checkpoint_as_data_names_the_fix(tiny_data_dir, tmp_path):
+    """A file is not "missing"; and where the folder is not one prepare wrote (a checkpoint, a
+    user's folder) the fix never suggests --overwrite, which would delete it."""
+    with pytest.raises(DataError, match="is a file, not a prepared folder"):
+        load_prepared(tiny_data_dir / "manifest.json")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "manifest.json").write_text('{"model_config": {}}')
+    with pytest.raises(DataError, match="has no items.parquet") as refused:
+        load_prepared(ckpt)
+    assert "--overwrite" not in str(refused.value)
+    (tiny_data_dir / "manifest.json").write_text("not json")  # (a JSON decoder's message)
+    with pytest.raises(DataError, match="manifest.json is not JSON"):
+        load_prepared(tiny_data_dir)

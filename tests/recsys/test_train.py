@@ -461,6 +461,62 @@ def test_the_demo_refuses_a_k_its_beams_cannot_hold_before_any_work(tmp_path):
     assert not (tmp_path / "demo").exists()
 
 
+def test_the_demo_replaces_only_an_earlier_demos_outputs(tmp_path):
+    """A folder holding anything the demo does not write is refused before any step: the steps
+    replace their subfolders (a user's own data/ was deleted before)."""
+    from genrec_spec.jobs.demo import check_demo_folder, run_demo
+
+    check_demo_folder(tmp_path / "new")  # missing or empty: fine
+    earlier = tmp_path / "earlier"  # an earlier demo's outputs and resume state
+    for name, marker in (("data", "manifest.json"), ("replay", "metrics.json")):
+        (earlier / name).mkdir(parents=True)
+        (earlier / name / marker).write_text("{}")
+    (earlier / "model").mkdir()
+    (earlier / "model.resume.pt").write_bytes(b"")
+    check_demo_folder(earlier)
+    mine = tmp_path / "mine"
+    (mine / "data").mkdir(parents=True)
+    (mine / "data" / "keep.txt").write_text("precious")
+    with pytest.raises(ValueError, match="holds no manifest.json: not an earlier demo's"):
+        run_demo(mine)
+    (mine / "data" / "keep.txt").rename(mine / "keep.txt")
+    with pytest.raises(ValueError, match="holds 'keep.txt', which no demo step writes"):
+        run_demo(mine)
+    assert (mine / "keep.txt").read_text() == "precious"
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="is a file"):
+        run_demo(tmp_path / "file")
+    (mine / "keep.txt").unlink()
+    (mine / "candidates").write_text("")
+    with pytest.raises(ValueError, match="is a file where the demo writes a folder"):
+        run_demo(mine)
+
+
+def test_a_path_the_file_system_refuses_is_one_line_with_a_fix(tmp_path, capsys):
+    from genrec_spec.cli import main
+
+    assert main(["demo", "--out", str(tmp_path / ("a" * 300))]) == 2  # (a traceback before)
+    assert "File name too long" in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_a_checkpoint_folder_that_would_lose_data_or_fail_late_is_refused(tiny_data_dir, tmp_path):
+    """Before any training: the data folder itself or one above it (replacing it deleted the
+    data), a file, a place that cannot be written (found after the first epoch before), and a
+    folder where the resume state goes."""
+    for out in (tiny_data_dir, tiny_data_dir.parent):
+        with pytest.raises(ValueError, match="is the data folder .* or holds it"):
+            _train(tiny_data_dir, out, overwrite=True)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        _train(tiny_data_dir, tmp_path / "file", overwrite=True)
+    with pytest.raises(ValueError, match="cannot write to the folder .*file"):
+        _train(tiny_data_dir, tmp_path / "file" / "sub" / "ckpt")
+    (tmp_path / "cut.resume.pt").mkdir()
+    with pytest.raises(ValueError, match="is a folder where the run keeps its resume state"):
+        _train(tiny_data_dir, tmp_path / "cut")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.resume.pt", "file", "tiny"]
+
+
 def test_schedule_decays_within_the_time_budget():
     """The cosine spans the epochs that fit in max_minutes at the last epoch's speed, so a run
     cut by the budget still ends at the floor (0.1 x lr)."""
