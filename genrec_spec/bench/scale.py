@@ -30,6 +30,8 @@ draft), and a cell whose second call is over it too is not repeated (that call i
 
 from __future__ import annotations
 
+import math
+import os
 import statistics
 import tempfile
 import time
@@ -40,7 +42,9 @@ from pathlib import Path
 import torch
 
 from genrec_spec.bench.errors import BenchError
-from genrec_spec.bench.scale_prepare import PrepareCost, prepared_catalogue
+from genrec_spec.bench.scale_prepare import PrepareCost, check_prepare_options, prepared_catalogue
+from genrec_spec.data_pipelines.atomic import check_writable_folder
+from genrec_spec.data_pipelines.synthetic import SyntheticConfig, users_for
 from genrec_spec.machine import describe_device, finish
 from genrec_spec.recsys.item_index import KINDS as INDEX_KINDS
 from genrec_spec.recsys.item_index import ItemIndexConfig
@@ -109,6 +113,39 @@ class BenchScaleConfig:
             raise BenchError(
                 f"beam widths {self.beam_widths} must be >= k = {self.k}",
                 f"pass --beam-widths of at least {self.k}",
+            )
+        if not self.decoders or len(set(self.sizes)) < len(self.sizes):
+            raise BenchError(
+                f"decoders {self.decoders} and sizes {self.sizes}",
+                "name at least one decoder, and each size once",
+            )
+        cores = os.cpu_count() or 1
+        if self.threads > cores:
+            raise BenchError(f"--threads {self.threads} on {cores} cores", f"use 1 to {cores}")
+        gib = self.max_gather_gib
+        if (gib is not None and not 0 <= gib < math.inf) or not 0 < self.max_call_s < math.inf:
+            raise BenchError(
+                f"--max-gather-gib {gib} and --max-call-s {self.max_call_s}",
+                "give a finite limit >= 0 GiB (or leave it unset) and seconds > 0",
+            )
+        if not 0 <= self.seed < 2**63:
+            raise BenchError(f"--seed {self.seed}", "use a seed in 0 .. 2^63 - 1")
+        check_prepare_options(self.prepare_options)
+        users = min(users_for(n, SyntheticConfig()) for n in self.sizes)
+        if max(self.batch_sizes) > users:
+            raise BenchError(
+                f"batch size {max(self.batch_sizes)} is larger than the {users:,} users of "
+                f"{min(self.sizes):,} synthetic items",
+                f"pass --batch-sizes of at most {users:,}, or larger --sizes",
+            )
+        try:
+            kind = torch.device(self.device).type
+        except RuntimeError:  # a name torch does not know
+            kind = None
+        if kind not in ("cpu", "cuda") or (kind == "cuda" and not torch.cuda.is_available()):
+            raise BenchError(
+                f"--device {self.device}: not a device this machine has",
+                "use cpu, or cuda on a machine with a CUDA GPU and torch",
             )
 
 
@@ -288,6 +325,12 @@ def bench_size(items: int, root: Path, settings: BenchScaleConfig, log) -> SizeR
 
     cost = prepared_catalogue(items, root, settings.levels, log, settings.prepare_options)
     data = load_prepared(cost.folder)
+    if max(settings.batch_sizes) > len(data.test):
+        raise BenchError(
+            f"batch size {max(settings.batch_sizes)} is larger than the {len(data.test):,} "
+            f"test users of {items:,} items",
+            f"pass --batch-sizes of at most {len(data.test):,} at this size",
+        )
     builds = []
     for _ in range(3):  # built on the CPU, as prepare does
         start = time.perf_counter()
@@ -340,6 +383,7 @@ def bench_scale(
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="genrec-scale-") as temp:
         root = Path(settings.data_root or temp)
+        check_writable_folder(root, "--data-root")
         reports = []
         for items in settings.sizes:
             log(f"synthetic:{items}")

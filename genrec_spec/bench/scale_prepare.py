@@ -47,6 +47,26 @@ def folder_of(root: Path, items: int, levels: int | None, options: tuple[str, ..
     return root / name
 
 
+# prepare's arguments that bench scale sets itself: a catalogue's size, folder and levels
+OWN_OPTIONS = ("--dataset", "--out", "--levels", "--overwrite", "--help")
+
+
+def check_prepare_options(options: tuple[str, ...]) -> None:
+    """Refuse prepare options that would override what bench scale sets itself (argparse takes
+    the last of a flag given twice, and any unambiguous prefix of a flag's name): the catalogue
+    measured would not be the one the report names."""
+    for option in options:
+        name = option.split("=", 1)[0]
+        if option == "-h" or (
+            name.startswith("--") and len(name) > 2 and any(o.startswith(name) for o in OWN_OPTIONS)
+        ):
+            raise BenchError(
+                f"--prepare-options holds {option}, which bench scale sets itself",
+                "leave out --dataset, --out, --levels, --overwrite and --help (use --sizes, "
+                "--data-root and --levels of bench scale)",
+            )
+
+
 def prepare_command(
     items: int, out: Path, levels: int | None, options: tuple[str, ...] = ()
 ) -> list[str]:

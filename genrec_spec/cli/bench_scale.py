@@ -4,6 +4,7 @@ against synthetic catalogue size (``genrec_spec.bench.scale``), written to --out
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from genrec_spec.bench.scale import (
 )
 from genrec_spec.bench.scale_report import format_text, write
 from genrec_spec.cli.args import comma_list, config_from_args
+from genrec_spec.data_pipelines.atomic import check_writable_folder
 
 # Its catalogues reach 10^7 items in memory: what it frees goes back to the system (cli's rule)
 KEEPS_FREED_MEMORY = False
@@ -38,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prepare-options",
-        type=str.split,
+        type=shlex.split,
         default=c.prepare_options,
         help='other arguments of genrec-spec prepare, e.g. "--codebook-size 64"',
     )
@@ -89,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
         levels=args.levels or None,
         prepare_options=tuple(args.prepare_options),
     )
+    if args.out:  # the report is written at the end: its folder checked before the work
+        check_writable_folder(args.out)
     header, reports = bench_scale(
         settings, log=lambda line: print(line, file=sys.stderr, flush=True)
     )

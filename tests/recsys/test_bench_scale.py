@@ -4,6 +4,7 @@ cost recorded, reused on the next run, every decoder timed at batch 1 and 2, the
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -66,6 +67,41 @@ def test_bad_settings_raise():
         BenchScaleConfig(index_kind="annoy")
     with pytest.raises(BenchError, match="must be >= k"):
         BenchScaleConfig(beam_widths=(5,), k=10)
+    with pytest.raises(BenchError, match="at least one decoder, and each size once"):
+        BenchScaleConfig(decoders=())
+    with pytest.raises(BenchError, match="at least one decoder, and each size once"):
+        BenchScaleConfig(sizes=(10_000, 10_000))
+    with pytest.raises(BenchError, match="larger than the 1,000 users of 10,000"):
+        BenchScaleConfig(sizes=(10_000, 100_000), batch_sizes=(1, 2000))  # (an IndexError)
+    with pytest.raises(BenchError, match="cores"):
+        BenchScaleConfig(threads=100_000)  # (a segfault)
+    for limits in ({"max_gather_gib": -1.0}, {"max_gather_gib": math.nan}, {"max_call_s": 0.0}):
+        with pytest.raises(BenchError, match="finite limit"):
+            BenchScaleConfig(**limits)  # (every cell skipped, or the limit off)
+    with pytest.raises(BenchError, match="seed in 0"):
+        BenchScaleConfig(seed=2**70)
+    with pytest.raises(BenchError, match="--device tpu: not a device"):
+        BenchScaleConfig(device="tpu")
+
+
+@pytest.mark.parametrize(
+    "options", [("--dataset", "ml-100k"), ("--levels", "2"), ("--out=/x",), ("--ou", "x"), ("-h",)]
+)
+def test_prepare_options_cannot_override_what_the_bench_sets(options):
+    """argparse takes a flag's last value and any unambiguous prefix of its name: these made the
+    bench measure another catalogue than its report names (ML-100K reported as 10,000 items)."""
+    with pytest.raises(BenchError, match="which bench scale sets itself"):
+        BenchScaleConfig(prepare_options=options)
+
+
+def test_unwritable_folders_are_refused_before_any_work(tmp_path):
+    from genrec_spec.cli import main
+
+    (tmp_path / "file").write_text("")
+    common = ["bench", "scale", "--sizes", "600", "--decoders", "beam", "--beam-widths", "10"]
+    assert main([*common, "--out", str(tmp_path / "file")]) == 2  # (after every size before)
+    assert main([*common, "--data-root", str(tmp_path / "file" / "sub")]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
 def test_a_copied_catalogue_is_read_where_it_is_now(tmp_path):
