@@ -149,6 +149,10 @@ TABLE_BYTES_PER_ROW = 64
 # share their tuple with another near 1% or fewer on synthetic catalogues of 10^4-10^6 items
 # (docs/results/scale.md#the-data-pipeline).
 TUPLES_PER_ITEM = 64
+# The most Semantic-ID levels prepare makes: each is a k-means over every item (100 levels ran
+# for minutes before failing nowhere), and levels_for picks at most 4 up to 67 million items at
+# 256 codes (a small codebook needs more: 8 levels of 16 codes give 4 x 10^9 tuples).
+MAX_LEVELS = 8
 
 
 def levels_for(items: int, codebook_size: int) -> int:
@@ -331,9 +335,9 @@ def _jsonable(obj):
 
 
 def _check_config(config: PrepareConfig) -> None:
-    if config.levels is not None and config.levels < 1:
+    if config.levels is not None and not 1 <= config.levels <= MAX_LEVELS:
         raise DataError(
-            f"--levels {config.levels} must be at least 1",
+            f"--levels {config.levels} must be 1 to {MAX_LEVELS}",
             "leave --levels out (chosen by catalogue size) or use 3",
         )
     if config.batch_rows < 1:

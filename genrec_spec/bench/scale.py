@@ -44,6 +44,7 @@ import torch
 from genrec_spec.bench.errors import BenchError
 from genrec_spec.bench.scale_prepare import PrepareCost, check_prepare_options, prepared_catalogue
 from genrec_spec.data_pipelines.atomic import check_writable_folder
+from genrec_spec.data_pipelines.prepare import MAX_LEVELS
 from genrec_spec.data_pipelines.synthetic import SyntheticConfig, users_for
 from genrec_spec.machine import describe_device, finish
 from genrec_spec.recsys.item_index import KINDS as INDEX_KINDS
@@ -131,6 +132,11 @@ class BenchScaleConfig:
         if not 0 <= self.seed < 2**63:
             raise BenchError(f"--seed {self.seed}", "use a seed in 0 .. 2^63 - 1")
         check_prepare_options(self.prepare_options)
+        if self.levels is not None and not 1 <= self.levels <= MAX_LEVELS:
+            raise BenchError(
+                f"--levels {self.levels} must be 1 to {MAX_LEVELS}",
+                "use 3, or 0 for prepare's choice by catalogue size",
+            )
         users = min(users_for(n, SyntheticConfig()) for n in self.sizes)
         if max(self.batch_sizes) > users:
             raise BenchError(

@@ -54,6 +54,7 @@ def _run(capsys, *argv) -> tuple[int, str]:
         (["--dataset", "movielens:/nonexistent/folder"], "/nonexistent/folder"),
         (["--dataset", "ml-100k", "--codebook-size", "4096"], "--codebook-size"),
         (["--dataset", "ml-100k", "--levels", "0"], "--levels"),
+        (["--dataset", "ml-100k", "--levels", "100"], "--levels 100 must be 1 to"),
     ],
 )
 def test_bad_input_is_one_clear_error_and_leaves_no_output(tmp_path, capsys, argv, expected):

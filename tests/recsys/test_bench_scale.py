@@ -80,6 +80,8 @@ def test_bad_settings_raise():
             BenchScaleConfig(**limits)  # (every cell skipped, or the limit off)
     with pytest.raises(BenchError, match="seed in 0"):
         BenchScaleConfig(seed=2**70)
+    with pytest.raises(BenchError, match="--levels 100 must be 1 to"):
+        BenchScaleConfig(levels=100)  # (prepared for minutes)
     with pytest.raises(BenchError, match="--device tpu: not a device"):
         BenchScaleConfig(device="tpu")
 
