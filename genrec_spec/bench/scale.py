@@ -379,7 +379,11 @@ def bench_size(items: int, root: Path, settings: BenchScaleConfig, log) -> SizeR
 
 
 def bench_scale(
-    settings: BenchScaleConfig, log: Callable[[str], None] = lambda line: None
+    settings: BenchScaleConfig,
+    log: Callable[[str], None] = lambda line: None,
+    # called after each size with the header and the sizes measured so far (a report written
+    # there keeps them when a later size fails, e.g. one that does not fit memory)
+    measured: Callable[[str, list[SizeReport]], None] = lambda header, reports: None,
 ) -> tuple[str, list[SizeReport]]:  # (a header line saying how it was measured, each size)
     """Every size of `settings` (module docstring); `bench.scale_report` formats them."""
     import faiss
@@ -394,14 +398,14 @@ def bench_scale(
         for items in settings.sizes:
             log(f"synthetic:{items}")
             reports.append(bench_size(items, root, settings, log))
-    header = (
-        f"bench scale: {describe_device(settings.device)}, {settings.threads} thread(s), "
-        f"K={settings.k}, "
-        f"median of {settings.repeats} calls per cell; a random-weight model of the default "
-        f"config (code levels: {settings.model}; item table: {settings.item_table}; "
-        f"dense-index: {settings.index_kind}), speed only; "
-        f"{time.perf_counter() - started:.0f} s"
-    )
+            header = (
+                f"bench scale: {describe_device(settings.device)}, {settings.threads} "
+                f"thread(s), K={settings.k}, median of {settings.repeats} calls per cell; a "
+                f"random-weight model of the default config (code levels: {settings.model}; "
+                f"item table: {settings.item_table}; dense-index: {settings.index_kind}), speed "
+                f"only; {time.perf_counter() - started:.0f} s"
+            )
+            measured(header, reports)
     return header, reports
 
 

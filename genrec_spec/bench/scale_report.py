@@ -9,11 +9,13 @@ latency there, at recall@K >= 0.95.
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import asdict
 from pathlib import Path
 
 from genrec_spec.bench.scale import Cell
+from genrec_spec.data_pipelines.atomic import atomic_write_bytes
 
 TARGET_WIDTH = 200
 TARGET_RATIO = 2.0
@@ -163,8 +165,10 @@ def plot(reports: list, path: Path) -> bool:
     axes.grid(True, which="both", alpha=0.3)
     axes.legend(fontsize=7, ncol=2)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    image = io.BytesIO()
+    figure.savefig(image, format="png", dpi=120)
     plt.close(figure)
+    atomic_write_bytes(path, image.getvalue())
     return True
 
 
@@ -172,7 +176,8 @@ def write(header: str, reports: list, settings, out: Path) -> list[Path]:
     """scale.json, scale.md and (with matplotlib) scale.png in `out`; the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     report = {"settings": asdict(settings), "header": header, "sizes": [asdict(r) for r in reports]}
-    (out / "scale.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "scale.md").write_text(format_markdown(header, reports))
+    # (each file replaced whole: the report is rewritten after every size)
+    atomic_write_bytes(out / "scale.json", (json.dumps(report, indent=1) + "\n").encode())
+    atomic_write_bytes(out / "scale.md", format_markdown(header, reports).encode())
     written = [out / "scale.json", out / "scale.md"]
     return written + ([out / "scale.png"] if plot(reports, out / "scale.png") else [])

@@ -91,14 +91,21 @@ def run(args: argparse.Namespace) -> int:
         levels=args.levels or None,
         prepare_options=tuple(args.prepare_options),
     )
-    if args.out:  # the report is written at the end: its folder checked before the work
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    written = []
+
+    def measured(header: str, reports: list) -> None:  # the report of the sizes so far
+        written[:] = write(header, reports, settings, args.out)
+        log(f"  report of {len(reports)} size(s) written to {args.out}")
+
+    if args.out:  # checked before the work, whose report it holds
         check_writable_folder(args.out)
-    header, reports = bench_scale(
-        settings, log=lambda line: print(line, file=sys.stderr, flush=True)
-    )
+    header, reports = bench_scale(settings, log, measured if args.out else lambda *_: None)
     print(format_text(header, reports))
     if args.out:
-        written = write(header, reports, settings, args.out)
         if args.out / "scale.png" not in written:
             print("matplotlib is not installed: no plot", file=sys.stderr)
         print("wrote " + ", ".join(str(p) for p in written))

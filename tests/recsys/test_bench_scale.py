@@ -126,3 +126,18 @@ def test_the_gather_limit_follows_the_device():
     assert gather_limit_gib(BenchScaleConfig(max_gather_gib=40.0)) == 40.0
     if torch.cuda.is_available():
         assert gather_limit_gib(BenchScaleConfig(device="cuda")) > 4.0
+
+
+def test_a_failing_size_keeps_the_report_of_the_sizes_before_it(tmp_path):
+    """The report is written after every size: a later size prepare refuses (fewer items than
+    its codebook's codes) used to lose the measurements of every size before it."""
+    from genrec_spec.cli import main
+
+    out = tmp_path / "out"
+    argv = ["bench", "scale", "--sizes", "600,12", "--decoders", "beam", "--beam-widths", "10"]
+    argv += ["--batch-sizes", "1", "--repeats", "1", "--data-root", str(tmp_path / "data")]
+    argv += ["--prepare-options=--codebook-size 16 --long-id-digits 0", "--out", str(out)]
+    assert main(argv) == 2
+    report = json.loads((out / "scale.json").read_text())
+    assert [size["items"] for size in report["sizes"]] == [600]
+    assert "600" in (out / "scale.md").read_text()
