@@ -124,7 +124,8 @@ def test_training_lowers_loss_and_writes_a_checkpoint(tiny_prepared, tmp_path):
     assert {"torch", "torchrec", "python"} <= set(manifest["versions"])
     assert {"hr@10", "ndcg@10", "parallel_hr@10", "long_id_ndcg@10"} <= set(manifest["best"])
     assert not model.training and model.num_items == 40
-    assert all(e["seq_per_s"] > 0 and 0 < e["train_s"] < e["epoch_s"] for e in manifest["metrics"])
+    # (both rounded to 10 ms: a tiny epoch's validation can take less, so they may be equal)
+    assert all(e["seq_per_s"] > 0 and 0 < e["train_s"] <= e["epoch_s"] for e in manifest["metrics"])
     assert manifest["resumed_after_epochs"] == []
     assert not resume_path(tmp_path / "ckpt").exists()  # removed with the checkpoint written
 
