@@ -28,13 +28,8 @@ from genrec_spec.data_pipelines.errors import DataError
 from genrec_spec.data_pipelines.split import UserSequences, ordered_sequences
 from genrec_spec.models.recsys.times import HistoryTimes
 
-REQUIRED_FILES = (
-    "manifest.json",
-    "items.parquet",
-    "train.parquet",
-    "valid.parquet",
-    "test.parquet",
-)
+SPLITS = ("train", "valid", "test")
+REQUIRED_FILES = ("manifest.json", "items.parquet", *(f"{name}.parquet" for name in SPLITS))
 WINDOW_MODES = ("random", "last")
 
 
@@ -135,7 +130,7 @@ class PreparedData:
             self,
             **{
                 name: _with_times(getattr(self, name), name, sequences, file, fix)
-                for name in ("train", "valid", "test")
+                for name in SPLITS
             },
         )
 
@@ -185,7 +180,7 @@ def load_prepared(path: Path | str) -> PreparedData:
         )
     # Read through arrow, not pandas: a list column becomes one flat array, not an object per
     # item (at millions of items, the per-item objects cost most of the load).
-    items = pq.read_table(path / "items.parquet")
+    items = _read_table(path / "items.parquet", again)
     for column in ("item_index", "item_id", "semantic_id"):
         if column not in items.column_names:
             raise DataError(
@@ -204,7 +199,7 @@ def load_prepared(path: Path | str) -> PreparedData:
     if "long_id" in items.column_names and manifest.get("long_id"):
         long_ids = torch.from_numpy(_fixed_width(items, "long_id", path)[order])
         long_id_sizes = [int(v) for v in manifest["long_id"]["codebook_sizes"]]
-    splits = {name: _read_split(path / f"{name}.parquet") for name in ("train", "valid", "test")}
+    splits = {name: _read_split(path / f"{name}.parquet", again) for name in SPLITS}
     return PreparedData(
         path=path,
         manifest=manifest,
@@ -233,8 +228,17 @@ def _fixed_width(table: pa.Table, column: str, path: Path) -> np.ndarray:  # [I,
     return flat.reshape(len(widths), -1)
 
 
-def _read_split(file: Path) -> Histories:
-    table = pq.read_table(file)
+def _read_table(file: Path, fix: str) -> pa.Table:
+    """A parquet table, or a DataError naming the file and the fix (a truncated or foreign file
+    gives arrow's message alone)."""
+    try:
+        return pq.read_table(file)
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{file} cannot be read as parquet ({exc})", fix) from exc
+
+
+def _read_split(file: Path, fix: str) -> Histories:
+    table = _read_table(file, fix)
     histories = table["history"].combine_chunks()
     offsets = histories.offsets.to_numpy().astype(np.int64)  # [U + 1]
     values = histories.flatten().to_numpy().astype(np.int64)  # [M]

@@ -67,6 +67,9 @@ def test_a_file_or_a_checkpoint_as_data_names_the_fix(tiny_data_dir, tmp_path):
     with pytest.raises(DataError, match="has no items.parquet") as refused:
         load_prepared(ckpt)
     assert "--overwrite" not in str(refused.value)
+    (tiny_data_dir / "train.parquet").write_bytes(b"PAR1 cut short")  # (arrow's message)
+    with pytest.raises(DataError, match="train.parquet cannot be read as parquet.*Fix: re-create"):
+        load_prepared(tiny_data_dir)
     (tiny_data_dir / "manifest.json").write_text("not json")  # (a JSON decoder's message)
     with pytest.raises(DataError, match="manifest.json is not JSON"):
         load_prepared(tiny_data_dir)
