@@ -18,6 +18,7 @@ import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from genrec_spec.data_pipelines.errors import DataError
 
@@ -117,18 +118,24 @@ def check_writable_folder(dest: Path, flag: str = "--out") -> None:
                 dest.rmdir()
 
 
-def atomic_write_bytes(dest: Path, data: bytes) -> None:
-    """Write `data` to `dest` through a temporary file in the same folder and an atomic rename."""
+def replace_atomically(dest: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Let `write` fill a hidden temporary file beside `dest`, then rename it to `dest`."""
     dest = Path(dest)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.tmp-", dir=dest.parent)
     try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the output from other readers
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
         os.replace(tmp, dest)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_bytes(dest: Path, data: bytes) -> None:
+    """Write `data` to `dest` through a temporary file in the same folder and an atomic rename."""
+    replace_atomically(dest, lambda f: f.write(data))
 
 
 def json_made_once(

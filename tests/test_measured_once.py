@@ -33,6 +33,7 @@ def test_json_made_once(tmp_path):
     assert json_made_once(file, make) == {"value": 1}
     assert json_made_once(file, make) == {"value": 1} and len(made) == 1  # read back
     assert json.loads(file.read_text()) == {"value": 1}
+    assert file.stat().st_mode & 0o777 == 0o644  # (the temporary file's 0600 would hide it)
     assert json_made_once(file, make, valid=lambda r: r["value"] > 1) == {"value": 2}
     file.write_text("{not json")
     assert json_made_once(file, make) == {"value": 3}

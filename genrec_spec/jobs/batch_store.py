@@ -24,16 +24,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import os
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from genrec_spec.data_pipelines.atomic import replace_atomically
 from genrec_spec.jobs.errors import BatchOutputError
 
 MANIFEST = "_manifest.json"
@@ -76,20 +74,6 @@ class ShardStore:
         self.manifest["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         data = (json.dumps(self.manifest, indent=1) + "\n").encode()
         replace_atomically(self.out / MANIFEST, lambda f: f.write(data))
-
-
-def replace_atomically(dest: Path, write: Callable[[BinaryIO], object]) -> None:
-    """Let `write` fill a hidden temporary file beside `dest`, then rename it to `dest`."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.tmp-", dir=dest.parent)
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the output from other readers
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 @contextlib.contextmanager
