@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from genrec_spec.llm.title_recommender import TitleRecommender
 from genrec_spec.serve.errors import ServeInputError
 from genrec_spec.serve.retrieval import Query, Retriever
-from genrec_spec.serve.schemas import RecommendRequest
+from genrec_spec.serve.schemas import MAX_BEAMS, RecommendRequest
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,13 @@ class TitleRetriever:
 
     def prepare(self, request: RecommendRequest) -> tuple[TitleKey, Query]:
         self.retriever.check_k(request.k)
+        if request.k > MAX_BEAMS:  # its beams are k wide: 150 ran past the timeout, and on
+            # after it, holding up the LLM's later requests
+            raise ServeInputError(
+                f"k = {request.k} is more than the llm decoder's {MAX_BEAMS} (its beam search "
+                "keeps k beams, each a tree node the LLM scores every step)",
+                f"ask the llm decoder for k <= {MAX_BEAMS}, or use another decoder",
+            )
         if request.options or request.exclude_seen:
             raise ServeInputError(
                 "the llm decoder takes no options and no exclude_seen",

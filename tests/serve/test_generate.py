@@ -78,6 +78,8 @@ def test_recommend_by_title_with_smollm2(start_service, retriever):
             f"{url}/v1/recommend",
             json={"user_id": user, "k": 4, "decoder": "llm", "exclude_seen": True},
         )
+        # (a k of 150 ran past the timeout, then held up the LLM's later requests)
+        wide = httpx.post(f"{url}/v1/recommend", json={"user_id": user, "k": 33, "decoder": "llm"})
         metrics = httpx.get(f"{url}/metrics").text
     for answer in answers:
         assert answer["decoder"] == "llm" and len(set(answer["items"])) == 4, answer
@@ -86,4 +88,5 @@ def test_recommend_by_title_with_smollm2(start_service, retriever):
         assert answer["stats"]["target_forwards"] >= 1
     assert answers[0]["user_id"] == user and answers[1]["history_length"] == 3
     assert refused.status_code == 400 and "exclude_seen" in refused.json()["detail"]
+    assert wide.status_code == 400 and "k <= 32" in wide.json()["detail"]
     assert 'genrec_spec_target_passes_total{kind="recommend",method="llm"}' in metrics
