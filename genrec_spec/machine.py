@@ -3,7 +3,8 @@
 CPU fast paths are chosen by measurement, and the measurements are cached under a key of what
 they depend on (`machine_key`); every benchmark prints `describe()` so numbers taken on
 different machines are never compared blindly. A bottom module like `genrec_spec.errors`: it
-imports nothing of the project but `genrec_spec.memory` (another), so every layer may use it.
+imports nothing of the project but `genrec_spec.memory` and `genrec_spec.errors` (two others),
+so every layer may use it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable, Hashable
 from pathlib import Path
 
+from genrec_spec.errors import GenrecError
 from genrec_spec.memory import kept
 
 # The CPU features our kernels' speed turns on (the vector width, bfloat16 and int8 dot
@@ -126,3 +128,18 @@ def time_in_turns(
                 samples[key].append(time.perf_counter() - start)
             after(key)
     return {key: statistics.median(times) for key, times in samples.items()}
+
+
+def set_threads(threads: int | None) -> None:
+    """A command's torch CPU threads (None: torch's default, every core), refused below 1 or
+    above the machine's cores: far more ran for minutes, ran out of memory or crashed."""
+    import torch
+
+    cores = os.cpu_count() or 1
+    if threads is None:
+        return
+    if not 1 <= threads <= cores:
+        raise GenrecError(
+            f"--threads {threads} on a machine of {cores} cores", f"pass 1 to {cores}"
+        )
+    torch.set_num_threads(threads)

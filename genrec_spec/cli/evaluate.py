@@ -29,7 +29,7 @@ from pathlib import Path
 
 from genrec_spec.cli.args import config_from_args
 from genrec_spec.recsys.decoders.registry import decoder_names, parse_option
-from genrec_spec.recsys.errors import DecodeOptionError
+from genrec_spec.recsys.errors import DecodeOptionError, RecommendInputError
 from genrec_spec.recsys.evaluate import EvaluateConfig, evaluate_checkpoint, format_table
 
 
@@ -61,6 +61,27 @@ def require_data(args: argparse.Namespace) -> None:
     """--llm reads titles and users from a prepared folder: --data is then required."""
     if args.llm and args.data is None:
         raise SystemExit("--llm needs --data DIR (a prepared folder with item titles)")
+
+
+def refuse_for_llm(given: dict[str, bool]) -> None:
+    """Refuse the flags given (flag -> whether it was) that the LLM's title search does not
+    read: taken silently, --exclude-seen returned items of the history."""
+    named = [flag for flag, present in given.items() if present]
+    if named:
+        raise RecommendInputError(
+            f"{', '.join(named)} do not apply to --llm: the LLM beam-searches K titles of the "
+            "catalogue, with no decoder options, exclusion or timestamps",
+            "leave them out with --llm",
+        )
+
+
+def check_json_path(path: Path | None) -> None:
+    """Refuse a --json file that could not be written, before the evaluation it would hold."""
+    if path is not None and (path.is_dir() or not path.absolute().parent.is_dir()):
+        raise RecommendInputError(
+            f"--json {path}: a folder, or in a folder that does not exist",
+            "pass a file path in an existing folder",
+        )
 
 
 def add_option_argument(parser: argparse.ArgumentParser, help_text: str) -> None:
@@ -128,6 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_json_path(args.json)
     if args.llm:
         return _run_llm(args)
     config = config_from_args(
@@ -156,6 +178,13 @@ def _run_llm(args: argparse.Namespace) -> int:
     from genrec_spec.jobs.title_recommend import evaluate_titles
 
     require_data(args)
+    refuse_for_llm(
+        {
+            "--decoder": args.decoder != EvaluateConfig.decoders,
+            "--option": bool(args.option),
+            "--exclude-history": args.exclude_history,
+        }
+    )
     batch = {} if args.batch_size is None else {"batch_size": args.batch_size}
     metrics = evaluate_titles(
         args.data,

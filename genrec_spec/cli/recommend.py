@@ -24,7 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from genrec_spec.cli.evaluate import add_checkpoint_arguments, add_option_argument, require_data
+from genrec_spec.cli.evaluate import (
+    add_checkpoint_arguments,
+    add_option_argument,
+    refuse_for_llm,
+    require_data,
+)
 from genrec_spec.recsys.decoders.registry import decoder_names
 
 
@@ -123,6 +128,15 @@ def _run_llm(args: argparse.Namespace, history: list[str] | None) -> int:
     from genrec_spec.jobs.title_recommend import recommend_titles_for
 
     require_data(args)
+    refuse_for_llm(
+        {
+            "--decoder": args.decoder != "beam",
+            "--option": bool(args.option),
+            "--exclude-seen": args.exclude_seen,
+            "--history-times": args.history_times is not None,
+            "--at": args.at is not None,
+        }
+    )
     answer = recommend_titles_for(
         args.data,
         llm=args.llm,

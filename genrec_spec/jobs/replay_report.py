@@ -25,15 +25,14 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import torch
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from genrec_spec.data_pipelines.atomic import atomic_dir
-from genrec_spec.jobs.errors import ReplayInputError
 from genrec_spec.jobs.replay import ReplayResult, run_replay
 from genrec_spec.jobs.replay_arms import Arm, ReplayConfig
 from genrec_spec.jobs.replay_compare import arm_text
+from genrec_spec.machine import set_threads
 
 FILES = ("report.html", "metrics.json", "per_user.parquet")
 COLORS = {"A": "#4c72b0", "B": "#dd8452"}
@@ -62,9 +61,7 @@ def replay_to_folder(
 ) -> ReplayResult:
     """Run the replay (`run_replay`) and write its three files into `out`, atomically: nothing
     is left there on failure."""
-    if threads < 1:
-        raise ReplayInputError(f"--threads must be >= 1, got {threads}", "pass --threads 1 or more")
-    torch.set_num_threads(threads)
+    set_threads(threads)
     with atomic_dir(out, overwrite=overwrite) as tmp:
         result = run_replay(arm_a, arm_b, config, split=split, log=log, data_dir=data_dir)
         write_report(result, tmp, command)

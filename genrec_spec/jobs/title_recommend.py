@@ -21,6 +21,7 @@ from genrec_spec.llm.title_recommender import (
     folder_titles,
     load_title_llm,
 )
+from genrec_spec.machine import set_threads
 from genrec_spec.recsys.data import PreparedData, load_prepared, sample_users
 from genrec_spec.recsys.errors import RecommendInputError
 from genrec_spec.recsys.metrics import ranking_metrics, ranks_from_topk
@@ -76,16 +77,15 @@ def recommend_titles_for(
     threads: int = 1,
 ) -> dict:
     """One user's (or history's) K items named by the LLM (``answer``)."""
-    if threads < 1:  # (torch raised a RuntimeError)
-        raise RecommendInputError(f"--threads must be >= 1, got {threads}", "pass 1 or more")
     if k < 1:  # (beam search's message named num_beams)
         raise RecommendInputError(f"--k must be >= 1, got {k}", "ask for 1 item or more")
     if (user_id is None) == (history_ids is None):
         raise RecommendInputError(
             "give exactly one of a user id or a history", "pass --user ID or --history IDS"
         )
-    torch.set_num_threads(threads)
+    set_threads(threads)
     data = load_prepared(data_dir)
+    check_k(k, data)
     history = (
         user_history(data, user_id) if user_id is not None else item_indices(data, history_ids)
     )
@@ -112,11 +112,17 @@ def evaluate_titles(
 ) -> dict:
     """HR / NDCG@K and MRR of the LLM's lists (max(ks) long) on a split's users (a seeded
     subset of ``users``; 0 = all), with the time and passes per user."""
-    torch.set_num_threads(threads)
+    set_threads(threads)
+    if batch_size < 1 or not 0 <= seed < 2**63:  # (torch's messages, after the LLM loaded)
+        raise RecommendInputError(
+            f"--batch-size {batch_size} and --seed {seed}",
+            "pass a batch size >= 1 and a seed in 0 .. 2^63 - 1",
+        )
     data = load_prepared(data_dir)
+    check_k(max(ks), data)
     histories = getattr(data, split)
+    rows = sample_users(len(histories), users, seed)  # (refuses a bad count before the LLM)
     recommender = load_title_recommender(data, llm, config)
-    rows = sample_users(len(histories), users, seed)
     ranks, seconds, passes, invalid, count = [], 0.0, 0, 0, 0
     for count, part in enumerate(rows.split(batch_size), 1):
         chosen = histories.select(part)
@@ -139,3 +145,13 @@ def evaluate_titles(
         "target_passes_per_batch": passes / count,
         "invalid_items": invalid,
     }
+
+
+def check_k(k: int, data: PreparedData) -> None:
+    """Refuse more items than the catalogue holds before the LLM loads (beam search's own
+    message came after it, in its words)."""
+    if k > len(data.item_ids):
+        raise RecommendInputError(
+            f"--k {k} is larger than the catalogue ({len(data.item_ids)} titles)",
+            f"ask for at most {len(data.item_ids)} items",
+        )

@@ -233,6 +233,8 @@ def _read_table(file: Path, fix: str) -> pa.Table:
     gives arrow's message alone)."""
     try:
         return pq.read_table(file)
+    except MemoryError:  # (arrow's too: not the file's fault)
+        raise
     except (pa.ArrowException, OSError) as exc:
         raise DataError(f"{file} cannot be read as parquet ({exc})", fix) from exc
 

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from genrec_spec.machine import set_threads
 from genrec_spec.recsys.checkpoint import load_model_and_data
 from genrec_spec.recsys.data import sample_users
 from genrec_spec.recsys.decoders.beam import item_trie
@@ -156,12 +157,7 @@ def evaluate_checkpoint(
 ) -> tuple[str, dict]:  # (a header line naming what was evaluated, the report)
     """Every decoder of `config` on the same users of a checkpoint's split: the report holds
     ckpt, split, users, options, exclude_history and results (decoder -> `evaluate`'s metrics)."""
-    if config.threads is not None and config.threads < 1:
-        raise RecommendInputError(
-            f"--threads must be >= 1, got {config.threads}", "pass --threads 1 or more"
-        )
-    if config.threads is not None:  # else torch's default: every core
-        torch.set_num_threads(config.threads)
+    set_threads(config.threads)
     decoders = {name: get_decoder(name) for name in config.decoders}
     check_options(decoders, options)
     for name, decode in decoders.items():

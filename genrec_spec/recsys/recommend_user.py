@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from genrec_spec.machine import set_threads
 from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.checkpoint import load_model_and_data
 from genrec_spec.recsys.errors import RecommendInputError
@@ -142,13 +143,11 @@ def recommend_for(
 ) -> dict:
     """The answer (`recommend_one`, with `user_id` first when given) for one user or history of
     a checkpoint."""
-    if threads < 1:
-        raise RecommendInputError(f"--threads must be >= 1, got {threads}", "pass 1 or more")
+    set_threads(threads)
     if (user_id is None) == (history_ids is None):
         raise RecommendInputError(
             "give exactly one of a user id or a history", "pass --user ID or --history IDS"
         )
-    torch.set_num_threads(threads)
     model, data = load_model_and_data(ckpt, data_dir)
     if user_id is not None:
         history = user_history(data, user_id)

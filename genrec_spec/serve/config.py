@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 from dataclasses import dataclass
 
 from genrec_spec.serve.errors import ServeInputError
@@ -39,7 +40,7 @@ class ServeConfig:
             "max_k": self.max_k >= 1,
             "max_new_tokens": self.max_new_tokens >= 1,
             "retry_after_s": self.retry_after_s >= 1,
-            "threads": self.threads >= 1,
+            "threads": 1 <= self.threads <= (os.cpu_count() or 1),
             "history_cache_mb": self.history_cache_mb >= 0,
             "port": 0 <= self.port <= 65535,
         }
@@ -48,7 +49,8 @@ class ServeConfig:
             values = ", ".join(f"{name}={getattr(self, name)!r}" for name in bad)
             raise ServeInputError(
                 f"invalid service setting(s) {values}",
-                "batch, queue, k, token and thread limits must be >= 1, waits >= 0, the "
+                "batch, queue, k, token and thread limits must be >= 1 (threads at most the "
+                "machine's cores), waits >= 0, the "
                 "timeout > 0, the body limit >= 1024 bytes and the port in 0..65535",
             )
 

@@ -125,14 +125,34 @@ def test_the_cli_refuses_llm_without_data(tmp_path):
     assert run.returncode != 0 and "--llm needs --data" in run.stderr
 
 
-def test_bad_counts_are_refused_before_the_llm_loads(tiny_data_dir):
-    from genrec_spec.jobs.title_recommend import recommend_titles_for
+def test_bad_counts_are_refused_before_the_llm_loads(tiny_data_dir, monkeypatch):
+    from genrec_spec.jobs import title_recommend
+    from genrec_spec.jobs.title_recommend import evaluate_titles, recommend_titles_for
     from genrec_spec.recsys.errors import RecommendInputError
 
-    with pytest.raises(RecommendInputError, match="--threads must be >= 1, got 0"):
-        recommend_titles_for(tiny_data_dir, user_id="u1", threads=0)  # (torch raised)
+    class Loaded(Exception):  # the LLM would load here: every check passed
+        pass
+
+    def load(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(title_recommend, "load_title_recommender", load)
+    for threads in (0, 10**5):  # (torch raised; 10^5 ran out of memory)
+        with pytest.raises(ValueError, match=f"--threads {threads} on a machine of"):
+            recommend_titles_for(tiny_data_dir, user_id="u1", threads=threads)
     with pytest.raises(RecommendInputError, match="--k must be >= 1, got 0"):
         recommend_titles_for(tiny_data_dir, user_id="u1", k=0)
+    with pytest.raises(RecommendInputError, match="--k 41 is larger than the catalogue"):
+        recommend_titles_for(tiny_data_dir, user_id="u1", k=41)
+    with pytest.raises(RecommendInputError, match="--k 41 is larger than the catalogue"):
+        evaluate_titles(tiny_data_dir, ks=(10, 41))
+    for bad in ({"batch_size": 0}, {"seed": 2**70}):  # (torch's messages, after the LLM)
+        with pytest.raises(RecommendInputError, match="batch size >= 1 and a seed"):
+            evaluate_titles(tiny_data_dir, **bad)
+    with pytest.raises(ValueError, match="--users must be >= 0"):
+        evaluate_titles(tiny_data_dir, users=-5)
+    with pytest.raises(Loaded):  # no --threads: torch's default (a TypeError before)
+        evaluate_titles(tiny_data_dir, threads=None)
 
 
 def test_a_folder_without_titles_is_refused(tiny_data_dir):
@@ -178,3 +198,18 @@ def test_an_unknown_pass_cost_is_refused():
 
     with pytest.raises(DecodeInputError, match="unknown pass_cost"):
         TitleRecommenderConfig(pass_cost="free")
+
+
+def test_flags_the_llm_does_not_read_are_refused(tiny_data_dir, tmp_path, capsys):
+    """Taken silently, --exclude-seen returned the history's own items; --json was checked
+    only after the whole evaluation."""
+    from genrec_spec.cli import main
+
+    llm = ["--llm", "smollm2", "--data", str(tiny_data_dir)]
+    for extra in (["--exclude-seen"], ["--option", "beam_width=2"], ["--decoder", "heads"]):
+        assert main(["recommend", *llm, "--user", "u1", *extra]) == 2
+        assert f"{extra[0]} do not apply to --llm" in capsys.readouterr().err
+    assert main(["evaluate", *llm, "--exclude-history"]) == 2
+    assert "--exclude-history do not apply to --llm" in capsys.readouterr().err
+    assert main(["evaluate", *llm, "--json", str(tmp_path / "missing" / "x.json")]) == 2
+    assert "--json" in capsys.readouterr().err
