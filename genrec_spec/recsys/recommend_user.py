@@ -34,7 +34,7 @@ def user_history(data, user_id: str) -> list[int]:
         examples = ", ".join(test.user_ids[:5])
         raise RecommendInputError(
             f"unknown user id {user_id!r}: the data has {len(test)} users (e.g. {examples})",
-            "pass --history ID,ID,... for a user it does not know",
+            "pass --history ID,ID,... (or a JSON list of ids) for a user it does not know",
         ) from None
     history = test.values[test.offsets[row] : test.offsets[row + 1]].tolist()
     return history + [int(test.targets[row])]
@@ -76,9 +76,13 @@ def item_indices(data, item_ids: list[str]) -> list[int]:
     unknown = [item for item in item_ids if item not in index]
     if unknown:
         examples = ", ".join(data.item_ids[:5])
+        # (each quoted: a title split at its comma, shown joined, read as the real title)
         raise RecommendInputError(
-            f"{len(unknown)} unknown item id(s) in --history: {', '.join(unknown[:10])}",
-            f"use item ids of the catalogue ({len(data.item_ids)} items, ids like {examples})",
+            f"{len(unknown)} unknown item id(s) in --history: "
+            f"{', '.join(repr(item) for item in unknown[:10])}",
+            f"use item ids of the catalogue ({len(data.item_ids)} items, ids like {examples}); "
+            "ids that hold commas go as a JSON list: --history "
+            + """'["American President, The (1995)"]'""",
         )
     return [index[item] for item in item_ids]
 

@@ -213,3 +213,8 @@ def test_flags_the_llm_does_not_read_are_refused(tiny_data_dir, tmp_path, capsys
     assert "--exclude-history do not apply to --llm" in capsys.readouterr().err
     assert main(["evaluate", *llm, "--json", str(tmp_path / "missing" / "x.json")]) == 2
     assert "--json" in capsys.readouterr().err
+    # An unknown id quoted, with the JSON form that keeps a title's comma (a title split at its
+    # comma read, joined, as the real title)
+    assert main(["recommend", *llm, "--history", "i1,Heat, The"]) == 2
+    err = capsys.readouterr().err
+    assert "'Heat', 'The'" in err and "go as a JSON list" in err
