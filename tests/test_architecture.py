@@ -28,7 +28,8 @@ LOWER = {
     "genrec_spec.errors": set(),
     "genrec_spec.cache": set(),
     "genrec_spec.memory": set(),
-    "genrec_spec.machine": {"genrec_spec.memory"},  # its line for benchmarks says the policy
+    # its line for benchmarks says the policy; its thread check raises the project's error
+    "genrec_spec.machine": {"genrec_spec.memory", "genrec_spec.errors"},
     "genrec_spec.kernels": BOTTOM,
     "genrec_spec.data_pipelines": BOTTOM,
     "genrec_spec.models": BOTTOM | {"genrec_spec.kernels", "genrec_spec.data_pipelines"},
