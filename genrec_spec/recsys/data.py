@@ -136,9 +136,9 @@ class PreparedData:
 
 
 def _remake_fix(path: Path) -> str:
-    """How to remake a broken data folder: with --overwrite only where prepare wrote it (its
-    manifest names the Semantic IDs); anything else (a checkpoint, a user's own folder) that
-    option would delete."""
+    """How to remake a broken data folder (read only when refusing one): with --overwrite only
+    where prepare wrote it (its manifest names the Semantic IDs); anything else (a checkpoint,
+    a user's own folder) that option would delete."""
     try:
         ours = "semantic_id" in json.loads((path / "manifest.json").read_text())
     except (OSError, ValueError, TypeError):
@@ -161,16 +161,16 @@ def load_prepared(path: Path | str) -> PreparedData:
             f"data folder {path} does not exist",
             f"make it with `genrec-spec prepare --dataset ml-1m --out {path}`",
         )
-    again = _remake_fix(path)
     for name in REQUIRED_FILES:
         if not (path / name).is_file():
             raise DataError(
-                f"data folder {path} has no {name} (incomplete or not a prepared folder)", again
+                f"data folder {path} has no {name} (incomplete or not a prepared folder)",
+                _remake_fix(path),
             )
     try:
         manifest = json.loads((path / "manifest.json").read_text())
     except (ValueError, UnicodeDecodeError) as exc:
-        raise DataError(f"{path / 'manifest.json'} is not JSON ({exc})", again) from exc
+        raise DataError(f"{path / 'manifest.json'} is not JSON ({exc})", _remake_fix(path)) from exc
     missing = [key for key in ("data_hash", "semantic_id") if key not in manifest]
     if missing:
         raise DataError(
@@ -180,7 +180,7 @@ def load_prepared(path: Path | str) -> PreparedData:
         )
     # Read through arrow, not pandas: a list column becomes one flat array, not an object per
     # item (at millions of items, the per-item objects cost most of the load).
-    items = _read_table(path / "items.parquet", again)
+    items = _read_table(path / "items.parquet")
     for column in ("item_index", "item_id", "semantic_id"):
         if column not in items.column_names:
             raise DataError(
@@ -199,7 +199,7 @@ def load_prepared(path: Path | str) -> PreparedData:
     if "long_id" in items.column_names and manifest.get("long_id"):
         long_ids = torch.from_numpy(_fixed_width(items, "long_id", path)[order])
         long_id_sizes = [int(v) for v in manifest["long_id"]["codebook_sizes"]]
-    splits = {name: _read_split(path / f"{name}.parquet", again) for name in SPLITS}
+    splits = {name: _read_split(path / f"{name}.parquet") for name in SPLITS}
     return PreparedData(
         path=path,
         manifest=manifest,
@@ -228,19 +228,21 @@ def _fixed_width(table: pa.Table, column: str, path: Path) -> np.ndarray:  # [I,
     return flat.reshape(len(widths), -1)
 
 
-def _read_table(file: Path, fix: str) -> pa.Table:
-    """A parquet table, or a DataError naming the file and the fix (a truncated or foreign file
-    gives arrow's message alone)."""
+def _read_table(file: Path) -> pa.Table:
+    """A parquet table of a prepared folder, or a DataError naming the file and the fix (a
+    truncated or foreign file gives arrow's message alone)."""
     try:
         return pq.read_table(file)
     except MemoryError:  # (arrow's too: not the file's fault)
         raise
     except (pa.ArrowException, OSError) as exc:
-        raise DataError(f"{file} cannot be read as parquet ({exc})", fix) from exc
+        raise DataError(
+            f"{file} cannot be read as parquet ({exc})", _remake_fix(file.parent)
+        ) from exc
 
 
-def _read_split(file: Path, fix: str) -> Histories:
-    table = _read_table(file, fix)
+def _read_split(file: Path) -> Histories:
+    table = _read_table(file)
     histories = table["history"].combine_chunks()
     offsets = histories.offsets.to_numpy().astype(np.int64)  # [U + 1]
     values = histories.flatten().to_numpy().astype(np.int64)  # [M]
