@@ -60,7 +60,10 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser, llm: bool = False)
 def require_data(args: argparse.Namespace) -> None:
     """--llm reads titles and users from a prepared folder: --data is then required."""
     if args.llm and args.data is None:
-        raise SystemExit("--llm needs --data DIR (a prepared folder with item titles)")
+        raise RecommendInputError(
+            "--llm needs the prepared data (its item titles and users)",
+            "pass --data DIR, a folder `genrec-spec prepare` wrote",
+        )
 
 
 def refuse_for_llm(given: dict[str, bool]) -> None:

@@ -31,6 +31,7 @@ from genrec_spec.cli.evaluate import (
     require_data,
 )
 from genrec_spec.recsys.decoders.registry import decoder_names
+from genrec_spec.recsys.errors import RecommendInputError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,9 +106,16 @@ def _history(text: str) -> list[str]:
     try:
         ids = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise SystemExit(f"--history is not a JSON list ({exc}): pass '[\"id\", ...]'") from None
+        raise RecommendInputError(
+            f"--history starts with '[' but is not JSON ({exc})",
+            'pass a JSON list of ids, e.g. \'["Toy Story (1995)", "Heat (1995)"]\', or ids '
+            "separated by commas",
+        ) from None
     if not isinstance(ids, list) or not all(isinstance(i, str | int) for i in ids):
-        raise SystemExit(f"--history {text[:80]!r}: a JSON list of item ids (strings) is needed")
+        raise RecommendInputError(
+            f"--history {text[:80]!r} is JSON but not a list of item ids",
+            "pass a list of strings (or integers), e.g. '[\"Toy Story (1995)\"]'",
+        )
     return [str(i) for i in ids]
 
 
@@ -118,9 +126,9 @@ def _times(text: str | None) -> list[int] | None:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(
-            f"--history-times {text!r} is not a list of integers: pass seconds like "
-            "978300760,978302109"
+        raise RecommendInputError(
+            f"--history-times {text!r} is not a list of integers",
+            "pass Unix seconds separated by commas, e.g. 978300760,978302109",
         ) from None
 
 

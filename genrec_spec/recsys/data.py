@@ -14,6 +14,8 @@ Q long-ID digits.
 from __future__ import annotations
 
 import json
+import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -89,6 +91,18 @@ class Histories:
             times=move(self.times),
             target_times=move(self.target_times),
         )
+
+
+def id_key(item_id: str) -> str:
+    """An item id as lookups compare it: in Unicode NFC, so that a title typed or sent in another
+    normal form ("é" as "e" and a combining accent, as some keyboards and macOS file names give
+    it) finds its item."""
+    return unicodedata.normalize("NFC", item_id)
+
+
+def item_lookup(item_ids: Sequence[str]) -> dict[str, int]:
+    """Raw item id (`id_key`) -> item index."""
+    return {id_key(item): i for i, item in enumerate(item_ids)}
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch
 from genrec_spec.machine import set_threads
 from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.checkpoint import load_model_and_data
+from genrec_spec.recsys.data import id_key, item_lookup
 from genrec_spec.recsys.errors import RecommendInputError
 from genrec_spec.recsys.recommend import recommend
 
@@ -72,8 +73,8 @@ def times_for(
 
 def item_indices(data, item_ids: list[str]) -> list[int]:
     """Raw item ids -> item indices; every unknown id is named in the error."""
-    index = {item: i for i, item in enumerate(data.item_ids)}
-    unknown = [item for item in item_ids if item not in index]
+    index = item_lookup(data.item_ids)
+    unknown = [item for item in item_ids if id_key(item) not in index]
     if unknown:
         examples = ", ".join(data.item_ids[:5])
         # (each quoted: a title split at its comma, shown joined, read as the real title)
@@ -84,7 +85,7 @@ def item_indices(data, item_ids: list[str]) -> list[int]:
             "ids that hold commas go as a JSON list: --history "
             + """'["American President, The (1995)"]'""",
         )
-    return [index[item] for item in item_ids]
+    return [index[id_key(item)] for item in item_ids]
 
 
 def item_texts(data) -> list[str] | None:

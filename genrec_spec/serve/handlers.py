@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from genrec_spec.errors import GenrecError
 from genrec_spec.serve.errors import ServiceError
 from genrec_spec.serve.metrics import ServiceMetrics
 
@@ -28,12 +29,16 @@ def refusal(metrics: ServiceMetrics, error: ServiceError) -> JSONResponse:
     return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
-def describe_problem(error: dict) -> str:
-    """One line for one of pydantic's validation errors: where and what."""
+def describe_problem(error: dict) -> tuple[str, str | None]:
+    """One line for one of pydantic's validation errors, where and what, and the fix a
+    schema's own check gave (None: a type or range error, whose fix is the schema)."""
     if error["type"] == "json_invalid":
-        return f"malformed JSON at character {error['loc'][-1]}: {error['ctx']['error']}"
+        return f"malformed JSON at character {error['loc'][-1]}: {error['ctx']['error']}", None
     where = ".".join(str(part) for part in error["loc"] if part != "body") or "body"
-    return f"{where}: {error['msg']}"
+    cause = error.get("ctx", {}).get("error")
+    if isinstance(cause, GenrecError):  # a check of the schema's (pydantic wraps its message)
+        return f"{where}: {cause.problem}", cause.fix
+    return f"{where}: {error['msg']}", None
 
 
 def _refuse(request: Request, error: ServiceError) -> JSONResponse:
@@ -45,8 +50,10 @@ async def on_service_error(request: Request, error: ServiceError) -> JSONRespons
 
 
 async def on_invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-    problems = "; ".join(describe_problem(e) for e in error.errors())
-    fix = "send a body that follows the schema at /openapi.json"
+    described = [describe_problem(e) for e in error.errors()]
+    problems = "; ".join(problem for problem, _ in described)
+    schema = "send a body that follows the schema at /openapi.json"
+    fix = "; ".join(dict.fromkeys(fix or schema for _, fix in described))  # each once, in order
     return _refuse(
         request, ServiceError(422, "invalid_request", f"invalid request: {problems}", fix)
     )

@@ -30,6 +30,7 @@ import torch
 
 from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.checkpoint import load_model_and_data
+from genrec_spec.recsys.data import id_key, item_lookup
 from genrec_spec.recsys.decoders.beam import item_trie
 from genrec_spec.recsys.decoders.registry import (
     DECODERS,
@@ -75,7 +76,7 @@ class Retriever:
             self.history_cache = HistoryCache(model, max_bytes=history_cache_bytes)
         self.max_k = min(max_k, model.num_items)
         self.trie = item_trie(model)
-        self.item_index = {item: i for i, item in enumerate(data.item_ids)}
+        self.item_index = item_lookup(data.item_ids)
         self.user_row = {user: row for row, user in enumerate(data.test.user_ids)}
         self.options = {name: plain_options(get_decoder(name)) for name in DECODERS}
 
@@ -109,7 +110,7 @@ class Retriever:
         return user_times(self.data, user_id)
 
     def item_indices(self, item_ids: Sequence[str | int]) -> list[int]:
-        indices = [self.item_index.get(str(item), -1) for item in item_ids]
+        indices = [self.item_index.get(id_key(str(item)), -1) for item in item_ids]
         unknown = [str(item) for item, i in zip(item_ids, indices, strict=True) if i < 0]
         if unknown:
             examples = ", ".join(self.data.item_ids[:5])

@@ -122,7 +122,8 @@ def test_the_cli_refuses_llm_without_data(tmp_path):
         capture_output=True,
         text=True,
     )
-    assert run.returncode != 0 and "--llm needs --data" in run.stderr
+    assert run.returncode == 2 and "error: --llm needs the prepared data" in run.stderr
+    assert "Fix: pass --data DIR" in run.stderr
 
 
 def test_bad_counts_are_refused_before_the_llm_loads(tiny_data_dir, monkeypatch):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import unicodedata
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,8 +20,8 @@ from genrec_spec.recsys.checkpoint import save_checkpoint
 from genrec_spec.recsys.data import sample_users
 from genrec_spec.recsys.decoders import heads, nezha
 from genrec_spec.recsys.decoders.registry import parse_option
-from genrec_spec.recsys.errors import DecodeOptionError
-from genrec_spec.recsys.recommend_user import user_history
+from genrec_spec.recsys.errors import DecodeOptionError, RecommendInputError
+from genrec_spec.recsys.recommend_user import item_indices, user_history
 
 
 @pytest.fixture
@@ -193,14 +195,26 @@ def test_recommend_command(tiny_ckpt, capsys):
     assert f"most recent {model.config.max_len} items" in capsys.readouterr().out
 
 
+def test_ids_in_another_unicode_form_are_found():
+    # MovieLens-1M's ids are titles, 47 with accents; typed, an "é" may come as "e" + U+0301
+    data = SimpleNamespace(item_ids=["Misérables, Les (1995)", "Heat (1995)"])
+    typed = unicodedata.normalize("NFD", data.item_ids[0])
+    assert typed != data.item_ids[0]
+    assert item_indices(data, [typed, "Heat (1995)"]) == [0, 1]
+
+
 def test_recommend_bad_ids(tiny_ckpt):
     ckpt, _, _ = tiny_ckpt
     with pytest.raises(ValueError, match="unknown user id 'nobody'"):
         recommend_cli.run(_args(recommend_cli, ["--ckpt", str(ckpt), "--user", "nobody"]))
     with pytest.raises(ValueError, match="unknown item id.*zz9"):
         recommend_cli.run(_args(recommend_cli, ["--ckpt", str(ckpt), "--history", "i1,zz9"]))
-    for bad in ('["i1", ', '[{"i": 1}]'):  # a list that is not JSON, or not of ids
-        with pytest.raises(SystemExit, match="JSON list"):
+    # A list that is not JSON, or not of ids: refused with the CLI's prefix and a fix (exit 2)
+    for bad, problem in (('["i1", ', "is not JSON"), ('[{"i": 1}]', "not a list of item ids")):
+        with pytest.raises(RecommendInputError, match=f"{problem}.*Fix: pass a"):
             recommend_cli.run(_args(recommend_cli, ["--ckpt", str(ckpt), "--history", bad]))
+    with pytest.raises(RecommendInputError, match="not a list of integers"):
+        argv = ["--ckpt", str(ckpt), "--history", "i1", "--history-times", "noon"]
+        recommend_cli.run(_args(recommend_cli, argv))
     with pytest.raises(SystemExit):  # --user and --history are exclusive
         _args(recommend_cli, ["--ckpt", str(ckpt), "--user", "u1", "--history", "i1"])

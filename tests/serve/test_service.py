@@ -179,7 +179,8 @@ BAD_BODIES = [
 def test_bad_input_is_a_clear_4xx(service, body, status, says):
     answer = httpx.post(f"{service}/v1/recommend", json=body)
     assert answer.status_code == status, answer.text
-    assert says in answer.json()["detail"]
+    detail = answer.json()["detail"]
+    assert says in detail and detail.count("Fix:") == 1, detail  # one problem, one fix
 
 
 def test_malformed_oversized_and_unknown(service):
