@@ -15,7 +15,9 @@ Backends (all compute the same function):
   float32 up to a mask size (the plan decides, ``tree_plan.DENSE_MAX_MASK_ELEMENTS``) one SDPA
   call over [root | tree] keys with the plan's additive mask; otherwise (and whenever the
   log-sum-exp is asked for) split attention: the root part shared by all nodes, the tree
-  part with the small ancestor mask, combined by log-sum-exp;
+  part with the ancestor mask, or, for a wide tree of known small depth
+  (``tree_plan.GATHER_MIN_NODES``), over each node's own ancestors gathered; combined by
+  log-sum-exp;
 - ``"triton"``: the Triton kernel (``tree_attention_triton``), imported only when asked for;
   what ``"auto"`` picks for CUDA tensors. On a machine without a GPU it runs in the Triton
   interpreter when ``TRITON_INTERPRET=1`` was set before triton was imported.

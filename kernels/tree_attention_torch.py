@@ -52,7 +52,8 @@ def tree_attention_split(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, Hq, M, D], lse [B, Hq, M] fp32
     """Split attention. The root part multiplies each (row, KV head)'s root keys once by the
     queries of all M nodes and all G query heads of that KV head (q viewed as [B*Hkv, G*M, D]:
-    no repeated K/V, no [M, S] mask); the tree part uses the small [M, N] ancestor mask; the two
+    no repeated K/V, no [M, S] mask); the tree part uses the [M, N] ancestor mask, or on a wide
+    shallow tree (``plan.gather``) gathers each query's few ancestors' keys and values; the two
     softmax partials merge exactly by their log-sum-exp."""
     batch, hq, n, d = q.shape  # n: the M queries
     hkv = k_root.shape[1]
@@ -65,8 +66,11 @@ def tree_attention_split(
     root = _root_partial(
         qg, k_root.flatten(0, 1), v_root.flatten(0, 1), plan.root_lens.repeat_interleave(hkv), lens
     )
-    visible = plan.visible.repeat_interleave(hkv, dim=0)  # [B*Hkv, M, N]
-    tree = _tree_partial(qg, k_tree.flatten(0, 1), v_tree.flatten(0, 1), visible)
+    if plan.gather:
+        tree = _tree_gather_partial(qg, k_tree, v_tree, *plan.ancestor_rows)
+    else:
+        visible = plan.visible.repeat_interleave(hkv, dim=0)  # [B*Hkv, M, N]
+        tree = _tree_partial(qg, k_tree.flatten(0, 1), v_tree.flatten(0, 1), visible)
     out, lse = _merge(root, tree)
     return out.view(batch, hq, n, d).to(q.dtype), lse.view(batch, hq, n)
 
@@ -180,6 +184,34 @@ def _tree_partial(
     row_max = scores.amax(dim=-1)
     scores.sub_(row_max[..., None]).exp_()
     return row_max, scores.sum(dim=-1), scores @ v.float()
+
+
+def _tree_gather_partial(
+    qg: torch.Tensor,  # [R, G*M, D] fp32, scaled; R = B*Hkv rows, G query heads per KV head
+    k: torch.Tensor,  # [B, Hkv, N, D]
+    v: torch.Tensor,  # [B, Hkv, N, D]
+    rows: torch.Tensor,  # [B, M, A] int64 each query's own node and ancestors, rows of [B * N]
+    real: torch.Tensor,  # [B, M, A] bool which of them exist (``TreePlan.ancestor_rows``)
+) -> Partial:
+    """The tree part over the A <= max_depth + 1 nodes each query sees, gathered: A keys a
+    query instead of N behind a mask. Every node sees itself, so each query has a finite max."""
+    batch, hkv, n, d = k.shape
+    m = rows.shape[1]
+    group = qg.shape[1] // m
+    # [B, Hkv, M, D, A] and [B, Hkv, M, A, D]: each query's keys and values, per KV head
+    keys = k.transpose(1, 2).reshape(batch * n, hkv, d)[rows].permute(0, 3, 1, 4, 2).float()
+    values = v.transpose(1, 2).reshape(batch * n, hkv, d)[rows].permute(0, 3, 1, 2, 4).float()
+    queries = qg.view(batch, hkv, group, m, d).transpose(2, 3)  # [B, Hkv, M, G, D]
+    scores = queries @ keys  # [B, Hkv, M, G, A]
+    scores = scores.masked_fill_(~real[:, None, :, None, :], float("-inf"))
+    row_max = scores.amax(dim=-1)  # [B, Hkv, M, G]
+    scores = scores.sub_(row_max[..., None]).exp_()
+    out = scores @ values  # [B, Hkv, M, G, D]
+
+    def as_rows(t: torch.Tensor) -> torch.Tensor:  # [B, Hkv, M, G, ...] -> [R, G*M, ...]
+        return t.transpose(2, 3).reshape(batch * hkv, group * m, *t.shape[4:])
+
+    return as_rows(row_max), as_rows(scores.sum(dim=-1)), as_rows(out)
 
 
 def _merge(a: Partial, b: Partial) -> tuple[torch.Tensor, torch.Tensor]:  # [R, M, D], [R, M]

@@ -6,12 +6,16 @@ every view of the tree the backends read; ``tree_attention(..., plan=plan)`` the
 that, so a forward pass pays the tree bookkeeping once, not once per layer.
 
 On CPU the plan also picks the CPU path for the shape and dtype (see
-``DENSE_MAX_MASK_ELEMENTS``) and, for the dense one, prebuilds its additive mask. The views only
-some paths read (``depths``, ``ancestors``, the Triton kernel's ``bits``) are built on first use.
+``DENSE_MAX_MASK_ELEMENTS`` and ``GATHER_MIN_NODES``) and, for the dense one, prebuilds its
+additive mask. The views only some paths read (``visible``, ``depths``, ``ancestors``, the Triton
+kernel's ``bits``) are built on first use.
 
 A caller that knows its trees are shallow (a Semantic-ID prefix tree is at most L - 1 code levels
-deep) passes ``max_depth``: the ancestor mask then takes max_depth walk steps up the tree instead
-of ceil(log2 N) pointer-doubling steps over [B, N+1, N+1] (N = 60, depth 2: 2 steps, not 6).
+deep) passes ``max_depth``: the plan then walks max_depth steps up the tree from each queried node
+(checked: a deeper tree raises at once), and the ancestor mask is those few ancestors scattered,
+instead of ceil(log2 N) pointer-doubling steps over [B, N+1, N+1]. A wide shallow tree needs no
+mask at all: each query sees its own node and at most max_depth ancestors, which the split path
+gathers.
 """
 
 from dataclasses import dataclass
@@ -33,6 +37,12 @@ from genrec_spec.kernels.tree_mask import (
 # in float16 and bfloat16 is slower than split, so half types keep the split path
 # (``genrec-spec bench kernel`` compares them).
 DENSE_MAX_MASK_ELEMENTS = 1 << 24
+# A shallow tree (``max_depth`` given) of at least this many nodes takes the split path with a
+# gathered tree part: each query's own node and ancestors, at most max_depth + 1 keys, instead of
+# a product over all N behind a mask, so its cost grows with N, not N^2, and no [B, M, N] mask is
+# built. Below it the dense path's one SDPA call costs less. The crossover was measured at batch
+# 1 to 64 on three-level prefix trees (docs/results/kernels.md, "Wide shallow trees").
+GATHER_MIN_NODES = 300
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,11 +60,23 @@ class TreePlan:
     root_lens: torch.Tensor  # [B] int64, the tensor the plan was built from
     root_size: int  # S, the padded root length the lengths were checked against
     dtype: torch.dtype  # the attention inputs' dtype the plan was built for
-    # [B, M, N] bool: query i (tree node N - M + i) sees tree node j (itself or an ancestor)
-    visible: torch.Tensor
+    queries: int  # M: the queries are the last M of the N tree nodes
+    max_depth: int | None  # the most tree ancestors a node has, where the caller promised it
     host_root_lens: tuple[int, ...] | None  # root_lens on the host (CPU only)
     dense: bool  # the CPU's dense path serves this plan (else the split one)
+    gather: bool  # the split path gathers each query's ancestors (else masks all N nodes)
     finite_padding: bool  # ``prepare_tree``'s promise: padded root keys hold finite numbers
+
+    @cached_property
+    def visible(self) -> torch.Tensor:  # [B, M, N] bool
+        """Query i (tree node N - M + i) sees tree node j: j is i or one of its ancestors."""
+        n = self.parents.shape[1]
+        if self.max_depth is None:  # pointer doubling: log2 N steps, whatever the depth
+            return ancestor_mask(self.parents, validate=False)[:, n - self.queries :]
+        # each query's few ancestors, scattered; column n catches the -1 past a node's root
+        seen = torch.where(self.ancestors >= 0, self.ancestors, n)  # [B, M, A]
+        mask = torch.zeros(*seen.shape[:2], n + 1, dtype=torch.bool, device=seen.device)
+        return mask.scatter_(2, seen, True)[:, :, :n]
 
     @property
     def dense_mask(self) -> torch.Tensor | None:  # [B, 1, M, max_len + N]
@@ -73,10 +95,6 @@ class TreePlan:
     def _dense_masks(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return _dense_masks(self.visible, self.root_lens, self.host_root_lens, self.dtype)
 
-    @property
-    def queries(self) -> int:  # M: the queries are the last M of the N tree nodes
-        return self.visible.shape[1]
-
     @cached_property
     def root_visible(self) -> torch.Tensor:  # [B, S] bool: the real root keys of each row
         return torch.arange(self.root_size, device=self.root_lens.device) < self.root_lens[:, None]
@@ -91,7 +109,8 @@ class TreePlan:
         deepest query's depth + 1. The few keys a node sees, for attention that gathers them
         instead of masking all N (``visible`` holds the same sets). Walked up from the
         parents, a step per level (summing ``visible`` for the depths costs more on wide
-        trees: it reads all B x M x N entries)."""
+        trees: it reads all B x M x N entries); raises where a node has more ancestors than the
+        plan's ``max_depth``."""
         batch, n = self.parents.shape
         node = torch.arange(n - self.queries, n, device=self.parents.device).expand(batch, -1)
         chain = [node]
@@ -99,6 +118,11 @@ class TreePlan:
             node = torch.where(node >= 0, self.parents.gather(1, node.clamp_min(0)), -1)
             if not bool((node >= 0).any()):  # a host sync a level: shallow trees have few
                 return torch.stack(chain, dim=2)
+            if self.max_depth is not None and len(chain) > self.max_depth:
+                raise TreeAttentionError(
+                    f"a tree node has more than max_depth = {self.max_depth} ancestors",
+                    "pass the trees' true maximum depth as max_depth, or None",
+                )
             chain.append(node)
 
     @cached_property
@@ -145,7 +169,8 @@ def prepare_tree(
     the promise padding may hold anything, NaN included.
 
     ``max_depth``: no node has more than this many tree ancestors (checked: a deeper tree
-    raises); the ancestor mask is then built in max_depth steps (module docstring).
+    raises); the plan then walks up from each queried node, and a wide tree takes the gathering
+    split path (module docstring).
 
     ``queries``: M, when only the last M nodes of the tree are queried (None: all N). The
     earlier nodes' K/V were computed by earlier passes and are only keys now: a tree grown a
@@ -165,48 +190,29 @@ def prepare_tree(
         raise TreeAttentionError(
             f"queries = {queries} must lie in [1, N = {n}]", "query at least one tree node"
         )
-    if max_depth is None:
-        visible = ancestor_mask(parents, validate=False)
-    else:
-        visible = _shallow_ancestor_mask(parents, max_depth)
-    visible = visible[:, n - queries :]
+    gather = max_depth is not None and n >= GATHER_MIN_NODES
     host_lens, dense = None, False
     if parents.device.type == "cpu":
         host_lens = tuple(root_lens.tolist())  # free on CPU
         mask_elements = parents.shape[0] * queries * (max(host_lens) + n)
-        dense = dtype == torch.float32 and mask_elements <= DENSE_MAX_MASK_ELEMENTS
-    return TreePlan(
+        dense = dtype == torch.float32 and mask_elements <= DENSE_MAX_MASK_ELEMENTS and not gather
+    plan = TreePlan(
         parents=parents,
         root_lens=root_lens,
         root_size=root_size,
         dtype=dtype,
-        visible=visible,
+        queries=queries,
+        max_depth=max_depth,
         host_root_lens=host_lens,
         dense=dense,
+        gather=gather,
         finite_padding=finite_padding,
     )
-
-
-def _shallow_ancestor_mask(
-    parents: torch.Tensor,  # [B, N] int64, already checked
-    max_depth: int,
-) -> torch.Tensor:  # [B, N, N] bool, equal to ancestor_mask(parents)
-    """Walk up max_depth steps, marking one ancestor per node and step; raises when some node
-    still has an ancestor left (the tree is deeper than promised)."""
-    batch, n = parents.shape
-    # Index n is a sentinel for the root context (its own parent); its column is cut at the end.
-    up = torch.where(parents < 0, n, parents)  # [B, N]
-    table = torch.cat([up, up.new_full((batch, 1), n)], dim=1)  # [B, N+1]
-    mask = torch.eye(n, n + 1, dtype=torch.bool, device=parents.device).repeat(batch, 1, 1)
-    for _ in range(max_depth):
-        mask.scatter_(2, up[..., None], True)
-        up = table.gather(1, up)
-    if bool((up < n).any()):
-        raise TreeAttentionError(
-            f"a tree node has more than max_depth = {max_depth} ancestors",
-            "pass the trees' true maximum depth as max_depth, or None",
-        )
-    return mask[:, :, :n]
+    if max_depth is not None:
+        # Walked now (and kept for the paths that read it): the walk checks the promised depth,
+        # so a deeper tree fails here, not inside a layer.
+        _ = plan.ancestors
+    return plan
 
 
 def _dense_masks(

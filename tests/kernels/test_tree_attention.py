@@ -7,7 +7,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from genrec_spec.kernels import TreeAttentionError, prepare_tree, tree_attention
+from genrec_spec.kernels import (
+    TreeAttentionError,
+    prepare_tree,
+    tree_attention,
+    tree_depths,
+    tree_plan,
+)
 
 # Compiled Triton kernels take CUDA tensors; without a GPU the interpreter takes CPU ones. So the
 # Triton cases below run compiled wherever a GPU is present, interpreted elsewhere.
@@ -201,6 +207,48 @@ def test_querying_the_last_nodes_of_a_grown_tree(backend, queries, random_inputs
             plan = prepare_tree(parents, lens, k_root.shape[2], dtype=dtype, queries=queries)
             dense = tree_attention(*suffix, backend=backend, plan=plan)
             assert_matches(dense, expected_out[:, :, -queries:], dtype)
+
+
+def check_gathered(inputs, queries: int, dtype) -> None:
+    """The split path with each query's ancestors gathered (a plan that knows the depth and the
+    tree wide enough: ``tree_plan.GATHER_MIN_NODES``) against the reference, on the last
+    ``queries`` nodes; the dense path never serves such a plan."""
+    expected_out, expected_lse = tree_attention(*inputs, backend="torch", return_lse=True)
+    q, k_root, v_root, lens, k_tree, v_tree, parents = inputs
+    depth = int(tree_depths(parents).max())
+    plan = prepare_tree(
+        parents, lens, k_root.shape[2], dtype=dtype, max_depth=depth, queries=queries
+    )
+    assert plan.gather and plan.dense_mask is None
+    suffix = [q[:, :, -queries:], k_root, v_root, lens, k_tree, v_tree, parents]
+    for lse_too in (True, False):
+        got = tree_attention(*suffix, backend="cpu", plan=plan, return_lse=lse_too)
+        out, lse = got if lse_too else (got, None)
+        assert out.dtype == dtype and not out.isnan().any()
+        assert_matches(out, expected_out[:, :, -queries:], dtype)
+        if lse_too:
+            assert_matches(lse, expected_lse[:, :, -queries:], torch.float32)
+
+
+@settings(max_examples=30, **PROPERTY)
+@given(dtype=st.sampled_from([torch.float32, torch.float16]), data=st.data())
+def test_gathered_tree_part_matches_reference(random_inputs, tree_kinds, dtype, data, monkeypatch):
+    # Small trees of every kind, the gather forced by a threshold of one node; GQA, ragged roots
+    # with NaN padding, the last M of N nodes queried
+    monkeypatch.setattr(tree_plan, "GATHER_MIN_NODES", 1)
+    case = data.draw(shapes(tree_kinds, head_dims=[32, 64], max_n=40, max_s=50))
+    queries = data.draw(st.integers(1, case["n"]))
+    check_gathered(random_inputs(**case, dtype=dtype), queries, dtype)
+
+
+def test_wide_shallow_trees_gather_at_the_threshold(random_inputs):
+    # Prefix-tree-like rows (chains of up to 4 off the root) at the real threshold
+    n = tree_plan.GATHER_MIN_NODES
+    case = dict(batch=2, hkv=1, hq=2, n=n, s=30, d=32, kinds=["branches"] * 2, root_lens=[30, 7])
+    check_gathered(random_inputs(**case), n, torch.float32)
+    q, k_root, _, lens, _, _, parents = random_inputs(**{**case, "n": n - 1})
+    plan = prepare_tree(parents, lens, k_root.shape[2], max_depth=int(tree_depths(parents).max()))
+    assert not plan.gather and plan.dense_mask is not None  # a node fewer: the dense path
 
 
 def test_a_plan_for_other_queries_is_refused(random_inputs):
