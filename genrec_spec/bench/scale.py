@@ -229,8 +229,9 @@ def model_bytes(model) -> int:
 
 
 def gather_gib(model, batch: int, width: int, decoder: str) -> float:
-    """GiB of item windows a tied level gathers at once for a beam of `width` on `batch` rows
-    (every beam reads the items under its prefix; spec_beam's drafts about triple the nodes)."""
+    """GiB of item windows a tied level gathers at once for a beam of `width` on `batch` rows, at
+    most (every beam reads the items under its prefix, here each the widest prefix's; spec_beam's
+    drafts about triple the nodes)."""
     if model.config.tied_levels is None or decoder.startswith("dense"):
         return 0.0
     window = max(model.prefix_index().widths[:-1])  # most items under a scored prefix

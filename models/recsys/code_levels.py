@@ -10,8 +10,8 @@ child masses (`draft_item_logits`).
 `CodeLevels` is a part of `SemanticIdRecommender` (a mixin): it reads the model's config,
 item_codes, codebook_sizes, code_heads, node_item_query and item embedding table.
 
-Shape letters: B users, N tree nodes, n nodes of one level, D model width, I items, W a
-prefix's window of items, V codes of a level, L code levels.
+Shape letters: B users, N tree nodes, n nodes of one level, D model width, I items, T the
+items of n prefixes' windows, V codes of a level, L code levels.
 """
 
 from __future__ import annotations
@@ -112,12 +112,10 @@ class CodeLevels:
             else:
                 query = root_query + self.node_item_query(h)
 
-            def item_logits(items: Tensor) -> Tensor:  # [n, W] -> [n, W]
-                # On CPU F.embedding gathers faster than table[items], and [n, 1, D] @
-                # [n, D, W] multiplies faster than [n, W, D] @ [n, D, 1] at the sizes of the
-                # prefixes' item windows.
-                rows = F.embedding(items, self.item_keys())  # [n, W, D]
-                return (query[:, None, :] @ rows.transpose(1, 2)).squeeze(1)
+            def item_logits(owner: Tensor, items: Tensor) -> Tensor:  # [T] each -> [T]
+                # (on CPU F.embedding gathers faster than table[items])
+                rows = F.embedding(items, self.item_keys())  # [T, D]
+                return (query[owner] * rows).sum(dim=1)
 
             child_logits = self._item_child_logits(item_logits, level, prefixes)
             return children_log_softmax(logits + child_logits)
@@ -130,8 +128,8 @@ class CodeLevels:
         prefix."""
         batch, width, level = prefixes.shape
 
-        def item_logits(items: Tensor) -> Tensor:  # [B*W, n] -> [B*W, n]
-            return scores.gather(1, items.reshape(batch, -1)).reshape(items.shape)
+        def item_logits(owner: Tensor, items: Tensor) -> Tensor:  # [T] each -> [T]
+            return scores[owner // width, items]  # prefix row b * W + w reads row b's scores
 
         logits = self._item_child_logits(item_logits, level, prefixes.reshape(-1, level))
         return logits.unflatten(0, (batch, width))
@@ -145,24 +143,34 @@ class CodeLevels:
         )
 
     def _item_child_logits(
-        self, item_logits_of: Callable[[Tensor], Tensor], level: int, prefixes: Tensor
+        self, item_logits_of: Callable[[Tensor, Tensor], Tensor], level: int, prefixes: Tensor
     ) -> Tensor:
         """prefixes [n, level] -> [n, V_level]: log of the item objective's mass (its logits,
-        `item_logits_of(items [n, W]) -> [n, W]` for row r's state, exponentiated) on the items
-        under each child of the prefix; -inf for codes no item under the prefix has. Each row
-        reads the window of the code-sorted item table that holds its prefix's items."""
+        `item_logits_of(owner [T], items [T]) -> [T]` of each item for its prefix row's state,
+        exponentiated) on the items under each child of the prefix; -inf for codes no item under
+        the prefix has. Each row reads the window of the code-sorted item table that holds its
+        prefix's items, the T items of all windows as one flat list: windows differ in size by
+        an order of magnitude (a few large clusters), so padding each to the widest would read
+        several times the items."""
         index = self.prefix_index()
         start, end = index.runs(prefixes)  # [n]
-        slot = start[:, None] + torch.arange(index.widths[level - 1], device=start.device)  # [n, W]
-        inside = slot < end[:, None]
-        slot = slot.clamp(max=self.num_items - 1)
-        item_logits = item_logits_of(index.order[slot]).masked_fill(~inside, float("-inf"))
-        top = item_logits.max(dim=1, keepdim=True).values.detach()  # [n, 1] for stability
+        rows, counts = len(prefixes), end - start
+        owner = torch.repeat_interleave(torch.arange(rows, device=counts.device), counts)  # [T]
+        # [T] the items' places in the sorted table: row r's run start[r] .. end[r] - 1
+        before = counts.cumsum(0) - counts  # [n] the flat position of each row's first item
+        slot = torch.arange(len(owner), device=counts.device) + (start - before)[owner]
+        item_logits = item_logits_of(owner, index.order[slot])  # [T]
+        top = item_logits.new_full((rows,), float("-inf")).scatter_reduce(
+            0, owner, item_logits.detach(), "amax"
+        )  # [n] each row's largest logit, for stability
         top = top.masked_fill(top.isinf(), 0.0)
-        mass = item_logits.new_zeros(item_logits.shape[0], self.codebook_sizes[level])
-        mass = mass.scatter_add(1, index.sorted_codes[slot, level], (item_logits - top).exp())
+        vocab = self.codebook_sizes[level]
+        mass = item_logits.new_zeros(rows * vocab).scatter_add(
+            0, owner * vocab + index.sorted_codes[slot, level], (item_logits - top[owner]).exp()
+        )
+        mass = mass.view(rows, vocab)
         # No log of an empty child's 0 mass: its gradient would be 0 / 0.
-        logged = mass.clamp_min(torch.finfo(mass.dtype).tiny).log() + top
+        logged = mass.clamp_min(torch.finfo(mass.dtype).tiny).log() + top[:, None]
         return logged.masked_fill(mass == 0, float("-inf"))
 
     def _node_prefixes(self, codes: Tensor, levels: Tensor, parents: Tensor) -> Tensor | None:
