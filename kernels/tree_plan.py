@@ -105,24 +105,28 @@ class TreePlan:
 
     @cached_property
     def ancestors(self) -> torch.Tensor:  # [B, M, A] int64: the tree nodes each query sees
-        """Each query's own node, then its ancestors up the tree, -1 past its root; A is the
-        deepest query's depth + 1. The few keys a node sees, for attention that gathers them
-        instead of masking all N (``visible`` holds the same sets). Walked up from the
-        parents, a step per level (summing ``visible`` for the depths costs more on wide
-        trees: it reads all B x M x N entries); raises where a node has more ancestors than the
-        plan's ``max_depth``."""
+        """Each query's own node, then its ancestors up the tree, -1 past its root; A is
+        max_depth + 1 on a plan that knows it, else the deepest query's depth + 1. The few keys
+        a node sees, for attention that gathers them instead of masking all N (``visible`` holds
+        the same sets). Walked up from the parents, a step per level (summing ``visible`` for
+        the depths costs more on wide trees: it reads all B x M x N entries); with
+        ``max_depth``, exactly that many steps and one host sync, which raises where a queried
+        node has more ancestors."""
         batch, n = self.parents.shape
         node = torch.arange(n - self.queries, n, device=self.parents.device).expand(batch, -1)
         chain = [node]
         while True:
             node = torch.where(node >= 0, self.parents.gather(1, node.clamp_min(0)), -1)
-            if not bool((node >= 0).any()):  # a host sync a level: shallow trees have few
+            if self.max_depth is None:  # a host sync a level, up to the deepest query's root
+                if not bool((node >= 0).any()):
+                    return torch.stack(chain, dim=2)
+            elif len(chain) > self.max_depth:  # max_depth steps taken: nothing may be left
+                if bool((node >= 0).any()):
+                    raise TreeAttentionError(
+                        f"a tree node has more than max_depth = {self.max_depth} ancestors",
+                        "pass the trees' true maximum depth as max_depth, or None",
+                    )
                 return torch.stack(chain, dim=2)
-            if self.max_depth is not None and len(chain) > self.max_depth:
-                raise TreeAttentionError(
-                    f"a tree node has more than max_depth = {self.max_depth} ancestors",
-                    "pass the trees' true maximum depth as max_depth, or None",
-                )
             chain.append(node)
 
     @cached_property
@@ -168,9 +172,9 @@ def prepare_tree(
     exactly 0) instead of zeroing them in a copy, which lets it read a cache in place. Without
     the promise padding may hold anything, NaN included.
 
-    ``max_depth``: no node has more than this many tree ancestors (checked: a deeper tree
-    raises); the plan then walks up from each queried node, and a wide tree takes the gathering
-    split path (module docstring).
+    ``max_depth``: no node has more than this many tree ancestors (checked for the queried
+    nodes: a deeper one raises); the plan then walks up from each queried node, and a wide tree
+    takes the gathering split path (module docstring).
 
     ``queries``: M, when only the last M nodes of the tree are queried (None: all N). The
     earlier nodes' K/V were computed by earlier passes and are only keys now: a tree grown a

@@ -137,3 +137,22 @@ def test_plan_must_fit_the_call(random_inputs):
     for plan, message in cases:
         with pytest.raises(TreeAttentionError, match=message):
             tree_attention(*inputs, plan=plan)
+
+
+@pytest.mark.parametrize("queries", [None, 5])
+def test_a_plan_of_known_depth_walks_up_and_checks_it(queries, random_parents):
+    # "branches" rows: chains of up to 4 nodes off the root, so depth <= 3
+    g = torch.Generator().manual_seed(3)
+    parents = torch.stack([random_parents("branches", 12, g) for _ in range(3)])
+    depth = int(tree_depths(parents)[:, -(queries or 12) :].max())  # the queried nodes'
+    lens = torch.tensor([4, 0, 2])
+    unknown = prepare_tree(parents, lens, 4, queries=queries)
+    for max_depth in (depth, depth + 2):  # the walk takes max_depth steps: -1 columns past
+        plan = prepare_tree(parents, lens, 4, max_depth=max_depth, queries=queries)
+        assert plan.ancestors.shape[2] == max_depth + 1
+        assert torch.equal(plan.ancestors[..., : depth + 1], unknown.ancestors)
+        assert bool((plan.ancestors[..., depth + 1 :] == -1).all())
+        assert torch.equal(plan.visible, unknown.visible)  # scattered from the walk
+    if depth:
+        with pytest.raises(TreeAttentionError, match="more than max_depth"):
+            prepare_tree(parents, lens, 4, max_depth=depth - 1, queries=queries)
