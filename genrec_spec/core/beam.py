@@ -86,7 +86,7 @@ from genrec_spec.core.targets import Target, as_target
 from genrec_spec.core.types import DecodeInputError, DecodeStats, Generation
 
 UNREACHABLE = -1.0e9  # transformers' score for beams and hypotheses that must not win
-# Scores a step's table holds at most for `_top` to sort it whole: on a CPU, one thread, a
+# Scores a step's table holds at most for `stable_top` to sort it whole: on a CPU, one thread, a
 # stable sort of up to about 2,000 scores cost less than `topk` and its tie test (a few calls
 # of a few microseconds each), and far more above (its algorithm changes).
 SORT_SCORES = 2048
@@ -378,9 +378,9 @@ class _Passes:
             scores[:, 0].masked_fill_(free, 0.0)
         if scores.shape[1] > self.width:  # keep the best C (a search reads no more)
             # A catalogue's nodes are as wide as the widest of the call, which differs between
-            # plain and speculative search: ties kept in place order (`_top`). A vocabulary's
+            # plain and speculative search: ties kept in place order (`stable_top`). A vocabulary's
             # rows are V wide in both, where ``topk`` orders ties alike and costs less.
-            top = _top if choices is not None else torch.topk
+            top = stable_top if choices is not None else torch.topk
             scores, index = top(scores, self.width)
             choices = index if choices is None else choices.gather(1, index)
             after = None if after is None else after.gather(1, index)
@@ -716,7 +716,7 @@ def _select(
     padded = flat.shape[1] < keep
     if padded:
         flat = torch.nn.functional.pad(flat, (0, keep - flat.shape[1]), value=float("-inf"))
-    scores, index = _top(flat, keep)  # [B, keep]
+    scores, index = stable_top(flat, keep)  # [B, keep]
     if padded:  # a pad reads the last candidate (its score stays -inf)
         index = index.clamp(max=w * c - 1)
     origin = index // c
@@ -742,7 +742,7 @@ def _select(
     return (hits | (scores == float("-inf"))).all()
 
 
-def _top(scores: Tensor, keep: int) -> tuple[Tensor, Tensor]:  # [R, N] -> [R, keep] each
+def stable_top(scores: Tensor, keep: int) -> tuple[Tensor, Tensor]:  # [R, N] -> [R, keep] each
     """Each row's best ``keep`` scores, best first, and their places, equal scores in place
     order: a stable descending sort's first ``keep``, at a ``topk``'s cost where no two kept
     scores tie. ``topk`` orders ties as its algorithm meets them, which depends on the row's

@@ -287,7 +287,7 @@ def test_speculative_beam_equals_plain_beam_in_fewer_passes(
 
 # 160, 201 and 1155: early stopping, where the root's copies (tied in float32) count toward a
 # row's W finished hypotheses: which ones ran on decided the step a row stopped at, and so its
-# real results, until ties were kept in place order (`beam._top`)
+# real results, until ties were kept in place order (`beam.stable_top`)
 @pytest.mark.parametrize("seed", [*range(8), 160, 201, 1155])
 def test_random_catalogues_and_settings(tiny, seed):
     """Drawn at random: a catalogue of 1-60 items, W, K, the length penalty, early stopping, the

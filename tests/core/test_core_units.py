@@ -11,7 +11,7 @@ from genrec_spec import (
     SamplingParams,
     TypicalAcceptance,
 )
-from genrec_spec.core.beam import SORT_SCORES, _top
+from genrec_spec.core.beam import SORT_SCORES, stable_top
 from genrec_spec.core.sampling import probabilities, sample, sample_without_replacement
 from genrec_spec.core.tree import (
     chain,
@@ -201,14 +201,15 @@ def test_logit_processing_equals_transformers_warpers(sampling):
 
 @pytest.mark.parametrize("shape", [(1, 40), (3, 500), (1, 5000), (4, 3000)])
 def test_beam_top_keeps_ties_in_place_order(shape):
-    # Beam search's candidate pick (`core.beam._top`): a stable descending sort's first `keep`,
-    # whether it sorts the table outright (small) or takes topk and resolves ties (large).
+    # Beam search's candidate pick (`core.beam.stable_top`, also the recommender's `extend`): a
+    # stable descending sort's first `keep`, whether it sorts the table outright (small) or takes
+    # topk and resolves ties (large).
     generator = torch.Generator().manual_seed(shape[1])
     levels = torch.tensor([-1e9, -3.0, -2.5, -2.0, -1.0, float("-inf")])
     scores = levels[torch.randint(len(levels), shape, generator=generator)]  # ties everywhere
     scores[0, :5] = -1e9 - torch.arange(5.0)  # float32: -1e9 minus a little ties -1e9
     for keep in (1, 7, 40):
-        values, places = _top(scores, keep)
+        values, places = stable_top(scores, keep)
         expected = scores.sort(dim=1, descending=True, stable=True)
         assert torch.equal(values, expected.values[:, :keep])
         real = values > float("-inf")  # which of the -inf a step keeps changes no result

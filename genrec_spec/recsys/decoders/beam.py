@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from genrec_spec.core.beam import stable_top
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.recsys.times import HistoryTimes
@@ -139,8 +140,7 @@ def extend(
     candidates = beams.scores[..., None] + picked
     candidates = candidates.masked_fill(~exists, float("-inf")).flatten(1)  # [B, W * C]
     keep = min(width, candidates.shape[1])
-    ranked = torch.sort(candidates, dim=1, descending=True, stable=True)
-    scores, flat = ranked.values[:, :keep], ranked.indices[:, :keep]  # [B, W']
+    scores, flat = stable_top(candidates, keep)  # [B, W']
     found = torch.isfinite(scores)
     picked = edge.flatten(1).gather(1, flat)
     beams_out = Beams(
