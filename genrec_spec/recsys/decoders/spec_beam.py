@@ -137,8 +137,8 @@ class SpecBeamConfig:
 # The "items" draft's default width is W + this x sqrt(W) prefixes a length: the W prefixes the
 # beam keeps are mostly among the most probable W by the item objective, give or take a band
 # that grows like sqrt(W). Measured on ML-1M's default model at W = 20, 50, 100 and 200
-# (docs/results/recsys-speed.md, "The items draft's width"), against 2 W: the same width at
-# W = 20, 5-9% faster from W = 50 on (fewer drafted nodes, hardly more follow-ups).
+# (docs/results/recsys-speed.md, "The items draft's width"), against 2 W: about the same at
+# W = 20, faster from W = 50 on (fewer drafted nodes, hardly more follow-ups).
 ITEMS_DRAFT_BAND = 4.5
 
 
