@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from genrec_spec.data_pipelines.jagged import lengths_to_offsets, row_positions
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.recsys.heads import children_log_softmax
 from genrec_spec.models.recsys.item_prefixes import ItemPrefixIndex
@@ -155,10 +156,11 @@ class CodeLevels:
         index = self.prefix_index()
         start, end = index.runs(prefixes)  # [n]
         rows, counts = len(prefixes), end - start
-        owner = torch.repeat_interleave(torch.arange(rows, device=counts.device), counts)  # [T]
-        # [T] the items' places in the sorted table: row r's run start[r] .. end[r] - 1
-        before = counts.cumsum(0) - counts  # [n] the flat position of each row's first item
-        slot = torch.arange(len(owner), device=counts.device) + (start - before)[owner]
+        # [T] each item's prefix row and its place in the sorted table (run start .. end - 1)
+        owner, within = row_positions(
+            lengths_to_offsets(counts, backend="torch"), int(counts.sum())
+        )
+        slot = start[owner] + within
         item_logits = item_logits_of(owner, index.order[slot])  # [T]
         top = item_logits.new_full((rows,), float("-inf")).scatter_reduce(
             0, owner, item_logits.detach(), "amax"
