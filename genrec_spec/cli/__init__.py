@@ -67,6 +67,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 # memory) or this environment variable is set (a process sharing its machine, or a measurement
 # of both).
 RETURN_FREED_MEMORY = "GENREC_SPEC_RETURN_FREED_MEMORY"
+# Options whose one value is other options, passed on to another command (`_options_as_values`).
+OPTIONS_TAKING_OPTIONS = ("--prepare-options",)
 
 # Errors that mean "the input was wrong": printed as one line, exit code 2. Anything else is a bug
 # and keeps its traceback.
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     # Nothing can be fetched from a model hub here; a hub lookup would only waste time.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    argv = sys.argv[1:] if argv is None else argv
+    argv = _options_as_values(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="genrec-spec",
         description="Lossless speculative decoding for generative recommenders and LLMs.",
@@ -134,6 +136,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _options_as_values(argv: list[str]) -> list[str]:
+    """Options whose value is itself another command's options (`bench scale
+    --prepare-options --overwrite`) joined to their value: argparse reads a value that starts
+    with a dash as the next option, and refuses with "expected one argument"."""
+    joined, i = [], 0
+    while i < len(argv):
+        if argv[i] in OPTIONS_TAKING_OPTIONS and i + 1 < len(argv):
+            joined.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            joined.append(argv[i])
+            i += 1
+    return joined
 
 
 def _interrupt(signum, frame) -> None:

@@ -96,6 +96,17 @@ def test_prepare_options_cannot_override_what_the_bench_sets(options):
         BenchScaleConfig(prepare_options=options)
 
 
+def test_prepare_options_may_start_with_a_dash_without_an_equals_sign(tmp_path, capsys):
+    """`--prepare-options --overwrite` got argparse's "expected one argument" (it reads a value
+    that starts with a dash as the next option); the value is now the options, checked as any."""
+    from genrec_spec.cli import main
+
+    argv = ["bench", "scale", "--sizes", "10", "--out", str(tmp_path / "out")]
+    assert main([*argv, "--prepare-options", "--overwrite"]) == 2
+    assert "--prepare-options holds --overwrite" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_unwritable_folders_are_refused_before_any_work(tmp_path):
     from genrec_spec.cli import main
 
