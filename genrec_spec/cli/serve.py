@@ -10,8 +10,9 @@
 The recommender is loaded before the server starts (a bad checkpoint or data folder is a clear
 error and exit code 2); the LLM (``--llm``) loads in the background after start-up, and
 /readyz answers 503 until it is ready. Concurrent /v1/recommend requests of the same decoder, k
-and options are decoded together (up to --max-batch requests; the first waits at most
---max-wait-ms for company), in one model worker thread. More than --max-queue waiting requests
+and options are decoded together (up to --max-batch requests; the first waits for the load at
+hand, the last such batch's clients and those then waiting, at most --max-wait-ms), in one model
+worker thread. More than --max-queue waiting requests
 are refused with 503 and Retry-After; a request unanswered after --timeout-s gets 504. With an
 API key (``--api-key`` or the environment variable GENREC_SPEC_API_KEY) every /v1/* request
 needs the header ``X-API-Key``; /healthz, /readyz and /metrics stay open. Endpoints and errors:

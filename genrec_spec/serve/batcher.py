@@ -1,11 +1,14 @@
 """Dynamic micro-batching: concurrent requests that can share one model call are run together.
 
 Requests are grouped by a key (for recommendations: decoder, k, fetch size and options: the
-things one decoder call must share). The first request of a group waits at most `max_wait_s`
-for company; the group is run as soon as it holds `max_batch` requests or that wait is over.
-One model call runs at a time, in a single worker thread, so the event loop stays free to accept
-and answer requests; while it runs, new requests gather into the next batches. The oldest waiting
-group goes first.
+things one decoder call must share). A group runs as soon as it holds the company it expects,
+or `max_batch` requests, or when its first request has waited `max_wait_s`. The company a key
+expects is the load at hand: the requests its last batch answered (clients that send their next
+request when answered come back) and those then waiting, so a lone client's request runs at once
+and 64 clients' wait for each other; a key's first group expects `max_batch`. One model call
+runs at a time, in a single worker thread, so the event loop stays free to accept and answer
+requests; while it runs, new requests gather into the next batches. Of the groups ready, the
+oldest goes first.
 
 Overload is refused, not queued without bound: more than `max_queue` waiting requests raise
 `QueueFullError` at submit. A caller that stops waiting (its timeout) leaves its request
@@ -52,6 +55,9 @@ class MicroBatcher:
         self.max_batch, self.max_wait_s, self.max_queue = max_batch, max_wait_s, max_queue
         self._on_batch = on_batch
         self._groups: dict[Hashable, list[_Job]] = {}
+        # Requests a key's next group waits for: its last batch's and those waiting when that
+        # batch was answered (`_serve`)
+        self._company: dict[Hashable, int] = {}
         self._waiting = 0
         self._wakeup = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
@@ -90,14 +96,18 @@ class MicroBatcher:
         return await asyncio.wait_for(job.future, timeout_s)
 
     def _next_batch(self) -> tuple[Hashable, list[_Job]] | float | None:
-        """The batch to run now, else the seconds until the oldest group is due (None: idle)."""
+        """The batch to run now, else the seconds until the first group is due (None: idle)."""
         if not self._groups:
             return None
-        key = min(self._groups, key=lambda g: self._groups[g][0].arrived)
-        jobs = self._groups[key]
-        due = jobs[0].arrived + self.max_wait_s - time.monotonic()
-        if len(jobs) < self.max_batch and due > 0:
-            return due
+        now = time.monotonic()
+        oldest_first = sorted(self._groups, key=lambda g: self._groups[g][0].arrived)
+        for key in oldest_first:
+            jobs = self._groups[key]
+            company = min(self._company.get(key, self.max_batch), self.max_batch)
+            if len(jobs) >= company or jobs[0].arrived + self.max_wait_s <= now:
+                break
+        else:  # none ready: the oldest is due first
+            return self._groups[oldest_first[0]][0].arrived + self.max_wait_s - now
         batch, rest = jobs[: self.max_batch], jobs[self.max_batch :]
         if rest:
             self._groups[key] = rest
@@ -128,7 +138,10 @@ class MicroBatcher:
                 for job in jobs:
                     if not job.future.done():
                         job.future.set_exception(exc)
-                continue
-            for job, result in zip(jobs, results, strict=True):
-                if not job.future.done():
-                    job.future.set_result(result)
+            else:
+                for job, result in zip(jobs, results, strict=True):
+                    if not job.future.done():
+                        job.future.set_result(result)
+            # Clients that send their next request when answered come back now: the next group
+            # waits for them and those already waiting (a lone client's request runs at once)
+            self._company[key] = len(jobs) + len(self._groups.get(key, ()))

@@ -20,7 +20,9 @@ class ServeConfig:
     port: int = 8080
     api_key: str | None = None  # when set, /v1/* need the header X-API-Key with this value
     max_batch: int = 32  # most /v1/recommend requests decoded in one decoder call
-    max_wait_ms: float = 5.0  # how long the first request of a batch waits for company
+    # the longest the first request of a batch waits for company (it runs at once when the
+    # company it expects is there: `serve.batcher`)
+    max_wait_ms: float = 5.0
     max_queue: int = 256  # requests waiting for the model beyond this are refused with 503
     timeout_s: float = 5.0  # a request not answered in this time gets 504 (queue wait included)
     max_body_bytes: int = 64 * 1024  # larger request bodies get 413

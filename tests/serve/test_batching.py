@@ -3,6 +3,7 @@ the answer of a direct single `recommend` call; the batcher groups by key and re
 limits."""
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -98,3 +99,35 @@ def test_batcher_refuses_beyond_the_queue_and_reports_failures():
             await batcher.stop()
 
     assert all(isinstance(r, ZeroDivisionError) for r in asyncio.run(failing()))
+
+
+def test_batcher_waits_only_for_the_company_it_expects():
+    """A lone client's request ran after the whole batch window (5 ms of a 5-10 ms answer): a
+    group now runs once it holds the requests its key's last batch answered (and those then
+    waiting), and waits out the window only for company that does not come (a key's first batch
+    waits for it as before)."""
+    batches = []
+
+    def run(key, payloads):
+        batches.append(list(payloads))
+        return payloads
+
+    async def timed(batcher, payloads):  # submitted together: answers, seconds they took
+        start = time.monotonic()
+        answers = await asyncio.gather(*(batcher.submit("a", p, timeout_s=5) for p in payloads))
+        return answers, time.monotonic() - start
+
+    async def main():
+        batcher = MicroBatcher(run, max_batch=8, max_wait_s=0.5, max_queue=100)
+        batcher.start()
+        try:
+            return [await timed(batcher, payloads) for payloads in ([1, 2], [3, 4], [5], [6])]
+        finally:
+            await batcher.stop()
+
+    (first, window), (pair, pair_s), (five, five_s), (six, six_s) = asyncio.run(main())
+    assert batches == [[1, 2], [3, 4], [5], [6]] and first + pair + five + six == [1, 2, 3, 4, 5, 6]
+    assert window >= 0.45  # a key's first batch: the whole window
+    assert pair_s < 0.25  # as many as the last batch: no wait
+    assert five_s >= 0.45  # one of the two expected: the window, then alone
+    assert six_s < 0.25  # the last batch was one request
