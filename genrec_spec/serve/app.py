@@ -31,7 +31,7 @@ from fastapi import FastAPI
 from genrec_spec.memory import keep_freed_memory
 from genrec_spec.serve.config import API_KEY_ENV, ServeConfig, is_loopback
 from genrec_spec.serve.handlers import add_exception_handlers
-from genrec_spec.serve.middleware import BodyLimit, time_requests
+from genrec_spec.serve.middleware import BodyLimit, TimeRequests
 from genrec_spec.serve.retrieval import Retriever
 from genrec_spec.serve.routes import api, health
 from genrec_spec.serve.state import ServiceState
@@ -62,13 +62,14 @@ def create_app(
     add_exception_handlers(app)
     # Starlette runs the middleware added last outermost: the timing sees the body limit's
     # refusals too.
+    known_paths: set[str] = set()  # the paths the latency histogram names (filled below)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, metrics=state.metrics)
-    app.middleware("http")(time_requests)
+    app.add_middleware(TimeRequests, metrics=state.metrics, known_paths=known_paths)
     own = {getattr(route, "path", None) for route in app.routes}  # /docs, /openapi.json, ...
     for router in (health, api):
         app.include_router(router)
         own |= {route.path for route in router.routes}
-    app.state.known_paths = own - {None}  # the paths the latency histogram names
+    known_paths |= own - {None}
     return app
 
 

@@ -74,11 +74,13 @@ def test_metrics_after_traffic(start_service):
 
         statuses = [r.status_code for r in asyncio.run(burst())]
         assert statuses == [200] * 7 + [400]
+        assert httpx.get(f"{url}/v2/nothing").status_code == 404
         text = httpx.get(f"{url}/metrics").text
     assert (
         'genrec_spec_request_seconds_bucket{le="0.005",path="/v1/recommend",status="200"}' in text
     )
     assert 'genrec_spec_request_seconds_count{path="/v1/recommend",status="400"} 1.0' in text
+    assert 'genrec_spec_request_seconds_count{path="other",status="404"} 1.0' in text
     assert 'genrec_spec_batch_size_count{kind="recommend"} 2.0' in text  # one beam, one heads
     assert 'genrec_spec_batch_size_bucket{kind="recommend",le="4.0"} 1.0' in text
     assert 'genrec_spec_target_passes_total{kind="recommend",method="beam"} 3.0' in text
