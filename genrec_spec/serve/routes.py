@@ -31,7 +31,9 @@ from genrec_spec.serve.state import ServiceState
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 422, 503, 504)}
 
 
-def service(request: Request) -> ServiceState:
+# The dependencies are coroutines, though they never wait: FastAPI runs a plain function
+# dependency in its thread pool, a hop to another thread and back on every request.
+async def service(request: Request) -> ServiceState:
     return request.app.state.service
 
 
@@ -39,7 +41,7 @@ Service = Annotated[ServiceState, Depends(service)]
 api_key_header = APIKeyHeader(name=API_KEY_HEADER, auto_error=False)
 
 
-def check_key(state: Service, key: str | None = Security(api_key_header)) -> None:
+async def check_key(state: Service, key: str | None = Security(api_key_header)) -> None:
     """401 unless the service has no key or the request's X-API-Key header is that key."""
     expected = state.config.api_key
     if expected is None:
