@@ -79,16 +79,33 @@ def test_readme_is_short():
     assert lines <= MAX_README_LINES, f"README.md has {lines} lines; move detail to docs/"
 
 
+def heading_anchors(path: Path) -> set[str]:
+    """The anchors of a markdown page's headings as GitHub makes them: lower case, punctuation
+    but hyphens and underscores dropped, spaces as hyphens, "-1", "-2", ... after repeats."""
+    anchors, seen = set(), {}
+    text = FENCE.sub("", path.read_text())  # (a "# comment" in a code block is no heading)
+    for heading in re.findall(r"^#{1,6} (.*)$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
 @pytest.mark.parametrize("path", [README, *DOCS], ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(path):
+    """Every relative link names a file that exists and, into a markdown page, a heading of it
+    (results pages are linked by section, and a renamed section broke links silently)."""
     missing = []
     for target in LINK.findall(path.read_text()):
-        if re.match(r"[a-z]+:", target) or target.startswith("#"):
-            continue  # a URL or an anchor in the same page
-        file = target.split("#", 1)[0]
-        if not (path.parent / file).exists():
+        if re.match(r"[a-z]+:", target):
+            continue  # a URL
+        file, _, anchor = target.partition("#")
+        page = path.parent / file if file else path
+        if not page.exists():
             missing.append(target)
-    assert not missing, f"{path.relative_to(ROOT)} links to missing files: {missing}"
+        elif anchor and page.suffix == ".md" and anchor not in heading_anchors(page):
+            missing.append(target)
+    assert not missing, f"{path.relative_to(ROOT)} links to missing files or sections: {missing}"
 
 
 def test_named_subcommands_exist():
