@@ -26,6 +26,10 @@ from typing import Any
 
 from genrec_spec.errors import GenrecError
 
+# Keys whose expected company is remembered, the most recently run: requests choose their keys
+# (decoder, k, options), so an unbounded table would grow with every combination sent.
+COMPANY_KEYS = 4096
+
 
 class QueueFullError(GenrecError):
     """More requests wait for the model than the queue holds."""
@@ -144,4 +148,7 @@ class MicroBatcher:
                         job.future.set_result(result)
             # Clients that send their next request when answered come back now: the next group
             # waits for them and those already waiting (a lone client's request runs at once)
+            self._company.pop(key, None)  # (re-inserted last: the most recently run)
             self._company[key] = len(jobs) + len(self._groups.get(key, ()))
+            if len(self._company) > COMPANY_KEYS:
+                del self._company[next(iter(self._company))]

@@ -11,6 +11,7 @@ import torch
 
 from genrec_spec.recsys.decoders.registry import DECODERS
 from genrec_spec.recsys.recommend import recommend
+from genrec_spec.serve import batcher as batcher_module
 from genrec_spec.serve.batcher import MicroBatcher, QueueFullError
 
 
@@ -131,3 +132,22 @@ def test_batcher_waits_only_for_the_company_it_expects():
     assert pair_s < 0.25  # as many as the last batch: no wait
     assert five_s >= 0.45  # one of the two expected: the window, then alone
     assert six_s < 0.25  # the last batch was one request
+
+
+def test_batcher_remembers_the_company_of_a_bounded_number_of_keys(monkeypatch):
+    """Requests choose their keys (decoder, k, options): the expected company of each key run
+    is kept for the most recent COMPANY_KEYS keys only, not for every combination ever sent."""
+    monkeypatch.setattr(batcher_module, "COMPANY_KEYS", 2)
+
+    async def main():
+        batcher = MicroBatcher(lambda key, payloads: payloads, max_batch=1, max_wait_s=0.01,
+                               max_queue=10)  # fmt: skip
+        batcher.start()
+        try:
+            for key in ("a", "b", "c", "b"):
+                await batcher.submit(key, 0, timeout_s=5)
+            return list(batcher._company)
+        finally:
+            await batcher.stop()
+
+    assert asyncio.run(main()) == ["c", "b"]
