@@ -7,7 +7,12 @@ Q4_1 codes, for each row count it times side by side in one run:
   group of 32, ``kernels.q4.rounded_input``; fp16 scales, fp32 output);
 - ``aten-int4``: ATen's CPU int4 matmul (``_weight_int4pack_mm_for_cpu``, what the quant draft
   used before: bfloat16 scales and output), its input already bfloat16 (its best case);
-- ``fp32``: ``F.linear`` on the dequantised matrix (what the fp32 target does).
+- ``fp32``: ``F.linear`` on the dequantised matrix (what the fp32 target does);
+- ``bf16``: ``F.linear`` on the dequantised matrix and x both rounded to bfloat16 (bfloat16
+  output): oneDNN's kernel, on AMX tiles where the CPU has them (``amx_bf16`` among the flags
+  printed), AVX512-BF16 otherwise. A draft's output need not be fp32, so this is the other way a
+  draft could use the CPU's bfloat16 units: twice the 4-bit codes' bytes, far more arithmetic a
+  cycle.
 
 ``layers`` runs every layer matrix of the model in sequence (30 layers x 4), as a draft step
 does: ~84 MB of codes and scales that do not stay in cache, where one matrix alone does. Times
@@ -49,15 +54,17 @@ def aten_int4(codes: Q4Codes) -> Callable[[torch.Tensor], torch.Tensor]:  # bf16
 
 
 def methods_for(codes: list[Q4Codes]) -> dict[str, Callable]:
-    """Each method as a function of x, {K: [M, K] fp32}, running every matrix in ``codes`` on
-    the x of its input size (bfloat16 copies prepared for ATen's kernel)."""
+    """Each method as a function of x, {K: [M, K] fp32}, and its bfloat16 copy xb, running every
+    matrix in ``codes`` on the x of its input size."""
     ours = [(c.codes.shape[1], c.pack()) for c in codes]
     aten = [(c.codes.shape[1], aten_int4(c)) for c in codes]
     dense = [(c.codes.shape[1], c.dequantize()) for c in codes]
+    half = [(k, w.bfloat16()) for k, w in dense]
     return {
         "q4": lambda x, xb: [w(x[k]) for k, w in ours],
         "aten-int4": lambda x, xb: [w(xb[k]) for k, w in aten],
         "fp32": lambda x, xb: [F.linear(x[k], w) for k, w in dense],
+        "bf16": lambda x, xb: [F.linear(xb[k], w) for k, w in half],
     }
 
 

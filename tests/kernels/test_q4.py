@@ -121,7 +121,7 @@ def test_bench_q4_times_every_method_on_every_matrix(capsys):
         (matrix, m, method)
         for matrix in (*MATRICES, "layers")
         for m in ("1", "3")
-        for method in ("q4", "aten-int4", "fp32")
+        for method in ("q4", "aten-int4", "fp32", "bf16")
     }
-    for r in rows:  # fp32 exact up to float rounding; x, and ATen's output, rounded ~1e-3
+    for r in rows:  # fp32 exact up to float rounding; x (and bf16 and ATen's output) ~1e-3
         assert float(r[6]) < (1e-5 if r[2] == "fp32" else 2e-2)
