@@ -129,6 +129,17 @@ def row_positions(offsets: Tensor, num_values: int) -> tuple[Tensor, Tensor]:
     return row, position
 
 
+def spell_out_ranges(
+    starts: Tensor,  # [R] each range's first value
+    lengths: Tensor,  # [R] each range's length, >= 0
+) -> tuple[Tensor, Tensor]:  # ([T], [T]), T = lengths.sum()
+    """Ranges of consecutive integers written out, range by range: each value's range index and
+    the value (starts[r], starts[r] + 1, ..., starts[r] + lengths[r] - 1 for range r)."""
+    offsets = lengths_to_offsets(lengths, backend="torch")  # (small rows: no fbgemm call)
+    owner, within = row_positions(offsets, int(offsets[-1]))
+    return owner, starts[owner] + within
+
+
 def truncate_jagged(
     values: Tensor,  # [M] or [M, E]
     offsets: Tensor,  # [B+1]

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from genrec_spec.data_pipelines.jagged import lengths_to_offsets, row_positions
+from genrec_spec.data_pipelines.jagged import spell_out_ranges
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.recsys.heads import children_log_softmax
 from genrec_spec.models.recsys.item_prefixes import ItemPrefixIndex
@@ -157,10 +157,7 @@ class CodeLevels:
         start, end = index.runs(prefixes)  # [n]
         rows, counts = len(prefixes), end - start
         # [T] each item's prefix row and its place in the sorted table (run start .. end - 1)
-        owner, within = row_positions(
-            lengths_to_offsets(counts, backend="torch"), int(counts.sum())
-        )
-        slot = start[owner] + within
+        owner, slot = spell_out_ranges(start, counts)
         item_logits = item_logits_of(owner, index.order[slot])  # [T]
         top = item_logits.new_full((rows,), float("-inf")).scatter_reduce(
             0, owner, item_logits.detach(), "amax"

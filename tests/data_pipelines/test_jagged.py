@@ -16,6 +16,7 @@ from genrec_spec.data_pipelines.jagged import (
     lengths_to_offsets,
     offsets_to_lengths,
     padded_to_jagged,
+    spell_out_ranges,
     truncate_jagged,
 )
 
@@ -100,6 +101,14 @@ def test_lengths_offsets_round_trip(backend):
     assert offsets.tolist() == [0, 3, 3, 5, 5, 10]
     assert torch.equal(offsets_to_lengths(offsets), lengths)
     assert lengths_to_offsets(torch.tensor([4]), backend=backend).tolist() == [0, 4]
+
+
+def test_spell_out_ranges_writes_each_range_in_order():
+    owner, values = spell_out_ranges(torch.tensor([7, 2, 0, 5]), torch.tensor([2, 0, 3, 1]))
+    assert owner.tolist() == [0, 0, 2, 2, 2, 3]
+    assert values.tolist() == [7, 8, 0, 1, 2, 5]
+    empty = spell_out_ranges(torch.tensor([4]), torch.tensor([0]))
+    assert [t.tolist() for t in empty] == [[], []]
 
 
 @pytest.mark.parametrize(

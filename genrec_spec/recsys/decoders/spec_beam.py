@@ -72,7 +72,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from genrec_spec.data_pipelines.jagged import lengths_to_offsets, row_positions
+from genrec_spec.data_pipelines.jagged import spell_out_ranges
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.decoders.beam import (
@@ -280,8 +280,7 @@ def children_of(trie: PrefixTrie, member: NodeSet) -> NodeSet:
     first = trie.child_offsets[nodes].long() + 1  # [M] each member's first child
     counts = trie.child_offsets[nodes + 1].long() + 1 - first  # [M]
     # [sum counts]: first[m], first[m] + 1, ..., first[m] + counts[m] - 1 for each member m
-    owner, within = row_positions(lengths_to_offsets(counts, backend="torch"), int(counts.sum()))
-    child = first[owner] + within
+    owner, child = spell_out_ranges(first, counts)
     inside = child < member.stride  # children past the scorable levels are left out
     return NodeSet.of(rows[owner][inside], child[inside], member.stride)
 
