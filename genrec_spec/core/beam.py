@@ -123,6 +123,18 @@ class BeamOutput(Generation):
         return [flat[b * k : (b + 1) * k] for b in range(len(flat) // k)]
 
 
+@dataclass(frozen=True)
+class StepCandidates:
+    """A plain search step's candidates from a target that reads them itself under a catalogue
+    (``beam_candidates``: the recommender, level by level), [B, W, C] each."""
+
+    values: Tensor  # log-probs (-inf pads)
+    tokens: Tensor  # their tokens
+    states: Tensor  # the catalogue nodes they lead to
+    passes: int  # target passes the step took (0 or 1)
+    nodes: Tensor | int  # tree nodes the pass scored (a () int64 tensor, or 0 without one)
+
+
 class BeamDrafter(Protocol):
     def begin(self, tokens: Tensor, lengths: Tensor) -> None:
         """A search starts: its prompts (tokens [B, T], right-padded, lengths [B])."""
@@ -426,11 +438,24 @@ class _PlainSearch(_Passes):
         self.size = 0  # nodes in the target's pending tree
         self.slots = torch.arange(config.num_beams, device=tokens.device)  # [W]
         self.waiting: list[tuple[Tensor, Tensor, Tensor]] = []  # steps' unscored nodes (below)
+        # A target that reads a step's candidates itself under a catalogue (the recommender: its
+        # tree from the beams' levels, each beam's children off its level's outputs), without
+        # the pending tree and vocabulary-wide outputs of ``grow_tree``
+        self.stepwise = isinstance(constraint, Catalogue) and hasattr(target, "beam_candidates")
 
     def candidates(
         self, beams: _Beams, open_rows: Tensor, alive: Tensor, step: int
     ) -> tuple[Tensor, Tensor, Tensor]:  # open_rows [B], alive [B, W] bool -> [B, W, C] each
         """The beams' new nodes' best next tokens, from a pass where a live one needs it."""
+        if self.stepwise and self.roots is None:
+            got = self.target.beam_candidates(
+                self.cache, step, beams.last, beams.origin, beams.states, alive,
+                self.constraint.trie, self.width,
+            )  # fmt: skip
+            self.passes += got.passes
+            if got.passes:
+                self.nodes += got.nodes
+            return got.values, got.tokens, got.states
         width = beams.last.shape[1]
         step_nodes = beams.last, beams.parents, beams.states, alive  # [B, W] each
         if step == 0:  # the first step's beams are copies of the root: one node

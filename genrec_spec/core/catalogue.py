@@ -126,7 +126,7 @@ class TokenTrie:
         edge = edge.clamp(max=len(self.edge_keys) - 1)
         return torch.where(self.edge_keys[edge] == keys, self.child_nodes[edge], -1)
 
-    def children_of(self, nodes: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # [Q] -> 3 x [Q, C]
+    def children_of(self, nodes: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # [...] -> [..., C]
         """Each node's child tokens in token order, C the most any of them has (at least 1),
         the nodes they lead to (-1 pads) and which of the C slots hold one (-1 nodes have
         none)."""
@@ -135,14 +135,14 @@ class TokenTrie:
         tokens = self.child_tokens[edges].masked_fill(missing, 0)
         return tokens, self.child_nodes[edges].masked_fill(missing, -1), exists
 
-    def child_edges(self, nodes: Tensor) -> tuple[Tensor, Tensor]:  # [Q] -> 2 x [Q, C]
+    def child_edges(self, nodes: Tensor) -> tuple[Tensor, Tensor]:  # [...] -> 2 x [..., C]
         """``children_of``'s edges (a child's token and node are ``child_tokens[e]`` and
         ``child_nodes[e]``), any edge in the slots that hold none, and which slots hold one."""
-        first, counts = self.child_offsets[nodes], self.child_counts[nodes]  # [Q] each
-        most = max(1, int(counts.max())) if len(nodes) else 1
+        first, counts = self.child_offsets[nodes], self.child_counts[nodes]  # [...] each
+        most = max(1, int(counts.max())) if nodes.numel() else 1
         slots = torch.arange(most, device=nodes.device)
-        exists = slots < counts[:, None]  # [Q, C]
-        return (first[:, None] + slots).clamp(max=max(len(self.child_tokens) - 1, 0)), exists
+        exists = slots < counts[..., None]  # [..., C]
+        return (first[..., None] + slots).clamp(max=max(len(self.child_tokens) - 1, 0)), exists
 
     def allowed(self, nodes: Tensor) -> Tensor:  # [Q] -> [Q, V] bool
         """The tokens each node lets through (its children's); none for -1."""

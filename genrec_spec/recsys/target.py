@@ -32,12 +32,12 @@ import copy
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from genrec_spec.core.beam import BeamConfig, BeamDrafter, beam_search
+from genrec_spec.core.beam import BeamConfig, BeamDrafter, StepCandidates, beam_search, stable_top
 from genrec_spec.core.catalogue import TokenTrie
 from genrec_spec.core.constraints import Catalogue
 from genrec_spec.core.targets import grown
@@ -67,6 +67,10 @@ class RecommenderCache:
     # next grow, and tens of MB of fresh pages a pass (wide beams, batches) cost more than
     # refilling touched ones.
     buffer: Tensor | None = None
+    # A plain search's beams level by level (`beam_candidates`): each level's codes and the
+    # place of the beam each extends among the level above's, [B, W] each
+    codes: list[Tensor] = field(default_factory=list)
+    origins: list[Tensor] = field(default_factory=list)
 
 
 class RecommenderTarget:
@@ -137,6 +141,64 @@ class RecommenderTarget:
     ) -> Tensor:
         cache.tree = grown(cache.tree, tokens, parents)
         return self._score(cache, tokens.shape[1], needed)
+
+    def beam_candidates(
+        self,
+        cache: RecommenderCache,
+        step: int,
+        last: Tensor,  # [B, W] the beams' last tokens (the root copies' at step 0)
+        origin: Tensor,  # [B, W] the place of the beam each extends among the step before's
+        states: Tensor,  # [B, W] their nodes in `trie`
+        alive: Tensor,  # [B, W] bool the beams still running
+        trie: TokenTrie,  # the search's catalogue's (``catalogue()``)
+        width: int,  # C: the most candidates a beam keeps
+    ) -> StepCandidates:  # [B, W, C' <= C] each
+        """A plain search's step, level by level as the native engine's: the candidates of the
+        step's beams, their children in the catalogue scored by one pass over the tree of their
+        levels (`beam_tree`: no tree derived from tokens and parents, no vocabulary-wide
+        output). Step 0 is the history pass. A beam whose code is forced (one child) gives it
+        log-prob 0 without the pass (`forced_tokens_free`); a step whose live beams are all
+        such needs none."""
+        model = self.model
+        batch, width_in = last.shape
+        passes, nodes = 0, 0
+        if step == 0:  # the W copies of each root share its level-0 log-probs
+            cache.state = model.encode_history(cache.values, cache.offsets, cache.times)
+            out, states, passes = cache.state.level0_log_probs[:, None], states[:, :1], 1
+        else:
+            cache.codes.append(last - (step - 1) * self.block)  # level step - 1's codes
+            cache.origins.append(origin)
+            scored = alive
+            if self.forced_tokens_free:
+                scored = alive & (trie.forced(states) < 0)
+            busy = scored.any(1)  # [B] the rows with a beam to score
+            every = bool(scored.all())
+            if not every:  # a beam not scored: forced (log-prob 0), or dead (masked later)
+                out = torch.zeros(batch, width_in, self.block, device=self.device)
+            if every or bool(busy.any()):
+                codes, levels, parents, picked, real = beam_tree(cache.codes, cache.origins, scored)
+                got, local = score_rows(
+                    model, cache.state, codes, levels, parents, busy, picked.shape[1]
+                )  # [b, W', Vmax]
+                if every:  # every beam, in order
+                    out = got
+                else:
+                    rows, slots = real.nonzero(as_tuple=True)
+                    out[rows, picked[rows, slots], : got.shape[2]] = got[local[rows], slots]
+                passes, nodes = 1, busy.sum() * codes.shape[1]
+        # each beam's children in the catalogue, read off the level's outputs by their codes
+        tokens, after, exists = trie.children_of(states)  # [B, W', C'] each
+        codes = (tokens - step * self.block).clamp(0, out.shape[2] - 1)
+        values = out.gather(2, codes).masked_fill(~exists, float("-inf"))
+        if values.shape[2] > width:  # ties in place order, as the core's own read keeps them
+            values, index = stable_top(values.flatten(0, 1), width)
+            shape = (batch, states.shape[1], width)
+            values, index = values.view(shape), index.view(shape)
+            tokens, after = tokens.gather(2, index), after.gather(2, index)
+        parts = values, tokens, after
+        if states.shape[1] < width_in:  # the root's, read by each of its copies
+            parts = [part.expand(batch, width_in, -1) for part in parts]
+        return StepCandidates(*parts, passes=passes, nodes=nodes)
 
     def score_tree(self, cache: RecommenderCache, tree: DraftTree) -> Tensor:
         _refuse_single_path()
@@ -277,6 +339,58 @@ def score_rows(
         state = state.rows(busy.nonzero().squeeze(1))
         codes, levels, parents = codes[busy], levels[busy], parents[busy]
     return model.score_tree(state, codes, levels, parents, last=last), busy.long().cumsum(0) - 1
+
+
+def beam_tree(
+    codes: list[Tensor],  # [B, W_d] each level's beams' codes, levels 0..l-1
+    origins: list[Tensor],  # [B, W_d] each beam's place among the level above's (level 0: any)
+    scored: Tensor,  # [B, W_l-1] bool the last level's beams whose next level is scored
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The prefixes of all beams of lengths 1..l as one tree per row (both engines' model tree
+    of a level-by-level search): node sum(W_0..W_d-1) + w is beam w of length d + 1, its parent
+    the beam it extends. Returns codes, levels, parents [B, N], the last W' nodes the `scored`
+    current beams, and which current beam each of those is and whether it is real ([B, W']
+    each).
+
+    The earlier levels are context: the model keeps no K/V of tree nodes, so every pass scores
+    them again. A node attends to the history and its own ancestors alone, so a prefix that no
+    scored beam extends changes no score; where such prefixes are a large enough share of the
+    context (wide beams, whose lower levels converge on fewer prefixes), they are left out, as
+    the tree's attention grows with the square of its nodes (`context_to_score`). The kept
+    context then fills the first slots of each row in order, and the scored beams the last, rows
+    with fewer padding with unattached nodes (level 0, parent -1)."""
+    starts = [0]
+    for level in codes[:-1]:
+        starts.append(starts[-1] + level.shape[1])
+    levels = torch.cat([torch.full_like(c, d) for d, c in enumerate(codes)], 1)
+    parents = torch.cat(
+        [o + starts[d - 1] if d else torch.full_like(o, -1) for d, o in enumerate(origins)], 1
+    )
+    codes = torch.cat(codes, 1)  # [B, N]
+    batch, n = codes.shape
+    context = starts[-1]
+    wanted = torch.cat([torch.zeros_like(codes[:, :context], dtype=torch.bool), scored], 1)
+    feedable = torch.cat([torch.ones_like(wanted[:, :context]), scored], 1)
+    lineage = with_ancestors(wanted, parents, len(starts) - 1)
+    needed = context_to_score(feedable, wanted, lineage)[:, :context]
+    if bool(needed.all()) and bool(scored.all()):
+        every = torch.arange(n - context, device=codes.device).expand(batch, -1)
+        return codes, levels, parents, every, scored
+    order, kept = in_order(needed)  # [B, C] each: the context nodes a row keeps, in order
+    picked, chosen = in_order(scored)  # [B, W'] each: the scored beams, in order
+    index = torch.cat([order, picked + context], 1)  # [B, C + W']
+    real = torch.cat([kept, chosen], 1)
+    slot_of = torch.cumsum(needed.long(), 1) - 1  # [B, context] a kept node's new slot
+    above = parents.gather(1, index)  # the parents' old slots (all context nodes)
+    # The level-0 beams have no context (nor parents) to look up.
+    moved = slot_of.gather(1, above.clamp(min=0)) if context else above
+    return (
+        torch.where(real, codes.gather(1, index), 0),
+        torch.where(real, levels.gather(1, index), 0),
+        torch.where(real & (above >= 0), moved, -1),
+        picked,
+        chosen,
+    )
 
 
 def in_order(mask: Tensor) -> tuple[Tensor, Tensor]:  # [B, N] -> [B, S] each

@@ -191,7 +191,9 @@ def test_prefixes_no_beam_extends_are_left_out(model, monkeypatch, width):
     state = model.encode_history(values, offsets)
     monkeypatch.setattr(target, "PRUNE_SHARE", 0.0)  # leave out whatever no beam extends
     history, _, _ = beam.search(model, state, trie, width)
-    codes, levels, parents, _, _ = beam.beam_tree(history, history[-1].nodes >= 0)
+    codes, levels, parents, _, _ = target.beam_tree(
+        [b.code for b in history], [b.origin for b in history], history[-1].nodes >= 0
+    )
     current = history[-1].nodes.shape[1]
     for row in range(len(offsets) - 1):
         kept = set(range(codes.shape[1] - current, codes.shape[1]))  # the current beams
@@ -219,7 +221,9 @@ def test_the_tree_of_some_beams_holds_them_and_their_ancestors(model):
     for depth in (1, len(history)):
         current = history[depth - 1]
         scored = (current.nodes >= 0) & (torch.arange(4) % 2 == 1)  # beams 1 and 3
-        codes, levels, parents, picked, real = beam.beam_tree(history[:depth], scored)
+        codes, levels, parents, picked, real = target.beam_tree(
+            [b.code for b in history[:depth]], [b.origin for b in history[:depth]], scored
+        )
         assert torch.equal(picked[real], scored.nonzero()[:, 1])
         last = codes[:, -picked.shape[1] :]
         assert torch.equal(last[real], current.code[scored])

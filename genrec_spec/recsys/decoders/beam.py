@@ -34,13 +34,7 @@ from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.inference import inference
-from genrec_spec.recsys.target import (
-    context_to_score,
-    core_beam,
-    in_order,
-    score_rows,
-    with_ancestors,
-)
+from genrec_spec.recsys.target import beam_tree, core_beam, score_rows
 from genrec_spec.recsys.types import Recommendations, RecommendStats
 
 DEFAULT_MIN_BEAM_WIDTH = 20  # beam width when none is given: max(k, this)
@@ -164,60 +158,6 @@ def _pad(beams: Beams, count: int) -> Beams:
     )
 
 
-def beam_tree(
-    history: list[Beams],
-    scored: Tensor,  # [B, W] bool the current beams whose next level is scored
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The prefixes of all beams of lengths 1..l as one tree per row: node d * W + w is beam w
-    of length d + 1, its parent the beam it extends. Returns codes, levels, parents [B, N], the
-    last W' nodes the `scored` current beams, and which current beam each of those is and
-    whether it is real ([B, W'] each).
-
-    The earlier levels are context: the model keeps no K/V of tree nodes, so every pass scores
-    them again. A node attends to the history and its own ancestors alone, so a prefix that no
-    scored beam extends changes no score; where such prefixes are a large enough share of the
-    context (wide beams, whose lower levels converge on fewer prefixes), they are left out, as
-    the tree's attention grows with the square of its nodes (`target.context_to_score`, the
-    core's rule too). The kept context then fills the first slots of each row in order, and the
-    scored beams the last, rows with fewer padding with unattached nodes (level 0, parent -1)."""
-    codes = torch.cat([b.code for b in history], 1)  # [B, N]
-    levels = torch.cat([torch.full_like(b.code, d) for d, b in enumerate(history)], 1)
-    starts = [0]
-    for beams in history[:-1]:
-        starts.append(starts[-1] + beams.nodes.shape[1])
-    parents = torch.cat(
-        [
-            b.origin + starts[d - 1] if d else torch.full_like(b.code, -1)
-            for d, b in enumerate(history)
-        ],
-        1,
-    )
-    batch, n = codes.shape
-    context = starts[-1]
-    wanted = torch.cat([torch.zeros_like(codes[:, :context], dtype=torch.bool), scored], 1)
-    feedable = torch.cat([torch.ones_like(wanted[:, :context]), scored], 1)
-    lineage = with_ancestors(wanted, parents, len(history) - 1)
-    needed = context_to_score(feedable, wanted, lineage)[:, :context]
-    if bool(needed.all()) and bool(scored.all()):
-        every = torch.arange(n - context, device=codes.device).expand(batch, -1)
-        return codes, levels, parents, every, scored
-    order, kept = in_order(needed)  # [B, C] each: the context nodes a row keeps, in order
-    picked, chosen = in_order(scored)  # [B, W'] each: the scored beams, in order
-    index = torch.cat([order, picked + context], 1)  # [B, C + W']
-    real = torch.cat([kept, chosen], 1)
-    slot_of = torch.cumsum(needed.long(), 1) - 1  # [B, context] a kept node's new slot
-    above = parents.gather(1, index)  # the parents' old slots (all context nodes)
-    # The level-0 beams have no context (nor parents) to look up.
-    moved = slot_of.gather(1, above.clamp(min=0)) if context else above
-    return (
-        torch.where(real, codes.gather(1, index), 0),
-        torch.where(real, levels.gather(1, index), 0),
-        torch.where(real & (above >= 0), moved, -1),
-        picked,
-        chosen,
-    )
-
-
 def check_engine(engine: str) -> None:
     if engine not in ENGINES:
         raise DecodeOptionError(f"unknown engine {engine!r}", f"use one of {', '.join(ENGINES)}")
@@ -263,7 +203,9 @@ def search(
         if not bool(busy.any()):
             out = beams.scores.new_zeros(shape)
         else:
-            codes, levels, parents, picked, real = beam_tree(history, scored)
+            codes, levels, parents, picked, real = beam_tree(
+                [b.code for b in history], [b.origin for b in history], scored
+            )
             # [b, W', Vmax]: only the scored beams' log-probs; earlier prefixes are context
             got, local = score_rows(model, state, codes, levels, parents, busy, picked.shape[1])
             if bool(scored.all()):  # every beam, in order: the output as it is
