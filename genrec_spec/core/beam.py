@@ -226,15 +226,17 @@ def beam_search(
             if config.early_stopping is True:  # a row with W finished hypotheses is done
                 open_rows = open_rows & ~beams.done.all(1)
             alive = open_rows[:, None] & (beams.scores > float("-inf"))  # [B, W]
-            # [B, W, C] each: the beams' best next tokens, their log-probs and states
+            # [B, W, C] each: the beams' best next tokens, their log-probs and states ([B, 1, C]
+            # at the first step, where the W beams are copies of the root: its candidates once)
             values, options, after = search.candidates(beams, open_rows, alive, step)
-            values = values.masked_fill(~alive[..., None], float("-inf"))
+            values = values.masked_fill(~alive[:, : values.shape[1], None], float("-inf"))
             search.nan |= values.isnan().any()  # a NaN logit makes its node's log-probs NaN
             ended = _select(
                 beams, values, options, after, eos_t, keep, step, max_new_tokens, config
             )
             search.row_steps += open_rows.sum()
-            if not _unfinished(beams, ended, step + 1, max_new_tokens, config):
+            last = step + 1 == max_new_tokens  # (the loop ends: no stopping rule to apply)
+            if not last and not _unfinished(beams, ended, step + 1, max_new_tokens, config):
                 break
     search.check_finite()
     if drafter is not None and record is not None:
@@ -446,7 +448,8 @@ class _PlainSearch(_Passes):
     def candidates(
         self, beams: _Beams, open_rows: Tensor, alive: Tensor, step: int
     ) -> tuple[Tensor, Tensor, Tensor]:  # open_rows [B], alive [B, W] bool -> [B, W, C] each
-        """The beams' new nodes' best next tokens, from a pass where a live one needs it."""
+        """The beams' new nodes' best next tokens, from a pass where a live one needs it (at the
+        first step the root's, [B, 1, C])."""
         if self.stepwise and self.roots is None:
             got = self.target.beam_candidates(
                 self.cache, step, beams.last, beams.origin, beams.states, alive,
@@ -456,7 +459,6 @@ class _PlainSearch(_Passes):
             if got.passes:
                 self.nodes += got.nodes
             return got.values, got.tokens, got.states
-        width = beams.last.shape[1]
         step_nodes = beams.last, beams.parents, beams.states, alive  # [B, W] each
         if step == 0:  # the first step's beams are copies of the root: one node
             step_nodes = tuple(part[:, :1] for part in step_nodes)
@@ -464,9 +466,7 @@ class _PlainSearch(_Passes):
         if self.roots is not None:  # the roots, scored and cached by the prefill: the step's
             # children hang under the cached prompt (parent -1)
             beams.nodes = torch.full_like(beams.last, -1)
-            return tuple(
-                part[:, None].expand(-1, width, -1) for part in self.root_candidates(states[:, 0])
-            )
+            return tuple(part[:, None] for part in self.root_candidates(states[:, 0]))
         first = self.size + sum(part[0].shape[1] for part in self.waiting)  # the step's 1st node
         # [B, W] beam w's node is the step's w-th (the root copies' its only one)
         nodes = self.slots + first if step else torch.full_like(beams.last, first)
@@ -489,8 +489,6 @@ class _PlainSearch(_Passes):
             values = torch.full((*tokens.shape, 1), float("-inf"), device=tokens.device)
             options = torch.zeros_like(values, dtype=torch.long)
             after = torch.full_like(options, -1)
-        if tokens.shape[1] < width:  # the root's candidates, read by each of its copies
-            return tuple(part.expand(-1, width, -1) for part in (values, options, after))
         return values, options, after
 
     def _pass(
@@ -731,19 +729,25 @@ def _select(
 ) -> Tensor | bool:  # whether every candidate kept ended (bool: none can end this step)
     """One step of transformers' beam search (``_get_top_k_continuations``, then
     ``_get_running_beams_for_next_iteration`` and ``_update_finished_beams``), in place."""
-    batch, w, c = values.shape
-    flat = (beams.scores[:, :, None] + values).flatten(1)  # [B, W * C]
+    batch, n, c = values.shape  # n: W, or 1 (the root's candidates, for its W copies)
+    w = beams.scores.shape[1]
     endless = not len(eos) and step + 1 < max_new_tokens  # no candidate can end this step
     # the best W run on where none can end; else the best 2W, as transformers keeps from its
     # W x V (so where the step's nodes have fewer candidates, -inf pads make up the 2W, and
     # the tables below are as wide as transformers' whatever C is)
     keep = w if endless else keep
-    padded = flat.shape[1] < keep
-    if padded:
-        flat = torch.nn.functional.pad(flat, (0, keep - flat.shape[1]), value=float("-inf"))
+    # The first step's beams are copies of the root, all but the first UNREACHABLE: where the
+    # first has `keep` candidates, they are the step's best (in place order, first), so its
+    # table needs no copies (a wide beam's W x C of them cost more than all the rest).
+    if n < w and (c < keep or bool((values[:, 0] > float("-inf")).sum(1).min() < keep)):
+        values, options, after = (part.expand(batch, w, c) for part in (values, options, after))
+    flat = (beams.scores[:, : values.shape[1], None] + values).flatten(1)  # [B, n * C]
+    candidates = flat.shape[1]
+    if candidates < keep:
+        flat = torch.nn.functional.pad(flat, (0, keep - candidates), value=float("-inf"))
     scores, index = stable_top(flat, keep)  # [B, keep]
-    if padded:  # a pad reads the last candidate (its score stays -inf)
-        index = index.clamp(max=w * c - 1)
+    if candidates < keep:  # a pad reads the last candidate (its score stays -inf)
+        index = index.clamp(max=candidates - 1)
     origin = index // c
     token, state = options.flatten(1).gather(1, index).long(), after.flatten(1).gather(1, index)
     if endless:
@@ -757,6 +761,8 @@ def _select(
         sequences = beams.sequences.gather(1, origin[..., None].expand(-1, -1, max_new_tokens))
         sequences[:, :, step] = token
         _finish(beams, scores, sequences, state, ended, step, config)
+    if step + 1 >= max_new_tokens:  # the search's last step: no beam runs on
+        return True
     # Running: the best W that did not end.
     running = scores + hits.float() * UNREACHABLE
     # (transformers' topk on the same 2W scores: equal ties break alike)

@@ -152,7 +152,7 @@ class RecommenderTarget:
         alive: Tensor,  # [B, W] bool the beams still running
         trie: TokenTrie,  # the search's catalogue's (``catalogue()``)
         width: int,  # C: the most candidates a beam keeps
-    ) -> StepCandidates:  # [B, W, C' <= C] each
+    ) -> StepCandidates:  # [B, W, C' <= C] each ([B, 1, C'] at step 0: the root's)
         """A plain search's step, level by level as the native engine's: the candidates of the
         step's beams, their children in the catalogue scored by one pass over the tree of their
         levels (`beam_tree`: no tree derived from tokens and parents, no vocabulary-wide
@@ -187,18 +187,18 @@ class RecommenderTarget:
                     out[rows, picked[rows, slots], : got.shape[2]] = got[local[rows], slots]
                 passes, nodes = 1, busy.sum() * codes.shape[1]
         # each beam's children in the catalogue, read off the level's outputs by their codes
-        tokens, after, exists = trie.children_of(states)  # [B, W', C'] each
+        # (a slot without a child reads some edge: its value is -inf, so no beam takes it)
+        edges, exists = trie.child_edges(states)  # [B, W', C'] each
+        tokens, after = trie.child_tokens[edges], trie.child_nodes[edges]
         codes = (tokens - step * self.block).clamp(0, out.shape[2] - 1)
         values = out.gather(2, codes).masked_fill(~exists, float("-inf"))
-        if values.shape[2] > width:  # ties in place order, as the core's own read keeps them
+        if step and values.shape[2] > width:  # ties in place order, as the core's read keeps them
+            # (the root's are read once, not for each of its copies: the search takes its best)
             values, index = stable_top(values.flatten(0, 1), width)
             shape = (batch, states.shape[1], width)
             values, index = values.view(shape), index.view(shape)
             tokens, after = tokens.gather(2, index), after.gather(2, index)
-        parts = values, tokens, after
-        if states.shape[1] < width_in:  # the root's, read by each of its copies
-            parts = [part.expand(batch, width_in, -1) for part in parts]
-        return StepCandidates(*parts, passes=passes, nodes=nodes)
+        return StepCandidates(values, tokens, after, passes=passes, nodes=nodes)
 
     def score_tree(self, cache: RecommenderCache, tree: DraftTree) -> Tensor:
         _refuse_single_path()

@@ -58,6 +58,56 @@ def test_core_beam_search_equals_the_recommenders_beam(
         assert passes == model.num_levels  # the history pass, then one per level but the last
 
 
+class GenericRead:
+    """The recommender as a target without its own step read (`beam_candidates`): the core's
+    plain search grows its pending tree and reads each node's children back from its outputs."""
+
+    def __init__(self, target: RecommenderTarget) -> None:
+        self.target = target
+
+    def __getattr__(self, name: str):
+        if name == "beam_candidates":
+            raise AttributeError(name)
+        return getattr(self.target, name)
+
+
+@pytest.mark.parametrize("levels", ["untied", "tied"])
+@pytest.mark.parametrize(("k", "width"), [(1, 1), (3, 5), (5, 40)])
+def test_the_recommenders_step_read_equals_the_cores_generic_read(
+    tiny_model, with_objective, levels, k, width
+):
+    """A plain search on the recommender's own step read (its tree from the beams' levels, the
+    children off its level's outputs; the root's candidates once for its W copies) gives the
+    lists, scores and passes of the core's generic read of the same target."""
+    model, data = tiny_model
+    if levels == "tied":  # forced codes cost 0: read without a pass
+        tied = with_objective(model.config, level0=True, tied_levels=TiedLevelsConfig())
+        torch.manual_seed(2)
+        model = SemanticIdRecommender(tied, data.item_codes, data.codebook_sizes).eval()
+        assert model.forced_codes_free
+    users = data.test.select(torch.arange(len(data.test)))
+    target = RecommenderTarget(model)
+    catalogue = target.catalogue()
+    assert bool((catalogue.trie.forced_tokens >= 0).any())  # prefixes with one child
+    tokens, lengths = target.prompts(users.values, users.offsets)
+    config = BeamConfig(num_beams=width, num_return_sequences=k, length_penalty=0.0)
+    outs = [
+        beam_search(
+            read,
+            tokens,
+            prompt_lengths=lengths,
+            config=config,
+            max_new_tokens=model.num_levels,
+            constraint=catalogue,
+        )  # fmt: skip
+        for read in (target, GenericRead(target))
+    ]
+    own, generic = outs
+    assert torch.equal(own.states, generic.states)
+    torch.testing.assert_close(own.scores, generic.scores, rtol=0, atol=1e-5)
+    assert own.stats.target_forwards == generic.stats.target_forwards
+
+
 def test_the_catalogue_is_every_item_as_code_tokens(tiny_model):
     model, _ = tiny_model
     target = RecommenderTarget(model)
