@@ -21,7 +21,10 @@ as they are, masked to the catalogue: exactly the scores of the recommender's ``
 
 Prefill only keeps the histories: the first grow is the history pass (the model keeps its most
 recent ``max_len`` items), fused with any code nodes planned below the roots; every later grow
-re-scores the pending code tree against it, as ``beam`` does a level at a time.
+re-scores the pending code tree against it, as ``beam`` does a level at a time. A plain search
+under the catalogue skips the pending tree: it asks ``beam_candidates`` for each step's
+candidates, which builds the pass's tree from the beams' levels (``beam_tree``, the native
+engine's) and reads each beam's children off its level's outputs.
 Items are whole code tuples, so the recommender decodes by beam search only: ``score_tree`` and
 ``commit`` (the single-path loop of ``generate``) are refused.
 """
