@@ -49,6 +49,11 @@ only while drafting earned more than it cost in the searches before it. Selectio
 same log-probabilities, so the output is plain beam search's, up to the float rounding of a
 node scored in another pass.
 
+A target may read a plain search's step itself under a catalogue: ``beam_candidates(cache, step,
+last, origin, states, alive, trie, width) -> StepCandidates``, the beams' candidates from the
+beams as they are (the recommender builds its pass's tree from the beams' levels and reads each
+beam's children off its level's outputs), where other targets grow the pending tree.
+
 Plain or speculative, a catalogue's forced token costs exactly 0 where log-probs are renormalised
 over the allowed tokens (``BeamConfig.renormalize``, or a target whose outputs are:
 ``forced_tokens_free``): its node's candidates are known without the target, so a step whose new
