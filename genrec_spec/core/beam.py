@@ -50,7 +50,7 @@ same log-probabilities, so the output is plain beam search's, up to the float ro
 node scored in another pass.
 
 A target may read a plain search's step itself under a catalogue: ``beam_candidates(cache, step,
-last, origin, states, alive, trie, width) -> StepCandidates``, the beams' candidates from the
+last, origin, states, alive, trie) -> StepCandidates``, the beams' candidates from the
 beams as they are (the recommender builds its pass's tree from the beams' levels and reads each
 beam's children off its level's outputs), where other targets grow the pending tree.
 
@@ -137,7 +137,7 @@ class StepCandidates:
     tokens: Tensor  # their tokens
     states: Tensor  # the catalogue nodes they lead to
     passes: int  # target passes the step took (0 or 1)
-    nodes: Tensor | int  # tree nodes the pass scored (a () int64 tensor, or 0 without one)
+    nodes: Tensor | int  # tree nodes the pass scored (a () int64 tensor, or 0)
 
 
 class BeamDrafter(Protocol):
@@ -395,21 +395,31 @@ class _Passes:
         scores, choices, after = self._log_probs(logits, at, rows, states, paths)
         if free is not None:  # (a catalogue's: a forced node's one child is its first)
             scores[:, 0].masked_fill_(free, 0.0)
-        if scores.shape[1] > self.width:  # keep the best C (a search reads no more)
-            # A catalogue's nodes are as wide as the widest of the call, which differs between
-            # plain and speculative search: ties kept in place order (`stable_top`). A vocabulary's
-            # rows are V wide in both, where ``topk`` orders ties alike and costs less.
-            top = stable_top if choices is not None else torch.topk
-            scores, index = top(scores, self.width)
-            choices = index if choices is None else choices.gather(1, index)
-            after = None if after is None else after.gather(1, index)
-        elif choices is None:  # every token fits: kept as they are, in token order
+        if choices is not None:  # a catalogue's children: the best C of them
+            scores, choices, after = self.best_children(scores, choices, after)
+        elif scores.shape[1] > self.width:  # a vocabulary's rows, V wide in plain and
+            # speculative search alike, where ``topk`` orders ties alike and costs less
+            scores, choices = scores.topk(self.width)
+        else:  # every token fits: kept as they are, in token order
             choices = torch.arange(scores.shape[1], device=scores.device).expand_as(scores)
         if after is None:  # the constraint's own step (none: every state stays 0)
             after = states[:, None].expand_as(choices)
             if self.constraint is not None:
                 after = self.constraint.advance(after, choices)
         return scores, choices, after
+
+    def best_children(
+        self, scores: Tensor, tokens: Tensor, after: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:  # [..., C'] each -> [..., min(C', C)]
+        """Each node's best C catalogue children (a search reads no more). A call's nodes are as
+        wide as its widest, which differs between plain and speculative search: ties are kept
+        in place order (`stable_top`)."""
+        if scores.shape[-1] <= self.width:
+            return scores, tokens, after
+        shape = (*scores.shape[:-1], self.width)
+        scores, index = stable_top(scores.flatten(0, -2), self.width)
+        index = index.view(shape)
+        return scores.view(shape), tokens.gather(-1, index), after.gather(-1, index)
 
     def _log_probs(
         self, logits: Tensor, at: Tensor | None, rows: Tensor, states: Tensor, paths
@@ -448,22 +458,27 @@ class _PlainSearch(_Passes):
         # A target that reads a step's candidates itself under a catalogue (the recommender: its
         # tree from the beams' levels, each beam's children off its level's outputs), without
         # the pending tree and vocabulary-wide outputs of ``grow_tree``
-        self.stepwise = isinstance(constraint, Catalogue) and hasattr(target, "beam_candidates")
+        self.stepwise = (
+            isinstance(constraint, Catalogue)
+            and hasattr(target, "beam_candidates")
+            and roots is None
+        )
 
     def candidates(
         self, beams: _Beams, open_rows: Tensor, alive: Tensor, step: int
     ) -> tuple[Tensor, Tensor, Tensor]:  # open_rows [B], alive [B, W] bool -> [B, W, C] each
         """The beams' new nodes' best next tokens, from a pass where a live one needs it (at the
         first step the root's, [B, 1, C])."""
-        if self.stepwise and self.roots is None:
+        if self.stepwise:
             got = self.target.beam_candidates(
                 self.cache, step, beams.last, beams.origin, beams.states, alive,
-                self.constraint.trie, self.width,
+                self.constraint.trie,
             )  # fmt: skip
             self.passes += got.passes
-            if got.passes:
-                self.nodes += got.nodes
-            return got.values, got.tokens, got.states
+            self.nodes += got.nodes
+            if step == 0:  # the root's, read once: the selection takes its best itself
+                return got.values, got.tokens, got.states
+            return self.best_children(got.values, got.tokens, got.states)
         step_nodes = beams.last, beams.parents, beams.states, alive  # [B, W] each
         if step == 0:  # the first step's beams are copies of the root: one node
             step_nodes = tuple(part[:, :1] for part in step_nodes)

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from genrec_spec.core.beam import BeamConfig, BeamDrafter, StepCandidates, beam_search, stable_top
+from genrec_spec.core.beam import BeamConfig, BeamDrafter, StepCandidates, beam_search
 from genrec_spec.core.catalogue import TokenTrie
 from genrec_spec.core.constraints import Catalogue
 from genrec_spec.core.targets import grown
@@ -154,54 +154,30 @@ class RecommenderTarget:
         states: Tensor,  # [B, W] their nodes in `trie`
         alive: Tensor,  # [B, W] bool the beams still running
         trie: TokenTrie,  # the search's catalogue's (``catalogue()``)
-        width: int,  # C: the most candidates a beam keeps
-    ) -> StepCandidates:  # [B, W, C' <= C] each ([B, 1, C'] at step 0: the root's)
-        """A plain search's step, level by level as the native engine's: the candidates of the
-        step's beams, their children in the catalogue scored by one pass over the tree of their
-        levels (`beam_tree`: no tree derived from tokens and parents, no vocabulary-wide
-        output). Step 0 is the history pass. A beam whose code is forced (one child) gives it
-        log-prob 0 without the pass (`forced_tokens_free`); a step whose live beams are all
-        such needs none."""
-        model = self.model
-        batch, width_in = last.shape
-        passes, nodes = 0, 0
+    ) -> StepCandidates:  # [B, W, C] each ([B, 1, C] at step 0: the root's)
+        """A plain search's step, level by level as the native engine's: each beam's children in
+        the catalogue, scored by one pass over the tree of the beams' levels (`score_level`: no
+        tree derived from tokens and parents, no vocabulary-wide output). Step 0 is the history
+        pass. A beam whose code is forced (one child) gives it log-prob 0 without the pass
+        (`forced_tokens_free`); a step whose live beams are all such needs none."""
         if step == 0:  # the W copies of each root share its level-0 log-probs
-            cache.state = model.encode_history(cache.values, cache.offsets, cache.times)
-            out, states, passes = cache.state.level0_log_probs[:, None], states[:, :1], 1
+            cache.state = self.model.encode_history(cache.values, cache.offsets, cache.times)
+            out, states, nodes = cache.state.level0_log_probs[:, None], states[:, :1], 0
         else:
             cache.codes.append(last - (step - 1) * self.block)  # level step - 1's codes
             cache.origins.append(origin)
             scored = alive
             if self.forced_tokens_free:
                 scored = alive & (trie.forced(states) < 0)
-            busy = scored.any(1)  # [B] the rows with a beam to score
-            every = bool(scored.all())
-            if not every:  # a beam not scored: forced (log-prob 0), or dead (masked later)
-                out = torch.zeros(batch, width_in, self.block, device=self.device)
-            if every or bool(busy.any()):
-                codes, levels, parents, picked, real = beam_tree(cache.codes, cache.origins, scored)
-                got, local = score_rows(
-                    model, cache.state, codes, levels, parents, busy, picked.shape[1]
-                )  # [b, W', Vmax]
-                if every:  # every beam, in order
-                    out = got
-                else:
-                    rows, slots = real.nonzero(as_tuple=True)
-                    out[rows, picked[rows, slots], : got.shape[2]] = got[local[rows], slots]
-                passes, nodes = 1, busy.sum() * codes.shape[1]
+            out, nodes = score_level(self.model, cache.state, cache.codes, cache.origins, scored)
         # each beam's children in the catalogue, read off the level's outputs by their codes
         # (a slot without a child reads some edge: its value is -inf, so no beam takes it)
-        edges, exists = trie.child_edges(states)  # [B, W', C'] each
+        edges, exists = trie.child_edges(states)  # [B, W', C] each
         tokens, after = trie.child_tokens[edges], trie.child_nodes[edges]
         codes = (tokens - step * self.block).clamp(0, out.shape[2] - 1)
         values = out.gather(2, codes).masked_fill(~exists, float("-inf"))
-        if step and values.shape[2] > width:  # ties in place order, as the core's read keeps them
-            # (the root's are read once, not for each of its copies: the search takes its best)
-            values, index = stable_top(values.flatten(0, 1), width)
-            shape = (batch, states.shape[1], width)
-            values, index = values.view(shape), index.view(shape)
-            tokens, after = tokens.gather(2, index), after.gather(2, index)
-        return StepCandidates(values, tokens, after, passes=passes, nodes=nodes)
+        passes = int(step == 0 or nodes is not None)
+        return StepCandidates(values, tokens, after, passes, 0 if nodes is None else nodes)
 
     def score_tree(self, cache: RecommenderCache, tree: DraftTree) -> Tensor:
         _refuse_single_path()
@@ -342,6 +318,34 @@ def score_rows(
         state = state.rows(busy.nonzero().squeeze(1))
         codes, levels, parents = codes[busy], levels[busy], parents[busy]
     return model.score_tree(state, codes, levels, parents, last=last), busy.long().cumsum(0) - 1
+
+
+def score_level(
+    model,  # SemanticIdRecommender
+    state,  # HistoryState of B users
+    codes: list[Tensor],  # [B, W_d] each level's beams' codes (`beam_tree`)
+    origins: list[Tensor],  # [B, W_d] each beam's place among the level above's
+    scored: Tensor,  # [B, W] bool the current beams whose next code the pass scores
+) -> tuple[Tensor, Tensor | None]:  # [B, W, >= V] log-probs, tree nodes scored (None: no pass)
+    """The next level's log-probs of a level-by-level search's current beams (both engines'):
+    one pass over the tree of their levels for the `scored` beams, in the rows that have one.
+    A beam not scored reads 0: a forced code's log-prob, or a dead beam's, which the caller
+    drops. No beam scored: no pass."""
+    busy = scored.any(1)  # [B] the rows with a beam to score
+    every = bool(scored.all())
+    if not every:
+        out = torch.zeros(*scored.shape, max(model.codebook_sizes), device=scored.device)
+        if not bool(busy.any()):
+            return out, None
+    tree_codes, levels, parents, picked, real = beam_tree(codes, origins, scored)
+    # [b, W', Vmax]: only the scored beams' log-probs; earlier prefixes are context
+    got, local = score_rows(model, state, tree_codes, levels, parents, busy, picked.shape[1])
+    if every:  # every beam, in order: the output as it is
+        out = got
+    else:
+        rows, slots = real.nonzero(as_tuple=True)
+        out[rows, picked[rows, slots], : got.shape[2]] = got[local[rows], slots]
+    return out, busy.sum() * tree_codes.shape[1]
 
 
 def beam_tree(

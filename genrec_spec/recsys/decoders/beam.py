@@ -34,7 +34,7 @@ from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.inference import inference
-from genrec_spec.recsys.target import beam_tree, core_beam, score_rows
+from genrec_spec.recsys.target import core_beam, score_level
 from genrec_spec.recsys.types import Recommendations, RecommendStats
 
 DEFAULT_MIN_BEAM_WIDTH = 20  # beam width when none is given: max(k, this)
@@ -197,25 +197,13 @@ def search(
         scored = beams.nodes >= 0
         if model.forced_codes_free:
             scored &= trie.has_choice(beams.nodes)
-        busy = scored.any(1)  # [B] the rows with a beam to score
         # [B, W, >= V] each beam's log-probs of the next code; a forced one's is 0
-        shape = (*beams.nodes.shape, trie.codebook_sizes[level])
-        if not bool(busy.any()):
-            out = beams.scores.new_zeros(shape)
-        else:
-            codes, levels, parents, picked, real = beam_tree(
-                [b.code for b in history], [b.origin for b in history], scored
-            )
-            # [b, W', Vmax]: only the scored beams' log-probs; earlier prefixes are context
-            got, local = score_rows(model, state, codes, levels, parents, busy, picked.shape[1])
-            if bool(scored.all()):  # every beam, in order: the output as it is
-                out = got
-            else:
-                out = beams.scores.new_zeros(shape)
-                rows, slots = real.nonzero(as_tuple=True)
-                out[rows, picked[rows, slots]] = got[local[rows], slots, : shape[2]]
+        out, nodes = score_level(
+            model, state, [b.code for b in history], [b.origin for b in history], scored
+        )
+        if nodes is not None:
             passes += 1
-            nodes_scored += int(busy.sum()) * codes.shape[1]
+            nodes_scored += int(nodes)
         beams = extend(beams, out, trie, level, width)
         history.append(beams)
     return history, passes, nodes_scored
