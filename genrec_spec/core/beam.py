@@ -50,9 +50,12 @@ same log-probabilities, so the output is plain beam search's, up to the float ro
 node scored in another pass.
 
 A target may read a plain search's step itself under a catalogue: ``beam_candidates(cache, step,
-last, origin, states, alive, trie) -> StepCandidates``, the beams' candidates from the
+last, origin, states, alive, trie, drafter) -> StepCandidates``, the beams' candidates from the
 beams as they are (the recommender builds its pass's tree from the beams' levels and reads each
-beam's children off its level's outputs), where other targets grow the pending tree.
+beam's children off its level's outputs), where other targets grow the pending tree. Such a
+search may still draft: a drafter made for the target's step read (``StepDrafter``: the
+recommender's ``recsys.spec_levels``, which keeps the prefixes it has scored by catalogue state)
+is handed to it each step, and the selection, the stopping and the stats stay the core's.
 
 Plain or speculative, a catalogue's forced token costs exactly 0 where log-probs are renormalised
 over the allowed tokens (``BeamConfig.renormalize``, or a target whose outputs are:
@@ -140,6 +143,19 @@ class StepCandidates:
     nodes: Tensor | int  # tree nodes the pass scored (a () int64 tensor, or 0)
 
 
+class StepDrafter(Protocol):
+    """A drafter made for a target's own step read (``beam_candidates``, the recommender's:
+    ``recsys.spec_levels``): the search hands it to the target at every step, which asks it in
+    its own terms, and reads its counts at the end."""
+
+    step_read: bool  # True: this kind
+
+    def counts(self) -> tuple[int, Tensor, Tensor]:
+        """Nodes drafted; the live beams' nodes whose scores the target computed, over the
+        search, and those of them drafted."""
+        ...
+
+
 class BeamDrafter(Protocol):
     def begin(self, tokens: Tensor, lengths: Tensor) -> None:
         """A search starts: its prompts (tokens [B, T], right-padded, lengths [B])."""
@@ -218,8 +234,8 @@ def beam_search(
         if drafter is not None and record is not None and not record.drafts():
             drafter = None  # drafting did not pay in the record's searches: a plain search
         args = (target, cache, roots, tokens, lengths, config, constraint, width)
-        if drafter is None:
-            search: _PlainSearch | _TreeSearch = _PlainSearch(*args)
+        if drafter is None or getattr(drafter, "step_read", False):
+            search: _PlainSearch | _TreeSearch = _PlainSearch(*args, drafter)
         else:
             search = _TreeSearch(*args, drafter, max_new_tokens)
             drafter.begin(tokens, lengths)
@@ -365,11 +381,11 @@ class _Passes:
                 "check the model's weights and dtype (fp16 overflow is a common cause)",
             )
 
-    def hit_counts(self) -> tuple[Tensor, Tensor]:
-        """The live beams' nodes whose scores came from the target, and those of them a
-        drafter proposed: none without a drafter."""
+    def draft_counts(self) -> tuple[int, Tensor, Tensor]:
+        """Nodes drafted; the live beams' nodes whose scores came from the target, and those of
+        them a drafter proposed: none without a drafter."""
         none = self.nodes.new_zeros(())
-        return none, none
+        return self.drafted, none, none
 
     def root_candidates(self, states: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # [B] -> [B, C']
         """The roots' best next tokens (``_best``; states: their constraint states) from the
@@ -450,7 +466,18 @@ class _PlainSearch(_Passes):
     the selection. A step whose live nodes are all known forced ones needs no pass: they wait
     for the next, which carries them as their children's ancestors."""
 
-    def __init__(self, target: Target, cache, roots, tokens, lengths, config, constraint, width):
+    def __init__(
+        self,
+        target: Target,
+        cache,
+        roots,
+        tokens,
+        lengths,
+        config,
+        constraint,
+        width,
+        drafter: StepDrafter | None = None,
+    ):
         super().__init__(target, cache, roots, tokens, lengths, config, constraint, width)
         self.size = 0  # nodes in the target's pending tree
         self.slots = torch.arange(config.num_beams, device=tokens.device)  # [W]
@@ -463,6 +490,18 @@ class _PlainSearch(_Passes):
             and hasattr(target, "beam_candidates")
             and roots is None
         )
+        if drafter is not None and not self.stepwise:
+            raise DecodeInputError(
+                "this drafter drafts for a target's own step read (beam_candidates), which "
+                "this search has not (a target without one, or no catalogue constraint)",
+                "decode the recommender's target under its catalogue, or use a tree drafter "
+                "(CatalogueDrafter, PromptLookupDrafter)",
+            )
+        self.drafter = drafter
+
+    def draft_counts(self) -> tuple[int, Tensor, Tensor]:
+        """The step drafter's counts (``StepDrafter.counts``), if the search has one."""
+        return super().draft_counts() if self.drafter is None else self.drafter.counts()
 
     def candidates(
         self, beams: _Beams, open_rows: Tensor, alive: Tensor, step: int
@@ -472,9 +511,10 @@ class _PlainSearch(_Passes):
         if self.stepwise:
             got = self.target.beam_candidates(
                 self.cache, step, beams.last, beams.origin, beams.states, alive,
-                self.constraint.trie,
+                self.constraint.trie, self.drafter,
             )  # fmt: skip
             self.passes += got.passes
+            self.speculative += got.passes if self.drafter is not None else 0
             self.nodes += got.nodes
             if step == 0:  # the root's, read once: the selection takes its best itself
                 return got.values, got.tokens, got.states
@@ -584,7 +624,7 @@ class _TreeSearch(_Passes):
             tokens.shape[0], width, tokens_below, capacity, tokens.device, constraint, steps
         )
         # (the beams' nodes, alive) [B, W] of every step after the first: its hits, counted
-        # at the end (`hit_counts`)
+        # at the end (`draft_counts`)
         self.read: list[tuple[Tensor, Tensor]] = []
         # Tree nodes before the target's first grown one: the roots, where the prefill scored
         # (and cached) them, stored here as one closed pass
@@ -679,15 +719,15 @@ class _TreeSearch(_Passes):
         needs no pass)."""
         return bool((alive & ~self.tree.known.gather(1, beams.nodes.clamp_min(0))).any())
 
-    def hit_counts(self) -> tuple[Tensor, Tensor]:
-        """The live beams' nodes whose scores came from the target, over the search, and those
-        of them a drafter proposed (a forced node's are known, not read)."""
+    def draft_counts(self) -> tuple[int, Tensor, Tensor]:
+        """Nodes drafted; the live beams' nodes whose scores came from the target, over the
+        search, and those of them a drafter proposed (a forced node's are known, not read)."""
         if not self.read:
-            return super().hit_counts()
+            return super().draft_counts()
         nodes, alive = (torch.cat(part, 1) for part in zip(*self.read, strict=True))
         nodes = nodes.clamp_min(0)
         needed = alive & ~self.tree.known.gather(1, nodes)
-        return needed.sum(), (needed & self.tree.drafted.gather(1, nodes)).sum()
+        return self.drafted, needed.sum(), (needed & self.tree.drafted.gather(1, nodes)).sum()
 
     def _know_forced(self, rows: Tensor, nodes: Tensor) -> None:  # [Q] planned nodes each
         """Store the candidates of the planned nodes whose token is forced."""
@@ -892,7 +932,8 @@ def _output(beams: _Beams, k: int, search: _Passes, wall_time_s: float) -> BeamO
     mask = columns < lengths[:, None]
     offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
     # The counters summed on the device, read in one transfer
-    counts = torch.stack([lengths.sum(), search.row_steps, search.nodes, *search.hit_counts()])
+    drafted, *hit_counts = search.draft_counts()
+    counts = torch.stack([lengths.sum(), search.row_steps, search.nodes, *hit_counts])
     generated, row_steps, nodes, needed, hits = counts.tolist()
     stats = DecodeStats(
         target_forwards=search.passes,
@@ -903,7 +944,7 @@ def _output(beams: _Beams, k: int, search: _Passes, wall_time_s: float) -> BeamO
         accepted_per_position=(),
         wall_time_s=wall_time_s,
         nodes_scored=nodes,
-        draft_nodes=search.drafted,
+        draft_nodes=drafted,
         needed_nodes=needed,
         draft_hits=hits,
     )

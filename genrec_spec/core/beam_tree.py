@@ -114,19 +114,6 @@ class BeamTree:
         at = torch.searchsorted(self.keys, keys).clamp(max=len(self.keys) - 1)
         return torch.where(self.keys[at] == keys, self.key_nodes[at], -1)
 
-    def with_state(self, rows: Tensor, states: Tensor) -> Tensor:  # [Q] each -> [Q]
-        """The node of each (row, catalogue state), scored or planned; -1 where the row has
-        none. Under a catalogue a state names one prefix, so it names one node of a row: a
-        drafter holding the states of a whole set of prefixes finds them all in one search,
-        without stepping down to each from its parent (``child``)."""
-        have = self.states[:, : self.size + int(self.pending.max())]  # [B, N] -1: padding
-        count = self.constraint.trie.num_nodes
-        row_of = torch.arange(self.batch, device=self.device)[:, None]
-        named, order = torch.where(have >= 0, row_of * count + have, -1).flatten().sort()
-        wanted = rows * count + states
-        at = torch.searchsorted(named, wanted).clamp(max=len(named) - 1)
-        return torch.where(named[at] == wanted, order[at] % have.shape[1], -1)
-
     def add(
         self, rows: Tensor, parents: Tensor, tokens: Tensor, states: Tensor | None = None
     ) -> Tensor:
@@ -148,8 +135,7 @@ class BeamTree:
         return nodes
 
     def numbers(self, rows: Tensor) -> Tensor:  # [Q] grouped ascending -> [Q]
-        """The numbers ``add`` gives new nodes of these rows, in order (a caller planning a
-        node and its children in one ``add`` names the parents by them)."""
+        """The numbers ``add`` gives new nodes of these rows, in order."""
         return self.size + self.pending[rows] + rank_within_rows(rows)
 
     def _states(self, rows: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:  # [Q] each

@@ -1,46 +1,22 @@
 """The recommender's drafts (``spec_beam``'s "items", "heads", "nezha", "frontier" and the
-prefixes of given items), for both engines: as trie node sets (the native decoder's), and as
-the core's ``BeamDrafter`` (``spec_beam`` on the core).
-
-    drafter = RecommenderDrafter(target, catalogue, trie, width=W, kind="items", ...)
-    out = beam_search(target, histories, constraint=catalogue, drafter=drafter, ...)
-
-The core drafter makes the drafts where the native decoder makes them. The target's first
-grow is the history pass (``RecommenderTarget``), so what can be drafted before the histories
-are read (the frontier, given items) is planned below the roots and scored in that pass. A
-drafter receives the target's cache: at the next pass (the level-0 beams') it reads the
-encoded histories there and plans the drafts made from them ("items", "heads", "nezha"), the native
-decoder's first follow-up. Prefixes whose next code is free (``forced_codes_free``) are not
-drafted; their ancestors are planned as parents (the engine knows a forced node's candidates
-without the target). Every pass after the history's also drafts the beams' descendants
-``lookahead`` levels down (the catalogue's children: ``CatalogueDrafter``), the native
-decoder's lookahead.
-
-Recsys trie nodes (``data_pipelines.trie.PrefixTrie``, level-ordered) become core tree nodes
-(``core.beam_tree.BeamTree``) in one ``add``: a prefix's token is its code at its level's offset
-in the target's code vocabulary (one block a level), its parent the core node of its trie parent,
-and a prefix the tree holds already is found by its catalogue state (one per prefix).
+prefixes of given items) as trie node sets, for both engines (``recsys.spec_levels`` scores
+them): what can be drafted before the histories are read (the frontier, given items) is scored
+in the history pass; the drafts read from the encoded histories ride on the first follow-up.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from genrec_spec.core.beam_tree import BeamTree, rank_within_rows
-from genrec_spec.core.catalogue_drafter import CatalogueDrafter
-from genrec_spec.core.constraints import Catalogue
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
-from genrec_spec.recsys.decoders.beam import Beams, extend, start_beams
+from genrec_spec.recsys.decoders.beam import Beams
 from genrec_spec.recsys.decoders.dense import item_log_probs
 from genrec_spec.recsys.decoders.heads import item_scores
 from genrec_spec.recsys.decoders.nezha import head_beams
 from genrec_spec.recsys.item_index import top_items, use_index
 from genrec_spec.recsys.scoring import NodeSet, TrieIndex, item_prefixes, prefix_nodes
-from genrec_spec.recsys.target import RecommenderTarget
 
 # The "items" draft through the index retrieves this many items per drafted prefix of a length
 # (the prefixes of the items of highest logit hold most of the mass).
@@ -48,8 +24,6 @@ DRAFT_ITEMS_PER_PREFIX = 2
 # (trie, item codes) -> the distinct longer prefixes of every item (ascending), and the column of
 # each (length, item) among them: the exact "items" draft's, the same for every decode
 _DEEPER = DerivedCache()
-# catalogue -> each scorable recsys trie prefix's catalogue state (`RecommenderDrafter._plan`)
-_STATES = DerivedCache()
 
 
 def draft_member(
@@ -184,109 +158,3 @@ def after_history_draft(
     """The draft of `kind` made from the encoded histories (both engines')."""
     options = {"item_search": item_search} if kind == "items" else {}
     return AFTER_HISTORY[kind](model, state, beams, trie, width, **options)
-
-
-@dataclass
-class RecommenderDrafter:
-    """``spec_beam``'s draft (module docstring) for the target's model. It remembers, within a
-    decode, whether it has made the draft that follows the history pass: one decode at a time."""
-
-    target: RecommenderTarget
-    catalogue: Catalogue  # the target's (core token trie)
-    trie: PrefixTrie  # the model's items (recsys trie), what the drafts are made over
-    width: int  # W, the search's beams: the "items" and "nezha" drafts start from the top W
-    kind: str  # "items", "heads", "nezha", "frontier" or "none" (`spec_beam.resolve_draft`)
-    draft_width: int  # "items", "heads": prefixes per length; "nezha": the draft head's width
-    item_search: str  # "items": "exact", "index" or "auto"
-    lookahead: int  # descendant levels of the beams every pass after the history's drafts
-    draft_codes: Tensor | None = None  # [B, R, L] codes of items whose prefixes are drafted
-    after_history_made: bool = False
-
-    def begin(self, tokens: Tensor, lengths: Tensor) -> None:
-        """``BeamDrafter.begin``: a decode starts, its after-history draft not made yet."""
-        self.after_history_made = False
-
-    def draft(self, tree: BeamTree, rows: Tensor, nodes: Tensor, budget: int, cache) -> None:
-        """``BeamDrafter.draft``: before the history pass (the target's state is not made yet)
-        the drafts it can score; at the next pass the drafts that read the history's state, and
-        the lookahead at every pass after it."""
-        if cache.state is None:
-            if self.kind == "frontier" or self.draft_codes is not None:
-                member = draft_member(self.trie, TrieIndex.of(self.trie), tree.batch, self.kind,
-                                      self.draft_codes)  # fmt: skip
-                self._plan(tree, self._closed(member, budget))
-            return
-        if not self.after_history_made and self.kind in AFTER_HISTORY:
-            self.after_history_made = True
-            busy = torch.unique(rows)  # [b] the rows still searching, ascending
-            state = cache.state if len(busy) == tree.batch else cache.state.rows(busy)
-            member = self._after_history(state)
-            member = self._closed(member, budget)
-            self._plan(tree, TrieIndex.of(self.trie).node_set(busy[member.rows], member.nodes))
-        if self.lookahead:
-            fanout = self.catalogue.trie.widest
-            below = CatalogueDrafter(self.catalogue, depth=self.lookahead, fanout=fanout)
-            below.draft(tree, rows, nodes, budget, cache)
-
-    def _after_history(self, state) -> NodeSet:  # of state's rows
-        """The draft made from the encoded histories ("items", "heads", "nezha"). The NEZHA
-        head's beam starts from the exact level-0 beams; the other drafts would only add them,
-        and here they are the frontier, planned already: none is given."""
-        trie, level0 = self.trie, state.level0_log_probs[:, None]  # [b, 1, V0]
-        beams = start_beams(level0.shape[0], trie)
-        if self.kind == "nezha":
-            beams = extend(beams, level0, trie, 0, self.width)
-        else:  # [b, 0] each: no beams
-            none = beams.nodes[:, :0]
-            beams = Beams(code=none, nodes=none, scores=beams.scores[:, :0], origin=none)
-        return after_history_draft(self.target.model, state, beams, trie, self.kind,
-                                   self.draft_width, self.item_search)  # fmt: skip
-
-    def _closed(self, member: NodeSet, budget: int) -> NodeSet:
-        """The members whose next code is not free, and their ancestors; past the budget a row
-        keeps its shallowest (ancestors first)."""
-        index = TrieIndex.of(self.trie)
-        member = index.with_ancestors(index.scored(member, index.to_score(self.target.model)))
-        return member.where(rank_within_rows(member.rows) < budget)
-
-    def _plan(self, tree: BeamTree, member: NodeSet) -> None:
-        """Plan the members (closed under ancestors) below the roots in one ``add``, each as
-        the tree's existing node of its prefix where it has one (found by its catalogue state,
-        ``BeamTree.with_state``: no lookup a level at a time)."""
-        if not len(member):
-            return
-        index = TrieIndex.of(self.trie)
-        rows, nodes = member.rows, member.nodes  # [K] each, (row, node) ascending
-        states = self._states()[nodes]  # [K] each member's catalogue state
-        core = tree.with_state(rows, states)  # [K] each member's core node; -1: not planned
-        new = core < 0
-        core[new] = tree.numbers(rows[new])
-        parent = index.parent[nodes]  # [K] its trie parent (0: the root, core node 0)
-        above = member.position(rows * member.stride + parent)[0]  # (every ancestor a member)
-        parents = torch.where(parent > 0, core[above], 0)
-        tokens = index.code[nodes] + self.target.offsets[index.level[nodes]]
-        tree.add(rows[new], parents[new], tokens[new], states[new])
-
-    def _states(self) -> Tensor:  # [scorable] int64
-        """The catalogue state (core trie node) of each scorable prefix of the recsys trie,
-        made once per trie and catalogue."""
-        return _STATES.get(
-            # Keyed on the catalogue object (made once per model), not on its tables: those may
-            # be inference tensors, which keep no version to compare
-            self.catalogue,
-            (self.trie.edge_keys,),
-            lambda: _catalogue_states(self.trie, self.catalogue, self.target.offsets),
-        )
-
-
-def _catalogue_states(trie: PrefixTrie, catalogue: Catalogue, offsets: Tensor) -> Tensor:
-    """``RecommenderDrafter._states``: the catalogue trie stepped by each prefix's last code, a
-    level at a time (recsys node ids grow with the level: parents are stepped first)."""
-    index = TrieIndex.of(trie)
-    states = torch.zeros(index.scorable, dtype=torch.long, device=trie.device)
-    starts = trie.level_starts  # code level l's nodes: starts[l + 1] .. starts[l + 2] - 1
-    for level in range(trie.levels - 1):  # the scorable ones
-        at = torch.arange(starts[level + 1], starts[level + 2], device=trie.device)
-        tokens = index.code[at] + offsets[level]
-        states[at] = catalogue.trie.step(states[index.parent[at]], tokens)
-    return states

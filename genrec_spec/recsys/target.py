@@ -24,7 +24,9 @@ recent ``max_len`` items), fused with any code nodes planned below the roots; ev
 re-scores the pending code tree against it, as ``beam`` does a level at a time. A plain search
 under the catalogue skips the pending tree: it asks ``beam_candidates`` for each step's
 candidates, which builds the pass's tree from the beams' levels (``beam_tree``, the native
-engine's) and reads each beam's children off its level's outputs.
+engine's) and reads each beam's children off its level's outputs; with ``spec_beam``'s drafter
+(``recsys.spec_levels``) it reads them off the prefixes scored so far instead, by each beam's
+catalogue state. Any other drafter (the core's ``CatalogueDrafter``) grows the pending tree.
 Items are whole code tuples, so the recommender decodes by beam search only: ``score_tree`` and
 ``commit`` (the single-path loop of ``generate``) are refused.
 """
@@ -36,17 +38,21 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from genrec_spec.core.beam import BeamConfig, BeamDrafter, StepCandidates, beam_search
+from genrec_spec.core.beam import BeamConfig, StepCandidates, beam_search
 from genrec_spec.core.catalogue import TokenTrie
 from genrec_spec.core.constraints import Catalogue
 from genrec_spec.core.targets import grown
 from genrec_spec.core.types import DecodeInputError, DraftTree
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.recsys.times import HistoryTimes
+
+if TYPE_CHECKING:  # (spec_levels imports the decoders, which import this module)
+    from genrec_spec.recsys.spec_levels import SpecLevels
 from genrec_spec.recsys.types import Recommendations, RecommendStats
 
 # The model slides over long histories itself; no prompt is too long for it.
@@ -154,15 +160,24 @@ class RecommenderTarget:
         states: Tensor,  # [B, W] their nodes in `trie`
         alive: Tensor,  # [B, W] bool the beams still running
         trie: TokenTrie,  # the search's catalogue's (``catalogue()``)
+        drafter: SpecLevels | None = None,  # spec_beam's drafts and the prefixes they scored
     ) -> StepCandidates:  # [B, W, C] each ([B, 1, C] at step 0: the root's)
         """A plain search's step, level by level as the native engine's: each beam's children in
         the catalogue, scored by one pass over the tree of the beams' levels (`score_level`: no
         tree derived from tokens and parents, no vocabulary-wide output). Step 0 is the history
         pass. A beam whose code is forced (one child) gives it log-prob 0 without the pass
-        (`forced_tokens_free`); a step whose live beams are all such needs none."""
-        if step == 0:  # the W copies of each root share its level-0 log-probs
+        (`forced_tokens_free`); a step whose live beams are all such needs none. With
+        `spec_beam`'s drafter the history pass also scores its early drafts, and a step reads
+        the prefixes scored so far, with a follow-up pass where one is missing
+        (`recsys.spec_levels`)."""
+        if step == 0 and drafter is not None:
+            cache.state, nodes = drafter.history_pass(cache.values, cache.offsets, cache.times)
+            out, states = cache.state.level0_log_probs[:, None], states[:, :1]
+        elif step == 0:  # the W copies of each root share its level-0 log-probs
             cache.state = self.model.encode_history(cache.values, cache.offsets, cache.times)
             out, states, nodes = cache.state.level0_log_probs[:, None], states[:, :1], 0
+        elif drafter is not None:
+            out, nodes = drafter.read(states, alive)
         else:
             cache.codes.append(last - (step - 1) * self.block)  # level step - 1's codes
             cache.origins.append(origin)
@@ -447,7 +462,7 @@ def core_beam(
     k: int,
     width: int,  # W
     start_time: float,  # perf_counter() when the decode began (the stats' wall time)
-    drafter: BeamDrafter | None = None,  # e.g. spec_beam's (`recsys.drafters`)
+    drafter: SpecLevels | None = None,  # spec_beam's drafts (`recsys.spec_levels`)
     times: HistoryTimes | None = None,  # the histories' timestamps (a time-aware model)
 ) -> Recommendations:
     """The recommender's trie-constrained beam search on the core (module docstring): items and
@@ -455,16 +470,11 @@ def core_beam(
     target, catalogue = core_target(model)
     target = target.at_times(times)
     tokens, lengths = target.prompts(values, offsets)  # [B, 1 + T], [B]
-    # The recommender's drafts size themselves (their draft width): the engine's budget, nodes
-    # a pass shared by the rows, is the whole catalogue's.
-    budget = len(lengths) * catalogue.trie.num_nodes
     out = beam_search(
         target,
         tokens,
         prompt_lengths=lengths,
-        config=BeamConfig(
-            num_beams=width, num_return_sequences=k, length_penalty=0.0, draft_nodes=budget
-        ),
+        config=BeamConfig(num_beams=width, num_return_sequences=k, length_penalty=0.0),
         max_new_tokens=model.num_levels,
         constraint=catalogue,
         drafter=drafter,

@@ -612,22 +612,6 @@ def test_the_beam_tree_derives_each_nodes_constraint_state():
     assert plain.states[0, :2].tolist() == [0, 0]
 
 
-def test_the_beam_tree_finds_nodes_by_catalogue_state():
-    """Under a catalogue a state names one prefix: each row's nodes are found by their states,
-    planned ones too, and a state the row has not reached finds none."""
-    catalogue = Catalogue.of([[1, 2, EOS], [1, 4, EOS]], VOCAB)
-    tree = BeamTree(batch=2, width=3, vocab_size=VOCAB, capacity=4, constraint=catalogue)
-    roots = tree.add(torch.tensor([0, 1]), torch.tensor([-1, -1]), torch.tensor([7, 7]))
-    tree.plan()  # the roots' pass closed: later nodes are planned for the next
-    firsts = tree.add(torch.tensor([0]), roots[:1], torch.tensor([1]))
-    seconds = tree.add(torch.tensor([0, 0]), firsts.repeat(2), torch.tensor([2, 4]))
-    states = tree.states[0, torch.cat([firsts, seconds])]
-    rows = torch.tensor([0, 0, 0, 1, 1])
-    leaf = catalogue.advance(states[1:2], torch.tensor([EOS]))  # [1, 2, EOS]: not planned
-    asked = torch.cat([states, states[:1], leaf])
-    assert tree.with_state(rows, asked).tolist() == [*firsts.tolist(), *seconds.tolist(), -1, -1]
-
-
 def test_the_beam_tree_reads_back_what_it_stored():
     tree = BeamTree(batch=2, width=3, vocab_size=VOCAB, capacity=4)
     rows, parents, tokens = (

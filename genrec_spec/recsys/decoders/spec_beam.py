@@ -35,9 +35,11 @@ selected, so `beam` pays one sequential target pass per level. Here:
    the decode can need, so at most one follow-up; default 0 after a post-history draft, else
    1), plus their ancestors as context.
 
-`engine="core"` runs the same drafts as the drafter of the core's `beam_search` on the model
-as a core target (`recsys.drafters`, `recsys.target`): the same lists and passes; its draft hit
-rate counts the level-0 beams as misses (the beams plan their own nodes there).
+Both engines score through `recsys.spec_levels` (the drafts, the prefixes scored, the
+follow-ups): `engine="native"` selects with `beam.extend`, a level at a time; `engine="core"`
+hands the same object to the core's `beam_search` on the model as a core target
+(`recsys.target`), whose step read asks it and whose selection is the core's: the same lists,
+passes, nodes and draft stats.
 
 On a model whose code levels are normalised over a prefix's children (`forced_codes_free`), a
 prefix with one child gives it log-prob exactly 0, so such prefixes are never drafted, needed
@@ -72,11 +74,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from genrec_spec.data_pipelines.jagged import spell_out_ranges
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.decoders.beam import (
-    Beams,
     beam_width_for,
     check_engine,
     check_trie,
@@ -87,22 +87,12 @@ from genrec_spec.recsys.decoders.beam import (
 from genrec_spec.recsys.decoders.beam import decode as plain_beam
 from genrec_spec.recsys.decoders.dense import check_item_objective
 from genrec_spec.recsys.decoders.nezha import draft_head_of
-from genrec_spec.recsys.drafters import (
-    AFTER_HISTORY,
-    RecommenderDrafter,
-    after_history_draft,
-    draft_member,
-)
+from genrec_spec.recsys.drafters import AFTER_HISTORY
 from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.inference import inference
 from genrec_spec.recsys.item_index import use_index
-from genrec_spec.recsys.scoring import (
-    NodeSet,
-    PrefixTree,
-    TrieIndex,
-    check_candidates,
-    prefix_tree,
-)
+from genrec_spec.recsys.scoring import check_candidates
+from genrec_spec.recsys.spec_levels import SpecLevels
 from genrec_spec.recsys.target import core_beam, core_target
 from genrec_spec.recsys.types import Recommendations, RecommendStats
 
@@ -192,45 +182,6 @@ def resolve_draft(model, draft: str) -> str:
     return draft
 
 
-@dataclass(frozen=True)
-class ScoredNodes:
-    """The target's log-probs at every prefix scored so far, per row."""
-
-    members: NodeSet  # the (row, trie node) pairs scored
-    slots: Tensor  # [K] each member's index into log_probs' node axis
-    log_probs: Tensor  # [B, N, Vmax] next-level log-probs of the scored nodes
-
-    @classmethod
-    def of(cls, tree: PrefixTree, log_probs: Tensor) -> ScoredNodes:  # tree of every row
-        return cls(tree.members, tree.slots, log_probs)
-
-    def add(
-        self,
-        rows: Tensor,  # [b] int64 the rows the tree is of, ascending
-        tree: PrefixTree,  # of those b rows
-        log_probs: Tensor,  # [b, N', Vmax] its log-probs
-    ) -> ScoredNodes:
-        """Nodes already scored keep their first value (a rescored ancestor is only context)."""
-        batch, known, vocab = self.log_probs.shape
-        new = self.members.stride * rows[tree.members.rows] + tree.members.nodes  # [K'] keys
-        fresh = ~self.members.position(new)[1]
-        keys = torch.cat([self.members.keys, new[fresh]])
-        order = keys.argsort()
-        slots = torch.cat([self.slots, tree.slots[fresh] + known])[order]
-        grown = log_probs
-        if len(rows) < batch:  # the other rows' slots: never read
-            grown = log_probs.new_zeros(batch, log_probs.shape[1], vocab)
-            grown[rows] = log_probs
-        return ScoredNodes(
-            NodeSet(keys[order], self.members.stride),
-            slots,
-            torch.cat([self.log_probs, grown], dim=1),
-        )
-
-    def lookup(self, nodes: Tensor) -> Tensor:  # nodes: [B, W] -> [B, W] slot, -1 = unscored
-        return self.members.value_at(self.slots, nodes)
-
-
 def resolve_options(
     model, draft: str, lookahead: int | None, draft_width: int | None
 ) -> tuple[str, int]:
@@ -250,39 +201,6 @@ def resolve_options(
             "pass a positive width or leave it unset",
         )
     return draft, lookahead
-
-
-def follow_up_wants(
-    trie: PrefixTrie,
-    scored: ScoredNodes,
-    drafted: NodeSet,  # prefixes some draft proposed (and worth scoring)
-    beams: Beams,  # [B, W] the current beams
-    missing: Tensor,  # [B, W] bool beams whose prefix needs a score and has none
-    to_score: Tensor,  # [scorable] bool prefixes whose next code is not free
-    lookahead: int,
-) -> NodeSet:
-    """The prefixes a follow-up pass scores: the missing ones, the drafted ones not yet scored,
-    and the unscored descendants of every beam `lookahead` levels down."""
-    index = TrieIndex.of(trie)
-    want = index.rowwise(beams.nodes.masked_fill(~missing, -1)) | (drafted - scored.members)
-    below = index.rowwise(beams.nodes) if lookahead else None
-    for _ in range(lookahead):  # descendants of the beams the next levels can need
-        below = children_of(trie, below)
-        want = want | index.scored(below - scored.members, to_score)
-    return want
-
-
-def children_of(trie: PrefixTrie, member: NodeSet) -> NodeSet:
-    """Every child of a member (below `member.stride`, the scorable levels). Node n's children
-    are the consecutive ids child_offsets[n] + 1 .. child_offsets[n+1] (edge e leads to node
-    e + 1): each member's range is spelled out, so the work follows the members' children."""
-    rows, nodes = member.rows, member.nodes  # [M] each
-    first = trie.child_offsets[nodes].long() + 1  # [M] each member's first child
-    counts = trie.child_offsets[nodes + 1].long() + 1 - first  # [M]
-    # [sum counts]: first[m], first[m] + 1, ..., first[m] + counts[m] - 1 for each member m
-    owner, child = spell_out_ranges(first, counts)
-    inside = child < member.stride  # children past the scorable levels are left out
-    return NodeSet.of(rows[owner][inside], child[inside], member.stride)
 
 
 def same_top_k(
@@ -323,7 +241,7 @@ def decode(
     draft_width: int | None = SpecBeamConfig.draft_width,  # "items"/"heads"/"nezha" width
     item_search: str = SpecBeamConfig.item_search,  # "items" draft: "exact", "index" or "auto"
     # "native": this module's search, a level at a time; "core": the engine's beam_search with
-    # these drafts as its drafter (`recsys.drafters`), the same lists
+    # these drafts as its drafter (`recsys.spec_levels`), the same lists
     engine: str = "native",
     # beams a step (batch x width) from which it decodes as `beam` (SpecBeamConfig.plain_from)
     plain_from: int | str = SpecBeamConfig.plain_from,
@@ -344,60 +262,21 @@ def decode(
             model, values, offsets, k=k, trie=trie, beam_width=width, engine=engine, times=times
         )
     draft_codes = None if draft_items is None else model.item_codes[draft_items]
+    catalogue = core_target(model)[1] if engine == "core" else None
+    levels = SpecLevels(model, trie, width, draft, draft_width, item_search, lookahead,
+                        draft_codes, catalogue)  # fmt: skip
     if engine == "core":
-        target, catalogue = core_target(model)
-        drafter = RecommenderDrafter(
-            target, catalogue, trie, width, draft, draft_width, item_search, lookahead,
-            draft_codes,
-        )  # fmt: skip
-        return core_beam(model, values, offsets, k, width, start_time, drafter, times)
-    index = TrieIndex.of(trie)
-    to_score = index.to_score(model)  # [scorable] the prefixes whose next code is not free
-    member = draft_member(trie, index, batch, draft, draft_codes)
-    first = prefix_tree(index, index.scored(member, to_score), batch)
-    state, log_probs = model.encode_history_and_tree(
-        values, offsets, first.codes, first.levels, first.parents, times
-    )
-    scored = ScoredNodes.of(first, log_probs)
-    passes, nodes_scored = 1, first.real_nodes
-    needed_nodes = []  # [B, W] per level: the beams' prefixes that needed a score, else -1
-    rows = torch.arange(batch, device=offsets.device)[:, None]
-
+        return core_beam(model, values, offsets, k, width, start_time, levels, times)
+    state, nodes_scored = levels.history_pass(values, offsets, times)
+    passes = 1
     beams = extend(start_beams(batch, trie), state.level0_log_probs[:, None], trie, 0, width)
-    drafted = first.members  # prefixes some draft proposed
-    if draft in AFTER_HISTORY:  # scored with the first follow-up, beside the level-0 beams
-        drafted = drafted | after_history_draft(
-            model, state, beams, trie, draft, draft_width, item_search
-        )
-    drafted = index.scored(drafted, to_score)
     for level in range(1, model.num_levels):
-        slot = scored.lookup(beams.nodes)  # [B, W]
-        real = beams.nodes >= 0
-        need = real & to_score[beams.nodes.clamp(min=0)]  # [B, W] beams with a code to score
-        needed_nodes.append(beams.nodes.masked_fill(~need, -1))
-        missing = need & (slot < 0)
-        if bool(missing.any()):  # a follow-up pass only when some row needs one
-            want = follow_up_wants(trie, scored, drafted, beams, missing, to_score, lookahead)
-            # Only the rows with something to score take part (in a batch, few rows miss).
-            busy = torch.unique(want.rows)  # [b] ascending
-            some, local = state, want
-            if len(busy) < batch:  # the tree of the busy rows alone, numbered 0..b-1
-                some = state.rows(busy)
-                local = index.node_set(torch.searchsorted(busy, want.rows), want.nodes)
-            tree = prefix_tree(index, local, len(busy))
-            out = model.score_tree(some, tree.codes, tree.levels, tree.parents)
-            scored = scored.add(busy, tree, out)
-            passes, nodes_scored = passes + 1, nodes_scored + tree.real_nodes
-            slot = scored.lookup(beams.nodes)
-        # A beam with one child gives it log-prob 0 (`forced_codes_free`), scored or not.
-        if scored.log_probs.shape[1]:
-            step = scored.log_probs[rows, slot.clamp(min=0)].masked_fill(~need[..., None], 0.0)
-        else:  # nothing scored yet, so no beam needs a score: every next code is forced
-            step = beams.scores.new_zeros(*beams.nodes.shape, trie.codebook_sizes[level])
+        step, nodes = levels.log_probs(beams.nodes)  # [B, W, >= V]
+        if nodes is not None:
+            passes, nodes_scored = passes + 1, nodes_scored + nodes
         beams = extend(beams, step, trie, level, width)
     items, scores = finish(beams, trie, k)
-    needed = torch.cat(needed_nodes, dim=1)  # the draft's hits, counted once at the end
-    hits = int(drafted.find(needed)[1].sum())
+    drafted, needed, hits = levels.counts()
     return Recommendations(
         items=items,
         scores=scores,
@@ -406,7 +285,7 @@ def decode(
             nodes_scored=nodes_scored,
             wall_time_s=time.perf_counter() - start_time,
             truncated_histories=int(state.truncated.sum()),
-            draft_nodes=len(drafted),
-            draft_hit_rate=hits / max(int((needed >= 0).sum()), 1),
+            draft_nodes=drafted,
+            draft_hit_rate=int(hits) / max(int(needed), 1),
         ),
     )
