@@ -242,11 +242,10 @@ def beam_search(
         start = constraint.start(len(tokens), device) if constraint is not None else None
         beams = _start(tokens, lengths, config.num_beams, max_new_tokens, start)
         eos_t = torch.tensor(eos, dtype=torch.long, device=device)
+        # Without end tokens no row stops before the last step (`_select`): every row, always
+        every_row = None if eos else torch.ones(len(tokens), dtype=torch.bool, device=device)
         for step in range(max_new_tokens):
-            open_rows = beams.improvable[:, 0]  # [B]
-            if config.early_stopping is True:  # a row with W finished hypotheses is done
-                open_rows = open_rows & ~beams.done.all(1)
-            alive = open_rows[:, None] & (beams.scores > float("-inf"))  # [B, W]
+            open_rows, alive = _running(beams, config, every_row)  # [B], [B, W]
             # [B, W, C] each: the beams' best next tokens, their log-probs and states ([B, 1, C]
             # at the first step, where the W beams are copies of the root: its candidates once)
             values, options, after = search.candidates(beams, open_rows, alive, step)
@@ -776,6 +775,20 @@ def _distinct(keys: Tensor) -> tuple[Tensor, Tensor]:  # [Q] -> [F], [Q]
     return positions, copy_of
 
 
+def _running(
+    beams: _Beams, config: BeamConfig, every_row: Tensor | None
+) -> tuple[Tensor, Tensor]:  # [B], [B, W] bool
+    """The rows still searching and their live beams (every_row [B]: a search without end
+    tokens, where no row stops early)."""
+    alive = beams.scores > float("-inf")
+    if every_row is not None:
+        return every_row, alive
+    open_rows = beams.improvable[:, 0]
+    if config.early_stopping is True:  # a row with W finished hypotheses is done
+        open_rows = open_rows & ~beams.done.all(1)
+    return open_rows, alive & open_rows[:, None]
+
+
 def _select(
     beams: _Beams,
     values: Tensor,  # [B, W, C] each beam's best next-token log-probs (-inf: none)
@@ -791,11 +804,15 @@ def _select(
     ``_get_running_beams_for_next_iteration`` and ``_update_finished_beams``), in place."""
     batch, n, c = values.shape  # n: W, or 1 (the root's candidates, for its W copies)
     w = beams.scores.shape[1]
-    endless = not len(eos) and step + 1 < max_new_tokens  # no candidate can end this step
-    # the best W run on where none can end; else the best 2W, as transformers keeps from its
-    # W x V (so where the step's nodes have fewer candidates, -inf pads make up the 2W, and
-    # the tables below are as wide as transformers' whatever C is)
-    keep = w if endless else keep
+    # Without end tokens no candidate ends before the last step, where every one does: the
+    # best W run on at every step, and the last step's best W are the finished hypotheses
+    # (of one length, which the length penalty keeps in order): transformers' result, whose
+    # 2W and finished set change nothing there but which of tied candidates come first.
+    at_once = not len(eos)
+    # else the best 2W, as transformers keeps from its W x V (so where the step's nodes have
+    # fewer candidates, -inf pads make up the 2W, and the tables below are as wide as
+    # transformers' whatever C is)
+    keep = w if at_once else keep
     # The first step's beams are copies of the root, all but the first UNREACHABLE: where the
     # first has `keep` candidates, they are the step's best (in place order, first), so its
     # table needs no copies (a wide beam's W x C of them cost more than all the rest).
@@ -810,9 +827,12 @@ def _select(
         index = index.clamp(max=candidates - 1)
     origin = index // c
     token, state = options.flatten(1).gather(1, index).long(), after.flatten(1).gather(1, index)
-    if endless:
+    if at_once:
         _run_on(beams, scores, origin, token, state, step)
-        return False
+        if step + 1 < max_new_tokens:
+            return False
+        _finish_all(beams, step + 1, config)
+        return True
     # (a comparison with each eos token: isin costs ten times more on a step's few candidates)
     hits = (token[..., None] == eos).any(-1) | (step + 1 >= max_new_tokens)
     # Finished: those of the top W that ended, if they beat the worst finished hypothesis.
@@ -906,6 +926,17 @@ def _finish(
     beams.done_lengths = torch.cat([beams.done_lengths, lengths], 1).gather(1, best)
     beams.done_states = torch.cat([beams.done_states, states], 1).gather(1, best)
     beams.done = torch.cat([beams.done, ended], 1).gather(1, best)
+
+
+def _finish_all(beams: _Beams, length: int, config: BeamConfig) -> None:
+    """Every running beam ends (the last step of a search without end tokens); a beam with no
+    candidate (-inf) leaves its slot empty, as a finished set not filled keeps it."""
+    real = beams.scores > float("-inf")  # [B, W]
+    beams.done_scores = torch.where(real, beams.scores / length**config.length_penalty, UNREACHABLE)
+    beams.done_sequences = beams.sequences
+    beams.done_lengths = real.long() * length
+    beams.done_states = beams.states.masked_fill(~real, -1)
+    beams.done = real
 
 
 def _unfinished(

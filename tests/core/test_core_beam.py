@@ -45,7 +45,7 @@ def native_model(hf_model, tmp_path_factory):
     return Llama.from_hf(folder)
 
 
-def hf_beam(model, prompts, config: BeamConfig, max_new_tokens, allowed_fn=None):
+def hf_beam(model, prompts, config: BeamConfig, max_new_tokens, allowed_fn=None, eos=EOS):
     """transformers' generate on left-padded prompts: per row, K (tokens, score)."""
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
@@ -58,7 +58,7 @@ def hf_beam(model, prompts, config: BeamConfig, max_new_tokens, allowed_fn=None)
         length_penalty=config.length_penalty,
         early_stopping=config.early_stopping,
         max_new_tokens=max_new_tokens,
-        eos_token_id=EOS,
+        eos_token_id=eos,
         pad_token_id=EOS,
         do_sample=False,
         prefix_allowed_tokens_fn=None if allowed_fn is None else allowed_fn(width),
@@ -110,6 +110,17 @@ def test_beam_equals_transformers(hf_model, native_model, target, config):
     ours = beam_search(model, PROMPTS, config=config, max_new_tokens=7, eos_token_id=EOS)
     assert_same_as_hf(ours, hf_beam(hf_model, PROMPTS, config, 7))
     assert ours.stats.target_forwards <= 7
+
+
+@pytest.mark.parametrize("target", ["hf", "native"])
+@pytest.mark.parametrize("config", SETTINGS, ids=["default", "canonical", "early"])
+def test_beam_without_end_tokens_equals_transformers(hf_model, native_model, target, config):
+    """No end token: every hypothesis ends at max_new_tokens, at once (the search keeps the best
+    W a step and finishes them all at the last)."""
+    model = HFTarget(hf_model) if target == "hf" else native_model
+    ours = beam_search(model, PROMPTS, config=config, max_new_tokens=5)
+    assert all(len(seq) == 5 for row in ours.tolist() for seq in row)
+    assert_same_as_hf(ours, hf_beam(hf_model, PROMPTS, config, 5, eos=None))
 
 
 @pytest.mark.parametrize("target", ["hf", "native"])
