@@ -235,7 +235,7 @@ def beam_search(
             drafter = None  # drafting did not pay in the record's searches: a plain search
         args = (target, cache, roots, tokens, lengths, config, constraint, width)
         if drafter is None or getattr(drafter, "step_read", False):
-            search: _PlainSearch | _TreeSearch = _PlainSearch(*args, drafter)
+            search: _PlainSearch | _TreeSearch = _PlainSearch(*args, drafter=drafter)
         else:
             search = _TreeSearch(*args, drafter, max_new_tokens)
             drafter.begin(tokens, lengths)
@@ -465,29 +465,18 @@ class _PlainSearch(_Passes):
     the selection. A step whose live nodes are all known forced ones needs no pass: they wait
     for the next, which carries them as their children's ancestors."""
 
-    def __init__(
-        self,
-        target: Target,
-        cache,
-        roots,
-        tokens,
-        lengths,
-        config,
-        constraint,
-        width,
-        drafter: StepDrafter | None = None,
-    ):
-        super().__init__(target, cache, roots, tokens, lengths, config, constraint, width)
+    def __init__(self, *passes, drafter: StepDrafter | None = None):  # passes: _Passes' own
+        super().__init__(*passes)
         self.size = 0  # nodes in the target's pending tree
-        self.slots = torch.arange(config.num_beams, device=tokens.device)  # [W]
+        self.slots = torch.arange(self.config.num_beams, device=self.prompt_tokens.device)  # [W]
         self.waiting: list[tuple[Tensor, Tensor, Tensor]] = []  # steps' unscored nodes (below)
         # A target that reads a step's candidates itself under a catalogue (the recommender: its
         # tree from the beams' levels, each beam's children off its level's outputs), without
         # the pending tree and vocabulary-wide outputs of ``grow_tree``
         self.stepwise = (
-            isinstance(constraint, Catalogue)
-            and hasattr(target, "beam_candidates")
-            and roots is None
+            isinstance(self.constraint, Catalogue)
+            and hasattr(self.target, "beam_candidates")
+            and self.roots is None
         )
         if drafter is not None and not self.stepwise:
             raise DecodeInputError(

@@ -14,6 +14,7 @@ from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 from genrec_spec.recsys.decoders import beam
 from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.history_cache import rows_of
+from genrec_spec.recsys.spec_levels import SpecLevels
 from genrec_spec.recsys.target import RecommenderTarget, with_ancestors
 
 
@@ -140,6 +141,11 @@ def test_bad_use_is_refused(tiny_model):
     with pytest.raises(DecodeInputError, match="start token, then the history"):
         beam_search(target, rows_of(users.values, users.offsets),
                     max_new_tokens=model.num_levels, constraint=catalogue)  # fmt: skip
+    # spec_beam's drafter drafts for the target's own step read, which needs the catalogue
+    levels = SpecLevels(model, beam.item_trie(model), 4, "frontier", 4, "exact", 1)
+    with pytest.raises(DecodeInputError, match="drafts for a target's own step read"):
+        beam_search(target, tokens, prompt_lengths=lengths, max_new_tokens=model.num_levels,
+                    drafter=levels)  # fmt: skip
     cache = target.prefill(torch.tensor([[start, 2]]), torch.tensor([2]), 8)
     with pytest.raises(DecodeInputError, match="decodes by beam search"):
         target.commit(cache, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long))
