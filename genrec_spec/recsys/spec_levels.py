@@ -26,7 +26,7 @@ from genrec_spec.data_pipelines.jagged import spell_out_ranges
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.recsys.times import HistoryTimes
-from genrec_spec.recsys.decoders.beam import extend, start_beams
+from genrec_spec.recsys.decoders.beam import Beams, extend, start_beams
 from genrec_spec.recsys.drafters import AFTER_HISTORY, after_history_draft, draft_member
 from genrec_spec.recsys.scoring import NodeSet, PrefixTree, TrieIndex, prefix_tree
 
@@ -110,10 +110,22 @@ class SpecLevels:
             values, offsets, first.codes, first.levels, first.parents, times
         )
         self.scored = ScoredNodes.of(first, log_probs)
-        self.drafted = first.members  # prefixes some draft proposed
+        self.drafted = first.members  # prefixes some draft proposed (and worth scoring)
         self.drafted_after = self.draft not in AFTER_HISTORY
+        if self.drafted_after:  # (else with the draft made from the histories)
+            self.drafted = self.index.scored(self.drafted, self.to_score)
+        self.level0: Beams | None = None  # the exact level-0 beams, once made
         self.needed: list[Tensor] = []  # [B, W] per level: the prefixes that needed a score
         return self.state, first.real_nodes
+
+    def level0_beams(self) -> Beams:
+        """The exact level-0 beams (`extend` of the histories' level-0 log-probs), made once:
+        the native engine's first beams, and where the "nezha" draft starts."""
+        if self.level0 is None:
+            level0 = self.state.level0_log_probs  # [B, V0]
+            start = start_beams(len(level0), self.trie)
+            self.level0 = extend(start, level0[:, None], self.trie, 0, self.width)
+        return self.level0
 
     def read(self, states: Tensor, alive: Tensor) -> tuple[Tensor, int | None]:
         """`log_probs` of the core's beams: their catalogue states [B, W] (alive [B, W] bool,
@@ -134,18 +146,11 @@ class SpecLevels:
         (the caller drops it)."""
         if not self.drafted_after:  # at the level-0 beams: the draft made from the histories
             self.drafted_after = True
-            level0 = extend(
-                start_beams(len(nodes), self.trie),
-                self.state.level0_log_probs[:, None],
-                self.trie,
-                0,
-                self.width,
-            )
-            self.drafted = self.drafted | after_history_draft(
-                self.model, self.state, level0, self.trie, self.draft, self.draft_width,
-                self.item_search,
+            drafted = self.drafted | after_history_draft(
+                self.model, self.state, self.level0_beams(), self.trie, self.draft,
+                self.draft_width, self.item_search,
             )  # fmt: skip
-        self.drafted = self.index.scored(self.drafted, self.to_score)
+            self.drafted = self.index.scored(drafted, self.to_score)
         scored, state = self.scored, self.state
         slot = scored.lookup(nodes)  # [B, W]
         need = (nodes >= 0) & self.to_score[nodes.clamp(min=0)]  # [B, W] a code to score

@@ -82,7 +82,6 @@ from genrec_spec.recsys.decoders.beam import (
     check_trie,
     extend,
     finish,
-    start_beams,
 )
 from genrec_spec.recsys.decoders.beam import decode as plain_beam
 from genrec_spec.recsys.decoders.dense import check_item_objective
@@ -268,8 +267,7 @@ def decode(
     if engine == "core":
         return core_beam(model, values, offsets, k, width, start_time, levels, times)
     state, nodes_scored = levels.history_pass(values, offsets, times)
-    passes = 1
-    beams = extend(start_beams(batch, trie), state.level0_log_probs[:, None], trie, 0, width)
+    passes, beams = 1, levels.level0_beams()
     for level in range(1, model.num_levels):
         step, nodes = levels.log_probs(beams.nodes)  # [B, W, >= V]
         if nodes is not None:
