@@ -38,7 +38,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -50,9 +50,6 @@ from genrec_spec.core.targets import grown
 from genrec_spec.core.types import DecodeInputError, DraftTree
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.recsys.times import HistoryTimes
-
-if TYPE_CHECKING:  # (spec_levels imports the decoders, which import this module)
-    from genrec_spec.recsys.spec_levels import SpecLevels
 from genrec_spec.recsys.types import Recommendations, RecommendStats
 
 # The model slides over long histories itself; no prompt is too long for it.
@@ -63,6 +60,22 @@ UNBOUNDED = 1 << 30
 # context cut) were slower with the cut in one measurement and no faster in a later one
 # (docs/results/recsys-speed.md).
 PRUNE_SHARE = 0.25
+
+
+class LevelDrafter(Protocol):
+    """What the step read asks of `spec_beam`'s drafter (`recsys.spec_levels.SpecLevels`, a
+    core ``StepDrafter``)."""
+
+    def history_pass(
+        self, values: Tensor, offsets: Tensor, times: HistoryTimes | None
+    ) -> tuple[object, int]:
+        """The history pass with the early drafts: (the HistoryState, tree nodes scored)."""
+        ...
+
+    def read(self, states: Tensor, alive: Tensor) -> tuple[Tensor, int | None]:
+        """The beams' next-level log-probs [B, W, >= V] by their catalogue states [B, W] (alive:
+        the beams still running), and the tree nodes a follow-up pass scored (None: none)."""
+        ...
 
 
 @dataclass
@@ -160,7 +173,7 @@ class RecommenderTarget:
         states: Tensor,  # [B, W] their nodes in `trie`
         alive: Tensor,  # [B, W] bool the beams still running
         trie: TokenTrie,  # the search's catalogue's (``catalogue()``)
-        drafter: SpecLevels | None = None,  # spec_beam's drafts and the prefixes they scored
+        drafter: LevelDrafter | None = None,  # spec_beam's drafts and the prefixes they scored
     ) -> StepCandidates:  # [B, W, C] each ([B, 1, C] at step 0: the root's)
         """A plain search's step, level by level as the native engine's: each beam's children in
         the catalogue, scored by one pass over the tree of the beams' levels (`score_level`: no
@@ -462,7 +475,7 @@ def core_beam(
     k: int,
     width: int,  # W
     start_time: float,  # perf_counter() when the decode began (the stats' wall time)
-    drafter: SpecLevels | None = None,  # spec_beam's drafts (`recsys.spec_levels`)
+    drafter: LevelDrafter | None = None,  # spec_beam's drafts (`recsys.spec_levels`)
     times: HistoryTimes | None = None,  # the histories' timestamps (a time-aware model)
 ) -> Recommendations:
     """The recommender's trie-constrained beam search on the core (module docstring): items and
