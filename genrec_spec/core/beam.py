@@ -11,34 +11,36 @@ new nodes in fixed slots, beam w's the step's w-th, and reads their candidates s
 the pass; speculative beam search keeps every scored node's best next-token log-probabilities
 (``BeamTree``), so they serve every later step that reaches the node.
 
-Selection is transformers' beam search, step for step: each step keeps the top 2W candidates
-(W beams x their tokens, scored by summed log-probabilities), the best W that did not just end
-run on, and those of the top W that ended (an eos token, or max_new_tokens) enter the W finished
+Selection is transformers' beam search, step for step: each step keeps the top 2W candidates (W
+beams x their tokens, scored by summed log-probabilities), the best W that did not just end run
+on, and those of the top W that ended (an eos token, or max_new_tokens) enter the W finished
 hypotheses with score / length ** length_penalty; early stopping and the "can a running beam
-still win" heuristic follow ``early_stopping`` as there. The first step starts from W copies of
-the root, all but one scored -1e9; a target that scores its prefill (``scores_prefill``) gives
-the root's log-probs with the prompt's K/V, as transformers' prefill does, so the first step
-needs no pass of its own (the prefill counts as its pass). So the outputs equal
-``generate(num_beams=W, num_return_sequences=K, length_penalty=..., early_stopping=...)`` (with
-``prefix_allowed_tokens_fn`` for a constraint) up to float ties. A finished row stops asking for
-passes; it rides along until every row is done. Where fewer than K real hypotheses finish (a
-catalogue narrower than the beam, with early stopping) the rest are continuations of the root's
-copies, scored about -1e9 / length ** length_penalty as transformers' are; which copies those
-are is a float tie (float32 steps by 64 at 1e9, so their log-probs do not count). A step's 2W
-are kept with equal scores in place order (beam, then the node's candidate order: a catalogue's
-children in token order), as a stable sort keeps them and the recommender's native ``beam``
-does: the W x C table they come from is as wide as the step's widest node, which differs
-between plain and speculative search, and ``topk`` orders ties by where it meets them. The
-running W and the finished W are then picked from tables as wide as transformers' (2W and
-W + 2W) by ``topk``, as there. So plain and speculative search keep the same copies; from
-transformers' W x V table the 2W may be other copies, and with ``early_stopping=True``, where
-they count toward a row's W finished hypotheses, such a row may stop at another step than
-transformers' and return other real results.
-One more difference from transformers' ``prefix_allowed_tokens_fn`` (which must allow some token
-after an item's end, typically eos again): a catalogue allows nothing there. Where fewer than W
-candidates did not end, an ended one runs on at -1e9 as there, and dies here where
-transformers' ends again as a hypothesis that counts toward ``early_stopping=True``'s W: such a
-row may stop later than transformers' and return better hypotheses.
+still win" heuristic follow ``early_stopping`` as there. Without end tokens every hypothesis
+ends at max_new_tokens, so each step keeps the best W and the last step's best W finish at once
+(the same result; which of tied candidates come first aside). The first step starts from W
+copies of the root, all but one scored -1e9; a target that scores its prefill
+(``scores_prefill``) gives the root's log-probs with the prompt's K/V, as transformers' prefill
+does, so the first step needs no pass of its own (the prefill counts as its pass). So the
+outputs equal ``generate(num_beams=W, num_return_sequences=K, length_penalty=...,
+early_stopping=...)`` (with ``prefix_allowed_tokens_fn`` for a constraint) up to float ties. A
+finished row stops asking for passes; it rides along until every row is done. Where fewer than K
+real hypotheses finish (a catalogue narrower than the beam, with early stopping) the rest are
+continuations of the root's copies, scored about -1e9 / length ** length_penalty as
+transformers' are; which copies those are is a float tie (float32 steps by 64 at 1e9, so their
+log-probs do not count). A step's 2W are kept with equal scores in place order (beam, then the
+node's candidate order: a catalogue's children in token order), as a stable sort keeps them and
+the recommender's native ``beam`` does: the W x C table they come from is as wide as the step's
+widest node, which differs between plain and speculative search, and ``topk`` orders ties by
+where it meets them. The running W and the finished W are then picked from tables as wide as
+transformers' (2W and W + 2W) by ``topk``, as there. So plain and speculative search keep the
+same copies; from transformers' W x V table the 2W may be other copies, and with
+``early_stopping=True``, where they count toward a row's W finished hypotheses, such a row may
+stop at another step than transformers' and return other real results. One more difference from
+transformers' ``prefix_allowed_tokens_fn`` (which must allow some token after an item's end,
+typically eos again): a catalogue allows nothing there. Where fewer than W candidates did not
+end, an ended one runs on at -1e9 as there, and dies here where transformers' ends again as a
+hypothesis that counts toward ``early_stopping=True``'s W: such a row may stop later than
+transformers' and return better hypotheses.
 
 Speculative beam search: a ``drafter`` adds nodes below the beams to every pass (the
 catalogue's forced continuations: ``core.catalogue_drafter.CatalogueDrafter``; what followed
