@@ -11,7 +11,7 @@ from torch import Tensor
 
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
-from genrec_spec.recsys.decoders.beam import Beams
+from genrec_spec.recsys.decoders.beam import extend, start_beams
 from genrec_spec.recsys.decoders.dense import item_log_probs
 from genrec_spec.recsys.decoders.heads import item_scores
 from genrec_spec.recsys.decoders.nezha import head_beams
@@ -44,12 +44,15 @@ def draft_member(
 def head_draft(
     model,  # SemanticIdRecommender with a draft head
     state,  # HistoryState of B users
-    beams: Beams,  # [B, W] the exact level-0 beams
+    level0: Tensor,  # [B, W] the exact level-0 beams' nodes (-1: none)
     trie: PrefixTrie,
     width: int,  # the draft beam's width
 ) -> NodeSet:  # the level-0 beams and every prefix the draft beam keeps
     """The "nezha" draft: the draft head's beam (`nezha.head_beams`) from the exact level-0
-    beams down to prefixes of length L - 1, guessing the target's beams of levels 1..L-2."""
+    beams (made again here, with their scores, from the histories' level-0 log-probs) down to
+    prefixes of length L - 1, guessing the target's beams of levels 1..L-2."""
+    start = start_beams(len(level0), trie)
+    beams = extend(start, state.level0_log_probs[:, None], trie, 0, level0.shape[1])
     found = [beams, *head_beams(model, state, beams, trie, width, model.num_levels - 1)]
     return TrieIndex.of(trie).rowwise(torch.cat([b.nodes for b in found], dim=1))
 
@@ -57,7 +60,7 @@ def head_draft(
 def item_draft(
     model,  # SemanticIdRecommender trained with the item objective
     state,  # HistoryState of B users
-    beams: Beams,  # [B, W] the exact level-0 beams
+    level0: Tensor,  # [B, W] the exact level-0 beams' nodes (-1: none)
     trie: PrefixTrie,
     width: int,  # prefixes drafted per prefix length
     item_search: str = "auto",  # "exact", "index" or "auto" (`item_index.use_index`)
@@ -71,7 +74,7 @@ def item_draft(
     catalogue counted as no mass): what is drafted changes, never the decode's result."""
     if not use_index(model, item_search):
         return _most_probable_prefixes(
-            model, trie, beams, item_log_probs(model, state).exp(), width
+            model, trie, level0, item_log_probs(model, state).exp(), width
         )
     deeper = item_prefixes(trie, model.item_codes)[:, 1:]  # [I, L-2] their longer prefixes
     found = top_items(model, state.hidden, DRAFT_ITEMS_PER_PREFIX * width)  # [B, R]
@@ -81,13 +84,13 @@ def item_draft(
     found_nodes, column = torch.unique(nodes, return_inverse=True)
     # The mass of each prefix found (columns: the distinct prefixes, ascending), per row
     mass = probs.new_zeros(probs.shape[0], len(found_nodes)).scatter_add_(1, column, spread)
-    return _top_mass(trie, beams, found_nodes, mass, width)
+    return _top_mass(trie, level0, found_nodes, mass, width)
 
 
 def heads_draft(
     model,  # SemanticIdRecommender with parallel level heads
     state,  # HistoryState of B users
-    beams: Beams,  # [B, W] the exact level-0 beams
+    level0: Tensor,  # [B, W] the exact level-0 beams' nodes (-1: none)
     trie: PrefixTrie,
     width: int,  # prefixes drafted per prefix length
 ) -> NodeSet:  # the level-0 beams and the most probable deeper prefixes
@@ -96,13 +99,13 @@ def heads_draft(
     probabilities, every level predicted from the history state at once). The heads predict
     each level without the codes above it, so where a model's deeper levels hang on the earlier
     ones their guesses miss more than the item objective's; they need no item objective."""
-    return _most_probable_prefixes(model, trie, beams, item_scores(model, state).exp(), width)
+    return _most_probable_prefixes(model, trie, level0, item_scores(model, state).exp(), width)
 
 
 def _most_probable_prefixes(
     model,  # SemanticIdRecommender
     trie: PrefixTrie,
-    beams: Beams,  # [B, W] the exact level-0 beams
+    level0: Tensor,  # [B, W] the exact level-0 beams' nodes (-1: none)
     probs: Tensor,  # [B, I] a probability of every catalogue item
     width: int,  # prefixes drafted per prefix length
 ) -> NodeSet:
@@ -119,12 +122,12 @@ def _most_probable_prefixes(
     mass = probs.new_zeros(probs.shape[0], len(found_nodes))  # [B, U]
     for columns in column.view(*deeper.T.shape):  # [I] each item's prefix of one length
         mass.scatter_add_(1, columns.expand_as(probs), probs)
-    return _top_mass(trie, beams, found_nodes, mass, width)
+    return _top_mass(trie, level0, found_nodes, mass, width)
 
 
 def _top_mass(
     trie: PrefixTrie,
-    beams: Beams,  # [B, W] the exact level-0 beams
+    level0: Tensor,  # [B, W] the exact level-0 beams' nodes (-1: none)
     found_nodes: Tensor,  # [U] the distinct prefixes some item's mass falls under, ascending
     mass: Tensor,  # [B, U] each row's mass under each of them
     width: int,
@@ -133,7 +136,7 @@ def _top_mass(
     row with the most mass (and any)."""
     index = TrieIndex.of(trie)
     length = index.level[found_nodes] + 1  # [U] each prefix's length
-    picked = [beams.nodes]
+    picked = [level0]
     for depth in range(2, trie.levels):
         at = (length == depth).nonzero().squeeze(1)  # [U_d] the columns of this length
         top = mass[:, at].topk(min(width, len(at)), dim=1)
@@ -141,15 +144,15 @@ def _top_mass(
     return index.rowwise(torch.cat(picked, dim=1))
 
 
-# Drafts made after the history pass: name -> (model, state, level-0 beams, trie, width) -> the
-# prefixes drafted (a `NodeSet`).
+# Drafts made after the history pass: name -> (model, state, level-0 beams' nodes, trie, width) ->
+# the prefixes drafted (a `NodeSet`).
 AFTER_HISTORY = {"nezha": head_draft, "items": item_draft, "heads": heads_draft}
 
 
 def after_history_draft(
     model,  # SemanticIdRecommender
     state,  # HistoryState of B users
-    beams: Beams,  # [B, W] the exact level-0 beams
+    level0: Tensor,  # [B, W] the exact level-0 beams' nodes (-1: none)
     trie: PrefixTrie,
     kind: str,  # one of AFTER_HISTORY
     width: int,  # "items", "heads": prefixes per length; "nezha": the draft head's beam width
@@ -157,4 +160,4 @@ def after_history_draft(
 ) -> NodeSet:
     """The draft of `kind` made from the encoded histories (both engines')."""
     options = {"item_search": item_search} if kind == "items" else {}
-    return AFTER_HISTORY[kind](model, state, beams, trie, width, **options)
+    return AFTER_HISTORY[kind](model, state, level0, trie, width, **options)

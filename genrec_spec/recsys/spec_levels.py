@@ -1,7 +1,7 @@
 """`spec_beam`'s scoring, level by level, for both engines: the drafted prefixes scored with the
 history, and a follow-up pass where a level's beams reach a prefix not scored yet.
 
-    levels = SpecLevels(model, trie, width=W, draft="items", ...)
+    levels = SpecLevels(model, trie, draft="items", ...)
     state, nodes = levels.history_pass(values, offsets, times)  # pass 1: histories and drafts
     out, nodes = levels.log_probs(beams.nodes)  # [B, W, >= V] each beam's next-level log-probs
 
@@ -26,7 +26,6 @@ from genrec_spec.data_pipelines.jagged import spell_out_ranges
 from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.recsys.times import HistoryTimes
-from genrec_spec.recsys.decoders.beam import Beams, extend, start_beams
 from genrec_spec.recsys.drafters import AFTER_HISTORY, after_history_draft, draft_member
 from genrec_spec.recsys.scoring import NodeSet, PrefixTree, TrieIndex, prefix_tree
 
@@ -84,7 +83,6 @@ class SpecLevels:
         self,
         model,  # SemanticIdRecommender
         trie: PrefixTrie,  # the model's items
-        width: int,  # W: the "nezha" draft starts from the top W level-0 beams
         draft: str,  # "items", "heads", "nezha", "frontier" or "none" (`spec_beam`)
         draft_width: int,  # "items", "heads": prefixes per length; "nezha": its beam's width
         item_search: str,  # "items": "exact", "index" or "auto"
@@ -92,7 +90,7 @@ class SpecLevels:
         draft_codes: Tensor | None = None,  # [B, R, L] codes of items whose prefixes are drafted
         catalogue: Catalogue | None = None,  # the core target's, whose states `read` takes
     ) -> None:
-        self.model, self.trie, self.width = model, trie, width
+        self.model, self.trie = model, trie
         self.draft, self.draft_width, self.item_search = draft, draft_width, item_search
         self.lookahead, self.draft_codes, self.catalogue = lookahead, draft_codes, catalogue
         self.index = TrieIndex.of(trie)
@@ -114,18 +112,8 @@ class SpecLevels:
         self.drafted_after = self.draft not in AFTER_HISTORY
         if self.drafted_after:  # (else with the draft made from the histories)
             self.drafted = self.index.scored(self.drafted, self.to_score)
-        self.level0: Beams | None = None  # the exact level-0 beams, once made
         self.needed: list[Tensor] = []  # [B, W] per level: the prefixes that needed a score
         return self.state, first.real_nodes
-
-    def level0_beams(self) -> Beams:
-        """The exact level-0 beams (`extend` of the histories' level-0 log-probs), made once:
-        the native engine's first beams, and where the "nezha" draft starts."""
-        if self.level0 is None:
-            level0 = self.state.level0_log_probs  # [B, V0]
-            start = start_beams(len(level0), self.trie)
-            self.level0 = extend(start, level0[:, None], self.trie, 0, self.width)
-        return self.level0
 
     def read(self, states: Tensor, alive: Tensor) -> tuple[Tensor, int | None]:
         """`log_probs` of the core's beams: their catalogue states [B, W] (alive [B, W] bool,
@@ -147,8 +135,8 @@ class SpecLevels:
         if not self.drafted_after:  # at the level-0 beams: the draft made from the histories
             self.drafted_after = True
             drafted = self.drafted | after_history_draft(
-                self.model, self.state, self.level0_beams(), self.trie, self.draft,
-                self.draft_width, self.item_search,
+                self.model, self.state, nodes, self.trie, self.draft, self.draft_width,
+                self.item_search,
             )  # fmt: skip
             self.drafted = self.index.scored(drafted, self.to_score)
         scored, state = self.scored, self.state

@@ -142,7 +142,7 @@ def test_bad_use_is_refused(tiny_model):
         beam_search(target, rows_of(users.values, users.offsets),
                     max_new_tokens=model.num_levels, constraint=catalogue)  # fmt: skip
     # spec_beam's drafter drafts for the target's own step read, which needs the catalogue
-    levels = SpecLevels(model, beam.item_trie(model), 4, "frontier", 4, "exact", 1)
+    levels = SpecLevels(model, beam.item_trie(model), "frontier", 4, "exact", 1)
     with pytest.raises(DecodeInputError, match="drafts for a target's own step read"):
         beam_search(target, tokens, prompt_lengths=lengths, max_new_tokens=model.num_levels,
                     drafter=levels)  # fmt: skip

@@ -82,6 +82,7 @@ from genrec_spec.recsys.decoders.beam import (
     check_trie,
     extend,
     finish,
+    start_beams,
 )
 from genrec_spec.recsys.decoders.beam import decode as plain_beam
 from genrec_spec.recsys.decoders.dense import check_item_objective
@@ -262,12 +263,13 @@ def decode(
         )
     draft_codes = None if draft_items is None else model.item_codes[draft_items]
     catalogue = core_target(model)[1] if engine == "core" else None
-    levels = SpecLevels(model, trie, width, draft, draft_width, item_search, lookahead,
-                        draft_codes, catalogue)  # fmt: skip
+    levels = SpecLevels(model, trie, draft, draft_width, item_search, lookahead, draft_codes,
+                        catalogue)  # fmt: skip
     if engine == "core":
         return core_beam(model, values, offsets, k, width, start_time, levels, times)
     state, nodes_scored = levels.history_pass(values, offsets, times)
-    passes, beams = 1, levels.level0_beams()
+    passes = 1
+    beams = extend(start_beams(batch, trie), state.level0_log_probs[:, None], trie, 0, width)
     for level in range(1, model.num_levels):
         step, nodes = levels.log_probs(beams.nodes)  # [B, W, >= V]
         if nodes is not None:
