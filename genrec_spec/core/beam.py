@@ -251,7 +251,9 @@ def beam_search(
             # [B, W, C] each: the beams' best next tokens, their log-probs and states ([B, 1, C]
             # at the first step, where the W beams are copies of the root: its candidates once)
             values, options, after = search.candidates(beams, open_rows, alive, step)
-            values = values.masked_fill(~alive[:, : values.shape[1], None], float("-inf"))
+            if every_row is None:  # (else the beams not alive are those scored -inf: so are
+                # their candidates, summed with it)
+                values = values.masked_fill(~alive[:, : values.shape[1], None], float("-inf"))
             search.nan |= values.isnan().any()  # a NaN logit makes its node's log-probs NaN
             ended = _select(
                 beams, values, options, after, eos_t, keep, step, max_new_tokens, config
