@@ -27,6 +27,7 @@ from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.drafters import AFTER_HISTORY, after_history_draft, draft_member
+from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.scoring import NodeSet, PrefixTree, TrieIndex, prefix_tree
 
 # catalogue -> each catalogue state's recsys trie prefix (`SpecLevels.read`)
@@ -118,6 +119,12 @@ class SpecLevels:
     def read(self, states: Tensor, alive: Tensor) -> tuple[Tensor, int | None]:
         """`log_probs` of the core's beams: their catalogue states [B, W] (alive [B, W] bool,
         the beams still running)."""
+        if self.catalogue is None:
+            raise DecodeOptionError(
+                "these drafts read the core's beams by catalogue state, and were made without "
+                "the catalogue",
+                "make them with catalogue=recsys.target.core_target(model)[1]",
+            )
         prefixes = _PREFIXES.get(
             # Keyed on the catalogue object (made once per model), not on its tables: those may
             # be inference tensors, which keep no version to compare

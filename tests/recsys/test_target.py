@@ -146,6 +146,9 @@ def test_bad_use_is_refused(tiny_model):
     with pytest.raises(DecodeInputError, match="drafts for a target's own step read"):
         beam_search(target, tokens, prompt_lengths=lengths, max_new_tokens=model.num_levels,
                     drafter=levels)  # fmt: skip
+    with pytest.raises(DecodeOptionError, match="made without the catalogue"):
+        beam_search(target, tokens, prompt_lengths=lengths, max_new_tokens=model.num_levels,
+                    constraint=catalogue, drafter=levels)  # fmt: skip
     cache = target.prefill(torch.tensor([[start, 2]]), torch.tensor([2]), 8)
     with pytest.raises(DecodeInputError, match="decodes by beam search"):
         target.commit(cache, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long))
