@@ -6,6 +6,8 @@ in the history pass; the drafts read from the encoded histories ride on the firs
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 
@@ -33,7 +35,9 @@ def draft_member(
     draft: str,
     draft_codes: Tensor | None,  # [B, R, L] int64 Semantic IDs of items whose prefixes are drafted
 ) -> NodeSet:  # the trie nodes to score in the first pass
-    nodes = [torch.zeros(batch, 0, dtype=torch.long, device=trie.device)]  # [B, *] each
+    if draft != "frontier" and draft_codes is None:  # (a draft made after the history pass)
+        return NodeSet(torch.zeros(0, dtype=torch.long, device=trie.device), index.scorable)
+    nodes = []  # [B, *] each
     if draft == "frontier":  # every length-1 prefix
         nodes.append(torch.arange(1, trie.level_starts[2], device=trie.device).expand(batch, -1))
     if draft_codes is not None:
@@ -134,14 +138,16 @@ def _top_mass(
 ) -> NodeSet:
     """The level-0 beams and, at every prefix length 2..L-1, the `width` found prefixes of each
     row with the most mass (and any)."""
-    index = TrieIndex.of(trie)
-    length = index.level[found_nodes] + 1  # [U] each prefix's length
+    # A trie's node ids grow with the prefix length, and found_nodes ascend: the prefixes of
+    # each length 2..L-1 are one run of the columns.
+    starts = found_nodes.new_tensor(trie.level_starts[2 : trie.levels + 1])
+    bounds = torch.searchsorted(found_nodes, starts).tolist()
     picked = [level0]
-    for depth in range(2, trie.levels):
-        at = (length == depth).nonzero().squeeze(1)  # [U_d] the columns of this length
-        top = mass[:, at].topk(min(width, len(at)), dim=1)
-        picked.append(torch.where(top.values > 0, found_nodes[at][top.indices], -1))  # mass > 0
-    return index.rowwise(torch.cat(picked, dim=1))
+    for start, end in itertools.pairwise(bounds):
+        top = mass[:, start:end].topk(min(width, end - start), dim=1)
+        at = found_nodes[start:end][top.indices]
+        picked.append(torch.where(top.values > 0, at, -1))  # (mass > 0)
+    return TrieIndex.of(trie).rowwise(torch.cat(picked, dim=1))
 
 
 # Drafts made after the history pass: name -> (model, state, level-0 beams' nodes, trie, width) ->
