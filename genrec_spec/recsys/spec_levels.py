@@ -96,6 +96,8 @@ class SpecLevels:
         self.lookahead, self.draft_codes, self.catalogue = lookahead, draft_codes, catalogue
         self.index = TrieIndex.of(trie)
         self.to_score = self.index.to_score(model)  # [scorable] prefixes whose code is not free
+        # [scorable + 1]: the same, and False for no prefix (node -1 reads the last entry)
+        self.needs_score = torch.cat([self.to_score, self.to_score.new_zeros(1)])
 
     def history_pass(
         self, values: Tensor, offsets: Tensor, times: HistoryTimes | None
@@ -148,7 +150,7 @@ class SpecLevels:
             self.drafted = self.index.scored(drafted, self.to_score)
         scored, state = self.scored, self.state
         slot = scored.lookup(nodes)  # [B, W]
-        need = (nodes >= 0) & self.to_score[nodes.clamp(min=0)]  # [B, W] a code to score
+        need = self.needs_score[nodes]  # [B, W] a code to score
         self.needed.append(nodes.masked_fill(~need, -1))
         missing = need & (slot < 0)
         tree_nodes = None
