@@ -35,13 +35,13 @@ def draft_member(
     draft: str,
     draft_codes: Tensor | None,  # [B, R, L] int64 Semantic IDs of items whose prefixes are drafted
 ) -> NodeSet:  # the trie nodes to score in the first pass
-    if draft != "frontier" and draft_codes is None:  # (a draft made after the history pass)
-        return NodeSet(torch.zeros(0, dtype=torch.long, device=trie.device), index.scorable)
     nodes = []  # [B, *] each
     if draft == "frontier":  # every length-1 prefix
         nodes.append(torch.arange(1, trie.level_starts[2], device=trie.device).expand(batch, -1))
     if draft_codes is not None:
         nodes.append(prefix_nodes(trie, draft_codes).flatten(1))
+    if not nodes:  # (a draft made after the history pass)
+        return NodeSet(torch.zeros(0, dtype=torch.long, device=trie.device), index.scorable)
     return index.rowwise(torch.cat(nodes, dim=1))
 
 

@@ -27,8 +27,8 @@ from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.drafters import AFTER_HISTORY, after_history_draft, draft_member
-from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.scoring import NodeSet, PrefixTree, TrieIndex, prefix_tree
+from genrec_spec.recsys.target import core_target
 
 # catalogue -> each catalogue state's recsys trie prefix (`SpecLevels.read`)
 _PREFIXES = DerivedCache()
@@ -89,15 +89,15 @@ class SpecLevels:
         item_search: str,  # "items": "exact", "index" or "auto"
         lookahead: int,  # descendant levels of the beams a follow-up pass also scores
         draft_codes: Tensor | None = None,  # [B, R, L] codes of items whose prefixes are drafted
-        catalogue: Catalogue | None = None,  # the core target's, whose states `read` takes
     ) -> None:
         self.model, self.trie = model, trie
         self.draft, self.draft_width, self.item_search = draft, draft_width, item_search
-        self.lookahead, self.draft_codes, self.catalogue = lookahead, draft_codes, catalogue
+        self.lookahead, self.draft_codes = lookahead, draft_codes
         self.index = TrieIndex.of(trie)
-        self.to_score = self.index.to_score(model)  # [scorable] prefixes whose code is not free
-        # [scorable + 1]: the same, and False for no prefix (node -1 reads the last entry)
-        self.needs_score = torch.cat([self.to_score, self.to_score.new_zeros(1)])
+        # [scorable + 1] the prefixes whose next code is not free, and False for no prefix (node
+        # -1 reads the last entry)
+        to_score = self.index.to_score(model)
+        self.to_score = torch.cat([to_score, to_score.new_zeros(1)])
 
     def history_pass(
         self, values: Tensor, offsets: Tensor, times: HistoryTimes | None
@@ -121,18 +121,13 @@ class SpecLevels:
     def read(self, states: Tensor, alive: Tensor) -> tuple[Tensor, int | None]:
         """`log_probs` of the core's beams: their catalogue states [B, W] (alive [B, W] bool,
         the beams still running)."""
-        if self.catalogue is None:
-            raise DecodeOptionError(
-                "these drafts read the core's beams by catalogue state, and were made without "
-                "the catalogue",
-                "make them with catalogue=recsys.target.core_target(model)[1]",
-            )
+        target, catalogue = core_target(self.model)  # (the search's, made once per model)
         prefixes = _PREFIXES.get(
             # Keyed on the catalogue object (made once per model), not on its tables: those may
             # be inference tensors, which keep no version to compare
-            self.catalogue,
+            catalogue,
             (self.trie.edge_keys,),
-            lambda: _trie_prefixes(self.trie, self.catalogue, self.model),
+            lambda: _trie_prefixes(self.trie, catalogue, target.offsets),
         )
         return self.log_probs(prefixes[states].masked_fill(~alive, -1))
 
@@ -150,7 +145,7 @@ class SpecLevels:
             self.drafted = self.index.scored(drafted, self.to_score)
         scored, state = self.scored, self.state
         slot = scored.lookup(nodes)  # [B, W]
-        need = self.needs_score[nodes]  # [B, W] a code to score
+        need = self.to_score[nodes]  # [B, W] a code to score
         self.needed.append(nodes.masked_fill(~need, -1))
         missing = need & (slot < 0)
         tree_nodes = None
@@ -206,12 +201,11 @@ def children_of(trie: PrefixTrie, member: NodeSet) -> NodeSet:
     return NodeSet.of(rows[owner][inside], child[inside], member.stride)
 
 
-def _trie_prefixes(trie: PrefixTrie, catalogue: Catalogue, model) -> Tensor:
+def _trie_prefixes(trie: PrefixTrie, catalogue: Catalogue, offsets: Tensor) -> Tensor:
     """[catalogue nodes + 1] each catalogue state's scorable recsys trie prefix (-1: none; the
     last entry is node -1's): the catalogue trie stepped by each prefix's last code, a level at
     a time (recsys node ids grow with the level: parents are stepped first)."""
     index = TrieIndex.of(trie)
-    offsets = torch.arange(model.num_levels, device=trie.device) * max(model.codebook_sizes)
     states = torch.zeros(index.scorable, dtype=torch.long, device=trie.device)
     starts = trie.level_starts  # code level l's nodes: starts[l + 1] .. starts[l + 2] - 1
     for level in range(trie.levels - 1):  # the scorable ones

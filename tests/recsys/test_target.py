@@ -146,9 +146,13 @@ def test_bad_use_is_refused(tiny_model):
     with pytest.raises(DecodeInputError, match="drafts for a target's own step read"):
         beam_search(target, tokens, prompt_lengths=lengths, max_new_tokens=model.num_levels,
                     drafter=levels)  # fmt: skip
-    with pytest.raises(DecodeOptionError, match="made without the catalogue"):
-        beam_search(target, tokens, prompt_lengths=lengths, max_new_tokens=model.num_levels,
-                    constraint=catalogue, drafter=levels)  # fmt: skip
+    # under the catalogue they draft, reading the beams by their catalogue states
+    config = BeamConfig(num_beams=4, num_return_sequences=2, length_penalty=0.0)
+    out = beam_search(target, tokens, prompt_lengths=lengths, max_new_tokens=model.num_levels,
+                      constraint=catalogue, drafter=levels, config=config)  # fmt: skip
+    want = beam.decode(model, users.values, users.offsets, k=2, trie=beam.item_trie(model),
+                       beam_width=4)  # fmt: skip
+    assert torch.equal(catalogue.trie.items(out.states), want.items)
     cache = target.prefill(torch.tensor([[start, 2]]), torch.tensor([2]), 8)
     with pytest.raises(DecodeInputError, match="decodes by beam search"):
         target.commit(cache, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long))

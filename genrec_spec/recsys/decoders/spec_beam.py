@@ -93,7 +93,7 @@ from genrec_spec.recsys.inference import inference
 from genrec_spec.recsys.item_index import use_index
 from genrec_spec.recsys.scoring import check_candidates
 from genrec_spec.recsys.spec_levels import SpecLevels
-from genrec_spec.recsys.target import core_beam, core_target
+from genrec_spec.recsys.target import core_beam
 from genrec_spec.recsys.types import Recommendations, RecommendStats
 
 DRAFTS = ("auto", "frontier", "items", "heads", "nezha", "none")
@@ -262,9 +262,7 @@ def decode(
             model, values, offsets, k=k, trie=trie, beam_width=width, engine=engine, times=times
         )
     draft_codes = None if draft_items is None else model.item_codes[draft_items]
-    catalogue = core_target(model)[1] if engine == "core" else None
-    levels = SpecLevels(model, trie, draft, draft_width, item_search, lookahead, draft_codes,
-                        catalogue)  # fmt: skip
+    levels = SpecLevels(model, trie, draft, draft_width, item_search, lookahead, draft_codes)
     if engine == "core":
         return core_beam(model, values, offsets, k, width, start_time, levels, times)
     state, nodes_scored = levels.history_pass(values, offsets, times)
