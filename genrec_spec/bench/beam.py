@@ -153,16 +153,14 @@ def hf_allowed_tokens(catalogue, eos: int) -> Callable[[int], Callable]:
     prompts left-padded to ``width``: the generated part's trie node, walked from its parent's
     (a dict per prefix, as a user would write it)."""
     trie = catalogue.trie
-    offsets, tokens, nodes = (
-        t.tolist() for t in (trie.child_offsets, trie.child_tokens, trie.child_nodes)
-    )
+    offsets, tokens = trie.child_offsets.tolist(), trie.child_tokens.tolist()
     allowed: dict[tuple[int, ...], list[int]] = {}
     walk = [((), 0)]  # (prefix, its trie node) still to list
     while walk:
         prefix, node = walk.pop()
         edges = range(offsets[node], offsets[node + 1])
         allowed[prefix] = [tokens[e] for e in edges]
-        walk.extend(((*prefix, tokens[e]), nodes[e]) for e in edges)
+        walk.extend(((*prefix, tokens[e]), e + 1) for e in edges)  # edge e leads to node e + 1
 
     def make(width: int) -> Callable:
         def fn(batch_id: int, input_ids: torch.Tensor) -> list[int]:

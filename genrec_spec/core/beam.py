@@ -229,8 +229,9 @@ def beam_search(
         capacity = tokens.shape[1] + max_new_tokens
         cache, roots = prefill_checked(target, tokens, lengths, capacity, scored=scored)
         # transformers keeps 2W candidates a step (more with several eos tokens), so a node
-        # needs no more than its best 2W next tokens, nor more than a catalogue allows.
-        keep = max(2, 1 + len(eos)) * config.num_beams
+        # needs no more than its best 2W next tokens, nor more than a catalogue allows; without
+        # end tokens a step keeps its best W (`_select`), and so a node its best W.
+        keep = max(2, 1 + len(eos)) * config.num_beams if eos else config.num_beams
         allows = constraint.trie.widest if isinstance(constraint, Catalogue) else keep
         width = min(keep, target.vocab_size, allows)
         if drafter is not None and record is not None and not record.drafts():
@@ -258,10 +259,13 @@ def beam_search(
             ended = _select(
                 beams, values, options, after, eos_t, keep, step, max_new_tokens, config
             )
-            search.row_steps += open_rows.sum()
+            if every_row is None:  # (else every row steps: counted at the end)
+                search.row_steps += open_rows.sum()
             last = step + 1 == max_new_tokens  # (the loop ends: no stopping rule to apply)
             if not last and not _unfinished(beams, ended, step + 1, max_new_tokens, config):
                 break
+        if every_row is not None:
+            search.row_steps += len(tokens) * (step + 1)
     search.check_finite()
     if drafter is not None and record is not None:
         record.count(search.drafted_passes, search.saved)
@@ -508,7 +512,10 @@ class _PlainSearch(_Passes):
             self.passes += got.passes
             self.speculative += got.passes if self.drafter is not None else 0
             self.nodes += got.nodes
-            if step == 0:  # the root's, read once: the selection takes its best itself
+            # The root's (step 0, read once), or a table the selection sorts whole
+            # (`stable_top`): one sort of every candidate, in place order, keeps what each
+            # node's best C and a sort of those would, at the cost of one sort instead of two
+            if step == 0 or got.values.numel() <= SORT_SCORES:
                 return got.values, got.tokens, got.states
             return self.best_children(got.values, got.tokens, got.states)
         step_nodes = beams.last, beams.parents, beams.states, alive  # [B, W] each
@@ -788,7 +795,7 @@ def _select(
     options: Tensor,  # [B, W, C] their tokens (int32)
     after: Tensor,  # [B, W, C] the constraint states they lead to
     eos: Tensor,  # [E] eos token ids
-    keep: int,  # candidates kept a step (2W with one eos token)
+    keep: int,  # candidates kept a step (2W with one eos token, W without end tokens)
     step: int,  # tokens generated before this step
     max_new_tokens: int,
     config: BeamConfig,
@@ -798,14 +805,13 @@ def _select(
     batch, n, c = values.shape  # n: W, or 1 (the root's candidates, for its W copies)
     w = beams.scores.shape[1]
     # Without end tokens no candidate ends before the last step, where every one does: the
-    # best W run on at every step, and the last step's best W are the finished hypotheses
-    # (of one length, which the length penalty keeps in order): transformers' result, whose
-    # 2W and finished set change nothing there but which of tied candidates come first.
+    # best W (`keep`) run on at every step, and the last step's best W are the finished
+    # hypotheses (of one length, which the length penalty keeps in order): transformers'
+    # result, whose 2W and finished set change nothing there but which of tied candidates come
+    # first. Else the best 2W, as transformers keeps from its W x V (so where the step's nodes
+    # have fewer candidates, -inf pads make up the 2W, and the tables below are as wide as
+    # transformers' whatever C is).
     at_once = not len(eos)
-    # else the best 2W, as transformers keeps from its W x V (so where the step's nodes have
-    # fewer candidates, -inf pads make up the 2W, and the tables below are as wide as
-    # transformers' whatever C is)
-    keep = w if at_once else keep
     # The first step's beams are copies of the root, all but the first UNREACHABLE: where the
     # first has `keep` candidates, they are the step's best (in place order, first), so its
     # table needs no copies (a wide beam's W x C of them cost more than all the rest).

@@ -6,10 +6,12 @@ exactly one item. Decoding under the catalogue (``constraints.Catalogue``) allow
 only the tokens of the node's children; a node with one child has a forced continuation, which
 a drafter proposes for free.
 
-Layout (CSR, children sorted by token): node 0 is the root (the empty sequence); node n's children
-are the edges ``child_offsets[n] .. child_offsets[n + 1]``, edge e carrying ``child_tokens[e]``
-to node ``child_nodes[e]``. ``edge_keys[e] = parent * V + token`` is sorted, so a (node, token)
-step is one ``searchsorted`` for a whole batch. The tables a search reads by node have one entry
+Layout (CSR, children sorted by token): nodes are numbered breadth-first, node 0 the root (the
+empty sequence), each node's children in token order; node n's children are the edges
+``child_offsets[n] .. child_offsets[n + 1]``, edge e carrying ``child_tokens[e]`` to node e + 1
+(so the nodes of a catalogue of Semantic IDs are its recommender trie's, ``data_pipelines.trie``).
+``edge_keys[e] = parent * V + token`` is sorted, so a (node, token) step is one ``searchsorted``
+for a whole batch. The tables a search reads by node have one entry
 more, the last, which node -1 (no node: a prefix that left the catalogue, or an empty beam)
 reads as torch reads index -1: no children, nothing forced, so no lookup needs a mask.
 """
@@ -32,8 +34,7 @@ class TokenTrie:
     vocab_size: int  # V
     child_offsets: Tensor  # [nodes + 1] int64 (node -1 reads the end: past every edge)
     child_counts: Tensor  # [nodes + 1] int64 each node's children (node -1: none)
-    child_tokens: Tensor  # [edges] int64
-    child_nodes: Tensor  # [edges] int64
+    child_tokens: Tensor  # [edges] int64 (edge e leads to node e + 1)
     edge_keys: Tensor  # [edges] int64, parent * V + token, ascending
     leaf_items: Tensor  # [nodes] int64: the item a finished sequence is; -1 elsewhere
     # [nodes + 1] int64: the one token a node with exactly one child allows; -1 elsewhere (a
@@ -83,29 +84,34 @@ class TokenTrie:
             if children[node]:
                 raise _prefix_error(item)
             leaf.setdefault(node, item)
-        counts = torch.tensor([len(c) for c in children], dtype=torch.long)
+        # Breadth-first, each node's children in token order (the module docstring's layout)
+        ordered = [sorted(children[0].items())]  # [(token, built node)] of each node, in order
+        built = [0]  # each node's number as built
+        for node_children in ordered:  # (grows as it goes: the children's, after the parents')
+            built.extend(child for _, child in node_children)
+            ordered.extend(sorted(children[child].items()) for _, child in node_children)
+        number = {node: place for place, node in enumerate(built)}
+        counts = torch.tensor([len(c) for c in ordered], dtype=torch.long)
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        ordered = [sorted(c.items()) for c in children]
         tokens = torch.tensor([t for c in ordered for t, _ in c], dtype=torch.long)
-        nodes = torch.tensor([n for c in ordered for _, n in c], dtype=torch.long)
         parents = torch.repeat_interleave(torch.arange(len(children)), counts)
         leaf_items = torch.full((len(children),), -1, dtype=torch.long)
-        leaf_items[torch.tensor(list(leaf))] = torch.tensor(list(leaf.values()))
+        leaves = torch.tensor([number[node] for node in leaf], dtype=torch.long)
+        leaf_items[leaves] = torch.tensor(list(leaf.values()))
         first = offsets[:-1].clamp(max=len(tokens) - 1)  # a leaf's lies past the last edge
         forced = counts == 1
         none = torch.full((1,), -1, dtype=torch.long)  # what node -1 reads (module docstring)
         inner = torch.zeros(vocab_size, dtype=torch.bool)
-        inner[tokens[counts[nodes] > 0]] = True  # the tokens of edges into non-leaf nodes
+        inner[tokens[counts[1:] > 0]] = True  # the tokens of edges into non-leaf nodes
         return cls(
             vocab_size=vocab_size,
             child_offsets=offsets,
             child_counts=torch.cat([counts, torch.zeros_like(none)]),
             child_tokens=tokens,
-            child_nodes=nodes,
             edge_keys=parents * vocab_size + tokens,
             leaf_items=leaf_items,
             forced_tokens=torch.cat([torch.where(forced, tokens[first], -1), none]),
-            forced_children=torch.cat([torch.where(forced, nodes[first], -1), none]),
+            forced_children=torch.cat([torch.where(forced, first + 1, -1), none]),
             inner_tokens=inner,
             num_items=len(leaf),
             longest=longest,
@@ -124,7 +130,7 @@ class TokenTrie:
         keys = nodes * self.vocab_size + tokens  # a -1 node's are negative: no edge's
         edge = torch.searchsorted(self.edge_keys, keys.flatten()).view(keys.shape)
         edge = edge.clamp(max=len(self.edge_keys) - 1)
-        return torch.where(self.edge_keys[edge] == keys, self.child_nodes[edge], -1)
+        return torch.where(self.edge_keys[edge] == keys, edge + 1, -1)
 
     def children_of(self, nodes: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # [...] -> [..., C]
         """Each node's child tokens in token order, C the most any of them has (at least 1),
@@ -133,11 +139,11 @@ class TokenTrie:
         edges, exists = self.child_edges(nodes)
         missing = ~exists
         tokens = self.child_tokens[edges].masked_fill(missing, 0)
-        return tokens, self.child_nodes[edges].masked_fill(missing, -1), exists
+        return tokens, (edges + 1).masked_fill(missing, -1), exists
 
     def child_edges(self, nodes: Tensor) -> tuple[Tensor, Tensor]:  # [...] -> 2 x [..., C]
-        """``children_of``'s edges (a child's token and node are ``child_tokens[e]`` and
-        ``child_nodes[e]``), any edge in the slots that hold none, and which slots hold one."""
+        """``children_of``'s edges (a child's token is ``child_tokens[e]``, its node e + 1),
+        any edge in the slots that hold none, and which slots hold one."""
         first, counts = self.child_offsets[nodes], self.child_counts[nodes]  # [...] each
         most = max(1, int(counts.max())) if nodes.numel() else 1
         slots = torch.arange(most, device=nodes.device)

@@ -53,7 +53,7 @@ class CatalogueDrafter:
             new = (nodes < 0).nonzero()[:, 0]
             take = new[rank_within_rows(rows[new]) < left[rows[new]]]
             # (the children's catalogue states come with them: the tree need not step to them)
-            states = trie.child_nodes[edges[take]]
+            states = edges[take] + 1
             nodes[take] = tree.add(rows[take], parents[take], tokens[take], states)
             left -= torch.bincount(rows[take], minlength=tree.batch)
             kept = nodes >= 0  # over budget: not drafted, nor anything below it

@@ -135,7 +135,7 @@ def _is_token(value, vocab_size: int) -> bool:
 def _items_below(trie: TokenTrie) -> Tensor:  # [nodes] int64
     """How many catalogue items each node's subtree ends, summed a depth at a time upwards."""
     parent = torch.full((trie.num_nodes,), -1, dtype=torch.long)
-    parent[trie.child_nodes] = trie.edge_keys // trie.vocab_size  # edge keys: parent * V + token
+    parent[1:] = trie.edge_keys // trie.vocab_size  # node e + 1's edge key: parent * V + token
     depth = torch.zeros(trie.num_nodes, dtype=torch.long)
     for _ in range(trie.longest):  # a node's depth is its parent's + 1
         depth = torch.where(parent >= 0, depth[parent.clamp_min(0)] + 1, 0)

@@ -21,17 +21,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from genrec_spec.core.constraints import Catalogue
 from genrec_spec.data_pipelines.jagged import spell_out_ranges
 from genrec_spec.data_pipelines.trie import PrefixTrie
-from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.drafters import AFTER_HISTORY, after_history_draft, draft_member
 from genrec_spec.recsys.scoring import NodeSet, PrefixTree, TrieIndex, prefix_tree
-from genrec_spec.recsys.target import core_target
-
-# catalogue -> each catalogue state's recsys trie prefix (`SpecLevels.read`)
-_PREFIXES = DerivedCache()
 
 
 @dataclass(frozen=True)
@@ -120,16 +114,9 @@ class SpecLevels:
 
     def read(self, states: Tensor, alive: Tensor) -> tuple[Tensor, int | None]:
         """`log_probs` of the core's beams: their catalogue states [B, W] (alive [B, W] bool,
-        the beams still running)."""
-        target, catalogue = core_target(self.model)  # (the search's, made once per model)
-        prefixes = _PREFIXES.get(
-            # Keyed on the catalogue object (made once per model), not on its tables: those may
-            # be inference tensors, which keep no version to compare
-            catalogue,
-            (self.trie.edge_keys,),
-            lambda: _trie_prefixes(self.trie, catalogue, target.offsets),
-        )
-        return self.log_probs(prefixes[states].masked_fill(~alive, -1))
+        the beams still running), which are the beams' prefixes: the catalogue's trie and the
+        model's item trie number their nodes alike (breadth-first, children by code)."""
+        return self.log_probs(states.masked_fill(~alive, -1))
 
     def log_probs(self, nodes: Tensor) -> tuple[Tensor, int | None]:
         """Each beam's next-level log-probs (nodes [B, W]: the beams' prefixes, -1 none), after a
@@ -199,19 +186,3 @@ def children_of(trie: PrefixTrie, member: NodeSet) -> NodeSet:
     owner, child = spell_out_ranges(first, counts)
     inside = child < member.stride  # children past the scorable levels are left out
     return NodeSet.of(rows[owner][inside], child[inside], member.stride)
-
-
-def _trie_prefixes(trie: PrefixTrie, catalogue: Catalogue, offsets: Tensor) -> Tensor:
-    """[catalogue nodes + 1] each catalogue state's scorable recsys trie prefix (-1: none; the
-    last entry is node -1's): the catalogue trie stepped by each prefix's last code, a level at
-    a time (recsys node ids grow with the level: parents are stepped first)."""
-    index = TrieIndex.of(trie)
-    states = torch.zeros(index.scorable, dtype=torch.long, device=trie.device)
-    starts = trie.level_starts  # code level l's nodes: starts[l + 1] .. starts[l + 2] - 1
-    for level in range(trie.levels - 1):  # the scorable ones
-        at = torch.arange(starts[level + 1], starts[level + 2], device=trie.device)
-        tokens = index.code[at] + offsets[level]
-        states[at] = catalogue.trie.step(states[index.parent[at]], tokens)
-    prefixes = torch.full_like(catalogue.trie.child_offsets, -1)
-    prefixes[states] = torch.arange(index.scorable, device=trie.device)
-    return prefixes

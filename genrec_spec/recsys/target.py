@@ -201,7 +201,7 @@ class RecommenderTarget:
         # each beam's children in the catalogue, read off the level's outputs by their codes
         # (a slot without a child reads some edge: its value is -inf, so no beam takes it)
         edges, exists = trie.child_edges(states)  # [B, W', C] each
-        tokens, after = trie.child_tokens[edges], trie.child_nodes[edges]
+        tokens, after = trie.child_tokens[edges], edges + 1  # (edge e leads to node e + 1)
         codes = (tokens - step * self.block).clamp(0, out.shape[2] - 1)
         values = out.gather(2, codes).masked_fill(~exists, float("-inf"))
         passes = int(step == 0 or nodes is not None)

@@ -587,6 +587,12 @@ def test_the_trie_steps_and_lists_children():
     assert tokens[exists].tolist() == [4, 8, 5, 6] and exists.sum(1).tolist() == [2, 2, 0]
     assert catalogue.items_below[[0, int(after_4[0])]].tolist() == [3, 2]
     assert bool((catalogue.items_below[trie.leaf_items >= 0] == 1).all())
+    # breadth-first numbering, children in token order: edge e leads to node e + 1
+    by_depth = [[0]]
+    while by_depth[-1]:
+        below = trie.children_of(torch.tensor(by_depth[-1]))[1]
+        by_depth.append(below[below >= 0].tolist())
+    assert sum(by_depth, []) == list(range(trie.num_nodes))
 
 
 def test_nan_logits_are_refused():

@@ -122,6 +122,14 @@ def test_the_catalogue_is_every_item_as_code_tokens(tiny_model):
         torch.arange(model.num_items + 1) * model.num_levels,
     ).tolist() == list(range(model.num_items))
     assert target.prompt_vocab_size == model.num_items + 1  # the items and the start token
+    # Its nodes are the item trie's (a catalogue state is the recommender's prefix node)
+    items = beam.item_trie(model)
+    assert catalogue.trie.child_offsets.tolist() == items.child_offsets.tolist()
+    level = torch.repeat_interleave(
+        torch.arange(model.num_levels), torch.tensor(items.level_starts).diff()[1:]
+    )  # [edges] the level of the code edge e carries (edge e leads to node e + 1)
+    codes = catalogue.trie.child_tokens - level * max(model.codebook_sizes)
+    assert codes.tolist() == items.child_codes.tolist()
 
 
 def test_bad_use_is_refused(tiny_model):
