@@ -37,8 +37,8 @@ from genrec_spec.recsys.types import RecommendStats
 
 # Benchmark rows that are a registered decoder with fixed options.
 VARIANTS: dict[str, tuple[str, dict]] = {
-    # beam through the engine's beam_search on the recommender as a Target (the same lists)
-    "beam-core": ("beam", {"engine": "core"}),
+    # beam's own level-by-level search, the reference of the core's (the same lists)
+    "beam-native": ("beam", {"engine": "native"}),
     # rpg's graph walk forced (its default walks only catalogues of 10^5 items and more)
     "rpg-graph": ("rpg", {"mode": "graph"}),
     # spec_beam with its other drafts (its default, "auto", drafts "items" on models with the
@@ -47,8 +47,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "spec-frontier": ("spec_beam", {"draft": "frontier"}),
     "spec-heads": ("spec_beam", {"draft": "heads"}),
     "spec-nezha": ("spec_beam", {"draft": "nezha"}),
-    # spec_beam's default draft as the drafter of the engine's beam_search (the same lists)
-    "spec-core": ("spec_beam", {"engine": "core"}),
+    # spec_beam's default draft on beam's own level-by-level search (the same lists)
+    "spec-native": ("spec_beam", {"engine": "native"}),
 }
 # Every registered decoder, each followed by its variants.
 ROWS = tuple(

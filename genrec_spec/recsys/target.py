@@ -108,14 +108,19 @@ class RecommenderTarget:
         self.start_token = model.num_items  # every prompt's first token (module docstring)
         self.prompt_vocab_size = model.num_items + 1
         self.max_length = UNBOUNDED
-        # Code levels normalised over a prefix's children give a forced code log-prob 0.
-        self.forced_tokens_free = model.forced_codes_free
         self.times = None  # the prompts' timestamps (`at_times`)
+
+    @property
+    def forced_tokens_free(self) -> bool:
+        """Code levels normalised over a prefix's children give a forced code log-prob 0."""
+        return self.model.forced_codes_free
 
     def at_times(self, times: HistoryTimes | None) -> RecommenderTarget:
         """This target reading `times` beside the histories of the prompts it is given (what a
         time-aware model needs): a copy for one decode, since the engine's prefill takes tokens
-        alone."""
+        alone (this one itself for no times: the one made per model reads none)."""
+        if times is None and self.times is None:
+            return self
         timed = copy.copy(self)
         timed.times = times
         return timed
@@ -203,7 +208,7 @@ class RecommenderTarget:
         edges, exists = trie.child_edges(states)  # [B, W', C] each
         tokens, after = trie.child_tokens[edges], edges + 1  # (edge e leads to node e + 1)
         codes = (tokens - step * self.block).clamp(0, out.shape[2] - 1)
-        values = out.gather(2, codes).masked_fill(~exists, float("-inf"))
+        values = torch.where(exists, out.gather(2, codes), float("-inf"))
         passes = int(step == 0 or nodes is not None)
         return StepCandidates(values, tokens, after, passes, 0 if nodes is None else nodes)
 

@@ -67,10 +67,11 @@ def _python_beam(model, history: torch.Tensor, k: int, width: int) -> tuple[list
 
 
 @pytest.mark.parametrize(("k", "width"), [(1, 1), (3, 4), (5, 8)])
-def test_beam_equals_a_python_beam_search(model, k, width):
+@pytest.mark.parametrize("engine", beam.ENGINES)
+def test_beam_equals_a_python_beam_search(model, k, width, engine):
     values, offsets = _histories(model, [6, 0, 30], seed=k)  # empty and truncated rows
     trie = _trie(model)
-    got = beam.decode(model, values, offsets, k=k, trie=trie, beam_width=width)
+    got = beam.decode(model, values, offsets, k=k, trie=trie, beam_width=width, engine=engine)
     items, scores = [], []
     for b in range(3):
         row_items, row_scores = _python_beam(model, values[offsets[b] : offsets[b + 1]], k, width)
@@ -82,12 +83,14 @@ def test_beam_equals_a_python_beam_search(model, k, width):
     assert got.stats.truncated_histories == 1
 
 
-def test_catalogue_wide_beam_is_the_exhaustive_top_k(model):
+@pytest.mark.parametrize("engine", beam.ENGINES)
+def test_catalogue_wide_beam_is_the_exhaustive_top_k(model, engine):
     """With a beam as wide as the catalogue nothing is pruned: the top-K by exact
     log-likelihood of every item."""
     values, offsets = _histories(model, [4, 9, 1, 12], seed=11)
     trie = _trie(model)
-    got = beam.decode(model, values, offsets, k=8, trie=trie, beam_width=model.num_items)
+    got = beam.decode(model, values, offsets, k=8, trie=trie, beam_width=model.num_items,
+                      engine=engine)  # fmt: skip
     every = score(model, values, offsets, torch.arange(model.num_items).expand(4, -1))
     top = every.topk(8, dim=1)
     assert same_top_k(SimpleNamespace(items=top.indices, scores=top.values), got).all()

@@ -48,7 +48,9 @@ def test_bench_recsys_quick(block_model, tmp_path, capsys, device):
     assert rows["beam"]["speedup"] == 1.0 and rows["beam"]["same_as_beam"] == 1.0
     assert rows["beam"]["passes"] == model.num_levels
     lossless = [n for n in rows if DECODERS[bench_recsys.decoder_of(n)].lossless]
-    assert {"spec-frontier", "spec-heads", "spec-nezha", "beam-core", "spec-core"} < set(lossless)
+    assert {"spec-frontier", "spec-heads", "spec-nezha", "beam-native", "spec-native"} < set(
+        lossless
+    )
     for name in lossless:
         assert rows[name]["same_as_beam"] == 1.0  # lossless: beam's exact top-K
     for name in ("heads", "rpg", "rpg-graph", "nezha", "dense"):

@@ -86,7 +86,9 @@ def test_spec_beam_equals_beam(
     values, offsets = uneven_histories(model, users=12, seed=seed)
     levels = model.num_levels
     for k, width in [(1, 1), (5, 10), (30, 45)]:
-        want = beam.decode(model, values, offsets, k=k, trie=trie, beam_width=width)
+        want = beam.decode(
+            model, values, offsets, k=k, trie=trie, beam_width=width, engine="native"
+        )
         for (draft, lookahead), passes in PASSES.items():
             got = spec_beam.decode(
                 model,
@@ -122,7 +124,9 @@ def test_post_history_draft_equals_beam(
     trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
     values, offsets = uneven_histories(model, users=12, seed=seed)
     for k, width in [(1, 1), (5, 10), (30, 45)]:
-        want = beam.decode(model, values, offsets, k=k, trie=trie, beam_width=width)
+        want = beam.decode(
+            model, values, offsets, k=k, trie=trie, beam_width=width, engine="native"
+        )
         for draft_width, lookahead in itertools.product((1, 3, None, 200), (0, 1)):
             # (plain_from: speculative in every step, 12 users x 45 beams)
             asked = dict(k=k, trie=trie, beam_width=width, draft=draft, draft_width=draft_width,
@@ -149,7 +153,7 @@ def test_a_first_level_that_names_every_item(width, engine, random_recommender, 
     assert model.num_levels == 2 and model.codebook_sizes[-1] == 1 and model.forced_codes_free
     trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
     values, offsets = uneven_histories(model, users=4, seed=0)
-    want = beam.decode(model, values, offsets, k=3, trie=trie, beam_width=width)
+    want = beam.decode(model, values, offsets, k=3, trie=trie, beam_width=width, engine="native")
     assert bool((want.items >= 0).all())
     core = beam.decode(model, values, offsets, k=3, trie=trie, beam_width=width, engine="core")
     assert same_top_k(want, core).all()
@@ -216,7 +220,7 @@ def test_item_drafts_that_hit_and_miss(drafted, engine, random_recommender, unev
     count = model.num_items if drafted == "all" else drafted
     g = torch.Generator().manual_seed(5)
     items = torch.stack([torch.randperm(model.num_items, generator=g)[:count] for _ in range(9)])
-    want = beam.decode(model, values, offsets, k=10, trie=trie, beam_width=15)
+    want = beam.decode(model, values, offsets, k=10, trie=trie, beam_width=15, engine="native")
     got = spec_beam.decode(model, values, offsets, k=10, trie=trie, beam_width=15, draft="none",
                            draft_items=items, engine=engine)  # fmt: skip
     assert same_top_k(want, got).all()
@@ -235,7 +239,7 @@ def test_core_drafts_under_inference_mode(random_recommender, uneven_histories):
     model = _random_model(random_recommender, 3, (5, 4, 3), 80)
     trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
     values, offsets = uneven_histories(model, users=6, seed=7)
-    want = beam.decode(model, values, offsets, k=10, trie=trie, beam_width=12)
+    want = beam.decode(model, values, offsets, k=10, trie=trie, beam_width=12, engine="native")
     given = torch.cat([want.items[:, :3], want.items[:, :3].flip(0)], 1)  # hits and misses
     with torch.inference_mode():
         for draft in ("items", "heads", "nezha"):
@@ -262,7 +266,7 @@ def test_random_catalogues_and_options(seed, random_recommender, uneven_historie
     width = r.choice([1, 2, 3, 5, 8, 13, 20, 40, 64])
     k = min(r.randint(1, width), model.num_items)
     asked = dict(k=k, trie=trie, beam_width=width)
-    want = beam.decode(model, values, offsets, **asked)
+    want = beam.decode(model, values, offsets, engine="native", **asked)
     assert same_top_k(want, beam.decode(model, values, offsets, engine="core", **asked)).all()
     for draft, engine in itertools.product(
         ("frontier", "none", "nezha", "items", "heads"), beam.ENGINES
@@ -378,7 +382,8 @@ def test_spec_beam_equals_beam_on_trained_ml100k(ml100k_model, ml100k_dir):
     for k, width, draft in [(10, 20, "frontier"), (30, 30, "none")]:
         for rows in users.split(100):
             part = test.select(rows)
-            want = beam.decode(model, part.values, part.offsets, k=k, trie=trie, beam_width=width)
+            want = beam.decode(model, part.values, part.offsets, k=k, trie=trie,
+                               beam_width=width, engine="native")  # fmt: skip
             for engine in beam.ENGINES:
                 got = spec_beam.decode(model, part.values, part.offsets, k=k, trie=trie,
                                        beam_width=width, draft=draft, engine=engine,
@@ -399,7 +404,8 @@ def test_core_beam_search_equals_beam_on_trained_ml100k(ml100k_model, ml100k_dir
     model = ml100k_model
     part = load_prepared(ml100k_dir).test.select(torch.arange(100))
     trie = PrefixTrie.from_codes(model.item_codes, tuple(model.codebook_sizes))
-    want = beam.decode(model, part.values, part.offsets, k=10, trie=trie, beam_width=20)
+    want = beam.decode(model, part.values, part.offsets, k=10, trie=trie, beam_width=20,
+                       engine="native")  # fmt: skip
     target = RecommenderTarget(model)
     catalogue = target.catalogue()
     tokens, lengths = target.prompts(part.values, part.offsets)
@@ -423,9 +429,9 @@ def test_core_beam_search_equals_beam_on_trained_ml100k(ml100k_model, ml100k_dir
     passes = []
     for user, width in itertools.product(range(8), (1, 20)):
         one = part.select(torch.tensor([user]))
-        native = beam.decode(model, one.values, one.offsets, k=1, trie=trie, beam_width=width)
-        core = beam.decode(model, one.values, one.offsets, k=1, trie=trie, beam_width=width,
-                           engine="core")  # fmt: skip
+        native = beam.decode(model, one.values, one.offsets, k=1, trie=trie, beam_width=width,
+                             engine="native")  # fmt: skip
+        core = beam.decode(model, one.values, one.offsets, k=1, trie=trie, beam_width=width)
         assert torch.equal(core.items, native.items)
         passes.append((native.stats.target_passes, core.stats.target_passes))
     assert all(a == b for a, b in passes) and min(a for a, _ in passes) < model.num_levels

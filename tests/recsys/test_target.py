@@ -50,7 +50,7 @@ def test_core_beam_search_equals_the_recommenders_beam(
         model = SemanticIdRecommender(tied, data.item_codes, data.codebook_sizes).eval()
     users = data.test.select(torch.arange(len(data.test)))
     want = beam.decode(model, users.values, users.offsets, k=k, trie=beam.item_trie(model),
-                       beam_width=width)  # fmt: skip
+                       beam_width=width, engine="native")  # fmt: skip
     for drafter in (False, True):
         items, scores, passes = core_beam(model, users, k, width, drafter)
         assert torch.equal(items, want.items)
@@ -159,7 +159,7 @@ def test_bad_use_is_refused(tiny_model):
     out = beam_search(target, tokens, prompt_lengths=lengths, max_new_tokens=model.num_levels,
                       constraint=catalogue, drafter=levels, config=config)  # fmt: skip
     want = beam.decode(model, users.values, users.offsets, k=2, trie=beam.item_trie(model),
-                       beam_width=4)  # fmt: skip
+                       beam_width=4, engine="native")  # fmt: skip
     assert torch.equal(catalogue.trie.items(out.states), want.items)
     cache = target.prefill(torch.tensor([[start, 2]]), torch.tensor([2]), 8)
     with pytest.raises(DecodeInputError, match="decodes by beam search"):
@@ -177,9 +177,9 @@ def test_the_beam_decoder_runs_on_the_core_engine(tiny_model, with_objective, le
         assert model.forced_codes_free
     users = data.test.select(torch.arange(len(data.test)))
     trie = beam.item_trie(model)
-    native = beam.decode(model, users.values, users.offsets, k=4, trie=trie, beam_width=6)
-    core = beam.decode(model, users.values, users.offsets, k=4, trie=trie, beam_width=6,
-                       engine="core")  # fmt: skip
+    native = beam.decode(model, users.values, users.offsets, k=4, trie=trie, beam_width=6,
+                         engine="native")  # fmt: skip
+    core = beam.decode(model, users.values, users.offsets, k=4, trie=trie, beam_width=6)
     assert torch.equal(core.items, native.items)
     torch.testing.assert_close(core.scores, native.scores, rtol=0, atol=1e-5)
     assert core.stats.target_passes == native.stats.target_passes

@@ -1,16 +1,24 @@
 """Trie-constrained beam search over Semantic-ID codes (TIGER's decoder, the baseline).
 
-    decode(model, values, offsets, *, k, trie, beam_width=None) -> Recommendations
+    decode(model, values, offsets, *, k, trie, beam_width=None, engine="core") -> Recommendations
 
-One `encode_history` pass gives the level-0 log-probs; then one `score_tree` pass per further
-level scores the current beams' prefixes (the beams of every earlier level form one tree per
-row, linked by which beam each came from, so shared prefixes are scored once). On a model whose
-levels are normalised over a prefix's children (`forced_codes_free`), a prefix with one child
-gives it log-prob 0 without a pass: a level's pass scores only the beams with a choice, and a
-level where no beam has one costs none. At every level only codes that lead to an item are
-candidates (each beam's children in the valid-ID trie), so every finished beam is an item. An
-item's score is the sum of its levels' log-probs: the exact log-likelihood of its full code
-tuple under the model. The last level is the collision code.
+It runs on the decoding core (`engine="core"`, the default): the core's ``beam_search`` on the
+recommender as a Target (`recsys.target`: the history is the root, code levels are tokens)
+under the catalogue of its items, whose selection, stopping and stats every target shares.
+`engine="native"` runs this module's search, the same rule a level at a time with its own
+selection (`extend`): the reference the core is held to (the same lists, scores, passes and
+nodes; `bench recsys` times both), and the level step of the NEZHA decoder and drafts.
+
+The search (both engines): one `encode_history` pass gives the level-0 log-probs; then one
+`score_tree` pass per further level scores the current beams' prefixes (the beams of every
+earlier level form one tree per row, linked by which beam each came from, so shared prefixes
+are scored once). On a model whose levels are normalised over a prefix's children
+(`forced_codes_free`), a prefix with one child gives it log-prob 0 without a pass: a level's
+pass scores only the beams with a choice, and a level where no beam has one costs none. At
+every level only codes that lead to an item are candidates (each beam's children in the
+valid-ID trie), so every finished beam is an item. An item's score is the sum of its levels'
+log-probs: the exact log-likelihood of its full code tuple under the model. The last level is
+the collision code.
 
 Tie-breaking (deterministic, and what `spec_beam` reproduces): the candidates of a level are
 ordered by score, descending; equal scores keep the order of (parent beam's rank, code), i.e. a
@@ -38,7 +46,7 @@ from genrec_spec.recsys.target import core_beam, score_level
 from genrec_spec.recsys.types import Recommendations, RecommendStats
 
 DEFAULT_MIN_BEAM_WIDTH = 20  # beam width when none is given: max(k, this)
-ENGINES = ("native", "core")
+ENGINES = ("core", "native")
 
 _TRIES = DerivedCache()  # item_codes table -> the trie of its items
 
@@ -218,9 +226,9 @@ def decode(
     k: int,
     trie: PrefixTrie,
     beam_width: int | None = None,  # W >= k; None = max(k, DEFAULT_MIN_BEAM_WIDTH)
-    # "native": this module's search, a level at a time; "core": the engine's beam_search on
-    # the recommender as a Target (recsys.target), the same lists
-    engine: str = "native",
+    # "core": the engine's beam_search on the recommender as a Target (recsys.target);
+    # "native": this module's search, a level at a time (the same lists)
+    engine: str = "core",
     times: HistoryTimes | None = None,  # a time-aware model's (`models.recsys.times`)
 ) -> Recommendations:
     start_time = time.perf_counter()

@@ -1,7 +1,7 @@
 """Lossless speculative beam search over Semantic IDs: `beam`'s exact top-K in fewer passes.
 
     decode(model, values, offsets, *, k, trie, beam_width=None, draft="auto", draft_items=None,
-           lookahead=None, draft_width=None, item_search="auto", engine="native",
+           lookahead=None, draft_width=None, item_search="auto", engine="core",
            plain_from="auto") -> Recommendations
 
 Trie-constrained beam search needs, at level l, the target's log-probs of level l at each of the
@@ -26,7 +26,7 @@ selected, so `beam` pays one sequential target pass per level. Here:
 2. One fused target pass scores the history AND the pre-history draft
    (`model.encode_history_and_tree`).
 3. Beam selection runs level by level on the target's exact log-probs looked up at the beams'
-   nodes, through the very `beam.extend` of plain beam search (same candidates, same
+   nodes, through the very selection of plain beam search (same candidates, same
    tie-breaking), so the result is `beam`'s up to float rounding.
 4. Beams whose prefix is unscored get a follow-up `score_tree` pass, of the rows that have
    any: the missing prefixes, the not yet scored post-history draft (so the first follow-up is
@@ -36,10 +36,10 @@ selected, so `beam` pays one sequential target pass per level. Here:
    1), plus their ancestors as context.
 
 Both engines score through `recsys.spec_levels` (the drafts, the prefixes scored, the
-follow-ups): `engine="native"` selects with `beam.extend`, a level at a time; `engine="core"`
-hands the same object to the core's `beam_search` on the model as a core target
-(`recsys.target`), whose step read asks it and whose selection is the core's: the same lists,
-passes, nodes and draft stats.
+follow-ups): `engine="core"` (the default) hands it to the core's `beam_search` on the model as
+a core target (`recsys.target`), whose step read asks it and whose selection is the core's;
+`engine="native"` selects with `beam.extend`, a level at a time (the reference, as `beam`'s):
+the same lists, passes, nodes and draft stats.
 
 On a model whose code levels are normalised over a prefix's children (`forced_codes_free`), a
 prefix with one child gives it log-prob exactly 0, so such prefixes are never drafted, needed
@@ -240,9 +240,9 @@ def decode(
     lookahead: int | None = SpecBeamConfig.lookahead,  # descendant levels per follow-up
     draft_width: int | None = SpecBeamConfig.draft_width,  # "items"/"heads"/"nezha" width
     item_search: str = SpecBeamConfig.item_search,  # "items" draft: "exact", "index" or "auto"
-    # "native": this module's search, a level at a time; "core": the engine's beam_search with
-    # these drafts as its drafter (`recsys.spec_levels`), the same lists
-    engine: str = "native",
+    # "core": the engine's beam_search with these drafts as its drafter (`recsys.spec_levels`);
+    # "native": this module's search, a level at a time (the same lists)
+    engine: str = "core",
     # beams a step (batch x width) from which it decodes as `beam` (SpecBeamConfig.plain_from)
     plain_from: int | str = SpecBeamConfig.plain_from,
     times: HistoryTimes | None = None,  # a time-aware model's (`models.recsys.times`)
