@@ -129,13 +129,11 @@ class RecommenderTarget:
         """Histories (jagged: values [M], offsets [B + 1]) as prompts: tokens [B, 1 + T] (the
         start token, then the history, 0-padded) and lengths [B]."""
         lengths = offsets.diff()  # [B]
-        column = torch.arange(int(lengths.max()) + 1, device=values.device)  # [1 + T]
-        # Prompt slot t > 0 of row b is values[offsets[b] + t - 1], read from `source` (the
-        # start token, the padding token, then the values): one gather for the whole batch.
-        source = torch.cat([values.new_tensor([self.start_token, 0]), values])  # [2 + M]
-        at = torch.where(column <= lengths[:, None], offsets[:-1, None] + column + 1, 1)
-        at[:, 0] = 0
-        return source[at], lengths + 1
+        history = torch.arange(int(lengths.max()), device=values.device) < lengths[:, None]
+        tokens = values.new_zeros(len(lengths), 1 + history.shape[1])  # [B, 1 + T]
+        tokens[:, 0] = self.start_token
+        tokens[:, 1:].masked_scatter_(history, values)  # (row-major: each row's values in order)
+        return tokens, lengths + 1
 
     def catalogue(self) -> Catalogue:
         """The model's items as code-token sequences (fixed length L, no end token)."""
