@@ -11,9 +11,9 @@ empty sequence), each node's children in token order; node n's children are the 
 ``child_offsets[n] .. child_offsets[n + 1]``, edge e carrying ``child_tokens[e]`` to node e + 1
 (so the nodes of a catalogue of Semantic IDs are its recommender trie's, ``data_pipelines.trie``).
 ``edge_keys[e] = parent * V + token`` is sorted, so a (node, token) step is one ``searchsorted``
-for a whole batch. The tables a search reads by node have one entry
-more, the last, which node -1 (no node: a prefix that left the catalogue, or an empty beam)
-reads as torch reads index -1: no children, nothing forced, so no lookup needs a mask.
+for a whole batch. The tables a search reads by node have one entry more, the last, which node
+-1 (no node: a prefix that left the catalogue, or an empty beam) reads as torch reads index -1:
+no children, nothing forced, so no lookup needs a mask.
 """
 
 from __future__ import annotations
