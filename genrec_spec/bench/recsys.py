@@ -31,7 +31,7 @@ from genrec_spec.recsys.checkpoint import load_model_and_data
 from genrec_spec.recsys.data import sample_users
 from genrec_spec.recsys.decoders.beam import beam_width_for, item_trie, search
 from genrec_spec.recsys.decoders.registry import DECODERS, get_decoder, options_for, runs_on
-from genrec_spec.recsys.history_cache import CachedRecommender, HistoryCache, rows_of
+from genrec_spec.recsys.history_cache import HistoryCache, rows_of
 from genrec_spec.recsys.scoring import PrefixTree, TrieIndex, prefix_tree
 from genrec_spec.recsys.types import RecommendStats
 
@@ -165,7 +165,7 @@ def returning_users(model, users, names: list[str]) -> dict:
     for name in names:
         cache = HistoryCache(model, max_bytes=1 << 40)  # holds every user asked for
         cache.encode_rows(previous)
-        views[name] = CachedRecommender(cache)
+        views[name] = cache.recommender
     return views
 
 

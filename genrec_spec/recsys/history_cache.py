@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -129,6 +130,12 @@ class HistoryCache:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    @cached_property
+    def recommender(self) -> CachedRecommender:
+        """The model with its history passes served by this cache, one object per cache (what
+        a decoder derives from the model it is given, such as its core target, is made once)."""
+        return CachedRecommender(self)
 
     def encode(self, values: Tensor, offsets: Tensor) -> HistoryState:
         """`model.encode_history(values, offsets)`, served from the cache where it can be

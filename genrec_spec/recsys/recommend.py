@@ -54,7 +54,7 @@ from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.decoders.beam import item_trie
 from genrec_spec.recsys.decoders.registry import check_option_values, get_decoder
 from genrec_spec.recsys.errors import RecommendInputError
-from genrec_spec.recsys.history_cache import CachedRecommender, HistoryCache
+from genrec_spec.recsys.history_cache import HistoryCache
 from genrec_spec.recsys.inference import inference
 from genrec_spec.recsys.types import Recommendations
 
@@ -148,7 +148,7 @@ def recommend(
             raise RecommendInputError(
                 "history_cache holds another model's histories", "make one HistoryCache per model"
             )
-        model = CachedRecommender(history_cache)
+        model = history_cache.recommender
     if not 1 <= k <= model.num_items:
         raise RecommendInputError(
             f"k must lie in 1..{model.num_items} (the catalogue size), got {k}",

@@ -462,13 +462,17 @@ def with_ancestors(marked: Tensor, parents: Tensor, depth: int) -> Tensor:  # [B
     return marked
 
 
-_CATALOGUES = DerivedCache()  # model -> (its target, its catalogue), again when item_codes change
+_TARGETS = DerivedCache()  # model -> its target, again when its item codes change
+_CATALOGUES = DerivedCache()  # item_codes table -> the catalogue of its items
 
 
 def core_target(model) -> tuple[RecommenderTarget, Catalogue]:
-    """The model as a core target and its catalogue, made once per model (again when its
-    item codes change)."""
-    return _CATALOGUES.get(model, (model.item_codes,), lambda: _target_and_catalogue(model))
+    """The model as a core target, made once per model, and its catalogue, made once per item
+    table (a model seen through a wrapper, a history cache's, shares it): both again when the
+    item codes change."""
+    codes = model.item_codes
+    target = _TARGETS.get(model, (codes,), lambda: RecommenderTarget(model))
+    return target, _CATALOGUES.get(codes, (codes,), target.catalogue)
 
 
 def core_beam(
@@ -509,11 +513,6 @@ def core_beam(
             ),
         ),
     )
-
-
-def _target_and_catalogue(model) -> tuple[RecommenderTarget, Catalogue]:
-    target = RecommenderTarget(model)
-    return target, target.catalogue()
 
 
 def _refuse_single_path() -> None:

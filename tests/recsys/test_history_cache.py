@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from genrec_spec.core.catalogue import TokenTrie
 from genrec_spec.recsys.decoders.registry import DECODERS
 from genrec_spec.recsys.history_cache import HistoryCache
 from genrec_spec.recsys.recommend import RecommendInputError, recommend
+from genrec_spec.recsys.target import RecommenderTarget
 
 
 def _calls(model) -> list[list[list[int]]]:
@@ -37,6 +39,28 @@ def test_cached_lists_equal_uncached(tiny_model, decoder, options):
         assert torch.equal(got.items, want.items)
         assert torch.allclose(got.scores, want.scores, atol=1e-4)
         assert got.stats.truncated_histories == want.stats.truncated_histories
+
+
+def test_decodes_through_a_cache_derive_the_models_tables_once(tiny_model, monkeypatch):
+    """The core's target and catalogue of a model are made once, not once per request through
+    its history cache (a service's every request goes through one)."""
+    model, _ = tiny_model
+    built = []
+    monkeypatch.setattr(RecommenderTarget, "__init__", counted(RecommenderTarget.__init__, built))
+    monkeypatch.setattr(TokenTrie, "from_sequences", counted(TokenTrie.from_sequences, built))
+    cache = HistoryCache(model)
+    for histories in _calls(model):
+        for decoder in ("beam", "spec_beam"):
+            recommend(model, histories, k=8, decoder=decoder, history_cache=cache)
+    assert len(built) <= 2  # one target and one catalogue (none if an earlier test made them)
+
+
+def counted(function, calls: list):
+    def count(*args, **kwargs):
+        calls.append(function)
+        return function(*args, **kwargs)
+
+    return count
 
 
 def test_which_rows_hit(tiny_model):
