@@ -1,7 +1,7 @@
 """Values derived from tensors, computed once and again only when those tensors change.
 
 A prepacked copy of a weight (`llama.linear`), the valid-ID trie of a model's item codes
-(`recsys.beam.item_trie`) and its node tables (`recsys.scoring.TrieIndex`), RPG's item table and
+(`recsys.item_trie`) and its node tables (`recsys.scoring.TrieIndex`), RPG's item table and
 graph (`recsys.rpg`): each is too costly to rebuild on every decode call, depends only on a few
 tensors, and must follow them when an optimiser step or `load_state_dict` rewrites them in place
 (both bump the version counter) or when they are replaced (another storage).

@@ -29,9 +29,10 @@ from genrec_spec.bench.errors import BenchError
 from genrec_spec.machine import describe_device, finish
 from genrec_spec.recsys.checkpoint import load_model_and_data
 from genrec_spec.recsys.data import sample_users
-from genrec_spec.recsys.decoders.beam import beam_width_for, item_trie, search
+from genrec_spec.recsys.decoders.beam import beam_width_for, search
 from genrec_spec.recsys.decoders.registry import DECODERS, get_decoder, options_for, runs_on
 from genrec_spec.recsys.history_cache import HistoryCache, rows_of
+from genrec_spec.recsys.item_trie import item_trie
 from genrec_spec.recsys.scoring import PrefixTree, TrieIndex, prefix_tree
 from genrec_spec.recsys.types import RecommendStats
 

@@ -91,17 +91,38 @@ class TokenTrie:
             built.extend(child for _, child in node_children)
             ordered.extend(sorted(children[child].items()) for _, child in node_children)
         number = {node: place for place, node in enumerate(built)}
-        counts = torch.tensor([len(c) for c in ordered], dtype=torch.long)
+        return cls.from_layout(
+            vocab_size,
+            torch.tensor([len(c) for c in ordered], dtype=torch.long),
+            torch.tensor([t for c in ordered for t, _ in c], dtype=torch.long),
+            torch.tensor([number[node] for node in leaf], dtype=torch.long),
+            torch.tensor(list(leaf.values()), dtype=torch.long),
+            longest,
+            shortest,
+        )
+
+    @classmethod
+    def from_layout(
+        cls,
+        vocab_size: int,
+        counts: Tensor,  # [nodes] int64 each node's children, nodes in the module's order
+        tokens: Tensor,  # [edges] int64 the token edge e carries to node e + 1
+        leaves: Tensor,  # [I] int64 the nodes that end a sequence
+        items: Tensor,  # [I] int64 the item each names
+        longest: int,  # tokens in the longest sequence
+        shortest: int,  # and in the shortest
+    ) -> TokenTrie:
+        """The trie laid out as the module docstring says (``from_sequences`` builds the layout
+        from token lists; a recommender takes its item trie's, `recsys.target`)."""
+        on = counts.device  # (the tables are made where the layout is)
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        tokens = torch.tensor([t for c in ordered for t, _ in c], dtype=torch.long)
-        parents = torch.repeat_interleave(torch.arange(len(children)), counts)
-        leaf_items = torch.full((len(children),), -1, dtype=torch.long)
-        leaves = torch.tensor([number[node] for node in leaf], dtype=torch.long)
-        leaf_items[leaves] = torch.tensor(list(leaf.values()))
+        parents = torch.repeat_interleave(torch.arange(len(counts), device=on), counts)
+        leaf_items = torch.full((len(counts),), -1, dtype=torch.long, device=on)
+        leaf_items[leaves] = items
         first = offsets[:-1].clamp(max=len(tokens) - 1)  # a leaf's lies past the last edge
         forced = counts == 1
-        none = torch.full((1,), -1, dtype=torch.long)  # what node -1 reads (module docstring)
-        inner = torch.zeros(vocab_size, dtype=torch.bool)
+        none = torch.full((1,), -1, dtype=torch.long, device=on)  # what node -1 reads (above)
+        inner = torch.zeros(vocab_size, dtype=torch.bool, device=on)
         inner[tokens[counts[1:] > 0]] = True  # the tokens of edges into non-leaf nodes
         return cls(
             vocab_size=vocab_size,
@@ -113,7 +134,7 @@ class TokenTrie:
             forced_tokens=torch.cat([torch.where(forced, tokens[first], -1), none]),
             forced_children=torch.cat([torch.where(forced, first + 1, -1), none]),
             inner_tokens=inner,
-            num_items=len(leaf),
+            num_items=len(leaves),
             longest=longest,
             shortest=shortest,
             widest=int(counts.max()),

@@ -23,8 +23,8 @@ from torch import Tensor
 from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.checkpoint import MANIFEST, WEIGHTS
 from genrec_spec.recsys.data import Histories
-from genrec_spec.recsys.decoders.beam import item_trie
 from genrec_spec.recsys.decoders.registry import get_decoder
+from genrec_spec.recsys.item_trie import item_trie
 from genrec_spec.recsys.types import Recommendations
 
 ENGINES = ("local", "ray")

@@ -21,7 +21,6 @@ from torch import Tensor
 from genrec_spec.jobs.errors import ReplayInputError
 from genrec_spec.jobs.replay_events import Events
 from genrec_spec.recsys.data import Histories
-from genrec_spec.recsys.decoders.beam import item_trie
 from genrec_spec.recsys.decoders.registry import (
     check_option_values,
     get_decoder,
@@ -29,6 +28,7 @@ from genrec_spec.recsys.decoders.registry import (
     plain_options,
 )
 from genrec_spec.recsys.evaluate import count_invalid
+from genrec_spec.recsys.item_trie import item_trie
 
 ARM_SYNTAX = 'decoder=NAME[,OPTION=VALUE...], e.g. "decoder=beam,beam_width=20"'
 

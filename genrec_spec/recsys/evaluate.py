@@ -37,7 +37,6 @@ from torch import Tensor
 from genrec_spec.machine import set_threads
 from genrec_spec.recsys.checkpoint import load_model_and_data
 from genrec_spec.recsys.data import sample_users
-from genrec_spec.recsys.decoders.beam import item_trie
 from genrec_spec.recsys.decoders.registry import (
     check_option_values,
     check_options,
@@ -45,6 +44,7 @@ from genrec_spec.recsys.decoders.registry import (
     options_for,
 )
 from genrec_spec.recsys.errors import RecommendInputError
+from genrec_spec.recsys.item_trie import item_trie
 from genrec_spec.recsys.metrics import DEFAULT_KS, ranking_metrics, ranks_from_topk
 from genrec_spec.recsys.recommend import decode_excluding
 

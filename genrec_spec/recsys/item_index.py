@@ -31,7 +31,7 @@ train a 4-bit code on). `genrec-spec bench scale --index-kind` measures each kin
 (docs/results/scale.md).
 
 The index is built once per item table (and config) and again when the table changes, like the
-catalogue trie (`beam.item_trie`). `use_index` decides, per decode, between the index and the
+catalogue trie (`recsys.item_trie`). `use_index` decides, per decode, between the index and the
 exact product: "auto" uses the index from `ItemIndexConfig.min_items` items on.
 
 Shape letters: B users, D model width, I items, K results.

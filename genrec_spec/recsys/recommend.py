@@ -4,7 +4,7 @@
 
 `histories` is a list of item-index lists (one per user, oldest first) or a pair
 (values [M], offsets [B+1]); `options` go to the decoder (e.g. `beam_width=50`, `draft="none"`,
-`trie=` another `PrefixTrie` of the catalogue; by default `beam.item_trie(model)`, built once
+`trie=` another `PrefixTrie` of the catalogue; by default `item_trie(model)`, built once
 per model). Decoders are looked up by name in the registry
 (`recsys.decoders.registry.DECODERS`) and imported only when asked for.
 
@@ -51,11 +51,11 @@ import torch
 from torch import Tensor
 
 from genrec_spec.models.recsys.times import HistoryTimes
-from genrec_spec.recsys.decoders.beam import item_trie
 from genrec_spec.recsys.decoders.registry import check_option_values, get_decoder
 from genrec_spec.recsys.errors import RecommendInputError
 from genrec_spec.recsys.history_cache import HistoryCache
 from genrec_spec.recsys.inference import inference
+from genrec_spec.recsys.item_trie import item_trie
 from genrec_spec.recsys.types import Recommendations
 
 MAP_IDS = "map raw ids to item indices (items.parquet item_index) first"

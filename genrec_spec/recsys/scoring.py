@@ -34,8 +34,8 @@ from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.recsys.errors import RecommenderInputError
 from genrec_spec.models.recsys.times import HistoryTimes
-from genrec_spec.recsys.decoders.beam import item_trie
 from genrec_spec.recsys.inference import inference
+from genrec_spec.recsys.item_trie import item_trie
 
 _INDEXES = DerivedCache()  # PrefixTrie -> its TrieIndex
 _ITEM_PREFIXES = DerivedCache()  # PrefixTrie -> its items' prefix nodes

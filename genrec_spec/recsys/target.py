@@ -50,6 +50,7 @@ from genrec_spec.core.targets import grown
 from genrec_spec.core.types import DecodeInputError, DraftTree
 from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.recsys.times import HistoryTimes
+from genrec_spec.recsys.item_trie import item_trie
 from genrec_spec.recsys.types import Recommendations, RecommendStats
 
 # The model slides over long histories itself; no prompt is too long for it.
@@ -137,8 +138,21 @@ class RecommenderTarget:
 
     def catalogue(self) -> Catalogue:
         """The model's items as code-token sequences (fixed length L, no end token)."""
-        tokens = self.model.item_codes + self.offsets[:-1]  # [I, L]
-        trie = TokenTrie.from_sequences(tokens.tolist(), self.vocab_size)
+        items = item_trie(self.model)  # (built vectorised: no Python walk of 10^7 items)
+        # The item trie's layout is the catalogue's (both breadth-first, children by code): edge
+        # e leads to a node of depth d + 1 and carries a level-d code c, token offsets[d] + c
+        per_depth = torch.tensor(items.level_starts, device=self.device).diff()[1:]  # [L]
+        first_token = torch.repeat_interleave(self.offsets[:-1], per_depth)  # [edges]
+        levels = self.model.num_levels
+        trie = TokenTrie.from_layout(
+            self.vocab_size,
+            counts=items.child_offsets.diff().long(),
+            tokens=items.child_codes.long() + first_token,
+            leaves=torch.arange(*items.level_starts[levels:], device=self.device),
+            items=items.leaf_items.long(),
+            longest=levels,
+            shortest=levels,
+        )
         return Catalogue(trie).to(self.device)
 
     def prefill(

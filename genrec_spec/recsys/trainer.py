@@ -40,7 +40,8 @@ from genrec_spec.recsys.data import (
     training_windows,
 )
 from genrec_spec.recsys.decoders import nezha
-from genrec_spec.recsys.decoders.beam import beam_width_for, item_trie
+from genrec_spec.recsys.decoders.beam import beam_width_for
+from genrec_spec.recsys.item_trie import item_trie
 from genrec_spec.recsys.metrics import per_user_metrics, ranks_from_topk
 from genrec_spec.recsys.resume import (
     TrainProgress,

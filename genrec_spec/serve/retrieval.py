@@ -31,7 +31,6 @@ import torch
 from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.checkpoint import load_model_and_data
 from genrec_spec.recsys.data import id_key, item_lookup
-from genrec_spec.recsys.decoders.beam import item_trie
 from genrec_spec.recsys.decoders.registry import (
     DECODERS,
     check_option,
@@ -39,6 +38,7 @@ from genrec_spec.recsys.decoders.registry import (
     plain_options,
 )
 from genrec_spec.recsys.history_cache import HistoryCache
+from genrec_spec.recsys.item_trie import item_trie
 from genrec_spec.recsys.recommend import fetch_size, recommend
 from genrec_spec.recsys.recommend_user import user_times
 from genrec_spec.serve.errors import ServeInputError

@@ -21,7 +21,7 @@ from genrec_spec.core.beam import BeamConfig, beam_search
 from genrec_spec.core.catalogue_drafter import CatalogueDrafter
 from genrec_spec.core.constraints import AllowedTokens, Catalogue
 from genrec_spec.core.prompt_lookup import PromptLookupDrafter
-from genrec_spec.recsys.decoders.beam import item_trie
+from genrec_spec.recsys.item_trie import item_trie
 
 REPO = Path(__file__).resolve().parents[2]
 OURS = tuple(str(REPO / d) for d in ("genrec_spec", "models", "kernels", "data_pipelines"))

@@ -12,6 +12,7 @@ from genrec_spec.data_pipelines.trie import PrefixTrie
 from genrec_spec.recsys import target
 from genrec_spec.recsys.decoders import beam
 from genrec_spec.recsys.decoders.spec_beam import same_top_k
+from genrec_spec.recsys.item_trie import item_trie
 from genrec_spec.recsys.scoring import score
 
 
@@ -170,15 +171,15 @@ def test_extend_reads_no_code_past_the_levels_codebook():
 
 
 def test_item_trie_is_built_once_per_code_table(model):
-    trie = beam.item_trie(model)
-    assert beam.item_trie(model) is trie  # reused: per-request callers do not rebuild it
+    trie = item_trie(model)
+    assert item_trie(model) is trie  # reused: per-request callers do not rebuild it
     assert torch.equal(trie.leaf_items, _trie(model).leaf_items)
     assert torch.equal(trie.child_codes, _trie(model).child_codes)
     # A rewritten code table (load_state_dict copies in place) gets a trie of its new codes.
     swapped = model.item_codes[[1, 0, *range(2, model.num_items)]].clone()
     with torch.no_grad():
         model.item_codes.copy_(swapped)
-    rebuilt = beam.item_trie(model)
+    rebuilt = item_trie(model)
     assert rebuilt is not trie
     assert torch.equal(rebuilt.leaf_items, _trie(model).leaf_items)
     assert not torch.equal(rebuilt.leaf_items, trie.leaf_items)
@@ -244,11 +245,11 @@ def test_decoders_run_in_inference_mode_and_return_ordinary_tensors(model, monke
 
     monkeypatch.setattr(model, "encode_history", recording)
     values, offsets = _histories(model, [3, 5], seed=1)
-    out = beam.decode(model, values, offsets, k=3, trie=beam.item_trie(model), beam_width=4)
+    out = beam.decode(model, values, offsets, k=3, trie=item_trie(model), beam_width=4)
     assert modes == [True]  # no autograd bookkeeping in the decode
     # What it returns, and the trie it cached, can be changed in place and used in autograd.
     assert not out.items.is_inference() and not out.scores.is_inference()
-    assert not beam.item_trie(model).leaf_items.is_inference()
+    assert not item_trie(model).leaf_items.is_inference()
     out.scores.clamp_(min=-1e9)
     weights = torch.ones(out.scores.shape, requires_grad=True)
     (weights * out.scores).sum().backward()

@@ -17,6 +17,7 @@ from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 from genrec_spec.recsys.checkpoint import save_checkpoint
 from genrec_spec.recsys.decoders import beam
 from genrec_spec.recsys.decoders.registry import DECODERS
+from genrec_spec.recsys.item_trie import item_trie
 from genrec_spec.recsys.scoring import TrieIndex
 
 
@@ -81,7 +82,7 @@ def test_exact_floor_holds_what_beam_needs(tiny_model, tied):
         config = replace(model.config, item_objective=objective)
         model = SemanticIdRecommender(config, data.item_codes, data.codebook_sizes).eval()
     assert model.forced_codes_free == tied
-    trie, width, k = beam.item_trie(model), 4, 3
+    trie, width, k = item_trie(model), 4, 3
     to_score = TrieIndex.of(trie).to_score(model)
     users = data.test.select(torch.arange(5))
     tree = bench_recsys.needed_prefixes(model, users, trie, width)

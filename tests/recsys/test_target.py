@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from genrec_spec import BeamConfig, beam_search
+from genrec_spec.core.catalogue import TokenTrie
 from genrec_spec.core.catalogue_drafter import CatalogueDrafter
 from genrec_spec.core.types import DecodeInputError
 from genrec_spec.models.recsys.config import TiedLevelsConfig
@@ -14,6 +17,7 @@ from genrec_spec.models.recsys.recommender import SemanticIdRecommender
 from genrec_spec.recsys.decoders import beam
 from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.history_cache import rows_of
+from genrec_spec.recsys.item_trie import item_trie
 from genrec_spec.recsys.spec_levels import SpecLevels
 from genrec_spec.recsys.target import RecommenderTarget, with_ancestors
 
@@ -49,7 +53,7 @@ def test_core_beam_search_equals_the_recommenders_beam(
         torch.manual_seed(1)
         model = SemanticIdRecommender(tied, data.item_codes, data.codebook_sizes).eval()
     users = data.test.select(torch.arange(len(data.test)))
-    want = beam.decode(model, users.values, users.offsets, k=k, trie=beam.item_trie(model),
+    want = beam.decode(model, users.values, users.offsets, k=k, trie=item_trie(model),
                        beam_width=width, engine="native")  # fmt: skip
     for drafter in (False, True):
         items, scores, passes = core_beam(model, users, k, width, drafter)
@@ -122,8 +126,14 @@ def test_the_catalogue_is_every_item_as_code_tokens(tiny_model):
         torch.arange(model.num_items + 1) * model.num_levels,
     ).tolist() == list(range(model.num_items))
     assert target.prompt_vocab_size == model.num_items + 1  # the items and the start token
-    # Its nodes are the item trie's (a catalogue state is the recommender's prefix node)
-    items = beam.item_trie(model)
+    # Laid out from the item trie, it is the trie of the items' token lists, table for table
+    tokens = model.item_codes + torch.arange(model.num_levels) * max(model.codebook_sizes)
+    listed = TokenTrie.from_sequences(tokens.tolist(), target.vocab_size)
+    for field in dataclasses.fields(TokenTrie):
+        got, want = getattr(catalogue.trie, field.name), getattr(listed, field.name)
+        assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want
+    # and its nodes are the item trie's (a catalogue state is the recommender's prefix node)
+    items = item_trie(model)
     assert catalogue.trie.child_offsets.tolist() == items.child_offsets.tolist()
     level = torch.repeat_interleave(
         torch.arange(model.num_levels), torch.tensor(items.level_starts).diff()[1:]
@@ -150,7 +160,7 @@ def test_bad_use_is_refused(tiny_model):
         beam_search(target, rows_of(users.values, users.offsets),
                     max_new_tokens=model.num_levels, constraint=catalogue)  # fmt: skip
     # spec_beam's drafter drafts for the target's own step read, which needs the catalogue
-    levels = SpecLevels(model, beam.item_trie(model), "frontier", 4, "exact", 1)
+    levels = SpecLevels(model, item_trie(model), "frontier", 4, "exact", 1)
     with pytest.raises(DecodeInputError, match="drafts for a target's own step read"):
         beam_search(target, tokens, prompt_lengths=lengths, max_new_tokens=model.num_levels,
                     drafter=levels)  # fmt: skip
@@ -158,7 +168,7 @@ def test_bad_use_is_refused(tiny_model):
     config = BeamConfig(num_beams=4, num_return_sequences=2, length_penalty=0.0)
     out = beam_search(target, tokens, prompt_lengths=lengths, max_new_tokens=model.num_levels,
                       constraint=catalogue, drafter=levels, config=config)  # fmt: skip
-    want = beam.decode(model, users.values, users.offsets, k=2, trie=beam.item_trie(model),
+    want = beam.decode(model, users.values, users.offsets, k=2, trie=item_trie(model),
                        beam_width=4, engine="native")  # fmt: skip
     assert torch.equal(catalogue.trie.items(out.states), want.items)
     cache = target.prefill(torch.tensor([[start, 2]]), torch.tensor([2]), 8)
@@ -176,7 +186,7 @@ def test_the_beam_decoder_runs_on_the_core_engine(tiny_model, with_objective, le
         model = SemanticIdRecommender(tied, data.item_codes, data.codebook_sizes).eval()
         assert model.forced_codes_free
     users = data.test.select(torch.arange(len(data.test)))
-    trie = beam.item_trie(model)
+    trie = item_trie(model)
     native = beam.decode(model, users.values, users.offsets, k=4, trie=trie, beam_width=6,
                          engine="native")  # fmt: skip
     core = beam.decode(model, users.values, users.offsets, k=4, trie=trie, beam_width=6)

@@ -38,7 +38,6 @@ from torch import Tensor
 
 from genrec_spec.core.beam import stable_top
 from genrec_spec.data_pipelines.trie import PrefixTrie
-from genrec_spec.models.derived import DerivedCache
 from genrec_spec.models.recsys.times import HistoryTimes
 from genrec_spec.recsys.errors import DecodeOptionError
 from genrec_spec.recsys.inference import inference
@@ -47,8 +46,6 @@ from genrec_spec.recsys.types import Recommendations, RecommendStats
 
 DEFAULT_MIN_BEAM_WIDTH = 20  # beam width when none is given: max(k, this)
 ENGINES = ("core", "native")
-
-_TRIES = DerivedCache()  # item_codes table -> the trie of its items
 
 
 @dataclass(frozen=True)
@@ -78,17 +75,6 @@ def beam_width_for(k: int, beam_width: int | None, num_items: int) -> int:
     return width
 
 
-def item_trie(model) -> PrefixTrie:
-    """The valid-ID trie of the model's catalogue, built once per `item_codes` table and again
-    when the table is rewritten in place (e.g. `load_state_dict`): building it costs about as
-    much as a whole `heads` decode of one user, so per-request callers must not pay it each
-    time."""
-    codes = model.item_codes
-    return _TRIES.get(
-        codes, (codes,), lambda: PrefixTrie.from_codes(codes, tuple(model.codebook_sizes))
-    )
-
-
 def check_trie(model, trie: PrefixTrie) -> None:
     """The trie must describe the model's catalogue (same levels, codebook sizes and items)."""
     if (
@@ -98,7 +84,7 @@ def check_trie(model, trie: PrefixTrie) -> None:
         raise DecodeOptionError(
             f"trie (codebook sizes {tuple(trie.codebook_sizes)}, {len(trie.leaf_items)} items) "
             f"does not match the model ({tuple(model.codebook_sizes)}, {model.num_items} items)",
-            "pass genrec_spec.recsys.decoders.beam.item_trie(model)",
+            "pass genrec_spec.recsys.item_trie.item_trie(model)",
         )
 
 
