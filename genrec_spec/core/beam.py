@@ -512,12 +512,10 @@ class _PlainSearch(_Passes):
             self.passes += got.passes
             self.speculative += got.passes if self.drafter is not None else 0
             self.nodes += got.nodes
-            # The root's (step 0, read once), or a table the selection sorts whole
-            # (`stable_top`): one sort of every candidate, in place order, keeps what each
-            # node's best C and a sort of those would, at the cost of one sort instead of two
-            if step == 0 or got.values.numel() <= SORT_SCORES:
-                return got.values, got.tokens, got.states
-            return self.best_children(got.values, got.tokens, got.states)
+            # Every child: the selection's one pick over the step's whole table (`stable_top`,
+            # in place order) keeps what each node's best C and a pick among those would, and
+            # costs less (a top C of each node's children is a sort per node)
+            return got.values, got.tokens, got.states
         step_nodes = beams.last, beams.parents, beams.states, alive  # [B, W] each
         if step == 0:  # the first step's beams are copies of the root: one node
             step_nodes = tuple(part[:, :1] for part in step_nodes)
