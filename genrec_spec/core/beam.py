@@ -259,13 +259,10 @@ def beam_search(
             ended = _select(
                 beams, values, options, after, eos_t, keep, step, max_new_tokens, config
             )
-            if every_row is None:  # (else every row steps: counted at the end)
-                search.row_steps += open_rows.sum()
+            search.row_steps += open_rows.sum()
             last = step + 1 == max_new_tokens  # (the loop ends: no stopping rule to apply)
             if not last and not _unfinished(beams, ended, step + 1, max_new_tokens, config):
                 break
-        if every_row is not None:
-            search.row_steps += len(tokens) * (step + 1)
     search.check_finite()
     if drafter is not None and record is not None:
         record.count(search.drafted_passes, search.saved)
@@ -419,7 +416,10 @@ class _Passes:
         if free is not None:  # (a catalogue's: a forced node's one child is its first)
             scores[:, 0].masked_fill_(free, 0.0)
         if choices is not None:  # a catalogue's children: the best C of them
-            scores, choices, after = self.best_children(scores, choices, after)
+            if scores.shape[1] > self.width:  # (a call's nodes are as wide as its widest,
+                # which differs between plain and speculative search: ties in place order)
+                scores, index = stable_top(scores, self.width)
+                choices, after = choices.gather(1, index), after.gather(1, index)
         elif scores.shape[1] > self.width:  # a vocabulary's rows, V wide in plain and
             # speculative search alike, where ``topk`` orders ties alike and costs less
             scores, choices = scores.topk(self.width)
@@ -430,19 +430,6 @@ class _Passes:
             if self.constraint is not None:
                 after = self.constraint.advance(after, choices)
         return scores, choices, after
-
-    def best_children(
-        self, scores: Tensor, tokens: Tensor, after: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:  # [..., C'] each -> [..., min(C', C)]
-        """Each node's best C catalogue children (a search reads no more). A call's nodes are as
-        wide as its widest, which differs between plain and speculative search: ties are kept
-        in place order (`stable_top`)."""
-        if scores.shape[-1] <= self.width:
-            return scores, tokens, after
-        shape = (*scores.shape[:-1], self.width)
-        scores, index = stable_top(scores.flatten(0, -2), self.width)
-        index = index.view(shape)
-        return scores.view(shape), tokens.gather(-1, index), after.gather(-1, index)
 
     def _log_probs(
         self, logits: Tensor, at: Tensor | None, rows: Tensor, states: Tensor, paths
@@ -509,9 +496,10 @@ class _PlainSearch(_Passes):
                 self.cache, step, beams.last, beams.origin, beams.states, alive,
                 self.constraint.trie, self.drafter,
             )  # fmt: skip
-            self.passes += got.passes
-            self.speculative += got.passes if self.drafter is not None else 0
-            self.nodes += got.nodes
+            if got.passes:
+                self.passes += 1
+                self.speculative += int(self.drafter is not None)
+                self.nodes += got.nodes
             # Every child: the selection's one pick over the step's whole table (`stable_top`,
             # in place order) keeps what each node's best C and a pick among those would, and
             # costs less (a top C of each node's children is a sort per node)

@@ -125,7 +125,7 @@ class BeamTree:
             return rows
         if states is None:
             states = self._states(rows, parents, tokens)
-        nodes = self.numbers(rows)
+        nodes = self.size + self.pending[rows] + rank_within_rows(rows)  # in order, per row
         self.pending += torch.bincount(rows, minlength=self.batch)
         self._reserve(self.size + int(self.pending.max()))
         self.parents[rows, nodes], self.tokens[rows, nodes] = parents, tokens
@@ -133,10 +133,6 @@ class BeamTree:
         self.unsorted.append((rows, parents, tokens, nodes))
         self.added.append((rows, nodes))
         return nodes
-
-    def numbers(self, rows: Tensor) -> Tensor:  # [Q] grouped ascending -> [Q]
-        """The numbers ``add`` gives new nodes of these rows, in order."""
-        return self.size + self.pending[rows] + rank_within_rows(rows)
 
     def _states(self, rows: Tensor, parents: Tensor, tokens: Tensor) -> Tensor:  # [Q] each
         """The constraint state after each (parent node, token), in one batched step; a root
